@@ -1,0 +1,124 @@
+"""All file I/O: atomic writes, validated safetensors state dicts, JSON.
+
+Every writer goes through a temporary file (or directory) in the destination's folder and an
+``os.replace``, so a failing stage never leaves a half-written output behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mergeflow.errors import MergeflowError
+
+StateDict = dict[str, torch.Tensor]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success move it onto ``path``, on failure delete it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if directory:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    else:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if directory and path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike):
+    path = Path(path)
+    if not path.is_file():
+        raise MergeflowError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise MergeflowError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise naming the first tensor holding NaN or Inf."""
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise MergeflowError(f"{source}: tensor '{key}' contains NaN or Inf")
+
+
+def save_state_dict(path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Save tensors as safetensors, atomically; refuses non-finite weights."""
+    check_finite(state, str(path))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+
+
+def load_state_dict(path: str | os.PathLike, *, check: bool = True) -> StateDict:
+    """Load a safetensors file into memory, with one-line errors for missing, corrupt or non-finite files."""
+    path = Path(path)
+    if not path.is_file():
+        raise MergeflowError(f"{path}: checkpoint not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MergeflowError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
+    if check:
+        check_finite(state, str(path))
+    return state
+
+
+def load_metadata(path: str | os.PathLike) -> dict[str, str]:
+    path = Path(path)
+    if not path.is_file():
+        raise MergeflowError(f"{path}: checkpoint not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MergeflowError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
+
+
+def check_compatible(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], *, reference_name: str, other_name: str, dtypes: bool = True) -> None:
+    """Same keys, shapes and dtypes, or one line saying which tensor differs and how."""
+    missing = sorted(set(reference) - set(other))
+    extra = sorted(set(other) - set(reference))
+    if missing:
+        raise MergeflowError(f"{other_name}: missing tensor '{missing[0]}' present in {reference_name} ({len(missing)} missing)")
+    if extra:
+        raise MergeflowError(f"{other_name}: unexpected tensor '{extra[0]}' absent from {reference_name} ({len(extra)} extra)")
+    for key, ref in reference.items():
+        got = other[key]
+        if got.shape != ref.shape:
+            raise MergeflowError(f"{other_name}: tensor '{key}' has shape {tuple(got.shape)}, expected {tuple(ref.shape)} as in {reference_name}")
+        if dtypes and got.dtype != ref.dtype:
+            raise MergeflowError(f"{other_name}: tensor '{key}' has dtype {got.dtype}, expected {ref.dtype} as in {reference_name}")
+

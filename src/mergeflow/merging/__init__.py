@@ -1,0 +1,101 @@
+"""The registry of merging methods.
+
+A method is one module in this package: a pure function ``(pretrained, task_vectors, **hyperparameters) ->
+merged state dict`` decorated with ``@register``, which records its paper, defaults and validation grid as data.
+Modules are discovered by name, so adding a method means adding one file. No method does I/O.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergeflow.io import StateDict
+
+MergeFn = Callable[..., StateDict]
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    name: str
+    fn: MergeFn  # (pretrained: StateDict, task_vectors: Mapping[task, StateDict], **hyperparameters) -> StateDict
+    paper: str  # citation
+    defaults: Mapping[str, Any]  # every hyperparameter, at the value used without validation data
+    grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # hyperparameters searched on validation
+
+    def __call__(self, pretrained: StateDict, task_vectors: Mapping[str, StateDict], **hyperparameters) -> StateDict:
+        return self.fn(pretrained, task_vectors, **{**self.defaults, **hyperparameters})
+
+    def search_space(self, overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        """(fixed hyperparameters, grid) after ``overrides``: a list value is a grid, a scalar fixes the value."""
+        fixed = dict(self.defaults)
+        grid = {k: list(v) for k, v in self.grid.items()}
+        for key, value in (overrides or {}).items():
+            if isinstance(value, list):
+                grid[key] = list(value)
+            else:
+                fixed[key] = value
+                grid.pop(key, None)
+        for key in grid:
+            fixed.pop(key, None)
+        return fixed, grid
+
+    def candidates(self, overrides: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        fixed, grid = self.search_space(overrides)
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            yield {**fixed, **dict(zip(keys, values))}
+
+    def describe(self) -> str:
+        hp = ", ".join(f"{k}={v!r}" + (f" grid={list(self.grid[k])}" if k in self.grid else "") for k, v in self.defaults.items())
+        return f"{self.name:<18} {hp or '(no hyperparameters)'}  [{self.paper}]"
+
+
+REGISTRY: dict[str, MergeMethod] = {}
+
+
+def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None, grid: Mapping[str, Sequence[Any]] | None = None):
+    def wrap(fn: MergeFn) -> MergeFn:
+        if name in REGISTRY:
+            raise RuntimeError(f"merge method '{name}' registered twice")
+        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}))
+        return fn
+
+    return wrap
+
+
+def _same_type(default: Any, value: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def validate_overrides(method: MergeMethod, overrides: Any, *, where: str) -> None:
+    """Raise ValueError naming the key when an override is unknown or of the wrong type."""
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"{where}: expected a mapping of hyperparameters")
+    for key, value in overrides.items():
+        if key not in method.defaults:
+            allowed = ", ".join(method.defaults) or "none"
+            raise ValueError(f"{where}.{key}: unknown hyperparameter (allowed: {allowed})")
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValueError(f"{where}.{key}: an empty grid")
+        for v in values:
+            if not _same_type(method.defaults[key], v):
+                raise ValueError(f"{where}.{key}: expected {type(method.defaults[key]).__name__}, got {v!r}")
+
+
+def _discover() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_discover()

@@ -1,0 +1,15 @@
+"""Task arithmetic: theta = theta0 + lam * sum_t tau_t.
+
+Ilharco et al., "Editing models with task arithmetic", ICLR 2023. lam = 1/T gives weight averaging;
+0.4 is the paper's value without validation data.
+"""
+
+from mergeflow.merging import register
+from mergeflow.merging._tensors import add_scaled, stack
+
+LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
+
+
+@register("task_arithmetic", paper="Ilharco et al. 2023, Editing models with task arithmetic (arXiv:2212.04089)", defaults={"lam": 0.4}, grid={"lam": LAMBDA_GRID})
+def task_arithmetic(pretrained, task_vectors, *, lam):
+    return add_scaled(pretrained, {k: stack(task_vectors, k).sum(0) for k in pretrained}, lam)

@@ -1,0 +1,287 @@
+"""The pipeline's stages as plain functions: ``mergeflow <stage>`` calls them, DVC runs those commands, and the
+Prefect flow runs the same commands read from dvc.yaml. Each stage reads and writes only the paths in ``Layout``
+(dvc.yaml declares the same paths; a test checks that they agree) and validates its inputs before writing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mergeflow import data as data_mod
+from mergeflow.config import Params
+from mergeflow.errors import MergeflowError
+from mergeflow.evaluation import MultiTaskEvaluator, mean, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
+from mergeflow.io import atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, write_json
+from mergeflow.merging import REGISTRY
+from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
+from mergeflow.task_vectors import plot_cosine_heatmap, statistics, task_vector
+from mergeflow.training import Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every stage reads and writes, relative to the repository root."""
+
+    root: Path = Path(".")
+
+    def _p(self, *parts: str) -> Path:
+        return self.root.joinpath(*parts)
+
+    @property
+    def pretrain_corpus(self) -> Path:
+        return self._p("data", "pretrain.safetensors")
+
+    def task_data(self, task: str) -> Path:
+        return self._p("data", "tasks", f"{task}.safetensors")
+
+    @property
+    def pretrained(self) -> Path:
+        return self._p("models", "pretrained.safetensors")
+
+    def finetuned(self, task: str) -> Path:
+        return self._p("models", "finetuned", f"{task}.safetensors")
+
+    def epochs(self, task: str) -> Path:
+        return self._p("models", "epochs", task)
+
+    def head(self, task: str) -> Path:
+        return self._p("models", "heads", f"{task}.safetensors")
+
+    @property
+    def vectors(self) -> Path:
+        return self._p("vectors")
+
+    def merged(self, method: str) -> Path:
+        return self._p("merged", f"{method}.safetensors")
+
+    def metrics(self, stage: str, name: str | None = None) -> Path:
+        return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")
+
+    def log(self, stage: str, name: str | None = None, suffix: str = ".json") -> Path:
+        return self._p("logs", f"{stage}{suffix}") if name is None else self._p("logs", stage, f"{name}{suffix}")
+
+    @property
+    def results(self) -> Path:
+        return self._p("results")
+
+
+def _task_seed(seed: int, task: str) -> int:
+    return seed * 1_000_003 + zlib.crc32(task.encode())
+
+
+def _setup(params: Params, seed: int) -> torch.device:
+    seed_everything(seed, params.threads())
+    return select_device(params.runtime.device)
+
+
+def _load_tasks(params: Params, layout: Layout) -> dict[str, data_mod.TaskData]:
+    return {t: data_mod.load_task(layout.task_data(t)) for t in params.suite.tasks}
+
+
+def _load_heads(params: Params, layout: Layout, num_features: int):
+    return {t: load_head(layout.head(t), num_features) for t in params.suite.tasks}
+
+
+def _load_task_vectors(params: Params, layout: Layout):
+    pretrained = load_state_dict(layout.pretrained)
+    vectors = {}
+    for t in params.suite.tasks:
+        path = layout.vectors / f"{t}.safetensors"
+        vectors[t] = load_state_dict(path)
+        # task vectors are float32 whatever the checkpoint's dtype: compare keys and shapes only
+        check_compatible(pretrained, vectors[t], reference_name=str(layout.pretrained), other_name=str(path), dtypes=False)
+    return pretrained, vectors
+
+
+# ---------------------------------------------------------------- prepare
+def prepare(params: Params, layout: Layout = Layout()) -> dict:
+    """Generate (embedded) or convert (imagefolder, torchvision) every task, and the pretraining corpus."""
+    with Timer() as timer:
+        built = {t: data_mod.build_task(params.suite, t, _task_seed(params.seed, t)) for t in params.suite.tasks}
+        corpus = data_mod.build_pretraining_corpus(params.suite, params.seed) if params.backbone.pretrained is None else None
+        for t, (arrays, classes) in built.items():
+            data_mod.save_task(layout.task_data(t), t, arrays, classes, params.suite.image_size)
+        tensors = {k: torch.from_numpy(v) for k, v in (corpus or {}).items()}
+        save_state_dict(layout.pretrain_corpus, tensors or {"images": torch.zeros(0, params.suite.image_size, params.suite.image_size, 3, dtype=torch.uint8)}, {"heads": json.dumps(sorted(k for k in tensors if k != "images"))})
+    sizes = {t: {s: int(len(arrays[f"{s}_y"])) for s in data_mod.SPLITS} for t, (arrays, _) in built.items()}
+    metrics = {"wall_time_s": timer.seconds, "tasks": sizes, "pretrain_images": int(len(tensors.get("images", [])))}
+    write_json(layout.metrics("prepare"), metrics)
+    return metrics
+
+
+# ---------------------------------------------------------------- pretrain
+def pretrain(params: Params, layout: Layout = Layout()) -> dict:
+    """Train the backbone on the formula-driven corpus, or load real pretrained weights (a file or the hub)."""
+    device = _setup(params, params.seed)
+    with Timer() as timer:
+        if params.backbone.pretrained is not None:
+            backbone = Backbone(params.backbone, pretrained=True)
+            curve, head_acc = {"step": [], "loss": [], "lr": []}, {}
+        else:
+            corpus = load_state_dict(layout.pretrain_corpus, check=False)
+            images = corpus.pop("images")
+            if len(images) == 0:
+                raise MergeflowError(f"{layout.pretrain_corpus}: the pretraining corpus is empty (suite.pretrain_images = 0)")
+            backbone = build_backbone(params.backbone)
+            heads, curve_obj = pretrain_loop(backbone, images, corpus, params.pretrain, seed=params.seed, device=device)
+            curve = curve_obj.as_dict()
+            probe_n = min(2000, len(images))
+            feats = extract_features(backbone, images[-probe_n:], batch_size=params.runtime.eval_batch_size, device=device)
+            head_acc = {name: float((heads[name].cpu()(feats).argmax(1) == y[-probe_n:]).float().mean()) for name, y in corpus.items()}
+    state = backbone_state(backbone.cpu())
+    save_state_dict(layout.pretrained, state, backbone_metadata(params.backbone))
+    write_json(layout.log("pretrain"), curve)
+    metrics = {
+        "wall_time_s": timer.seconds,
+        "parameters": sum(v.numel() for v in state.values()),
+        "train_head_accuracy": head_acc,  # on the last corpus images, seen in training: a sanity check, not a score
+        "final_loss": curve["loss"][-1] if curve["loss"] else None,
+    }
+    write_json(layout.metrics("pretrain"), metrics)
+    return metrics
+
+
+# ---------------------------------------------------------------- finetune
+def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
+    """Linear probe on frozen pretrained features, then fine-tune the backbone with that head frozen."""
+    params.check_task(task)
+    seed = _task_seed(params.seed, task)
+    device = _setup(params, seed)
+    data = data_mod.load_task(layout.task_data(task))
+    backbone = load_backbone(params.backbone, layout.pretrained)
+    bs = params.runtime.eval_batch_size
+    with Timer() as timer:
+        feats = {s: extract_features(backbone, data.split(s).images, batch_size=bs, device=device) for s in data_mod.SPLITS}
+        probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed)
+        probe_acc = {s: float((probe.head(feats[s]).argmax(1) == data.split(s).labels).float().mean()) for s in ("val", "test")}
+        model = copy.deepcopy(backbone)
+        epoch_states: dict[int, dict] = {}
+
+        def keep_epoch(epoch: int) -> None:
+            if params.finetune.checkpoint_every_epoch:
+                epoch_states[epoch] = backbone_state(model)
+
+        curve = finetune_loop(model, probe.head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch)
+        individual = {s: accuracy(model, probe.head, data.split(s).images, data.split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+    meta = backbone_metadata(params.backbone) | {"task": task}
+    save_state_dict(layout.finetuned(task), backbone_state(model.cpu()), meta)
+    save_state_dict(layout.head(task), {"weight": probe.head.weight.cpu(), "bias": probe.head.bias.cpu()}, {"task": task, "classes": json.dumps(data.classes)})
+    with atomic_path(layout.epochs(task), directory=True) as tmp:
+        for epoch, state in epoch_states.items():
+            save_state_dict(tmp / f"epoch{epoch:03d}.safetensors", state, meta | {"epoch": str(epoch)})
+    write_json(layout.log("finetune", task), curve.as_dict())
+    metrics = {
+        "task": task,
+        "wall_time_s": timer.seconds,
+        "steps": len(curve.step),
+        "probe": {"C": probe.c, **probe_acc},
+        "individual": individual,
+        "gain_over_probe": {s: individual[s] - probe_acc[s] for s in ("val", "test")},
+    }
+    write_json(layout.metrics("finetune", task), metrics)
+    return metrics
+
+
+# ---------------------------------------------------------------- vectors
+def vectors(params: Params, layout: Layout = Layout()) -> dict:
+    """tau_t = theta_t - theta0 for every task, with norms and cosine similarities (whole and per tensor)."""
+    with Timer() as timer:
+        pretrained = load_state_dict(layout.pretrained)
+        tvs = {t: task_vector(pretrained, load_state_dict(layout.finetuned(t)), pretrained_name=str(layout.pretrained), finetuned_name=str(layout.finetuned(t))) for t in params.suite.tasks}
+        stats = statistics(pretrained, tvs)
+        with atomic_path(layout.vectors, directory=True) as tmp:
+            for t, tv in tvs.items():
+                save_state_dict(tmp / f"{t}.safetensors", tv, {"task": t})
+            write_json(tmp / "stats.json", stats)
+            plot_cosine_heatmap(stats, tmp / "cosine.png")
+    summary = {"wall_time_s": timer.seconds, "norms": stats["norms"], "relative_norms": stats["relative_norms"]}
+    write_json(layout.metrics("vectors"), summary)
+    return summary
+
+
+# ---------------------------------------------------------------- merge
+def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
+    """Merge with one method; every grid point is scored on the validation split and the best is kept."""
+    params.check_method(method)
+    spec = REGISTRY[method]
+    device = _setup(params, params.seed)
+    with Timer() as timer:
+        pretrained, tvs = _load_task_vectors(params, layout)
+        tasks = _load_tasks(params, layout)
+        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features)
+        evaluate = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
+        overrides = params.merge.overrides(method)
+        try:
+            best, merged, curve = search(spec, overrides, pretrained, tvs, evaluate)
+        except ValueError as err:
+            raise MergeflowError(str(err)) from None
+    _, grid = spec.search_space(overrides)
+    searched = {k: best["hyperparameters"][k] for k in grid}
+    save_state_dict(layout.merged(method), merged, {"method": method, "hyperparameters": json.dumps(best["hyperparameters"])})
+    with atomic_path(layout.log("merge", method, ".png")) as tmp:
+        plot_validation_curve(method, curve, list(grid), tmp)
+    metrics = {
+        "method": method,
+        "paper": spec.paper,
+        "hyperparameters": best["hyperparameters"],
+        "searched": searched,
+        "grid": grid,
+        "val_accuracy": best["accuracy"],
+        "val_average": best["average"],
+        "val_curve": curve,
+        "wall_time_s": timer.seconds,
+    }
+    write_json(layout.metrics("merge", method), metrics)
+    return metrics
+
+
+# ---------------------------------------------------------------- evaluate
+def evaluate(params: Params, method: str, layout: Layout = Layout()) -> dict:
+    """Test accuracy of one merged model on every task, absolute and normalized by the individual model."""
+    params.check_method(method)
+    device = _setup(params, params.seed)
+    with Timer() as timer:
+        merged = load_state_dict(layout.merged(method))
+        tasks = _load_tasks(params, layout)
+        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features)
+        acc = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)(merged)
+    individual = {t: read_json(layout.metrics("finetune", t))["individual"]["test"] for t in params.suite.tasks}
+    chosen = read_json(layout.metrics("merge", method))
+    metrics = {
+        "method": method,
+        "accuracy": acc,
+        "average": mean(acc.values()),
+        "normalized": {t: acc[t] / individual[t] for t in acc},
+        "normalized_average": mean(acc[t] / individual[t] for t in acc),
+        "hyperparameters": chosen["hyperparameters"],
+        "searched": chosen["searched"],
+        "wall_time_s": timer.seconds,
+    }
+    write_json(layout.metrics("evaluate", method), metrics)
+    return metrics
+
+
+# ---------------------------------------------------------------- report
+def report(params: Params, layout: Layout = Layout()) -> dict:
+    """Summary table (Markdown, CSV, JSON) and bar chart: Pretrained, Individual and every method."""
+    tasks = params.suite.tasks
+    ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
+    ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
+    rows = summary_rows(tasks, ft, ev)
+    stage_times = {"prepare": read_json(layout.metrics("prepare"))["wall_time_s"], "pretrain": read_json(layout.metrics("pretrain"))["wall_time_s"]}
+    stage_times |= {f"finetune@{t}": ft[t]["wall_time_s"] for t in tasks}
+    stage_times["vectors"] = read_json(layout.metrics("vectors"))["wall_time_s"]
+    stage_times |= {f"merge@{m}": read_json(layout.metrics("merge", m))["wall_time_s"] for m in params.merge.methods}
+    stage_times |= {f"evaluate@{m}": ev[m]["wall_time_s"] for m in params.merge.methods}
+    with atomic_path(layout.results, directory=True) as tmp:
+        (tmp / "summary.md").write_text(summary_markdown(rows, tasks))
+        (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
+        write_json(tmp / "summary.json", {"rows": rows, "stage_wall_time_s": stage_times})
+        plot_summary(rows, tasks, tmp / "accuracy.png")
+    return {"rows": rows, "stage_wall_time_s": stage_times}

@@ -1,0 +1,155 @@
+"""MLflow records of a pipeline run, made by the last stage (``mergeflow track``) from what the stages wrote.
+
+One parent run per pipeline run, nested runs per stage, with runs per task under ``finetune`` and per method
+under ``merge``. Parameters are what each stage used (every merge hyperparameter and the chosen value), metrics
+include training curves by step, artifacts the checkpoints, merged models, plots and the summary table; tags hold
+the git commit and dvc.lock hashes. Because it reads the stages' outputs, ``dvc repro`` and the Prefect flow
+record the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from mergeflow.config import Params
+from mergeflow.io import read_json, write_json
+from mergeflow.stages import Layout
+
+
+def tracking_uri(root: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def experiment_name(params: Params) -> str:
+    return f"mergeflow/{params.suite.name}"
+
+
+def _flatten(prefix: str, obj) -> dict[str, str]:
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            out |= _flatten(f"{prefix}.{k}" if prefix else str(k), v)
+        return out
+    return {prefix: str(obj)}
+
+
+def _git_commit(root: Path) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _lock_tags(root: Path) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """(run-wide tags, per-stage tags) from dvc.lock: its sha256 and each stage's output hashes."""
+    lock = root / "dvc.lock"
+    if not lock.is_file():
+        return {"dvc.lock": "absent"}, {}
+    text = lock.read_text()
+    stages = (yaml.safe_load(text) or {}).get("stages", {})
+    per_stage = {name: {f"dvc.out.{o['path']}": o.get("md5", "") for o in entry.get("outs", [])} for name, entry in stages.items()}
+    return {"dvc.lock.sha256": hashlib.sha256(text.encode()).hexdigest()}, per_stage
+
+
+def _log_curve(client, run_id: str, curve: Mapping[str, list], prefix: str) -> None:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"{prefix}{key}", float(v), now, int(step)) for key in curve if key != "step" for step, v in zip(curve["step"], curve[key])]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i : i + 1000], synchronous=True)
+
+
+def _metrics(prefix: str, values: Mapping[str, float]) -> dict[str, float]:
+    return {f"{prefix}{k}": float(v) for k, v in values.items() if isinstance(v, (int, float))}
+
+
+def track(params: Params, layout: Layout = Layout()) -> dict:
+    import mlflow
+    from mlflow import MlflowClient
+
+    root = layout.root
+    mlflow.set_tracking_uri(tracking_uri(root))
+    experiment = mlflow.set_experiment(experiment_name(params))
+    client = MlflowClient()
+    run_tags, stage_tags = _lock_tags(root)
+    run_tags |= {"git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc")}
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):
+        run_tags["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
+    summary = read_json(layout.results / "summary.json")
+    log_ckpt = params.tracking.log_checkpoints
+    tasks, methods = params.suite.tasks, params.merge.methods
+
+    with mlflow.start_run(run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=run_tags) as parent:
+        mlflow.log_params(_flatten("", params.model_dump(mode="json")))
+        for row in summary["rows"]:
+            name = row["method"].split(" ")[0].lower()
+            mlflow.log_metrics({f"{name}.average": row["average"], f"{name}.normalized": row["normalized"]} | _metrics(f"{name}.acc.", {t: row[t] for t in tasks}))
+        mlflow.log_metrics(_metrics("wall_time_s.", {k.replace("@", "."): v for k, v in summary["stage_wall_time_s"].items()}))
+        mlflow.log_artifacts(str(layout.results), "results")
+        if (root / "dvc.lock").is_file():
+            mlflow.log_artifact(str(root / "dvc.lock"))
+
+        def child(name: str, parent_id: str, tags: Mapping[str, str] | None = None):
+            return mlflow.start_run(run_name=name, nested=True, parent_run_id=parent_id, tags={**stage_tags.get(name, {}), **(tags or {})})
+
+        with child("prepare", parent.info.run_id) as run:
+            mlflow.log_params(_flatten("suite", params.suite.model_dump(mode="json")) | {"seed": params.seed})
+            prep = read_json(layout.metrics("prepare"))
+            mlflow.log_metrics({"wall_time_s": prep["wall_time_s"], "pretrain_images": prep["pretrain_images"]} | {f"{t}.{s}": n for t, sizes in prep["tasks"].items() for s, n in sizes.items()})
+
+        with child("pretrain", parent.info.run_id) as run:
+            mlflow.log_params(_flatten("backbone", params.backbone.model_dump(mode="json")) | _flatten("pretrain", params.pretrain.model_dump(mode="json")))
+            pre = read_json(layout.metrics("pretrain"))
+            mlflow.log_metrics(_metrics("", {"wall_time_s": pre["wall_time_s"], "parameters": pre["parameters"]}) | _metrics("head_accuracy.", pre["train_head_accuracy"]))
+            _log_curve(client, run.info.run_id, read_json(layout.log("pretrain")), "train.")
+            if log_ckpt:
+                mlflow.log_artifact(str(layout.pretrained), "checkpoints")
+
+        with child("finetune", parent.info.run_id) as stage_run:
+            mlflow.log_params(_flatten("finetune", params.finetune.model_dump(mode="json")) | _flatten("probe", params.probe.model_dump(mode="json")))
+            for t in tasks:
+                with child(f"finetune@{t}", stage_run.info.run_id, {"task": t}) as run:
+                    m = read_json(layout.metrics("finetune", t))
+                    mlflow.log_params({"task": t, "probe.C": m["probe"]["C"], "steps": m["steps"]})
+                    mlflow.log_metrics({"wall_time_s": m["wall_time_s"]} | _metrics("probe.", m["probe"]) | _metrics("individual.", m["individual"]) | _metrics("gain.", m["gain_over_probe"]))
+                    _log_curve(client, run.info.run_id, read_json(layout.log("finetune", t)), "train.")
+                    if log_ckpt:
+                        mlflow.log_artifact(str(layout.finetuned(t)), "checkpoints")
+                        mlflow.log_artifact(str(layout.head(t)), "heads")
+
+        with child("vectors", parent.info.run_id):
+            vec = read_json(layout.metrics("vectors"))
+            mlflow.log_metrics({"wall_time_s": vec["wall_time_s"]} | _metrics("norm.", vec["norms"]) | _metrics("relative_norm.", vec["relative_norms"]))
+            mlflow.log_artifact(str(layout.vectors / "stats.json"))
+            mlflow.log_artifact(str(layout.vectors / "cosine.png"))
+
+        with child("merge", parent.info.run_id) as stage_run:
+            for method in methods:
+                with child(f"merge@{method}", stage_run.info.run_id, {"method": method}) as run:
+                    mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
+                    mlflow.log_params(_flatten("hp", mm["hyperparameters"]) | _flatten("grid", mm["grid"]) | {"paper": mm["paper"]} | _flatten("chosen", mm["searched"]))
+                    mlflow.log_metrics(
+                        {"val.average": mm["val_average"], "test.average": ev["average"], "test.normalized": ev["normalized_average"], "merge_wall_time_s": mm["wall_time_s"], "evaluate_wall_time_s": ev["wall_time_s"]}
+                        | _metrics("val.", mm["val_accuracy"])
+                        | _metrics("test.", ev["accuracy"])
+                    )
+                    grid_keys = list(mm["grid"])
+                    if len(grid_keys) == 1:  # the validation curve, indexed by grid position
+                        _log_curve(client, run.info.run_id, {"step": list(range(len(mm["val_curve"]))), "val.curve.average": [r["average"] for r in mm["val_curve"]], f"val.curve.{grid_keys[0]}": [r["hyperparameters"][grid_keys[0]] for r in mm["val_curve"]]}, "")
+                    plot = layout.log("merge", method, ".png")
+                    if plot.is_file():
+                        mlflow.log_artifact(str(plot))
+                    if log_ckpt:
+                        mlflow.log_artifact(str(layout.merged(method)), "merged")
+
+    record = {"tracking_uri": mlflow.get_tracking_uri(), "experiment": experiment.name, "experiment_id": experiment.experiment_id, "run_id": parent.info.run_id}
+    write_json(layout.metrics("tracking"), record)
+    return record

@@ -1,0 +1,238 @@
+"""Pretraining, linear probes and fine-tuning: plain loops over uint8 image tensors.
+
+Schedules are linear warm-up then cosine decay to zero (Ilharco et al.'s protocol). Everything is seeded; on
+the CPU the runs are deterministic for a given thread count.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+from torch import nn
+from tqdm.auto import tqdm
+
+from mergeflow.config import FinetuneConfig, ProbeConfig, ScheduleConfig
+from mergeflow.errors import MergeflowError
+from mergeflow.models import Backbone, make_head
+
+
+@dataclass
+class Curve:
+    """Per-step training record, logged to MLflow by step."""
+
+    step: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, list]:
+        return {"step": self.step, "loss": self.loss, "lr": self.lr}
+
+
+def seed_everything(seed: int, threads: int | None = None) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def total_steps(cfg: ScheduleConfig, n_examples: int, full_batch: bool = False) -> int:
+    if cfg.epochs is None:
+        return cfg.steps
+    per_epoch = 1 if full_batch else math.ceil(n_examples / cfg.batch_size)
+    return cfg.epochs * per_epoch
+
+
+def warmup_cosine(step: int, total: int, warmup: int) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def batches(n: int, batch_size: int, steps: int, generator: torch.Generator):
+    """Index batches for ``steps`` steps, reshuffling each epoch; the last partial batch of an epoch is dropped."""
+    batch_size = min(batch_size, n)
+    per_epoch = n // batch_size
+    done = 0
+    while done < steps:
+        order = torch.randperm(n, generator=generator)
+        for i in range(per_epoch):
+            if done == steps:
+                return
+            yield order[i * batch_size : (i + 1) * batch_size]
+            done += 1
+
+
+def _optimizer(kind: str, params, cfg: ScheduleConfig, momentum: float = 0.0) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # SGD and full-batch GD: weight decay as plain L2, so one GD step is exactly theta - lr * grad(L + wd/2 |theta|^2)
+    return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=momentum)
+
+
+def train_loop(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    n_examples: int,
+    cfg: ScheduleConfig,
+    *,
+    optimizer: str,
+    seed: int,
+    device: torch.device,
+    momentum: float = 0.0,
+    desc: str = "train",
+    on_epoch_end: Callable[[int], None] | None = None,
+) -> Curve:
+    """Run the schedule; ``loss_fn(indices)`` returns the mean loss of the batch with those example indices."""
+    full_batch = optimizer == "gd"
+    steps = total_steps(cfg, n_examples, full_batch)
+    batch_size = n_examples if full_batch else cfg.batch_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(optimizer, params, cfg, momentum)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, cfg.warmup_steps))
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = max(1, n_examples // min(batch_size, n_examples))
+    curve = Curve()
+    model.train()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    for step, idx in enumerate(tqdm(batches(n_examples, batch_size, steps, gen), total=steps, desc=desc, mininterval=5, disable=None)):
+        with autocast:
+            loss = loss_fn(idx)
+        if not torch.isfinite(loss):
+            raise MergeflowError(f"{desc}: loss became {loss.item()} at step {step} (lower the learning rate)")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        curve.step.append(step)
+        curve.loss.append(float(loss.detach()))
+        curve.lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        if on_epoch_end and (step + 1) % per_epoch == 0:
+            on_epoch_end((step + 1) // per_epoch)
+    model.eval()
+    return curve
+
+
+def _batch(images: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return images[idx].to(device, non_blocking=True)
+
+
+def pretrain(
+    backbone: Backbone,
+    images: torch.Tensor,
+    labels: Mapping[str, torch.Tensor],
+    cfg: ScheduleConfig,
+    *,
+    seed: int,
+    device: torch.device,
+) -> tuple[dict[str, nn.Linear], Curve]:
+    """Supervised multi-head pretraining: the loss is the sum of each label head's cross-entropy."""
+    heads = nn.ModuleDict({name: make_head(backbone.num_features, int(y.max()) + 1) for name, y in labels.items()})
+    model = nn.ModuleDict({"backbone": backbone, "heads": heads}).to(device)
+    targets = {name: y.to(device) for name, y in labels.items()}
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        feats = backbone(_batch(images, idx, device))
+        idx = idx.to(device)
+        return sum(nn.functional.cross_entropy(heads[name](feats).float(), y[idx]) for name, y in targets.items())
+
+    curve = train_loop(model, loss_fn, len(images), cfg, optimizer="adamw", seed=seed, device=device, desc="pretrain")
+    return dict(heads.items()), curve
+
+
+@torch.no_grad()
+def extract_features(backbone: Backbone, images: torch.Tensor, *, batch_size: int, device: torch.device) -> torch.Tensor:
+    backbone.eval().to(device)
+    out = [backbone(images[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(images), batch_size)]
+    return torch.cat(out) if out else torch.empty(0, backbone.num_features)
+
+
+@dataclass
+class ProbeResult:
+    head: nn.Linear
+    c: float
+    val_accuracy: float
+    val_curve: dict[str, float]
+
+
+def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int) -> ProbeResult:
+    """Multinomial logistic regression (L-BFGS) on standardised features; C chosen on validation.
+
+    The standardisation is folded into the returned head, so it reads raw backbone features.
+    """
+    mu = train_x.mean(0)
+    sd = train_x.std(0) + 1e-6
+    xs, vs = ((train_x - mu) / sd).numpy(), ((val_x - mu) / sd).numpy()
+    best: tuple[float, float, LogisticRegression] | None = None
+    curve = {}
+    for c in cfg.c_grid:
+        clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=seed)
+        clf.fit(xs, train_y.numpy())
+        acc = float((clf.predict(vs) == val_y.numpy()).mean())
+        curve[str(c)] = acc
+        if best is None or acc > best[0]:
+            best = (acc, c, clf)
+    acc, c, clf = best
+    n_classes = int(train_y.max()) + 1
+    coef = torch.zeros(n_classes, train_x.shape[1])
+    bias = torch.full((n_classes,), -1e4)  # a class absent from training is never predicted
+    classes = torch.as_tensor(clf.classes_)
+    coef[classes] = torch.as_tensor(clf.coef_, dtype=torch.float32) if len(classes) > 2 else torch.cat([-torch.as_tensor(clf.coef_), torch.as_tensor(clf.coef_)]).float() / 2
+    bias[classes] = torch.as_tensor(clf.intercept_, dtype=torch.float32) if len(classes) > 2 else torch.cat([-torch.as_tensor(clf.intercept_), torch.as_tensor(clf.intercept_)]).float() / 2
+    head = make_head(train_x.shape[1], n_classes)
+    with torch.no_grad():
+        head.weight.copy_(coef / sd)
+        head.bias.copy_(bias - (coef / sd) @ mu)
+    return ProbeResult(head=head, c=c, val_accuracy=acc, val_curve=curve)
+
+
+def finetune(
+    backbone: Backbone,
+    head: nn.Linear,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: FinetuneConfig,
+    *,
+    seed: int,
+    device: torch.device,
+    desc: str = "finetune",
+    on_epoch_end: Callable[[int], None] | None = None,
+) -> Curve:
+    """Fine-tune the backbone in place with the head frozen (the seeds' protocol)."""
+    backbone.to(device)
+    head.to(device).requires_grad_(False)
+    y = labels.to(device)
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(head(backbone(_batch(images, idx, device))).float(), y[idx.to(device)])
+
+    return train_loop(backbone, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end)
+
+
+@torch.no_grad()
+def accuracy(backbone: Backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, device: torch.device) -> float:
+    feats = extract_features(backbone, images, batch_size=batch_size, device=device)
+    return head_accuracy(head, feats, labels)
+
+
+@torch.no_grad()
+def head_accuracy(head: nn.Linear, features: torch.Tensor, labels: torch.Tensor) -> float:
+    head = head.cpu()
+    return float((head(features).argmax(1) == labels).float().mean())
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,37 @@
+"""The tiny profile the end-to-end tests run: the real params.yaml with small sizes, so every key DVC tracks exists."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+TINY = {
+    "suite": {"tasks": ["digits", "house_numbers", "count"], "n_train": 200, "n_val": 60, "n_test": 60, "pretrain_images": 800},
+    "backbone": {"kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}},
+    "pretrain": {"steps": 15, "batch_size": 64, "warmup_steps": 2},
+    "probe": {"c_grid": [0.1, 1.0]},
+    "finetune": {"steps": 8, "batch_size": 32, "lr": 0.001, "warmup_steps": 2},
+    "merge": {"task_arithmetic": {"lam": [0.1, 0.3, 0.5]}, "ties": {"k": 0.2, "trim_scope": "global", "lam": [0.8, 1.0]}},
+}
+
+
+def deep_update(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "kwargs":
+            out[key] = deep_update(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def tiny_params(repo_params: Path, **override) -> dict:
+    return deep_update(deep_update(yaml.safe_load(repo_params.read_text()), TINY), override)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(yaml.safe_dump(tiny_params(Path(sys.argv[1])), sort_keys=False))
