@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
+# the ephemeral server's telemetry write can collide with the flow's first writes to its SQLite database
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner

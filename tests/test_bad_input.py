@@ -1,0 +1,101 @@
+"""Missing or corrupt checkpoints, mismatched task vectors, NaN weights: one clear line, no partial output."""
+
+import pytest
+import torch
+import yaml
+
+from mergeflow import stages
+from mergeflow.config import parse_params
+from mergeflow.errors import MergeflowError
+from mergeflow.io import atomic_path, check_compatible, load_state_dict, save_state_dict
+from mergeflow.stages import Layout
+
+
+def _params(repo_root, tasks):
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["suite"]["tasks"] = tasks
+    return parse_params(raw)
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"blocks.0.mlp.fc1.weight": torch.randn(4, 3, generator=g), "norm.bias": torch.randn(3, generator=g)}
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(MergeflowError, match=r"nope.safetensors: checkpoint not found"):
+        load_state_dict(tmp_path / "nope.safetensors")
+
+
+def test_corrupt_checkpoint(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(MergeflowError, match=r"bad.safetensors: not a readable safetensors file"):
+        load_state_dict(path)
+
+
+def test_nan_weights_name_the_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    state = _state()
+    state["norm.bias"][1] = float("nan")
+    save_file(state, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(MergeflowError, match=r"nan.safetensors: tensor 'norm.bias' contains NaN or Inf"):
+        load_state_dict(tmp_path / "nan.safetensors")
+    with pytest.raises(MergeflowError, match=r"tensor 'norm.bias' contains NaN"):
+        save_state_dict(tmp_path / "out.safetensors", state)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (lambda s: s.pop("norm.bias"), r"missing tensor 'norm.bias'"),
+        (lambda s: s.update(extra=torch.zeros(1)), r"unexpected tensor 'extra'"),
+        (lambda s: s.update({"norm.bias": torch.zeros(5)}), r"tensor 'norm.bias' has shape \(5,\), expected \(3,\)"),
+        (lambda s: s.update({"norm.bias": torch.zeros(3, dtype=torch.float64)}), r"tensor 'norm.bias' has dtype torch.float64, expected torch.float32"),
+    ],
+)
+def test_mismatched_checkpoints_name_the_tensor(change, pattern):
+    other = _state(1)
+    change(other)
+    with pytest.raises(MergeflowError, match=pattern):
+        check_compatible(_state(), other, reference_name="theta0", other_name="theta_t")
+
+
+def test_vectors_stage_with_mismatched_finetuned_checkpoint_writes_nothing(repo_root, tmp_path):
+    layout = Layout(tmp_path)
+    params = _params(repo_root, ["digits", "count"])
+    save_state_dict(layout.pretrained, _state(0))
+    save_state_dict(layout.finetuned("digits"), _state(1))
+    bad = _state(2)
+    bad["blocks.0.mlp.fc1.weight"] = torch.zeros(4, 4)
+    save_state_dict(layout.finetuned("count"), bad)
+    with pytest.raises(MergeflowError, match=r"count.safetensors: tensor 'blocks.0.mlp.fc1.weight' has shape \(4, 4\), expected \(4, 3\)"):
+        stages.vectors(params, layout)
+    assert not layout.vectors.exists() and not layout.metrics("vectors").exists()
+    assert [p.name for p in layout.vectors.parent.iterdir() if p.name.startswith(".vectors")] == []
+
+
+def test_vectors_stage_computes_differences_and_cosines(repo_root, tmp_path):
+    layout = Layout(tmp_path)
+    params = _params(repo_root, ["digits", "count"])
+    theta0 = _state(0)
+    save_state_dict(layout.pretrained, theta0)
+    tau = {"digits": {k: torch.ones_like(v) for k, v in theta0.items()}, "count": {k: -2 * torch.ones_like(v) for k, v in theta0.items()}}
+    for t in tau:
+        save_state_dict(layout.finetuned(t), {k: theta0[k] + tau[t][k] for k in theta0})
+    stages.vectors(params, layout)
+    got = load_state_dict(layout.vectors / "count.safetensors")
+    assert all(torch.allclose(got[k], tau["count"][k]) for k in theta0)
+    stats = __import__("json").loads((layout.vectors / "stats.json").read_text())
+    assert stats["cosine"][0][1] == pytest.approx(-1.0)
+    assert stats["norms"]["count"] == pytest.approx(2 * (15 ** 0.5))
+
+
+def test_atomic_path_leaves_nothing_on_failure(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "out.json") as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,96 @@
+"""Data sources: the embedded suite, an ImageFolder tree and a timm checkpoint from a local file (both written by
+the test itself), through the real stage functions."""
+
+import numpy as np
+import pytest
+import timm
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import save_file
+
+from mergeflow import stages
+from mergeflow.config import parse_params
+from mergeflow.data import embedded, load_task
+from mergeflow.errors import MergeflowError
+from mergeflow.io import load_state_dict
+from mergeflow.stages import Layout
+
+KWARGS = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}
+
+
+def test_embedded_suite_is_deterministic_and_well_formed():
+    a = embedded.make_task("digits", 40, 10, 12, 32, seed=3)
+    b = embedded.make_task("digits", 40, 10, 12, 32, seed=3)
+    for split, n in (("train", 40), ("val", 10), ("test", 12)):
+        assert a[f"{split}_x"].shape == (n, 32, 32, 3) and a[f"{split}_x"].dtype == np.uint8
+        assert np.array_equal(a[f"{split}_x"], b[f"{split}_x"]) and np.array_equal(a[f"{split}_y"], b[f"{split}_y"])
+        assert a[f"{split}_y"].min() >= 0 and a[f"{split}_y"].max() < embedded.TASKS["digits"]
+    assert not np.array_equal(a["train_x"][:10], a["val_x"])
+    corpus = embedded.make_pretraining_corpus(64, 32, seed=0)
+    assert corpus["images"].shape == (64, 32, 32, 3)
+    assert set(corpus) == {"images", *embedded.PRETRAIN_HEADS}
+
+
+def test_embedded_unknown_task_is_rejected():
+    with pytest.raises(ValueError, match="cars"):
+        embedded.make_task("cars", 4, 4, 4, 32, seed=0)
+
+
+def _write_imagefolder(root, task, classes, per_split):
+    rng = np.random.default_rng(0)
+    for split, n in per_split.items():
+        for ci, cls in enumerate(classes):
+            d = root / task / split / cls
+            d.mkdir(parents=True)
+            for i in range(n):
+                img = np.zeros((20, 24, 3), np.uint8)
+                img[..., ci] = 200  # class = dominant channel: learnable
+                img += rng.integers(0, 40, img.shape, dtype=np.uint8)
+                Image.fromarray(img).save(d / f"{i}.png")
+
+
+def test_imagefolder_and_local_timm_checkpoint_through_the_stages(repo_root, tmp_path):
+    root = tmp_path / "folders"
+    _write_imagefolder(root, "colours", ["red", "green", "blue"], {"train": 12, "test": 4})
+    weights = tmp_path / "vit.safetensors"
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **KWARGS)
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(weights))
+
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["suite"] = {"name": "folders", "source": "imagefolder", "root": str(root), "tasks": ["colours"], "image_size": 32, "n_train": 30, "n_val": 6, "n_test": 12, "pretrain_images": 0}
+    # a CLS-token checkpoint, as on the hub: keep its own pooling (avg pooling would swap norm for a fresh fc_norm)
+    raw["backbone"] = {"model": "vit_tiny_patch16_224", "kwargs": KWARGS, "pretrained": str(weights), "input_norm": "pretrained_cfg", "global_pool": "token"}
+    raw["finetune"] = {"steps": 3, "batch_size": 8, "lr": 1e-3}
+    params = parse_params(raw)
+    layout = Layout(tmp_path / "repo")
+
+    stages.prepare(params, layout)
+    task = load_task(layout.task_data("colours"))
+    assert task.classes == ["blue", "green", "red"]
+    assert len(task.train.labels) == 30 and len(task.val.labels) == 6 and len(task.test.labels) == 12  # val split off train
+    assert task.train.images.shape[1:] == (32, 32, 3)
+
+    stages.pretrain(params, layout)
+    loaded = load_state_dict(layout.pretrained)
+    assert all(torch.equal(loaded[k], v) for k, v in reference.state_dict().items())
+
+    metrics = stages.finetune(params, "colours", layout)
+    assert 0.0 <= metrics["probe"]["test"] <= 1.0 and metrics["steps"] == 3
+    assert set(load_state_dict(layout.finetuned("colours"))) == set(loaded)
+
+
+def test_missing_local_weights_file_is_one_line(repo_root, tmp_path):
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["backbone"]["pretrained"] = str(tmp_path / "absent.safetensors")
+    with pytest.raises(MergeflowError, match=r"backbone.pretrained: weights file '.*absent.safetensors' not found"):
+        stages.pretrain(parse_params(raw), Layout(tmp_path))
+    assert not (tmp_path / "models").exists()
+
+
+def test_imagefolder_without_test_split_is_one_line(repo_root, tmp_path):
+    _write_imagefolder(tmp_path, "t", ["a", "b"], {"train": 2})
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["suite"] = {"source": "imagefolder", "root": str(tmp_path), "tasks": ["t"]}
+    with pytest.raises(MergeflowError, match=r"suite.root: '.*t' needs train/ and test/"):
+        stages.prepare(parse_params(raw), Layout(tmp_path / "repo"))

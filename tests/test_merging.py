@@ -1,0 +1,141 @@
+"""Each merging method against values computed by hand on tiny tensors, the papers' identities, and the
+properties every registered method must keep."""
+
+import pytest
+import torch
+
+from mergeflow.config import parse_params
+from mergeflow.errors import MergeflowError
+from mergeflow.merging import REGISTRY, validate_overrides
+
+T = torch.tensor
+
+
+def close(a, b):
+    return torch.allclose(a, b, atol=1e-6)
+
+
+# ------------------------------------------------------------------ hand-computed values
+def test_task_arithmetic_by_hand():
+    theta0 = {"w": T([1.0, 2.0])}
+    tvs = {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([0.0, 2.0])}}
+    assert close(REGISTRY["task_arithmetic"](theta0, tvs, lam=0.3)["w"], T([1.3, 2.6]))
+
+
+def test_weight_averaging_by_hand():
+    theta0 = {"w": T([1.0, 2.0])}
+    tvs = {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([0.0, 2.0])}}
+    assert close(REGISTRY["weight_averaging"](theta0, tvs)["w"], T([1.5, 3.0]))
+
+
+def test_ties_per_tensor_by_hand():
+    # k = 0.4 keeps the 2 largest of 5 entries per task:
+    #   trimmed a = [3, 0, 0, -4, 0], trimmed b = [-2, 2, 0, 0, 0]; total mass [1, 2, 0, -4, 0] elects [+, +, 0, -, 0];
+    #   disjoint mean of agreeing entries = [3, 2, 0, -4, 0]
+    theta0 = {"w": T([10.0, 10.0, 10.0, 10.0, 10.0])}
+    tvs = {"a": {"w": T([3.0, -1.0, 0.5, -4.0, 2.0])}, "b": {"w": T([-2.0, 2.0, 1.0, -1.0, 0.2])}}
+    merged = REGISTRY["ties"](theta0, tvs, k=0.4, trim_scope="tensor", lam=1.0)
+    assert close(merged["w"], T([13.0, 12.0, 10.0, 6.0, 10.0]))
+    merged = REGISTRY["ties"](theta0, tvs, k=0.4, trim_scope="tensor", lam=0.5)
+    assert close(merged["w"], T([11.5, 11.0, 10.0, 8.0, 10.0]))
+
+
+def test_ties_disjoint_mean_averages_only_agreeing_entries():
+    # entry 0: +3 and +1 agree with the elected + sign -> mean 2; entry 1: -5 outweighs +1 -> -5
+    theta0 = {"w": torch.zeros(2)}
+    tvs = {"a": {"w": T([3.0, -5.0])}, "b": {"w": T([1.0, 1.0])}}
+    assert close(REGISTRY["ties"](theta0, tvs, k=1.0, trim_scope="tensor", lam=1.0)["w"], T([2.0, -5.0]))
+
+
+def test_ties_global_trim_differs_from_per_tensor():
+    # one task, k = 0.5 of 4 entries: globally the two largest are both in 'a'; per tensor each keeps its largest
+    theta0 = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    tvs = {"t": {"a": T([10.0, 9.0]), "b": T([1.0, 2.0])}}
+    glob = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="global", lam=1.0)
+    per = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="tensor", lam=1.0)
+    assert close(glob["a"], T([10.0, 9.0])) and close(glob["b"], T([0.0, 0.0]))
+    assert close(per["a"], T([10.0, 0.0])) and close(per["b"], T([0.0, 2.0]))
+
+
+# ------------------------------------------------------------------ identities from the papers
+def _random_models(T_=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    theta0 = {"blocks.0.attn.qkv.weight": torch.randn(12, 4, generator=g), "blocks.0.norm1.bias": torch.randn(4, generator=g), "pos_embed": torch.randn(1, 3, 4, generator=g)}
+    tvs = {f"t{i}": {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(T_)}
+    return theta0, tvs
+
+
+def test_task_arithmetic_at_one_over_T_is_weight_averaging():
+    theta0, tvs = _random_models()
+    ta = REGISTRY["task_arithmetic"](theta0, tvs, lam=1 / len(tvs))
+    wa = REGISTRY["weight_averaging"](theta0, tvs)
+    assert all(close(ta[k], wa[k]) for k in theta0)
+
+
+def test_ties_full_density_without_sign_conflict_is_mean_of_task_vectors():
+    theta0, tvs = _random_models()
+    tvs = {t: {k: v.abs() for k, v in tv.items()} for t, tv in tvs.items()}  # all positive: no conflict
+    ties = REGISTRY["ties"](theta0, tvs, k=1.0, trim_scope="global", lam=1.0)
+    mean = {k: theta0[k] + torch.stack([tv[k] for tv in tvs.values()]).mean(0) for k in theta0}
+    assert all(close(ties[k], mean[k]) for k in theta0)
+
+
+# ------------------------------------------------------------------ every registered method
+# hyperparameters under which merging T copies of one model must give that model back
+IDENTITY_SETTINGS = {"weight_averaging": {}, "task_arithmetic": {"lam": 0.25}, "ties": {"k": 1.0, "lam": 1.0}}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_method_keeps_keys_shapes_dtypes_and_is_finite_and_deterministic(name):
+    theta0, tvs = _random_models()
+    method = REGISTRY[name]
+    out1, out2 = method(theta0, tvs), method(theta0, tvs)
+    assert list(out1) == list(theta0)
+    for k in theta0:
+        assert out1[k].shape == theta0[k].shape and out1[k].dtype == theta0[k].dtype
+        assert torch.isfinite(out1[k]).all()
+        assert torch.equal(out1[k], out2[k])
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_method_merging_copies_of_one_model_returns_it(name):
+    assert name in IDENTITY_SETTINGS, f"add {name} to IDENTITY_SETTINGS"
+    theta0, tvs = _random_models(T_=4)
+    same = {f"copy{i}": tvs["t0"] for i in range(4)}
+    merged = REGISTRY[name](theta0, same, **IDENTITY_SETTINGS[name])
+    assert all(close(merged[k], theta0[k] + tvs["t0"][k]) for k in theta0)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_method_declares_a_paper_and_a_valid_grid(name):
+    method = REGISTRY[name]
+    assert method.paper and method.fn.__module__.startswith("mergeflow.merging.")
+    assert set(method.grid) <= set(method.defaults)
+    validate_overrides(method, {k: list(v) for k, v in method.grid.items()}, where=f"merge.{name}")
+    assert len(list(method.candidates())) == max(1, len(list(__import__("itertools").product(*method.grid.values()))))
+
+
+def test_overrides_turn_scalars_into_fixed_values_and_lists_into_grids():
+    ties = REGISTRY["ties"]
+    fixed, grid = ties.search_space({"k": [0.1, 0.2], "lam": 1.0})
+    assert grid == {"k": [0.1, 0.2]} and fixed["lam"] == 1.0 and "k" not in fixed
+    assert [c["k"] for c in ties.candidates({"k": [0.1, 0.2], "lam": 1.0})] == [0.1, 0.2]
+
+
+def _params(merge: dict) -> dict:
+    return {"suite": {"tasks": ["digits"]}, "merge": merge}
+
+
+def test_unknown_hyperparameter_is_one_line_naming_the_key():
+    with pytest.raises(MergeflowError, match=r"merge\.ties\.kk: unknown hyperparameter \(allowed: k, trim_scope, lam\)"):
+        parse_params(_params({"methods": ["ties"], "ties": {"kk": 0.1}}))
+
+
+def test_wrong_hyperparameter_type_names_the_key():
+    with pytest.raises(MergeflowError, match=r"merge\.task_arithmetic\.lam: expected float"):
+        parse_params(_params({"methods": ["task_arithmetic"], "task_arithmetic": {"lam": ["big"]}}))
+
+
+def test_unknown_method_lists_the_registered_ones():
+    with pytest.raises(MergeflowError, match=r"unknown merge method 'soup' \(registered: .*task_arithmetic"):
+        parse_params(_params({"methods": ["soup"]}))

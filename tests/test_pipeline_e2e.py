@@ -1,0 +1,136 @@
+"""The real pipeline, tiny profile, end to end: `dvc repro`, the Prefect flow and `dvc exp run -S`, asserting
+on the outputs (against routes independent of the merge code) and on what MLflow recorded."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mergeflow.io import load_state_dict
+
+from .profiles import tiny_params
+
+pytestmark = pytest.mark.e2e
+TASKS = ["digits", "house_numbers", "count"]
+METHODS = ["weight_averaging", "task_arithmetic", "ties"]
+
+
+def _run(cmd, cwd, env, timeout=900):
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, repo_root):
+    dst = tmp_path_factory.mktemp("project")
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=repo_root, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (repo_root / f).is_file() and not f.startswith("tests/"):
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo_root / f, dst / f)
+    (dst / "params.yaml").write_text(yaml.safe_dump(tiny_params(repo_root / "params.yaml"), sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(dst / ".prefect-home"), "MERGEFLOW_THREADS": "2"}
+    env |= {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    (dst / ".gitignore").write_text((dst / ".gitignore").read_text() + ".prefect-home/\n")
+    _run("git init -q && git add -A && git commit -qm tiny", dst, env)
+    return dst, env
+
+
+def _stages_ran(flow_output: str) -> set[str]:
+    match = re.search(r"(\d+) of (\d+) stages to run: (.*)", flow_output)
+    assert match, flow_output[-2000:]
+    return set() if match.group(3).strip() == "none" else set(match.group(3).strip().split(", "))
+
+
+def _mlflow(project_dir):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("mergeflow/embedded")
+    runs = client.search_runs([exp.experiment_id], max_results=500)
+    return client, runs
+
+
+def test_pipeline_end_to_end(project):
+    root, env = project
+
+    # 1. dvc repro runs everything
+    out = _run("dvc repro", root, env)
+    for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", *(f"merge@{m}" for m in METHODS), "report", "track"]:
+        assert f"Running stage '{stage}'" in out
+    assert "up to date" in _run("dvc status", root, env)
+
+    summary = json.loads((root / "results/summary.json").read_text())
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert set(rows) == {"Pretrained (linear probe)", "Individual", *METHODS}
+    for r in rows.values():
+        assert all(0.0 <= r[t] <= 1.0 for t in TASKS)
+        assert r["average"] == pytest.approx(sum(r[t] for t in TASKS) / len(TASKS))
+    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(METHODS)
+    assert (root / "results/accuracy.png").stat().st_size > 1000 and (root / "vectors/cosine.png").stat().st_size > 1000
+
+    # merged checkpoints, recomputed from the fine-tuned checkpoints directly (not through the task vectors)
+    theta0 = load_state_dict(root / "models/pretrained.safetensors")
+    thetas = [load_state_dict(root / f"models/finetuned/{t}.safetensors") for t in TASKS]
+    wa = load_state_dict(root / "merged/weight_averaging.safetensors")
+    ta = load_state_dict(root / "merged/task_arithmetic.safetensors")
+    lam = json.loads((root / "metrics/merge/task_arithmetic.json").read_text())["hyperparameters"]["lam"]
+    assert lam in (0.1, 0.3, 0.5)
+    for k in theta0:
+        assert torch.allclose(wa[k], sum(th[k] for th in thetas) / len(thetas), atol=1e-5)
+        assert torch.allclose(ta[k], theta0[k] + lam * sum(th[k] - theta0[k] for th in thetas), atol=1e-5)
+    ties = json.loads((root / "metrics/merge/ties.json").read_text())
+    assert ties["hyperparameters"]["k"] == 0.2 and ties["searched"]["lam"] in (0.8, 1.0) and len(ties["val_curve"]) == 2
+    best = max(ties["val_curve"], key=lambda r: r["average"])
+    assert ties["val_average"] == best["average"]
+    ev = json.loads((root / "metrics/evaluate/ties.json").read_text())
+    assert rows["ties"]["average"] == pytest.approx(ev["average"])
+
+    # 2. after dvc repro the Prefect flow has nothing to redo
+    assert _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env)) == set()
+
+    # 3. one merge hyperparameter changed: the flow re-runs that merge, its evaluation, the report and tracking only
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["merge"]["ties"]["k"] = 0.1
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env))
+    assert ran == {"merge@ties", "evaluate@ties", "report", "track"}
+    assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.1
+    # ... and then DVC agrees that everything is up to date
+    assert "up to date" in _run("dvc status", root, env)
+    assert "Running stage" not in _run("dvc repro", root, env)
+
+    # 4. dvc exp run -S changes one hyperparameter and re-runs only what depends on it
+    _run("git add -A && git commit -qm 'k=0.1'", root, env)
+    out = _run("dvc exp run -S merge.ties.k=0.3", root, env)
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "evaluate@ties", "report", "track"}
+    assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.3
+
+    # 5. MLflow: one parent run per pipeline run, nested runs per stage, task and method
+    client, runs = _mlflow(root)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert sorted(r.data.tags["mergeflow.source"] for r in parents) == ["dvc", "dvc", "prefect"]
+    first = min(parents, key=lambda r: r.info.start_time)
+    assert len(first.data.tags["git.commit"]) == 40 and len(first.data.tags["dvc.lock.sha256"]) == 64
+    assert first.data.params["merge.ties.k"] == "0.2" and first.data.params["finetune.steps"] == "8"
+    children = {r.data.tags["mlflow.runName"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == first.info.run_id}
+    assert set(children) == {"prepare", "pretrain", "finetune", "vectors", "merge"}
+    by_name = {}
+    for r in runs:
+        by_name.setdefault(r.data.tags["mlflow.runName"], []).append(r)
+    ft_run = next(r for r in by_name["finetune@digits"] if r.data.tags["mlflow.parentRunId"] == children["finetune"].info.run_id)
+    assert len(client.get_metric_history(ft_run.info.run_id, "train.loss")) == 8
+    assert "checkpoints/digits.safetensors" in {a.path for a in client.list_artifacts(ft_run.info.run_id, "checkpoints")}
+    ties_runs = sorted(by_name["merge@ties"], key=lambda r: r.info.start_time)
+    assert [r.data.params["hp.k"] for r in ties_runs] == ["0.2", "0.1", "0.3"]
+    assert all(float(r.data.params["chosen.lam"]) in (0.8, 1.0) and "test.average" in r.data.metrics for r in ties_runs)
+    assert "merged/ties.safetensors" in {a.path for a in client.list_artifacts(ties_runs[0].info.run_id, "merged")}

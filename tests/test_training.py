@@ -1,0 +1,85 @@
+"""Training against independent routes: seed 000's identity for full-batch GD, the schedule by hand, the probe
+against scikit-learn."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from mergeflow.config import BackboneConfig, FinetuneConfig, ProbeConfig
+from mergeflow.models import backbone_state, build_backbone, make_head
+from mergeflow.training import batches, extract_features, finetune, fit_probe, warmup_cosine
+
+TINY = BackboneConfig(kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2})
+
+
+def _images(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_warmup_cosine_by_hand():
+    assert warmup_cosine(0, 10, 2) == pytest.approx(0.5)
+    assert warmup_cosine(1, 10, 2) == pytest.approx(1.0)
+    assert warmup_cosine(2, 10, 2) == pytest.approx(1.0)
+    assert warmup_cosine(6, 10, 2) == pytest.approx(0.5)  # half-way through the cosine
+    assert warmup_cosine(10, 10, 2) == pytest.approx(0.0)
+    assert warmup_cosine(0, 1, 0) == pytest.approx(1.0)
+
+
+def test_batches_cover_each_epoch_once():
+    seen = torch.cat(list(batches(10, 5, 2, torch.Generator().manual_seed(0))))
+    assert sorted(seen.tolist()) == list(range(10))
+
+
+def test_one_epoch_of_full_batch_gd_gives_minus_lr_times_gradient():
+    """Seed 000: with full-batch GD one epoch is one step, so tau = theta_1 - theta_0 = -eta * grad L(theta_0)."""
+    torch.manual_seed(0)
+    images, labels = _images(24)
+    backbone = build_backbone(TINY)
+    head = make_head(backbone.num_features, 3)
+    theta0 = backbone_state(backbone)
+
+    loss = torch.nn.functional.cross_entropy(head(backbone(images)), labels)
+    names = [n for n, _ in backbone.net.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(loss, list(backbone.net.parameters()))))
+
+    lr = 0.05
+    cfg = FinetuneConfig(optimizer="gd", epochs=1, lr=lr, weight_decay=0.0, warmup_steps=0)
+    curve = finetune(backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"))
+    assert len(curve.step) == 1
+    theta1 = backbone_state(backbone)
+    for name in names:
+        assert torch.allclose(theta1[name] - theta0[name], -lr * grads[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_head_is_frozen_during_finetuning():
+    images, labels = _images(16)
+    backbone = build_backbone(TINY)
+    head = make_head(backbone.num_features, 3)
+    before = head.weight.detach().clone()
+    finetune(backbone, head, images, labels, FinetuneConfig(steps=3, batch_size=8, lr=1e-2), seed=0, device=torch.device("cpu"))
+    assert torch.equal(head.weight, before)
+
+
+def test_probe_head_on_raw_features_matches_sklearn_on_standardised_features():
+    g = np.random.default_rng(0)
+    x = torch.tensor(g.normal(3.0, 2.0, (120, 5)), dtype=torch.float32)
+    y = (x[:, 0] + x[:, 1] > 6).long() + (x[:, 2] > 3).long()
+    result = fit_probe(x[:80], y[:80], x[80:], y[80:], ProbeConfig(c_grid=[1.0]), seed=0)
+    mu, sd = x[:80].mean(0), x[:80].std(0) + 1e-6
+    ref = LogisticRegression(C=1.0, max_iter=500).fit(((x[:80] - mu) / sd).numpy(), y[:80].numpy())
+    expected = ref.predict(((x - mu) / sd).numpy())
+    assert (result.head(x).argmax(1).numpy() == expected).all()
+    assert result.val_accuracy == pytest.approx(float((expected[80:] == y[80:].numpy()).mean()))
+
+
+def test_features_are_deterministic_and_batch_independent():
+    images, _ = _images(10)
+    backbone = build_backbone(TINY)
+    a = extract_features(backbone, images, batch_size=3, device=torch.device("cpu"))
+    b = extract_features(backbone, images, batch_size=10, device=torch.device("cpu"))
+    assert a.shape == (10, 16) and torch.allclose(a, b, atol=1e-5)
+    assert not math.isnan(a.sum().item())
