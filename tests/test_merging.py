@@ -139,3 +139,35 @@ def test_wrong_hyperparameter_type_names_the_key():
 def test_unknown_method_lists_the_registered_ones():
     with pytest.raises(MergeflowError, match=r"unknown merge method 'soup' \(registered: .*task_arithmetic"):
         parse_params(_params({"methods": ["soup"]}))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in REGISTRY.items() if m.coefficient))
+def test_declared_coefficient_is_affine(name):
+    """The search interpolates along a method's coefficient; that is exact only if the merge is affine in it."""
+    theta0, tvs = _random_models()
+    method, coef = REGISTRY[name], REGISTRY[name].coefficient
+    base, unit, at = (method(theta0, tvs, **{coef: c}) for c in (0.0, 1.0, 0.7))
+    assert all(torch.allclose(at[k], base[k] + 0.7 * (unit[k] - base[k]), atol=1e-5) for k in theta0)
+
+
+def test_search_by_interpolation_matches_direct_merges():
+    from mergeflow.evaluation import _candidates
+
+    theta0, tvs = _random_models()
+    for hp, merged in _candidates(REGISTRY["ties"], {"lam": [0.5, 1.5], "trim_scope": "tensor"}, theta0, tvs):
+        direct = REGISTRY["ties"](theta0, tvs, **hp)
+        assert all(torch.allclose(merged[k], direct[k], atol=1e-5) for k in theta0)
+
+
+def test_lazy_state_dicts_merge_like_in_memory_ones(tmp_path):
+    from mergeflow.io import LazyStateDict, save_state_dict
+
+    theta0, tvs = _random_models()
+    save_state_dict(tmp_path / "theta0.safetensors", theta0)
+    for t, tv in tvs.items():
+        save_state_dict(tmp_path / f"{t}.safetensors", tv)
+    lazy = {t: LazyStateDict(tmp_path / f"{t}.safetensors") for t in tvs}
+    for name in REGISTRY:
+        a = REGISTRY[name](LazyStateDict(tmp_path / "theta0.safetensors"), lazy)
+        b = REGISTRY[name](theta0, tvs)
+        assert all(torch.equal(a[k], b[k]) for k in theta0), name

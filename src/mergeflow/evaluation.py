@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io as _io
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -48,11 +49,28 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
+def _candidates(method: MergeMethod, overrides: Mapping, pretrained, task_vectors):
+    """(hyperparameters, merged state) for every grid point; a method's coefficient is swept by interpolation."""
+    fixed, grid = method.search_space(overrides)
+    coef = method.coefficient if method.coefficient in grid else None
+    others = [k for k in grid if k != coef]
+    for values in itertools.product(*(grid[k] for k in others)):
+        hp = {**fixed, **dict(zip(others, values))}
+        if coef is None:
+            yield hp, method(pretrained, task_vectors, **hp)
+            continue
+        base = method(pretrained, task_vectors, **hp, **{coef: 0.0})
+        unit = method(pretrained, task_vectors, **hp, **{coef: 1.0})
+        direction = {k: unit[k].float() - base[k].float() for k in base}
+        del unit
+        for c in grid[coef]:
+            yield {**hp, coef: c}, {k: (base[k].float() + c * direction[k]).to(base[k].dtype) for k in base}
+
+
 def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_vectors: Mapping[str, StateDict], evaluate: MultiTaskEvaluator):
     """Grid search on validation; the best average accuracy wins (first in grid order on ties)."""
     curve, best = [], None
-    for hp in method.candidates(overrides):
-        merged = method(pretrained, task_vectors, **hp)
+    for hp, merged in _candidates(method, overrides, pretrained, task_vectors):
         acc = evaluate(merged)
         row = {"hyperparameters": hp, "accuracy": acc, "average": mean(acc.values())}
         curve.append(row)

@@ -96,6 +96,57 @@ def load_state_dict(path: str | os.PathLike, *, check: bool = True) -> StateDict
     return state
 
 
+class LazyStateDict(Mapping[str, torch.Tensor]):
+    """A memory-mapped safetensors file: a tensor is read (and checked for NaN/Inf) only when indexed.
+
+    Lets a merge hold a handful of tensors at a time instead of every model at once.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, check: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise MergeflowError(f"{self.path}: checkpoint not found")
+        try:
+            self._file = safe_open(str(self.path), framework="pt")
+            self._keys = list(self._file.keys())
+        except (SafetensorError, OSError, ValueError) as err:
+            raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
+        self._check = check
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        tensor = self._file.get_tensor(key)
+        if self._check:
+            check_finite({key: tensor}, str(self.path))
+        return tensor
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> str:
+        return self._file.get_slice(key).get_dtype()
+
+
+def check_compatible_lazy(reference: LazyStateDict, other: LazyStateDict) -> None:
+    """check_compatible on keys and shapes from the file headers, without reading any tensor."""
+    missing = sorted(set(reference) - set(other))
+    extra = sorted(set(other) - set(reference))
+    if missing:
+        raise MergeflowError(f"{other.path}: missing tensor '{missing[0]}' present in {reference.path} ({len(missing)} missing)")
+    if extra:
+        raise MergeflowError(f"{other.path}: unexpected tensor '{extra[0]}' absent from {reference.path} ({len(extra)} extra)")
+    for key in reference:
+        if reference.shape(key) != other.shape(key):
+            raise MergeflowError(f"{other.path}: tensor '{key}' has shape {other.shape(key)}, expected {reference.shape(key)} as in {reference.path}")
+
+
 def load_metadata(path: str | os.PathLike) -> dict[str, str]:
     path = Path(path)
     if not path.is_file():

@@ -17,7 +17,7 @@ from mergeflow import data as data_mod
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.evaluation import MultiTaskEvaluator, mean, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
-from mergeflow.io import atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, write_json
+from mergeflow.io import LazyStateDict, atomic_path, check_compatible_lazy, load_state_dict, read_json, save_state_dict, write_json
 from mergeflow.merging import REGISTRY
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
 from mergeflow.task_vectors import plot_cosine_heatmap, statistics, task_vector
@@ -89,13 +89,11 @@ def _load_heads(params: Params, layout: Layout, num_features: int):
 
 
 def _load_task_vectors(params: Params, layout: Layout):
-    pretrained = load_state_dict(layout.pretrained)
-    vectors = {}
-    for t in params.suite.tasks:
-        path = layout.vectors / f"{t}.safetensors"
-        vectors[t] = load_state_dict(path)
-        # task vectors are float32 whatever the checkpoint's dtype: compare keys and shapes only
-        check_compatible(pretrained, vectors[t], reference_name=str(layout.pretrained), other_name=str(path), dtypes=False)
+    """Memory-mapped: a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
+    pretrained = LazyStateDict(layout.pretrained)
+    vectors = {t: LazyStateDict(layout.vectors / f"{t}.safetensors") for t in params.suite.tasks}
+    for tv in vectors.values():
+        check_compatible_lazy(pretrained, tv)
     return pretrained, vectors
 
 

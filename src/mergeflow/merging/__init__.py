@@ -26,6 +26,9 @@ class MergeMethod:
     paper: str  # citation
     defaults: Mapping[str, Any]  # every hyperparameter, at the value used without validation data
     grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # hyperparameters searched on validation
+    # the hyperparameter the merged model is affine in (theta = base + c * direction): a sweep over it merges
+    # twice (c = 0 and c = 1) and interpolates instead of merging once per value
+    coefficient: str | None = None
 
     def __call__(self, pretrained: StateDict, task_vectors: Mapping[str, StateDict], **hyperparameters) -> StateDict:
         return self.fn(pretrained, task_vectors, **{**self.defaults, **hyperparameters})
@@ -58,11 +61,20 @@ class MergeMethod:
 REGISTRY: dict[str, MergeMethod] = {}
 
 
-def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None, grid: Mapping[str, Sequence[Any]] | None = None):
+def register(
+    name: str,
+    *,
+    paper: str,
+    defaults: Mapping[str, Any] | None = None,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    coefficient: str | None = None,
+):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
             raise RuntimeError(f"merge method '{name}' registered twice")
-        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}))
+        if coefficient is not None and coefficient not in (defaults or {}):
+            raise RuntimeError(f"merge method '{name}': coefficient '{coefficient}' is not a hyperparameter")
+        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient)
         return fn
 
     return wrap

@@ -5,11 +5,17 @@ Ilharco et al., "Editing models with task arithmetic", ICLR 2023. lam = 1/T give
 """
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import add_scaled, stack
+from mergeflow.merging._tensors import map_tensors
 
 LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
 
 
-@register("task_arithmetic", paper="Ilharco et al. 2023, Editing models with task arithmetic (arXiv:2212.04089)", defaults={"lam": 0.4}, grid={"lam": LAMBDA_GRID})
+@register(
+    "task_arithmetic",
+    paper="Ilharco et al. 2023, Editing models with task arithmetic (arXiv:2212.04089)",
+    defaults={"lam": 0.4},
+    grid={"lam": LAMBDA_GRID},
+    coefficient="lam",
+)
 def task_arithmetic(pretrained, task_vectors, *, lam):
-    return add_scaled(pretrained, {k: stack(task_vectors, k).sum(0) for k in pretrained}, lam)
+    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * taus.sum(0))

@@ -1,17 +1,22 @@
 """TIES-merging: trim, elect sign, disjoint merge.
 
-Yadav et al., "TIES-Merging: Resolving interference when merging models", NeurIPS 2023.
+Yadav et al., "TIES-Merging: Resolving interference when merging models", NeurIPS 2023 (arXiv:2306.01708).
 1. trim: keep the top-k fraction of |tau_t| in each task vector, zero the rest;
 2. elect: gamma = sgn(sum_t trimmed tau_t) (the sign of the total mass);
 3. disjoint mean: per entry, the mean of the trimmed entries whose sign equals gamma;
-theta = theta0 + lam * that. The original code trims over the whole flattened model (``trim_scope='global'``);
-mergekit and PEFT trim each tensor separately (``trim_scope='tensor'``).
+theta = theta0 + lam * that.
+
+``trim_scope='global'`` (the original code) makes one cut per task over the whole flattened model; it needs a
+first pass over the model, done one task vector at a time (peak: one task vector's magnitudes). ``'tensor'``
+(mergekit, PEFT) cuts each tensor separately and streams like every element-wise method.
 """
+
+from collections.abc import Mapping
 
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import add_scaled, stack
+from mergeflow.merging._tensors import map_tensors
 
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 
@@ -25,12 +30,40 @@ def topk_threshold(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
     return flat.kthvalue(flat.numel() - n_keep + 1).values
 
 
+def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k: float) -> torch.Tensor:
+    """Pass 1 of a global trim: each task's cut over its whole flattened vector, one task at a time."""
+    cuts = []
+    for tv in task_vectors.values():
+        cuts.append(topk_threshold(torch.cat([tv[key].float().abs().flatten() for key in tv]), k))
+    return torch.stack(cuts)
+
+
+def trim(taus: torch.Tensor, k: float, thresholds: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero all but the top-k magnitudes of each task's slice of ``taus`` [T, ...] (per tensor unless thresholds given)."""
+    if thresholds is None:
+        thresholds = torch.stack([topk_threshold(row.abs(), k) for row in taus])
+    shape = (-1,) + (1,) * (taus.ndim - 1)
+    return torch.where(taus.abs() >= thresholds.view(shape), taus, torch.zeros_like(taus))
+
+
 def disjoint_mean(trimmed: torch.Tensor) -> torch.Tensor:
     """trimmed: [T, ...]. Elect the sign of the total mass, then average the agreeing non-zero entries."""
     elected = torch.sign(trimmed.sum(0))
     agree = (torch.sign(trimmed) == elected) & (trimmed != 0)
-    count = agree.sum(0).clamp(min=1)
-    return (trimmed * agree).sum(0) / count
+    return (trimmed * agree).sum(0) / agree.sum(0).clamp(min=1)
+
+
+def check_ties_args(k: float, trim_scope: str, where: str = "merge.ties") -> None:
+    if trim_scope not in ("global", "tensor"):
+        raise ValueError(f"{where}.trim_scope: expected 'global' or 'tensor', got {trim_scope!r}")
+    if not 0 < k <= 1:
+        raise ValueError(f"{where}.k: expected a fraction in (0, 1], got {k}")
+
+
+def ties_vector(pretrained, task_vectors, *, k: float, trim_scope: str) -> dict[str, torch.Tensor]:
+    """The TIES-merged task vector (before scaling), one tensor at a time."""
+    cuts = global_thresholds(task_vectors, k) if trim_scope == "global" else None
+    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: disjoint_mean(trim(taus, k, cuts)))
 
 
 @register(
@@ -38,24 +71,9 @@ def disjoint_mean(trimmed: torch.Tensor) -> torch.Tensor:
     paper="Yadav et al. 2023, TIES-Merging (arXiv:2306.01708)",
     defaults={"k": 0.2, "trim_scope": "global", "lam": 1.0},
     grid={"lam": LAMBDA_GRID},
+    coefficient="lam",
 )
 def ties(pretrained, task_vectors, *, k, trim_scope, lam):
-    if trim_scope not in ("global", "tensor"):
-        raise ValueError(f"merge.ties.trim_scope: expected 'global' or 'tensor', got {trim_scope!r}")
-    if not 0 < k <= 1:
-        raise ValueError(f"merge.ties.k: expected a fraction in (0, 1], got {k}")
-    keys = list(pretrained)
-    stacks = {key: stack(task_vectors, key) for key in keys}
-    if trim_scope == "global":
-        # one cut per task over the whole flattened model
-        flat = torch.cat([stacks[key].flatten(1) for key in keys], dim=1).abs()
-        thresholds = torch.stack([topk_threshold(row, k) for row in flat])
-    merged = {}
-    for key in keys:
-        s = stacks[key]
-        if trim_scope == "tensor":
-            thresholds = torch.stack([topk_threshold(row.abs(), k) for row in s])
-        shape = (-1,) + (1,) * (s.ndim - 1)
-        trimmed = torch.where(s.abs() >= thresholds.view(shape), s, torch.zeros_like(s))
-        merged[key] = disjoint_mean(trimmed)
-    return add_scaled(pretrained, merged, lam)
+    check_ties_args(k, trim_scope)
+    cuts = global_thresholds(task_vectors, k) if trim_scope == "global" else None
+    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * disjoint_mean(trim(taus, k, cuts)))

@@ -4,9 +4,9 @@ Wortsman et al., "Model soups", ICML 2022; the 'weight averaging' baseline of Il
 """
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import add_scaled, stack
+from mergeflow.merging._tensors import map_tensors
 
 
 @register("weight_averaging", paper="Wortsman et al. 2022, Model soups (arXiv:2203.05482)")
 def weight_averaging(pretrained, task_vectors):
-    return add_scaled(pretrained, {k: stack(task_vectors, k).mean(0) for k in pretrained}, 1.0)
+    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + taus.mean(0))
