@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io as _io
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +38,25 @@ class MultiTaskEvaluator:
         self._sizes = [len(p.labels) for p in parts]
         self._model = build_backbone(self.backbone_cfg)
 
+        offsets = [0, *itertools.accumulate(self._sizes)]
+        self._slices = {t: slice(a, b) for t, a, b in zip(self.tasks, offsets, offsets[1:])}
+        self._task_labels = dict(zip(self.tasks, self._labels))
+
     def __call__(self, state: StateDict) -> dict[str, float]:
+        """Every task, one model."""
         self._model.net.load_state_dict(state)
         feats = extract_features(self._model, self._images, batch_size=self.batch_size, device=self.device)
         return {t: head_accuracy(self.heads[t], f, y) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
+
+    def task(self, task: str, state: StateDict) -> float:
+        """One task, on its own split only."""
+        self._model.net.load_state_dict(state)
+        feats = extract_features(self._model, self._images[self._slices[task]], batch_size=self.batch_size, device=self.device)
+        return head_accuracy(self.heads[task], feats, self._task_labels[task])
+
+    def per_task(self, model_of: Callable[[str], StateDict]) -> dict[str, float]:
+        """Each task with its own model (per-task methods)."""
+        return {t: self.task(t, model_of(t)) for t in self.tasks}
 
 
 def mean(values) -> float:
@@ -49,9 +64,8 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
-def _candidates(method: MergeMethod, overrides: Mapping, pretrained, task_vectors):
-    """(hyperparameters, merged state) for every grid point; a method's coefficient is swept by interpolation."""
-    fixed, grid = method.search_space(overrides)
+def _candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretrained, task_vectors):
+    """(hyperparameters, output) for every grid point; a method's coefficient is swept by interpolation."""
     coef = method.coefficient if method.coefficient in grid else None
     others = [k for k in grid if k != coef]
     for values in itertools.product(*(grid[k] for k in others)):
@@ -67,16 +81,57 @@ def _candidates(method: MergeMethod, overrides: Mapping, pretrained, task_vector
             yield {**hp, coef: c}, {k: (base[k].float() + c * direction[k]).to(base[k].dtype) for k in base}
 
 
+def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: MultiTaskEvaluator):
+    """Per-task hyperparameters (e.g. TALL masks' lambda_t), each chosen on that task's own validation split."""
+    chosen, curves = {}, {}
+    for key, values in method.per_task_space(overrides).items():
+        chosen[key], curves[key] = {}, {}
+        for task in task_vectors:
+            accs = [evaluate.task(task, method.task_model(pretrained, task_vectors, task, **{**fixed, key: v})) for v in values]
+            curves[key][task] = dict(zip(map(str, values), accs))
+            chosen[key][task] = values[max(range(len(values)), key=accs.__getitem__)]
+    return chosen, curves
+
+
 def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_vectors: Mapping[str, StateDict], evaluate: MultiTaskEvaluator):
-    """Grid search on validation; the best average accuracy wins (first in grid order on ties)."""
+    """Grid search on validation; the best average accuracy wins (first in grid order on ties).
+
+    Returns (best row, its output: a merged model or a per-task store, the validation curve, per-task choices).
+    """
+    fixed, grid = method.search_space(overrides)
+    per_task, per_task_curves = choose_per_task(method, overrides, fixed, pretrained, task_vectors, evaluate)
+    fixed = {**fixed, **per_task}
     curve, best = [], None
-    for hp, merged in _candidates(method, overrides, pretrained, task_vectors):
-        acc = evaluate(merged)
-        row = {"hyperparameters": hp, "accuracy": acc, "average": mean(acc.values())}
+    for hp, output in _candidates(method, fixed, grid, pretrained, task_vectors):
+        if method.kind == "per_task":
+            acc = evaluate.per_task(lambda t: method.reconstruct(output, pretrained, t))
+        else:
+            acc = evaluate(output)
+        row = {"hyperparameters": {k: v for k, v in hp.items() if k not in per_task}, "accuracy": acc, "average": mean(acc.values())}
         curve.append(row)
         if best is None or row["average"] > best[0]["average"]:
-            best = (row, merged)
-    return best[0], best[1], curve
+            best = (row, output)
+    return best[0], best[1], curve, {"chosen": per_task, "curves": per_task_curves}
+
+
+def negation_search(method: MergeMethod, overrides: Mapping, pretrained, task_vectors, evaluate: MultiTaskEvaluator, pretrained_accuracy: Mapping[str, float]):
+    """For each task t: the lam that lowers t's validation accuracy most while the other tasks' (control) accuracy
+    stays at least control_floor x the pretrained model's; lam = 0 (no edit) when none does."""
+    fixed, grid = method.search_space(overrides)
+    floor = fixed.get("control_floor", 0.95)
+    results = {}
+    for task, tau in task_vectors.items():
+        control_tasks = [t for t in task_vectors if t != task]
+        base_control = mean(pretrained_accuracy[t] for t in control_tasks)
+        curve, best = [], {"lam": 0.0, "target": pretrained_accuracy[task], "control": base_control}
+        for hp in method.candidates(overrides):
+            acc = evaluate(method(pretrained, {task: tau}, **hp))
+            row = {"lam": hp["lam"], "target": acc[task], "control": mean(acc[t] for t in control_tasks)}
+            curve.append(row)
+            if row["control"] >= floor * base_control and row["target"] < best["target"]:
+                best = row
+        results[task] = {"chosen": best, "curve": curve}
+    return results
 
 
 def plot_validation_curve(method: str, curve: list[dict], grid_keys: list[str], path) -> None:
@@ -108,7 +163,7 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
     probe = {t: finetune[t]["probe"]["test"] for t in tasks}
     gap = mean(individual.values()) - mean(probe.values())
 
-    def row(name: str, acc: Mapping[str, float], chosen: str = "") -> dict:
+    def row(name: str, acc: Mapping[str, float], chosen: str = "", storage: float = 1.0) -> dict:
         avg = mean(acc[t] for t in tasks)
         return {
             "method": name,
@@ -116,28 +171,32 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
             "average": avg,
             "normalized": mean(acc[t] / individual[t] for t in tasks),
             "gap_recovered": (avg - mean(probe.values())) / gap if gap else float("nan"),
+            "storage_models": storage,
             "chosen": chosen,
         }
 
-    rows = [row("Pretrained (linear probe)", probe), row("Individual", individual)]
+    def shown(v) -> str:
+        return "per task" if isinstance(v, Mapping) else str(v)
+
+    rows = [row("Pretrained (linear probe)", probe), row("Individual", individual, storage=float(len(tasks)))]
     for name, ev in evaluations.items():
-        chosen = ", ".join(f"{k}={v}" for k, v in ev["searched"].items())
-        rows.append(row(name, ev["accuracy"], chosen))
+        chosen = ", ".join(f"{k}={shown(v)}" for k, v in ev["searched"].items())
+        rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0)))
     return rows
 
 
 def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
-    head = ["method", *tasks, "avg", "norm.", "gap rec.", "chosen (val)"]
+    head = ["method", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["method"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", f"{100 * r['gap_recovered']:.0f}%", r["chosen"]]
+        cells = [r["method"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", f"{100 * r['gap_recovered']:.0f}%", f"{r['storage_models']:.2f}", r["chosen"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def summary_csv(rows: list[dict], tasks: list[str]) -> str:
     buf = _io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["method", *tasks, "average", "normalized", "gap_recovered", "chosen"])
+    writer = csv.DictWriter(buf, fieldnames=["method", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -159,6 +218,36 @@ def plot_summary(rows: list[dict], tasks: list[str], path) -> None:
     ax.set_ylim(0, 100)
     ax.legend(fontsize=7, ncol=2)
     ax.set_title("Merged models on every task (each task's own head)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def negation_markdown(method: str, ev: dict, tasks: list[str]) -> str:
+    """Forgetting (accuracy on the negated task) against control (the other tasks), pretrained beside negated."""
+    lines = [f"\n### {method}: forgetting vs control (test accuracy, %)\n", "| negated task | lam | target: pretrained → negated | control: pretrained → negated |", "|---|---|---|---|"]
+    for t in tasks:
+        r = ev["per_task"][t]
+        lines.append(f"| {t} | {r['lam']} | {100 * r['pretrained_target']:.1f} → {100 * r['target']:.1f} | {100 * r['pretrained_control']:.1f} → {100 * r['control']:.1f} |")
+    a = ev["average"]
+    lines.append(f"| **average** | | {100 * a['pretrained_target']:.1f} → **{100 * a['target']:.1f}** | {100 * a['pretrained_control']:.1f} → **{100 * a['control']:.1f}** |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_negation_curves(results: Mapping[str, dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for task, r in results.items():
+        line = ax.plot([c["lam"] for c in r["curve"]], [100 * c["target"] for c in r["curve"]], label=task)[0]
+        ax.plot([c["lam"] for c in r["curve"]], [100 * c["control"] for c in r["curve"]], ls="--", color=line.get_color())
+    ax.set_xlabel("lam (negation)")
+    ax.set_ylabel("val. accuracy (%): target —, control --")
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("task negation: forgetting vs control")
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -16,9 +16,10 @@ import torch
 from mergeflow import data as data_mod
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import MultiTaskEvaluator, mean, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
+from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, plot_negation_curves, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
 from mergeflow.io import LazyStateDict, atomic_path, check_compatible_lazy, load_state_dict, read_json, save_state_dict, write_json
 from mergeflow.merging import REGISTRY
+from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
 from mergeflow.task_vectors import plot_cosine_heatmap, statistics, task_vector
 from mergeflow.training import Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
@@ -204,63 +205,109 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- merge
+def _materialise(state) -> dict:
+    return {k: state[k] for k in state}
+
+
+def _bytes(state) -> int:
+    return sum(state[k].numel() * state[k].element_size() for k in state)
+
+
 def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
-    """Merge with one method; every grid point is scored on the validation split and the best is kept."""
+    """Merge with one method; every grid point is scored on the validation split and the best is kept.
+
+    A per-task method's output is its store (each task's model is rebuilt from it); task negation's output is the
+    coefficient chosen for each task.
+    """
     params.check_method(method)
     spec = REGISTRY[method]
     device = _setup(params, params.seed)
+    overrides = params.merge.overrides(method)
     with Timer() as timer:
         pretrained, tvs = _load_task_vectors(params, layout)
         tasks = _load_tasks(params, layout)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features)
         evaluate = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
-        overrides = params.merge.overrides(method)
         try:
-            best, merged, curve = search(spec, overrides, pretrained, tvs, evaluate)
+            if spec.kind == "negation":
+                pretrained_acc = evaluate(_materialise(pretrained))
+                negation = negation_search(spec, overrides, pretrained, tvs, evaluate, pretrained_acc)
+            else:
+                best, output, curve, per_task = search(spec, overrides, pretrained, tvs, evaluate)
         except ValueError as err:
             raise MergeflowError(str(err)) from None
-    _, grid = spec.search_space(overrides)
-    searched = {k: best["hyperparameters"][k] for k in grid}
-    save_state_dict(layout.merged(method), merged, {"method": method, "hyperparameters": json.dumps(best["hyperparameters"])})
+    fixed, grid = spec.search_space(overrides)
+    metrics = {"method": method, "kind": spec.kind, "paper": spec.paper, "grid": grid, "wall_time_s": timer.seconds}
+    if spec.kind == "negation":
+        output = {f"lam/{t}": torch.tensor(float(r["chosen"]["lam"])) for t, r in negation.items()}
+        metrics |= {"hyperparameters": fixed, "searched": {}, "pretrained_val_accuracy": pretrained_acc, "per_task": negation}
+    else:
+        metrics |= {
+            "hyperparameters": best["hyperparameters"] | per_task["chosen"],
+            "searched": {k: best["hyperparameters"][k] for k in grid} | per_task["chosen"],
+            "val_accuracy": best["accuracy"],
+            "val_average": best["average"],
+            "val_curve": curve,
+            "per_task_curves": per_task["curves"],
+        }
+        if spec.kind == "per_task":
+            uses_theta0 = not any(k.startswith(BASE_PREFIX) for k in output)
+            metrics |= {"storage_bytes": store_bytes(output) + (_bytes(pretrained) if uses_theta0 else 0), "model_bytes": _bytes(pretrained)}
+    save_state_dict(layout.merged(method), output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
     with atomic_path(layout.log("merge", method, ".png")) as tmp:
-        plot_validation_curve(method, curve, list(grid), tmp)
-    metrics = {
-        "method": method,
-        "paper": spec.paper,
-        "hyperparameters": best["hyperparameters"],
-        "searched": searched,
-        "grid": grid,
-        "val_accuracy": best["accuracy"],
-        "val_average": best["average"],
-        "val_curve": curve,
-        "wall_time_s": timer.seconds,
-    }
+        if spec.kind == "negation":
+            plot_negation_curves(negation, tmp)
+        else:
+            plot_validation_curve(method, curve, list(grid), tmp)
     write_json(layout.metrics("merge", method), metrics)
     return metrics
 
 
 # ---------------------------------------------------------------- evaluate
 def evaluate(params: Params, method: str, layout: Layout = Layout()) -> dict:
-    """Test accuracy of one merged model on every task, absolute and normalized by the individual model."""
+    """Test accuracy on every task, absolute and normalized by the individual model (per-task methods: each task
+    with its own rebuilt model; task negation: the negated task's accuracy against the others')."""
     params.check_method(method)
+    spec = REGISTRY[method]
     device = _setup(params, params.seed)
+    chosen = read_json(layout.metrics("merge", method))
+    ft = {t: read_json(layout.metrics("finetune", t)) for t in params.suite.tasks}
     with Timer() as timer:
-        merged = load_state_dict(layout.merged(method))
+        output = load_state_dict(layout.merged(method))
         tasks = _load_tasks(params, layout)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features)
-        acc = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)(merged)
-    individual = {t: read_json(layout.metrics("finetune", t))["individual"]["test"] for t in params.suite.tasks}
-    chosen = read_json(layout.metrics("merge", method))
-    metrics = {
-        "method": method,
-        "accuracy": acc,
-        "average": mean(acc.values()),
-        "normalized": {t: acc[t] / individual[t] for t in acc},
-        "normalized_average": mean(acc[t] / individual[t] for t in acc),
-        "hyperparameters": chosen["hyperparameters"],
-        "searched": chosen["searched"],
-        "wall_time_s": timer.seconds,
-    }
+        evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)
+        if spec.kind == "negation":
+            pretrained, tvs = _load_task_vectors(params, layout)
+            per_task = {}
+            for t in params.suite.tasks:
+                lam = float(output[f"lam/{t}"])
+                acc = evaluator(spec(pretrained, {t: tvs[t]}, **{**chosen["hyperparameters"], "lam": lam}))
+                others = [o for o in params.suite.tasks if o != t]
+                per_task[t] = {
+                    "lam": lam,
+                    "target": acc[t],
+                    "control": mean(acc[o] for o in others),
+                    "pretrained_target": ft[t]["probe"]["test"],
+                    "pretrained_control": mean(ft[o]["probe"]["test"] for o in others),
+                }
+        elif spec.kind == "per_task":
+            pretrained = load_state_dict(layout.pretrained)
+            acc = evaluator.per_task(lambda t: spec.reconstruct(output, pretrained, t))
+        else:
+            acc = evaluator(output)
+    metrics = {"method": method, "kind": spec.kind, "hyperparameters": chosen["hyperparameters"], "searched": chosen["searched"], "wall_time_s": timer.seconds}
+    if spec.kind == "negation":
+        metrics |= {"per_task": per_task, "average": {k: mean(r[k] for r in per_task.values()) for k in ("target", "control", "pretrained_target", "pretrained_control")}}
+    else:
+        individual = {t: ft[t]["individual"]["test"] for t in params.suite.tasks}
+        metrics |= {
+            "accuracy": acc,
+            "average": mean(acc.values()),
+            "normalized": {t: acc[t] / individual[t] for t in acc},
+            "normalized_average": mean(acc[t] / individual[t] for t in acc),
+            "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if spec.kind == "per_task" else 1.0,
+        }
     write_json(layout.metrics("evaluate", method), metrics)
     return metrics
 
@@ -271,15 +318,16 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     tasks = params.suite.tasks
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
-    rows = summary_rows(tasks, ft, ev)
+    negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
+    rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations})
     stage_times = {"prepare": read_json(layout.metrics("prepare"))["wall_time_s"], "pretrain": read_json(layout.metrics("pretrain"))["wall_time_s"]}
     stage_times |= {f"finetune@{t}": ft[t]["wall_time_s"] for t in tasks}
     stage_times["vectors"] = read_json(layout.metrics("vectors"))["wall_time_s"]
     stage_times |= {f"merge@{m}": read_json(layout.metrics("merge", m))["wall_time_s"] for m in params.merge.methods}
     stage_times |= {f"evaluate@{m}": ev[m]["wall_time_s"] for m in params.merge.methods}
     with atomic_path(layout.results, directory=True) as tmp:
-        (tmp / "summary.md").write_text(summary_markdown(rows, tasks))
+        (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
-        write_json(tmp / "summary.json", {"rows": rows, "stage_wall_time_s": stage_times})
+        write_json(tmp / "summary.json", {"rows": rows, "negation": negations, "stage_wall_time_s": stage_times})
         plot_summary(rows, tasks, tmp / "accuracy.png")
-    return {"rows": rows, "stage_wall_time_s": stage_times}
+    return {"rows": rows, "negation": negations, "stage_wall_time_s": stage_times}

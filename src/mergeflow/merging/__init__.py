@@ -1,8 +1,16 @@
 """The registry of merging methods.
 
 A method is one module in this package: a pure function ``(pretrained, task_vectors, **hyperparameters) ->
-merged state dict`` decorated with ``@register``, which records its paper, defaults and validation grid as data.
+state dict`` decorated with ``@register``, which records its paper, defaults and validation grid as data.
 Modules are discovered by name, so adding a method means adding one file. No method does I/O.
+
+Kinds of method:
+- ``model``: the function returns the one merged model;
+- ``per_task``: it returns a shared store (a flat state dict) from which ``reconstruct(store, pretrained, task)``
+  rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
+- ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
+Hyperparameters in ``per_task_grid`` are chosen separately for each task on its own validation split, with
+``task_model(pretrained, task_vectors, task, **hyperparameters)`` giving the model that choice is made on.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ class MergeMethod:
     # the hyperparameter the merged model is affine in (theta = base + c * direction): a sweep over it merges
     # twice (c = 0 and c = 1) and interpolates instead of merging once per value
     coefficient: str | None = None
+    kind: str = "model"  # "model" | "per_task" | "negation"
+    reconstruct: Callable[..., StateDict] | None = None  # per_task: (store, pretrained, task) -> that task's model
+    per_task_grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # chosen per task, on that task's val
+    task_model: MergeFn | None = None  # (pretrained, task_vectors, task, **hp) -> the model a per-task choice is made on
 
     def __call__(self, pretrained: StateDict, task_vectors: Mapping[str, StateDict], **hyperparameters) -> StateDict:
         return self.fn(pretrained, task_vectors, **{**self.defaults, **hyperparameters})
@@ -38,6 +50,10 @@ class MergeMethod:
         fixed = dict(self.defaults)
         grid = {k: list(v) for k, v in self.grid.items()}
         for key, value in (overrides or {}).items():
+            if key in self.per_task_grid:
+                if not isinstance(value, list):
+                    fixed[key] = value
+                continue
             if isinstance(value, list):
                 grid[key] = list(value)
             else:
@@ -47,6 +63,15 @@ class MergeMethod:
             fixed.pop(key, None)
         return fixed, grid
 
+    def per_task_space(self, overrides: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
+        """Hyperparameters chosen per task, with their grids; a scalar override fixes one value for every task."""
+        space = {}
+        for key, values in self.per_task_grid.items():
+            value = (overrides or {}).get(key, list(values))
+            if isinstance(value, list):
+                space[key] = list(value)
+        return space
+
     def candidates(self, overrides: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
         fixed, grid = self.search_space(overrides)
         keys = list(grid)
@@ -54,8 +79,13 @@ class MergeMethod:
             yield {**fixed, **dict(zip(keys, values))}
 
     def describe(self) -> str:
-        hp = ", ".join(f"{k}={v!r}" + (f" grid={list(self.grid[k])}" if k in self.grid else "") for k, v in self.defaults.items())
-        return f"{self.name:<18} {hp or '(no hyperparameters)'}  [{self.paper}]"
+        def one(k, v):
+            grid = self.grid.get(k) or self.per_task_grid.get(k)
+            return f"{k}={v!r}" + (f" {'per-task ' if k in self.per_task_grid else ''}grid={list(grid)}" if grid else "")
+
+        hp = ", ".join(one(k, v) for k, v in self.defaults.items())
+        kind = "" if self.kind == "model" else f" ({self.kind})"
+        return f"{self.name:<22}{kind} {hp or '(no hyperparameters)'}  [{self.paper}]"
 
 
 REGISTRY: dict[str, MergeMethod] = {}
@@ -68,13 +98,21 @@ def register(
     defaults: Mapping[str, Any] | None = None,
     grid: Mapping[str, Sequence[Any]] | None = None,
     coefficient: str | None = None,
+    kind: str = "model",
+    reconstruct: Callable[..., StateDict] | None = None,
+    per_task_grid: Mapping[str, Sequence[Any]] | None = None,
+    task_model: MergeFn | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
             raise RuntimeError(f"merge method '{name}' registered twice")
         if coefficient is not None and coefficient not in (defaults or {}):
             raise RuntimeError(f"merge method '{name}': coefficient '{coefficient}' is not a hyperparameter")
-        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient)
+        if (kind == "per_task") != (reconstruct is not None) or kind not in ("model", "per_task", "negation"):
+            raise RuntimeError(f"merge method '{name}': a per_task method, and only one, needs reconstruct")
+        if bool(per_task_grid) != (task_model is not None) or not set(per_task_grid or {}) <= set(defaults or {}):
+            raise RuntimeError(f"merge method '{name}': per_task_grid needs task_model, and names hyperparameters")
+        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), task_model)
         return fn
 
     return wrap

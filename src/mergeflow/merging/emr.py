@@ -1,0 +1,47 @@
+"""EMR-merging (elect, mask, rescale): one unified task vector, a mask and a scale per task.
+
+Huang et al., "EMR-Merging: tuning-free high-performance model merging", NeurIPS 2024 (arXiv:2405.17461).
+    gamma = sgn(sum_t tau_t);  tau_uni = gamma * max over tasks t with sgn(tau_t) = gamma of |tau_t|;
+    M_t = 1{tau_t gamma > 0};  lambda_t = sum |tau_t| / sum |M_t * tau_uni| (sums over the whole model);
+    task t: theta0 + lambda_t (M_t * tau_uni).
+No hyperparameters. Storage: one model-sized vector, one bit per weight and task, one scalar per task, beside theta0.
+"""
+
+import torch
+
+from mergeflow.merging import register
+from mergeflow.merging._tensors import map_tensors
+
+
+def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tau_uni, masks [T, ...])."""
+    gamma = torch.sign(taus.sum(0))
+    agree = taus * gamma > 0
+    tau_uni = gamma * (taus.abs() * agree).amax(0)
+    return tau_uni, agree
+
+
+def reconstruct(store, pretrained, task):
+    scale = store[f"scale/{task}"]
+    return {k: (p.float() + scale * store[f"mask/{task}/{k}"] * store[f"shared/{k}"]).to(p.dtype) for k, p in pretrained.items()}
+
+
+@register("emr", paper="Huang et al. 2024, EMR-Merging (arXiv:2405.17461)", kind="per_task", reconstruct=reconstruct)
+def emr(pretrained, task_vectors):
+    tasks = list(task_vectors)
+    total = torch.zeros(len(tasks), dtype=torch.float64)  # sum |tau_t|
+    kept = torch.zeros(len(tasks), dtype=torch.float64)  # sum |M_t * tau_uni|
+    store = {}
+
+    def merge(key, theta0, taus):
+        tau_uni, masks = elect(taus)
+        total.add_(taus.abs().flatten(1).sum(1).double())
+        kept.add_((masks * tau_uni.abs()).flatten(1).sum(1).double())
+        for t, mask in zip(tasks, masks):
+            store[f"mask/{t}/{key}"] = mask
+        return tau_uni
+
+    store |= {f"shared/{k}": v for k, v in map_tensors(pretrained, task_vectors, merge, cast=False).items()}
+    for i, t in enumerate(tasks):
+        store[f"scale/{t}"] = torch.tensor(float(total[i] / kept[i]) if kept[i] > 0 else 1.0)
+    return store

@@ -1,0 +1,29 @@
+"""SLERP: spherical linear interpolation between two task vectors, per tensor.
+
+Shoemake 1985; as used for model merging by mergekit. For tau_1, tau_2 with angle Omega (per tensor):
+    slerp = sin((1 - t) Omega) / sin(Omega) tau_1 + sin(t Omega) / sin(Omega) tau_2  (linear when nearly parallel);
+theta = theta0 + slerp. Defined for exactly two models; t = 0.5 by default.
+"""
+
+import torch
+
+from mergeflow.merging import register
+from mergeflow.merging._tensors import map_tensors
+
+
+def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) -> torch.Tensor:
+    na, nb = a.norm(), b.norm()
+    if na < eps or nb < eps:
+        return (1 - t) * a + t * b
+    cos = torch.clamp((a.flatten() @ b.flatten()) / (na * nb), -1.0, 1.0)
+    omega = torch.arccos(cos)
+    if omega.abs() < 1e-4:  # nearly parallel: slerp tends to lerp
+        return (1 - t) * a + t * b
+    return (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
+
+
+@register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5}, grid={"t": [0.25, 0.5, 0.75]})
+def slerp(pretrained, task_vectors, *, t):
+    if len(task_vectors) != 2:
+        raise ValueError(f"merge.slerp: SLERP merges exactly two models, got {len(task_vectors)} tasks")
+    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + slerp_pair(taus[0], taus[1], t))

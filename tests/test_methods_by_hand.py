@@ -1,0 +1,185 @@
+"""The methods of issue 3 against values computed by hand on tiny tensors, and the papers' identities."""
+
+import math
+
+import pytest
+import torch
+
+from mergeflow.merging import REGISTRY
+from mergeflow.merging._tensors import low_rank
+from mergeflow.merging.cart import centred
+from mergeflow.merging.iso import iso_c_matrix, iso_cts_matrix
+from mergeflow.merging.tsv_m import task_singular_vectors, tsv_merge_matrix
+
+T = torch.tensor
+
+
+def close(a, b, atol=1e-5):
+    return torch.allclose(a, b, atol=atol)
+
+
+def _models(n_tasks=3, seed=0, shape=(6, 5)):
+    g = torch.Generator().manual_seed(seed)
+    theta0 = {"blocks.0.mlp.fc1.weight": torch.randn(*shape, generator=g), "blocks.0.norm1.bias": torch.randn(shape[1], generator=g)}
+    tvs = {f"t{i}": {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(n_tasks)}
+    return theta0, tvs
+
+
+M = "blocks.0.mlp.fc1.weight"
+
+
+# ------------------------------------------------------------------ element-wise
+def test_magmax_keeps_the_largest_magnitude():
+    merged = REGISTRY["magmax"]({"w": torch.zeros(2)}, {"a": {"w": T([1.0, -3.0])}, "b": {"w": T([-2.0, 2.0])}}, lam=1.0)
+    assert close(merged["w"], T([-2.0, -3.0]))
+
+
+def test_breadcrumbs_drops_outliers_and_small_entries_per_row():
+    row = T([5.0, -4.0, 3.0, -2.0, 1.0, 0.5, 0.1, 0.05, 0.02, 0.01])
+    merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(2, 10)}, {"a": {"w": torch.stack([row, -row])}}, gamma=0.1, beta=0.2, scope="row", alpha=1.0)
+    expected = torch.zeros(10)
+    expected[1], expected[2] = -4.0, 3.0
+    assert close(merged["w"], torch.stack([expected, -expected]))
+
+
+def test_breadcrumbs_tensor_scope_ranks_the_whole_tensor():
+    w = T([[10.0, 1.0], [2.0, 3.0]])  # n = 4: gamma 0.25 drops 10, beta 0.5 keeps 3 and 2
+    merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(2, 2)}, {"a": {"w": w}}, gamma=0.25, beta=0.5, scope="tensor", alpha=1.0)
+    assert close(merged["w"], T([[0.0, 0.0], [2.0, 3.0]]))
+
+
+def test_dare_with_p_zero_is_task_arithmetic():
+    theta0, tvs = _models()
+    dare = REGISTRY["dare_linear"](theta0, tvs, p=0.0, seed=0, lam=0.3)
+    ta = REGISTRY["task_arithmetic"](theta0, tvs, lam=0.3)
+    assert all(close(dare[k], ta[k]) for k in theta0)
+
+
+def test_dare_drops_a_fraction_p_and_rescales_survivors():
+    theta0 = {"w": torch.zeros(20000)}
+    tvs = {"a": {"w": torch.ones(20000)}}
+    merged = REGISTRY["dare_linear"](theta0, tvs, p=0.9, seed=3, lam=1.0)["w"]
+    assert torch.all((merged == 0) | torch.isclose(merged, torch.tensor(10.0)))
+    assert (merged != 0).float().mean().item() == pytest.approx(0.1, abs=0.01)
+    again = REGISTRY["dare_linear"](theta0, tvs, p=0.9, seed=3, lam=1.0)["w"]
+    other = REGISTRY["dare_linear"](theta0, tvs, p=0.9, seed=4, lam=1.0)["w"]
+    assert torch.equal(merged, again) and not torch.equal(merged, other)
+
+
+def test_consensus_ta_keeps_only_weights_two_tasks_rely_on():
+    # tau = [[1, 0], [1, 0], [0.1, 1]]: tau_MTL = [2.1, 1]; with lambda 0.5 the masks are [T,F], [T,F], [F,T]:
+    # entry 0 is claimed by two tasks (kept), entry 1 by one (dropped)
+    theta0 = {"w": torch.zeros(2)}
+    tvs = {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([1.0, 0.0])}, "c": {"w": T([0.1, 1.0])}}
+    merged = REGISTRY["consensus_ta"](theta0, tvs, tall_lambda=0.5, min_tasks=2, alpha=1.0)
+    assert close(merged["w"], T([2.1, 0.0]))
+    per_task = REGISTRY["consensus_ta"](theta0, tvs, tall_lambda={"a": 0.5, "b": 0.5, "c": 0.5}, min_tasks=2, alpha=1.0)
+    assert close(per_task["w"], merged["w"])
+
+
+def test_emr_reproduces_the_sign_mask_and_scale_rules():
+    # sum = [3, 2, 0] elects [+, +, 0]; tau_uni = [2, 3, 0]; M_a = [1, 0, 0], M_b = [1, 1, 0];
+    # lambda_a = 3.5 / 2 = 1.75, lambda_b = 4.5 / 5 = 0.9
+    theta0 = {"w": torch.zeros(3)}
+    tvs = {"a": {"w": T([2.0, -1.0, 0.5])}, "b": {"w": T([1.0, 3.0, -0.5])}}
+    method = REGISTRY["emr"]
+    store = method(theta0, tvs)
+    assert close(store["shared/w"], T([2.0, 3.0, 0.0]))
+    assert store["mask/a/w"].tolist() == [True, False, False] and store["mask/b/w"].tolist() == [True, True, False]
+    assert close(method.reconstruct(store, theta0, "a")["w"], T([3.5, 0.0, 0.0]))
+    assert close(method.reconstruct(store, theta0, "b")["w"], T([1.8, 2.7, 0.0]))
+
+
+def test_tall_ties_masks_each_task():
+    theta0 = {"w": torch.zeros(2)}
+    tvs = {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([1.0, 0.0])}, "c": {"w": T([0.1, 1.0])}}
+    method = REGISTRY["tall_ties"]
+    store = method(theta0, tvs, tall_lambda=0.5, ties_k=1.0, trim_scope="tensor", lam=1.0)
+    # TIES with k = 1: all positive, disjoint mean = [0.7, 1.0]; masks |tau_t| >= 0.5 |tau_TIES - tau_t|
+    assert close(store["shared/w"], T([0.7, 1.0]))
+    assert close(method.reconstruct(store, theta0, "a")["w"], T([0.7, 0.0]))
+    assert close(method.reconstruct(store, theta0, "c")["w"], T([0.0, 1.0]))
+
+
+def test_task_negation_subtracts():
+    theta0 = {"w": T([1.0, 1.0])}
+    assert close(REGISTRY["task_negation"](theta0, {"a": {"w": T([2.0, -1.0])}}, lam=0.5)["w"], T([0.0, 1.5]))
+    with pytest.raises(ValueError, match="one task vector at a time"):
+        REGISTRY["task_negation"](theta0, {"a": {"w": T([1.0, 1.0])}, "b": {"w": T([1.0, 1.0])}}, lam=0.5)
+
+
+def test_slerp_of_orthogonal_unit_vectors():
+    merged = REGISTRY["slerp"]({"w": torch.zeros(2)}, {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([0.0, 1.0])}}, t=0.5)
+    assert close(merged["w"], T([math.sqrt(0.5), math.sqrt(0.5)]))
+    with pytest.raises(ValueError, match="exactly two models"):
+        REGISTRY["slerp"]({"w": torch.zeros(2)}, {t: {"w": T([1.0, 0.0])} for t in "abc"}, t=0.5)
+
+
+# ------------------------------------------------------------------ low rank and spectra
+def test_centred_task_vectors_sum_to_zero():
+    _, tvs = _models()
+    taus = torch.stack([tv[M] for tv in tvs.values()])
+    assert close(centred(taus).sum(0), torch.zeros_like(taus[0]))
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_cart_with_rank_zero_or_full_is_weight_averaging(ratio):
+    theta0, tvs = _models()
+    cart = REGISTRY["cart"](theta0, tvs, rank_ratio=ratio, lam=1.0 if ratio else 2.5)
+    wa = REGISTRY["weight_averaging"](theta0, tvs)
+    assert all(close(cart[k], wa[k]) for k in theta0)
+
+
+def test_cart_low_rank_by_hand():
+    theta0, tvs = _models(n_tasks=2)
+    cart = REGISTRY["cart"](theta0, tvs, rank_ratio=0.2, lam=1.5)  # k = round(0.2 * 5) = 1
+    taus = torch.stack([tv[M] for tv in tvs.values()])
+    expected = theta0[M] + taus.mean(0) + 1.5 * sum(low_rank(c, 1) for c in taus - taus.mean(0))
+    assert close(cart[M], expected)
+    assert close(cart["blocks.0.norm1.bias"], theta0["blocks.0.norm1.bias"] + torch.stack([tv["blocks.0.norm1.bias"] for tv in tvs.values()]).mean(0))
+
+
+def test_low_rank_ta_at_full_rank_is_task_arithmetic():
+    theta0, tvs = _models()
+    lr = REGISTRY["low_rank_ta"](theta0, tvs, rank_ratio=1.0, lam=0.3)
+    ta = REGISTRY["task_arithmetic"](theta0, tvs, lam=0.3)
+    assert all(close(lr[k], ta[k]) for k in theta0)
+
+
+def test_cart_indexing_at_full_rank_rebuilds_each_finetuned_model():
+    theta0, tvs = _models()
+    method = REGISTRY["cart_indexing"]
+    store = method(theta0, tvs, rank_ratio=1.0)
+    for t, tv in tvs.items():
+        model = method.reconstruct(store, theta0, t)
+        assert close(model[M], theta0[M] + tv[M])
+
+
+def test_tsv_c_with_one_task_keeps_full_rank():
+    theta0, tvs = _models(n_tasks=1)
+    method = REGISTRY["tsv_c"]
+    model = method.reconstruct(method(theta0, tvs), theta0, "t0")
+    assert all(close(model[k], theta0[k] + tvs["t0"][k]) for k in theta0)
+
+
+def test_tsv_m_merged_matrix_has_orthonormal_singular_vectors():
+    _, tvs = _models(n_tasks=2, shape=(8, 6))
+    taus = torch.stack([tv[M] for tv in tvs.values()])
+    u, s, vh = task_singular_vectors(taus, 3)  # k = 6 // 2
+    merged = tsv_merge_matrix(taus)
+    # with orthonormal factors the merged matrix's singular values are exactly the kept task singular values
+    assert close(torch.linalg.svdvals(merged), torch.sort(s, descending=True).values, atol=1e-4)
+
+
+def test_iso_c_flattens_the_spectrum():
+    _, tvs = _models(shape=(7, 5))
+    taus = torch.stack([tv[M] for tv in tvs.values()])
+    sv = torch.linalg.svdvals(iso_c_matrix(taus))
+    assert close(sv, torch.full_like(sv, torch.linalg.svdvals(taus.sum(0)).mean().item()), atol=1e-4)
+
+
+def test_iso_cts_flattens_the_spectrum_over_common_and_task_subspaces():
+    _, tvs = _models(n_tasks=2, shape=(12, 10))
+    taus = torch.stack([tv[M] for tv in tvs.values()])
+    sv = torch.linalg.svdvals(iso_cts_matrix(taus, 0.8))  # c = 8, then (10 - 8) / 2 = 1 per task: rank 10
+    assert close(sv, torch.full_like(sv, torch.linalg.svdvals(taus.sum(0)).mean().item()), atol=1e-4)
