@@ -215,3 +215,38 @@ def test_lazy_state_dicts_merge_like_in_memory_ones(tmp_path):
         a = models_of(name, LazyStateDict(tmp_path / "theta0.safetensors"), lazy)
         b = models_of(name, theta0, tvs)
         assert all(torch.equal(a[t][k], b[t][k]) for t in tvs for k in theta0), name
+
+
+class FakeEvaluator:
+    """Accuracy of a model on task t = -|mean of its weights - target_t|: the search must find the argmax."""
+
+    def __init__(self, targets):
+        self.targets = targets
+
+    def _score(self, task, state):
+        return -abs(float(torch.cat([v.flatten() for v in state.values()]).mean()) - self.targets[task])
+
+    def task(self, task, state):
+        return self._score(task, state)
+
+    def __call__(self, state):
+        return {t: self._score(t, state) for t in self.targets}
+
+    def per_task(self, model_of):
+        return {t: self._score(t, model_of(t)) for t in self.targets}
+
+
+def test_search_picks_the_best_validation_point_and_per_task_choices():
+    from mergeflow.evaluation import search
+
+    theta0 = {"w": torch.zeros(4)}
+    tvs = {"a": {"w": torch.ones(4)}, "b": {"w": torch.ones(4)}}
+    best, merged, curve, _ = search(REGISTRY["task_arithmetic"], {"lam": [0.1, 0.25, 0.5]}, theta0, tvs, FakeEvaluator({"a": 0.5, "b": 0.5}))
+    assert best["hyperparameters"]["lam"] == 0.25 and torch.allclose(merged["w"], torch.full((4,), 0.5))
+    assert [r["hyperparameters"]["lam"] for r in curve] == [0.1, 0.25, 0.5]
+
+    # consensus: lambda_t is chosen per task, alpha then on the average
+    tvs = {"a": {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])}, "b": {"w": torch.tensor([1.0, 1.0, 0.0, 0.0])}}
+    best, _, curve, per_task = search(REGISTRY["consensus_ta"], {"tall_lambda": [0.2, 2.0], "alpha": [0.5, 1.0]}, theta0, tvs, FakeEvaluator({"a": 0.0, "b": 1.0}))
+    assert set(per_task["chosen"]["tall_lambda"]) == {"a", "b"} and len(curve) == 2
+    assert "tall_lambda" not in best["hyperparameters"]

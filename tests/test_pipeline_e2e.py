@@ -19,7 +19,8 @@ from .profiles import tiny_params
 
 pytestmark = pytest.mark.e2e
 TASKS = ["digits", "house_numbers", "count"]
-METHODS = ["weight_averaging", "task_arithmetic", "ties"]
+METHODS = ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation"]
+ROWS = [m for m in METHODS if m != "task_negation"]
 
 
 def _run(cmd, cwd, env, timeout=900):
@@ -71,11 +72,17 @@ def test_pipeline_end_to_end(project):
 
     summary = json.loads((root / "results/summary.json").read_text())
     rows = {r["method"]: r for r in summary["rows"]}
-    assert set(rows) == {"Pretrained (linear probe)", "Individual", *METHODS}
+    assert set(rows) == {"Pretrained (linear probe)", "Individual", *ROWS}
     for r in rows.values():
         assert all(0.0 <= r[t] <= 1.0 for t in TASKS)
         assert r["average"] == pytest.approx(sum(r[t] for t in TASKS) / len(TASKS))
-    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(METHODS)
+    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(ROWS) + 6 + len(TASKS)  # + negation table
+    assert rows["emr"]["storage_models"] > 1.0 and rows["Individual"]["storage_models"] == len(TASKS)
+    consensus = json.loads((root / "metrics/merge/consensus_ta.json").read_text())
+    assert set(consensus["searched"]["tall_lambda"]) == set(TASKS) and set(consensus["searched"]["tall_lambda"].values()) <= {0.2, 0.6}
+    negation = json.loads((root / "metrics/evaluate/task_negation.json").read_text())
+    for t, r in negation["per_task"].items():
+        assert r["lam"] in (0.0, 0.5, 1.0) and 0 <= r["target"] <= 1 and 0 <= r["control"] <= 1
     assert (root / "results/accuracy.png").stat().st_size > 1000 and (root / "vectors/cosine.png").stat().st_size > 1000
 
     # merged checkpoints, recomputed from the fine-tuned checkpoints directly (not through the task vectors)

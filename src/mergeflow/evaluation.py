@@ -87,7 +87,8 @@ def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pre
     for key, values in method.per_task_space(overrides).items():
         chosen[key], curves[key] = {}, {}
         for task in task_vectors:
-            accs = [evaluate.task(task, method.task_model(pretrained, task_vectors, task, **{**fixed, key: v})) for v in values]
+            # hyperparameters still to be searched sit at their defaults here (e.g. consensus' alpha0)
+            accs = [evaluate.task(task, method.task_model(pretrained, task_vectors, task, **{**method.defaults, **fixed, key: v})) for v in values]
             curves[key][task] = dict(zip(map(str, values), accs))
             chosen[key][task] = values[max(range(len(values)), key=accs.__getitem__)]
     return chosen, curves

@@ -135,15 +135,21 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
             for method in methods:
                 with child(f"merge@{method}", stage_run.info.run_id, {"method": method}) as run:
                     mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
-                    mlflow.log_params(_flatten("hp", mm["hyperparameters"]) | _flatten("grid", mm["grid"]) | {"paper": mm["paper"]} | _flatten("chosen", mm["searched"]))
-                    mlflow.log_metrics(
-                        {"val.average": mm["val_average"], "test.average": ev["average"], "test.normalized": ev["normalized_average"], "merge_wall_time_s": mm["wall_time_s"], "evaluate_wall_time_s": ev["wall_time_s"]}
-                        | _metrics("val.", mm["val_accuracy"])
-                        | _metrics("test.", ev["accuracy"])
-                    )
-                    grid_keys = list(mm["grid"])
-                    if len(grid_keys) == 1:  # the validation curve, indexed by grid position
-                        _log_curve(client, run.info.run_id, {"step": list(range(len(mm["val_curve"]))), "val.curve.average": [r["average"] for r in mm["val_curve"]], f"val.curve.{grid_keys[0]}": [r["hyperparameters"][grid_keys[0]] for r in mm["val_curve"]]}, "")
+                    mlflow.log_params(_flatten("hp", mm["hyperparameters"]) | _flatten("grid", mm["grid"]) | {"paper": mm["paper"], "kind": mm["kind"]} | _flatten("chosen", mm["searched"]))
+                    timing = {"merge_wall_time_s": mm["wall_time_s"], "evaluate_wall_time_s": ev["wall_time_s"]}
+                    if mm["kind"] == "negation":
+                        mlflow.log_metrics(timing | _metrics("test.average.", ev["average"]) | {f"test.{t}.{k}": v for t, r in ev["per_task"].items() for k, v in r.items()})
+                    else:
+                        mlflow.log_metrics(
+                            timing
+                            | {"val.average": mm["val_average"], "test.average": ev["average"], "test.normalized": ev["normalized_average"], "storage_models": ev["storage_models"]}
+                            | _metrics("val.", mm["val_accuracy"])
+                            | _metrics("test.", ev["accuracy"])
+                        )
+                        grid_keys = list(mm["grid"])
+                        if len(grid_keys) == 1:  # the validation curve, indexed by grid position
+                            curve = mm["val_curve"]
+                            _log_curve(client, run.info.run_id, {"step": list(range(len(curve))), "val.curve.average": [r["average"] for r in curve], f"val.curve.{grid_keys[0]}": [r["hyperparameters"][grid_keys[0]] for r in curve]}, "")
                     plot = layout.log("merge", method, ".png")
                     if plot.is_file():
                         mlflow.log_artifact(str(plot))

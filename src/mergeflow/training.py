@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from sklearn.linear_model import LogisticRegression
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -168,10 +167,12 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
 
     The standardisation is folded into the returned head, so it reads raw backbone features.
     """
+    from sklearn.linear_model import LogisticRegression  # imported here: it costs every other stage a second
+
     mu = train_x.mean(0)
     sd = train_x.std(0) + 1e-6
     xs, vs = ((train_x - mu) / sd).numpy(), ((val_x - mu) / sd).numpy()
-    best: tuple[float, float, LogisticRegression] | None = None
+    best = None
     curve = {}
     for c in cfg.c_grid:
         clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=seed)

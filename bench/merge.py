@@ -1,0 +1,127 @@
+"""Merge benchmark: T random ViT-B/32-sized task vectors (timm vit_base_patch32_224, ~88M parameters each),
+merged with every method at its defaults, each in a fresh process; prints wall time and peak resident memory.
+
+    python bench/merge.py                       # every method, 8 tasks
+    python bench/merge.py --methods ties,cart   # a subset
+
+The element-wise methods' target: peak RSS <= 1.5 GB against ~2.8 GB of inputs, wall time within 3x of reading
+every input once (the 'read' row). Inputs are generated once into --dir and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ELEMENT_WISE = ["task_arithmetic", "ties_tensor", "dare_linear", "dare_ties", "breadcrumbs", "magmax", "consensus_ta", "consensus_ties_tensor"]
+# variants benchmarked beside a method's defaults: name -> (method, hyperparameters)
+VARIANTS = {"ties_tensor": ("ties", {"trim_scope": "tensor"}), "consensus_ties_tensor": ("consensus_ties", {"trim_scope": "tensor"})}
+
+
+def _peak_rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024**2
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def make_inputs(directory: Path, tasks: int, model: str, seed: int) -> None:
+    import timm
+    import torch
+
+    from mergeflow.io import save_state_dict
+
+    if (directory / "done.json").is_file():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    theta0 = {k: v.float() for k, v in timm.create_model(model, pretrained=False).state_dict().items()}
+    save_state_dict(directory / "theta0.safetensors", theta0)
+    for t in range(tasks):
+        g = torch.Generator().manual_seed(seed + 1 + t)
+        save_state_dict(directory / f"task{t}.safetensors", {k: 1e-3 * torch.randn(v.shape, generator=g) for k, v in theta0.items()})
+    (directory / "done.json").write_text(json.dumps({"tasks": tasks, "model": model}))
+
+
+def worker(directory: Path, method: str, threads: int) -> dict:
+    import torch
+
+    from mergeflow.io import LazyStateDict
+    from mergeflow.merging import REGISTRY
+
+    torch.set_num_threads(threads)
+    theta0 = LazyStateDict(directory / "theta0.safetensors")
+    tvs = {p.stem: LazyStateDict(p) for p in sorted(directory.glob("task*.safetensors"))}
+    baseline = _peak_rss_gb()
+    start = time.perf_counter()
+    if method == "read":
+        total = sum(float(sd[k].view(-1)[0]) for sd in (theta0, *tvs.values()) for k in sd)
+        kind = "-"
+    else:
+        name, hp = VARIANTS.get(method, (method, {}))
+        spec = REGISTRY[name]
+        kind = spec.kind
+        if spec.kind == "negation":
+            first = next(iter(tvs))
+            out = spec(theta0, {first: tvs[first]}, **hp)
+        elif name == "slerp":
+            two = dict(list(tvs.items())[:2])
+            out = spec(theta0, two, **hp)
+        else:
+            out = spec(theta0, tvs, **hp)
+        del out
+    return {"method": method, "kind": kind, "wall_s": time.perf_counter() - start, "peak_rss_gb": _peak_rss_gb(), "rss_before_gb": baseline}
+
+
+def main() -> None:
+    from mergeflow.merging import REGISTRY
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--model", default="vit_base_patch32_224")
+    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "mergeflow-bench")
+    parser.add_argument("--methods", default=None, help="comma-separated (default: every method, variants included)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        print(json.dumps(worker(args.dir, args.worker, args.threads)))
+        return
+    start = time.perf_counter()
+    make_inputs(args.dir, args.tasks, args.model, args.seed)
+    input_gb = sum(p.stat().st_size for p in args.dir.glob("task*.safetensors")) / 1024**3
+    print(f"inputs: {args.tasks} task vectors of {args.model}, {input_gb:.2f} GB (+ theta0), ready in {time.perf_counter() - start:.0f} s; {args.threads} threads")
+    methods = args.methods.split(",") if args.methods else sorted(set(REGISTRY) | set(VARIANTS))
+    rows = []
+    print(f"{'method':<24}{'kind':<10}{'wall s':>9}{'x read':>8}{'peak RSS GB':>13}{'(at start)':>12}  target")
+    for method in ["read", *methods]:
+        cmd = [sys.executable, __file__, "--worker", method, "--dir", str(args.dir), "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{method:<24}failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        read_s = rows[0]["wall_s"] if rows else row["wall_s"]
+        row["x_read"] = row["wall_s"] / read_s
+        target = ""
+        if method in ELEMENT_WISE:
+            ok = row["peak_rss_gb"] <= 1.5 and row["x_read"] <= 3.0
+            target = f"{'met' if ok else 'MISSED'} (<= 1.5 GB, <= 3x read)"
+        rows.append(row)
+        print(f"{method:<24}{row['kind']:<10}{row['wall_s']:>9.2f}{row['x_read']:>8.1f}{row['peak_rss_gb']:>13.2f}{row['rss_before_gb']:>12.2f}  {target}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
