@@ -83,3 +83,23 @@ def test_features_are_deterministic_and_batch_independent():
     b = extract_features(backbone, images, batch_size=10, device=torch.device("cpu"))
     assert a.shape == (10, 16) and torch.allclose(a, b, atol=1e-5)
     assert not math.isnan(a.sum().item())
+
+
+def test_finetuning_is_seeded_and_deterministic_on_cpu():
+    images, labels = _images(32)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        backbone = build_backbone(TINY)
+        head = make_head(backbone.num_features, 3)
+        finetune(backbone, head, images, labels, FinetuneConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1), seed=5, device=torch.device("cpu"))
+        results.append(backbone_state(backbone))
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_sgd_and_epochs_schedule():
+    images, labels = _images(20)
+    backbone = build_backbone(TINY)
+    head = make_head(backbone.num_features, 3)
+    curve = finetune(backbone, head, images, labels, FinetuneConfig(optimizer="sgd", momentum=0.9, epochs=3, batch_size=8, lr=1e-2), seed=0, device=torch.device("cpu"))
+    assert len(curve.step) == 3 * 2  # 20 // 8 = 2 full batches an epoch; the partial one is dropped

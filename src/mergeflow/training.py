@@ -44,7 +44,8 @@ def seed_everything(seed: int, threads: int | None = None) -> None:
 def total_steps(cfg: ScheduleConfig, n_examples: int, full_batch: bool = False) -> int:
     if cfg.epochs is None:
         return cfg.steps
-    per_epoch = 1 if full_batch else math.ceil(n_examples / cfg.batch_size)
+    # an epoch is the full batches of a shuffle (``batches`` drops the last partial one)
+    per_epoch = 1 if full_batch else max(1, n_examples // min(cfg.batch_size, n_examples))
     return cfg.epochs * per_epoch
 
 
