@@ -34,6 +34,34 @@ def test_corrupt_checkpoint(tmp_path):
         load_state_dict(path)
 
 
+def test_corrupt_checkpoint_read_lazily(tmp_path):
+    from mergeflow.io import LazyStateDict
+
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(MergeflowError, match=r"bad.safetensors: not a readable safetensors file"):
+        LazyStateDict(path)
+    save_state_dict(tmp_path / "ok.safetensors", _state())
+    truncated = (tmp_path / "ok.safetensors").read_bytes()[:-8]
+    (tmp_path / "short.safetensors").write_bytes(truncated)
+    with pytest.raises(MergeflowError, match=r"short.safetensors: not a readable safetensors file \(tensor data runs past the end"):
+        LazyStateDict(tmp_path / "short.safetensors")
+
+
+def test_nan_weights_read_lazily_name_the_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    from mergeflow.io import LazyStateDict
+
+    state = _state()
+    state["blocks.0.mlp.fc1.weight"][0, 0] = float("inf")
+    save_file(state, str(tmp_path / "inf.safetensors"))
+    lazy = LazyStateDict(tmp_path / "inf.safetensors")
+    assert torch.equal(lazy["norm.bias"], state["norm.bias"])
+    with pytest.raises(MergeflowError, match=r"inf.safetensors: tensor 'blocks.0.mlp.fc1.weight' contains NaN or Inf"):
+        lazy["blocks.0.mlp.fc1.weight"]
+
+
 def test_nan_weights_name_the_tensor(tmp_path):
     from safetensors.torch import save_file
 

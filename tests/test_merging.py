@@ -250,3 +250,15 @@ def test_search_picks_the_best_validation_point_and_per_task_choices():
     best, _, curve, per_task = search(REGISTRY["consensus_ta"], {"tall_lambda": [0.2, 2.0], "alpha": [0.5, 1.0]}, theta0, tvs, FakeEvaluator({"a": 0.0, "b": 1.0}))
     assert set(per_task["chosen"]["tall_lambda"]) == {"a", "b"} and len(curve) == 2
     assert "tall_lambda" not in best["hyperparameters"]
+
+
+@pytest.mark.parametrize("n, k", [(1, 0.5), (10, 0.3), (1000, 0.2), (100_000, 0.01), (100_000, 0.999)])
+def test_radix_topk_threshold_matches_sorting(n, k):
+    from mergeflow.merging.ties import topk_threshold
+
+    g = torch.Generator().manual_seed(n)
+    mags = torch.randn(n, generator=g).abs() * torch.rand(n, generator=g) ** 4  # spread over many exponents
+    mags[: n // 3] = mags[0]  # ties across bucket boundaries
+    n_keep = max(1, int(round(k * n)))
+    expected = mags.sort(descending=True).values[min(n_keep, n) - 1]
+    assert topk_threshold(mags, k) == expected

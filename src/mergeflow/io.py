@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import mmap
 import os
 import shutil
+import struct
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -69,7 +73,8 @@ def read_json(path: str | os.PathLike):
 def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
     """Raise naming the first tensor holding NaN or Inf."""
     for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        # one reduction: the sum is finite unless an entry is not (or it overflows: then check exactly)
+        if tensor.is_floating_point() and not torch.isfinite(tensor.sum(dtype=torch.float64)) and not torch.isfinite(tensor).all():
             raise MergeflowError(f"{source}: tensor '{key}' contains NaN or Inf")
 
 
@@ -96,42 +101,60 @@ def load_state_dict(path: str | os.PathLike, *, check: bool = True) -> StateDict
     return state
 
 
-class LazyStateDict(Mapping[str, torch.Tensor]):
-    """A memory-mapped safetensors file: a tensor is read (and checked for NaN/Inf) only when indexed.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
-    Lets a merge hold a handful of tensors at a time instead of every model at once.
+
+class LazyStateDict(Mapping[str, torch.Tensor]):
+    """A memory-mapped safetensors file: a tensor is copied out (and checked for NaN/Inf) only when indexed.
+
+    After the copy its pages are released from this process (madvise DONTNEED), so a merge's resident memory is
+    the tensors it holds, not every file it has read; the page cache still serves the next read.
     """
 
     def __init__(self, path: str | os.PathLike, *, check: bool = True):
         self.path = Path(path)
         if not self.path.is_file():
             raise MergeflowError(f"{self.path}: checkpoint not found")
-        try:
-            self._file = safe_open(str(self.path), framework="pt")
-            self._keys = list(self._file.keys())
-        except (SafetensorError, OSError, ValueError) as err:
-            raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
         self._check = check
+        try:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            (n,) = struct.unpack("<Q", self._map[:8])
+            header = json.loads(self._map[8 : 8 + n])
+            header.pop("__metadata__", None)
+            self._base = 8 + n
+            self._entries = {k: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in header.items()}
+            if any(self._base + end > len(self._map) for _, _, (_, end) in self._entries.values()):
+                raise ValueError("tensor data runs past the end of the file")
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+            raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
-            raise KeyError(key)
-        tensor = self._file.get_tensor(key)
+        dtype, shape, (begin, end) = self._entries[key]
+        start = self._base + begin
+        numel = math.prod(shape)
+        with warnings.catch_warnings():  # the map is read-only; the tensor is cloned at once
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start).clone().reshape(shape) if numel else torch.empty(shape, dtype=dtype)
+        page = mmap.PAGESIZE
+        lo = start // page * page
+        if end > begin:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, self._base + end - lo)
         if self._check:
             check_finite({key: tensor}, str(self.path))
         return tensor
 
     def __iter__(self):
-        return iter(self._keys)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._entries)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._file.get_slice(key).get_shape())
-
-    def dtype(self, key: str) -> str:
-        return self._file.get_slice(key).get_dtype()
+        return self._entries[key][1]
 
 
 def check_compatible_lazy(reference: LazyStateDict, other: LazyStateDict) -> None:

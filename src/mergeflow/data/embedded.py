@@ -16,18 +16,22 @@ Pretraining corpus (disjoint from every downstream task)
       hue          8  hue bin of the shape's colour (keeps colour, hence domain, information in the features)
 
 Downstream tasks: each lives in its own visual domain (palette and style), so that fine-tuning on one task
-mostly changes features that respond to that domain only ("irrelevant" rather than "contradictory" tasks).
-      digits          10  real handwritten digits (sklearn, 8x8 upsampled); grey ink on black        (~MNIST)
-      house_numbers   10  stroke-font digit with flanking digits; white on blue enamel plates        (~SVHN)
-      signs            8  road sign: board shape (circle / triangle) x arrow direction; red on street grey (~GTSRB)
-      rotation         8  rotation (45 degree steps) of an asymmetric 'F' glyph; dark ink on teal    
-      orientation     12  orientation of a noisy grating (15 degree steps); magenta / lilac         
-      texture          8  texture family (DTD-like); earth tones                                      (~DTD)
-      count            6  number of dots (1-6) among clutter; yellow on dark green                    
-      position         9  3x3 cell of the ring among filled discs; cyan on dark red                   
-    Related pairs: digits <-> house_numbers (same label semantics: digit identity, like MNIST/SVHN);
-    signs <-> rotation (both read an arrow/glyph direction); orientation <-> texture (oriented stripes).
-    The remaining pairs are unrelated.
+mostly changes features that respond to that domain ("irrelevant" rather than "contradictory" tasks, in the
+sense of seed 004), while the labels need features the pretraining heads did not make linearly separable.
+      digits          10  real handwritten digits (sklearn 8x8, upsampled, random affine); grey ink on black (~MNIST)
+      house_numbers   10  stroke-font digit between two flanking digits; cream on blue enamel plates    (~SVHN)
+      signs           12  road sign: board (round / triangle / diamond) x arrow direction (4); red rim,
+                          white face, grey-green street                                                (~GTSRB)
+      rotation        16  rotation (22.5 degree steps) of an asymmetric 'F' glyph; dark ink on teal paper
+      orientation     18  orientation (10 degree steps) of a noisy grating of random frequency; magenta/lilac
+      texture          8  texture family (stripes, grid, checks, dots, zigzag, waves, blotches, crosshatch),
+                          random scale / rotation; earth tones                                         (~DTD)
+      count            6  number of bright dots (1-6) among dim clutter; yellow on dark green
+      direction        8  compass direction from a filled disc to a ring (a two-object relation); cyan on dark red
+    Related pairs: digits <-> house_numbers (same labels, digit identity, like MNIST/SVHN); signs <-> rotation
+    (both read the direction of a stroke figure); orientation <-> texture (oriented periodic patterns).
+    The other pairs are unrelated: different palettes, different label semantics.
+    Class counts are chosen so that a linear probe on the pretrained features stays well below fine-tuning.
 """
 
 from __future__ import annotations
@@ -39,12 +43,12 @@ PRETRAIN_HEADS: dict[str, int] = {"shape": 12, "glyph": 32, "background": 6, "po
 TASKS: dict[str, int] = {
     "digits": 10,
     "house_numbers": 10,
-    "signs": 8,
-    "rotation": 8,
-    "orientation": 12,
+    "signs": 12,
+    "rotation": 16,
+    "orientation": 18,
     "texture": 8,
     "count": 6,
-    "position": 9,
+    "direction": 8,
 }
 
 _CHUNK = 2048  # images rendered at once (bounds memory of the batched numpy code)
@@ -119,32 +123,36 @@ def _chunked(fn, n: int, rng: np.random.Generator, *args):
 
 def _shape_dist(kind: np.ndarray, x: np.ndarray, y: np.ndarray, r: np.ndarray) -> np.ndarray:
     """Signed-ish distance (negative inside) of 12 shape kinds; x, y already centred/rotated (N, H, W)."""
-    r = r[:, None, None]
+    r = np.broadcast_to(r[:, None, None], x.shape)
     rad, th = np.hypot(x, y), np.arctan2(y, x)
-
-    def poly(n):  # regular n-gon with circumradius r
-        a = 2 * np.pi / n
-        return rad * np.cos((th % a) - a / 2) - r * np.cos(np.pi / n)
-
-    cands = [
-        rad - r,  # 0 circle
-        np.maximum(abs(x), abs(y)) - 0.8 * r,  # 1 square
-        poly(3),  # 2 triangle
-        poly(5),  # 3 pentagon
-        poly(6),  # 4 hexagon
-        rad - r * (0.6 + 0.4 * np.cos(5 * th)),  # 5 five-petal flower
-        np.minimum(np.maximum(abs(x) - 0.3 * r, abs(y) - r), np.maximum(abs(y) - 0.3 * r, abs(x) - r)),  # 6 cross
-        abs(rad - 0.75 * r) - 0.25 * r,  # 7 ring
-        np.maximum(rad - r, -y),  # 8 half disc
-        np.hypot(x, 2 * y) - r,  # 9 ellipse
-        (abs(x) + abs(y)) / 1.2 - 0.8 * r,  # 10 diamond
-        np.maximum(rad - r, 0.8 * r - np.hypot(x - 0.45 * r, y)),  # 11 crescent
-    ]
     out = np.empty_like(x)
-    for k, c in enumerate(cands):
+    for k in np.unique(kind):  # evaluate each formula only on the images of that kind
         sel = kind == k
-        out[sel] = c[sel]
+        out[sel] = _SHAPES[k](x[sel], y[sel], r[sel], rad[sel], th[sel])
     return out
+
+
+def _poly(n):
+    """Regular n-gon with circumradius r."""
+    a = 2 * np.pi / n
+    return lambda x, y, r, rad, th: rad * np.cos((th % a) - a / 2) - r * np.cos(np.pi / n)
+
+
+_SHAPES = [
+    lambda x, y, r, rad, th: rad - r,  # 0 circle
+    lambda x, y, r, rad, th: np.maximum(abs(x), abs(y)) - 0.8 * r,  # 1 square
+    _poly(3),  # 2 triangle
+    _poly(5),  # 3 pentagon
+    _poly(6),  # 4 hexagon
+    lambda x, y, r, rad, th: rad - r * (0.6 + 0.4 * np.cos(5 * th)),  # 5 five-petal flower
+    lambda x, y, r, rad, th: np.minimum(np.maximum(abs(x) - 0.3 * r, abs(y) - r),
+                                        np.maximum(abs(y) - 0.3 * r, abs(x) - r)),  # 6 cross
+    lambda x, y, r, rad, th: abs(rad - 0.75 * r) - 0.25 * r,  # 7 ring
+    lambda x, y, r, rad, th: np.maximum(rad - r, -y),  # 8 half disc
+    lambda x, y, r, rad, th: np.hypot(x, 2 * y) - r,  # 9 ellipse
+    lambda x, y, r, rad, th: (abs(x) + abs(y)) / 1.2 - 0.8 * r,  # 10 diamond
+    lambda x, y, r, rad, th: np.maximum(rad - r, 0.8 * r - np.hypot(x - 0.45 * r, y)),  # 11 crescent
+]
 
 
 def _glyph_bank(n_glyphs: int, n_strokes: int, seed: int) -> np.ndarray:
@@ -223,7 +231,7 @@ def _pretrain_chunk(rng, n, size):
     bh = rng.random(n)
     bv = np.where(dark_bg, rng.uniform(0.05, 0.4, n), rng.uniform(0.65, 1.0, n))
     c1 = _hsv(bh, rng.uniform(0, 1, n), bv)
-    c2 = _hsv((bh + rng.uniform(-0.1, 0.1, n)) % 1, rng.uniform(0, 1, n), np.clip(bv + rng.uniform(-0.2, 0.2, n), 0, 1))
+    c2 = _hsv((bh + rng.uniform(-0.1, 0.1, n)) % 1, rng.uniform(0, 1, n), np.clip(bv + np.where(dark_bg, 1, -1) * rng.uniform(0.1, 0.25, n), 0, 1))
     img = _background(rng, n, size, bg_kind, c1, c2)
     hue = rng.random(n)
     fv = np.where(dark_bg, rng.uniform(0.7, 1.0, n), rng.uniform(0.0, 0.35, n))
@@ -234,12 +242,12 @@ def _pretrain_chunk(rng, n, size):
     cy = -1 + cell * (pos // 3 + 0.5) + rng.uniform(-0.08, 0.08, n)
     x, y = _rotate(xx - cx[:, None, None].astype(np.float32), yy - cy[:, None, None].astype(np.float32),
                    rng.uniform(0, 2 * np.pi, n).astype(np.float32))
-    r = rng.uniform(0.2, 0.3, n).astype(np.float32)
+    r = rng.uniform(0.25, 0.38, n).astype(np.float32)
     img = _paint(img, _soft(_shape_dist(shape, x, y, r), size), fg)
     # Glyph: same colour, in its own cell, small rotation/scale jitter.
     gx = -1 + cell * (gpos % 3 + 0.5) + rng.uniform(-0.05, 0.05, n)
     gy = -1 + cell * (gpos // 3 + 0.5) + rng.uniform(-0.05, 0.05, n)
-    sc = rng.uniform(0.22, 0.3, n).astype(np.float32)[:, None, None]
+    sc = rng.uniform(0.25, 0.32, n).astype(np.float32)[:, None, None]
     x, y = _rotate(xx - gx[:, None, None].astype(np.float32), yy - gy[:, None, None].astype(np.float32),
                    rng.uniform(-0.3, 0.3, n).astype(np.float32))
     img = _paint(img, _render_strokes(_GLYPHS[glyph], x / sc, y / sc, 0.18 * np.ones(n, np.float32), size * float(sc.mean())), fg)
@@ -341,21 +349,21 @@ def _arrow_segs(direction: np.ndarray) -> np.ndarray:
 
 
 def _signs(rng, n, size):
-    """Road sign: board (0 round / 1 triangular) x arrow direction (4); red rim, white face, street grey."""
+    """Road sign: board (round / triangle / diamond) x arrow direction (4); red rim, white face, street grey."""
     yy, xx = _grid(size)
-    board, direction = rng.integers(0, 2, n), rng.integers(0, 4, n)
+    board, direction = rng.integers(0, 3, n), rng.integers(0, 4, n)
     grey = _jitter_colour(rng, n, 0.3, 0.15, 0.45, dv=0.15)
     img = _paint(_flat(rng, n, size, grey), _smooth_noise(rng, n, size, 5) > 0.6, _jitter_colour(rng, n, 0.3, 0.3, 0.3))
     r = rng.uniform(0.75, 0.95, n).astype(np.float32)
     cx = rng.uniform(-0.1, 0.15, n).astype(np.float32)[:, None, None]
     cy = rng.uniform(-0.1, 0.1, n).astype(np.float32)[:, None, None]
     x, y = _rotate(xx - cx, yy - cy, rng.uniform(-0.15, 0.15, n).astype(np.float32))
-    kind = np.where(board == 0, 0, 2)  # circle or triangle from the shape bank
+    kind = np.array([0, 2, 10])[board]  # circle, triangle, diamond from the shape bank
     outer = _shape_dist(kind, x, -y, r)
     img = _paint(img, _soft(outer, size), _jitter_colour(rng, n, 0.0, 0.85, 0.8))
     img = _paint(img, _soft(_shape_dist(kind, x, -y, r * 0.72), size), _jitter_colour(rng, n, 0.1, 0.05, 0.95, ds=0.05))
-    s = (r * np.where(board == 0, 0.5, 0.36)).astype(np.float32)[:, None, None]
-    oy = np.where(board == 0, 0, 0.18 * r).astype(np.float32)[:, None, None]  # triangle centroid is lower
+    s = (r * np.where(board == 1, 0.36, 0.45)).astype(np.float32)[:, None, None]
+    oy = np.where(board == 1, 0.18 * r, 0).astype(np.float32)[:, None, None]  # triangle centroid is lower
     img = _paint(img, _render_strokes(_arrow_segs(direction), x / s, (y - oy) / s, 0.07 / s[:, 0, 0], size * float(s.mean())),
                  _jitter_colour(rng, n, 0.0, 0.0, 0.1, ds=0.0))
     img = img * rng.uniform(0.7, 1.2, (n, 1, 1, 1)).astype(np.float32) + rng.normal(0, 0.04, img.shape).astype(np.float32)
@@ -366,12 +374,12 @@ _F_GLYPH = np.array([(-.4, -1, -.4, 1), (-.4, -1, .5, -1), (-.4, -.1, .3, -.1)],
 
 
 def _rotation(rng, n, size):
-    """An 'F' glyph rotated by k * 45 degrees (+-12 jitter); label k.  Dark ink on teal paper."""
+    """An 'F' glyph rotated by k * 22.5 degrees (+-6 jitter); label k (16).  Dark ink on teal paper."""
     yy, xx = _grid(size)
-    k = rng.integers(0, 8, n)
+    k = rng.integers(0, 16, n)
     img = _flat(rng, n, size, _jitter_colour(rng, n, 0.48, 0.45, 0.75, dv=0.15))
     img = _paint(img, 0.3 * _smooth_noise(rng, n, size, 4), _jitter_colour(rng, n, 0.55, 0.5, 0.6))
-    ang = (k * np.pi / 4 + rng.uniform(-0.2, 0.2, n)).astype(np.float32)
+    ang = (k * np.pi / 8 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
     s = rng.uniform(0.35, 0.6, n).astype(np.float32)[:, None, None]
     cx = rng.uniform(-0.25, 0.25, n).astype(np.float32)[:, None, None]
     cy = rng.uniform(-0.25, 0.25, n).astype(np.float32)[:, None, None]
@@ -384,10 +392,10 @@ def _rotation(rng, n, size):
 
 
 def _orientation(rng, n, size):
-    """Orientation of a grating (12 classes, 15 degree steps, +-4 jitter), noisy, magenta / lilac."""
+    """Orientation of a grating (18 classes, 10 degree steps, +-2 jitter), noisy, magenta / lilac."""
     yy, xx = _grid(size)
-    k = rng.integers(0, 12, n)
-    ang = (k * np.pi / 12 + rng.uniform(-0.07, 0.07, n)).astype(np.float32)[:, None, None]
+    k = rng.integers(0, 18, n)
+    ang = (k * np.pi / 18 + rng.uniform(-0.035, 0.035, n)).astype(np.float32)[:, None, None]
     freq = rng.uniform(2.0, 5.0, n).astype(np.float32)[:, None, None]
     phase = rng.uniform(0, 2 * np.pi, n).astype(np.float32)[:, None, None]
     wave = 0.5 + 0.5 * np.sin((np.cos(ang) * xx + np.sin(ang) * yy) * freq * np.pi + phase)
@@ -402,7 +410,7 @@ def _texture(rng, n, size):
     """Texture family (8, DTD-like), random scale / rotation / phase; earth tones."""
     yy, xx = _grid(size)
     k = rng.integers(0, 8, n)
-    f = rng.uniform(3.0, 6.0, n).astype(np.float32)[:, None, None]
+    f = rng.uniform(1.6, 3.0, n).astype(np.float32)[:, None, None]
     x, y = _rotate(xx, yy, rng.uniform(0, np.pi, n).astype(np.float32))
     x, y = (x + rng.uniform(0, 1, (n, 1, 1))) * f, (y + rng.uniform(0, 1, (n, 1, 1))) * f
     fx, fy = x % 1 - 0.5, y % 1 - 0.5
@@ -455,25 +463,28 @@ def _count(rng, n, size):
     return _to_uint8(img), k - 1
 
 
-def _position(rng, n, size):
-    """3x3 cell of the one ring among 3-6 filled discs; cyan on dark red."""
+def _direction(rng, n, size):
+    """Compass direction (8) from a filled disc to a ring placed anywhere; cyan on dark red.
+
+    A relation between two objects: hard for a linear probe on average-pooled features, easy to fine-tune.
+    """
     yy, xx = _grid(size)
-    cell = rng.integers(0, 9, n)
+    k = rng.integers(0, 8, n)
     img = _flat(rng, n, size, _jitter_colour(rng, n, 0.99, 0.7, 0.35))
     img = img * (0.85 + 0.3 * _smooth_noise(rng, n, size, 3))[..., None]
     fg = _jitter_colour(rng, n, 0.5, 0.7, 0.85)
-    # 3-6 distractor discs, none in the target's cell
-    cx, cy, r = _disc_centres(rng, n, 6, 0.08, 0.13)
-    disc_cell = np.clip(((cx + 1) * 1.5).astype(int), 0, 2) + 3 * np.clip(((cy + 1) * 1.5).astype(int), 0, 2)
-    active = (np.arange(6)[None] < rng.integers(3, 7, n)[:, None]) & (disc_cell != cell[:, None])
-    m = _discs_mask(size, cx, cy, r, active)
-    img = _paint(img, m, fg)
-    tx = -1 + (cell % 3 + 0.5) * 2 / 3 + rng.uniform(-0.1, 0.1, n)
-    ty = -1 + (cell // 3 + 0.5) * 2 / 3 + rng.uniform(-0.1, 0.1, n)
-    rad = np.hypot(xx - tx[:, None, None], yy - ty[:, None, None])
-    img = _paint(img, _soft(abs(rad - 0.09) - 0.035, size), fg)
+    ang = k * np.pi / 4 + rng.uniform(-0.25, 0.25, n)
+    dist = rng.uniform(0.55, 1.0, n)
+    # midpoint placed so that both objects stay inside the image
+    mx = rng.uniform(-1, 1, n) * np.maximum(0.0, 0.75 - abs(np.cos(ang)) * dist / 2)
+    my = rng.uniform(-1, 1, n) * np.maximum(0.0, 0.75 - abs(np.sin(ang)) * dist / 2)
+    dx, dy = np.cos(ang) * dist / 2, -np.sin(ang) * dist / 2  # y grows downwards; angle counter-clockwise
+    f32 = lambda v: v.astype(np.float32)[:, None, None]
+    disc = np.hypot(xx - f32(mx - dx), yy - f32(my - dy)) - f32(rng.uniform(0.1, 0.16, n))
+    ring = abs(np.hypot(xx - f32(mx + dx), yy - f32(my + dy)) - 0.12) - 0.04
+    img = _paint(img, _soft(np.minimum(disc, ring), size), fg)
     img += rng.normal(0, 0.05, img.shape).astype(np.float32)
-    return _to_uint8(img), cell
+    return _to_uint8(img), k
 
 
 _RENDERERS = {
@@ -483,7 +494,7 @@ _RENDERERS = {
     "orientation": _orientation,
     "texture": _texture,
     "count": _count,
-    "position": _position,
+    "direction": _direction,
 }
 
 

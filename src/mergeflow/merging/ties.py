@@ -21,13 +21,30 @@ from mergeflow.merging._tensors import map_tensors
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 
 
+def kth_largest(magnitudes: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """The n_keep-th largest of non-negative float32 ``magnitudes`` (1-D), exactly, by radix selection.
+
+    Non-negative floats order like their int32 bit patterns: a histogram of the top 16 bits finds the bucket that
+    holds the answer, and only that bucket is searched exactly (kthvalue over millions of entries is slow).
+    """
+    bits = magnitudes.contiguous().view(torch.int32)
+    bucket = bits >> 16
+    counts = torch.bincount(bucket, minlength=1 << 15)
+    above = counts.flip(0).cumsum(0)  # above[i]: entries in the top i + 1 buckets
+    top = int(torch.searchsorted(above, torch.tensor(n_keep)))  # the first top-i prefix holding n_keep entries
+    b = (1 << 15) - 1 - top
+    in_bucket = magnitudes[bucket == b]
+    rank_in_bucket = n_keep - (int(above[top - 1]) if top > 0 else 0)  # rank from the top within the bucket
+    return in_bucket.kthvalue(in_bucket.numel() - rank_in_bucket + 1).values
+
+
 def topk_threshold(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
     """The smallest magnitude kept when keeping the top-k fraction of ``magnitudes`` (flattened)."""
-    flat = magnitudes.flatten()
+    flat = magnitudes.flatten().float()
     n_keep = max(1, int(round(k * flat.numel())))
     if n_keep >= flat.numel():
         return flat.min()
-    return flat.kthvalue(flat.numel() - n_keep + 1).values
+    return kth_largest(flat, n_keep)
 
 
 def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k: float) -> torch.Tensor:
@@ -38,18 +55,24 @@ def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k:
     return torch.stack(cuts)
 
 
+def row_thresholds(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
+    """topk_threshold of each row of [T, n] magnitudes, in one batched selection."""
+    return torch.stack([topk_threshold(row, k) for row in magnitudes])
+
+
 def trim(taus: torch.Tensor, k: float, thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """Zero all but the top-k magnitudes of each task's slice of ``taus`` [T, ...] (per tensor unless thresholds given)."""
+    magnitudes = taus.abs()
     if thresholds is None:
-        thresholds = torch.stack([topk_threshold(row.abs(), k) for row in taus])
+        thresholds = row_thresholds(magnitudes.flatten(1), k)
     shape = (-1,) + (1,) * (taus.ndim - 1)
-    return torch.where(taus.abs() >= thresholds.view(shape), taus, torch.zeros_like(taus))
+    return taus * (magnitudes >= thresholds.view(shape))
 
 
 def disjoint_mean(trimmed: torch.Tensor) -> torch.Tensor:
     """trimmed: [T, ...]. Elect the sign of the total mass, then average the agreeing non-zero entries."""
     elected = torch.sign(trimmed.sum(0))
-    agree = (torch.sign(trimmed) == elected) & (trimmed != 0)
+    agree = trimmed * elected > 0  # same sign as elected, and non-zero
     return (trimmed * agree).sum(0) / agree.sum(0).clamp(min=1)
 
 
