@@ -153,21 +153,9 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._entries[key][1]
-
-
-def check_compatible_lazy(reference: LazyStateDict, other: LazyStateDict) -> None:
-    """check_compatible on keys and shapes from the file headers, without reading any tensor."""
-    missing = sorted(set(reference) - set(other))
-    extra = sorted(set(other) - set(reference))
-    if missing:
-        raise MergeflowError(f"{other.path}: missing tensor '{missing[0]}' present in {reference.path} ({len(missing)} missing)")
-    if extra:
-        raise MergeflowError(f"{other.path}: unexpected tensor '{extra[0]}' absent from {reference.path} ({len(extra)} extra)")
-    for key in reference:
-        if reference.shape(key) != other.shape(key):
-            raise MergeflowError(f"{other.path}: tensor '{key}' has shape {other.shape(key)}, expected {reference.shape(key)} as in {reference.path}")
+    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every tensor, from the header alone."""
+        return {k: (shape, dtype) for k, (dtype, shape, _) in self._entries.items()}
 
 
 def load_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -181,18 +169,24 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
         raise MergeflowError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
 
 
+def tensor_specs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if isinstance(state, LazyStateDict):
+        return state.specs()
+    return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+
 def check_compatible(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], *, reference_name: str, other_name: str, dtypes: bool = True) -> None:
-    """Same keys, shapes and dtypes, or one line saying which tensor differs and how."""
-    missing = sorted(set(reference) - set(other))
-    extra = sorted(set(other) - set(reference))
+    """Same keys, shapes and dtypes (lazy files: from their headers, reading no tensor), or one line saying which
+    tensor differs and how."""
+    ref, got = tensor_specs(reference), tensor_specs(other)
+    missing = sorted(set(ref) - set(got))
+    extra = sorted(set(got) - set(ref))
     if missing:
         raise MergeflowError(f"{other_name}: missing tensor '{missing[0]}' present in {reference_name} ({len(missing)} missing)")
     if extra:
         raise MergeflowError(f"{other_name}: unexpected tensor '{extra[0]}' absent from {reference_name} ({len(extra)} extra)")
-    for key, ref in reference.items():
-        got = other[key]
-        if got.shape != ref.shape:
-            raise MergeflowError(f"{other_name}: tensor '{key}' has shape {tuple(got.shape)}, expected {tuple(ref.shape)} as in {reference_name}")
-        if dtypes and got.dtype != ref.dtype:
-            raise MergeflowError(f"{other_name}: tensor '{key}' has dtype {got.dtype}, expected {ref.dtype} as in {reference_name}")
-
+    for key, (shape, dtype) in ref.items():
+        if got[key][0] != shape:
+            raise MergeflowError(f"{other_name}: tensor '{key}' has shape {got[key][0]}, expected {shape} as in {reference_name}")
+        if dtypes and got[key][1] != dtype:
+            raise MergeflowError(f"{other_name}: tensor '{key}' has dtype {got[key][1]}, expected {dtype} as in {reference_name}")

@@ -17,7 +17,7 @@ from mergeflow import data as data_mod
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, plot_negation_curves, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
-from mergeflow.io import LazyStateDict, atomic_path, check_compatible_lazy, load_state_dict, read_json, save_state_dict, write_json
+from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, write_json
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
@@ -94,7 +94,8 @@ def _load_task_vectors(params: Params, layout: Layout):
     pretrained = LazyStateDict(layout.pretrained)
     vectors = {t: LazyStateDict(layout.vectors / f"{t}.safetensors") for t in params.suite.tasks}
     for tv in vectors.values():
-        check_compatible_lazy(pretrained, tv)
+        # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
+        check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
     return pretrained, vectors
 
 
