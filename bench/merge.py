@@ -62,8 +62,9 @@ def worker(directory: Path, method: str, threads: int) -> dict:
     baseline = _peak_rss_gb()
     start = time.perf_counter()
     if method == "read":
-        total = sum(float(sd[k].view(-1)[0]) for sd in (theta0, *tvs.values()) for k in sd)
-        kind = "-"
+        # every byte of every input, through the same reader (and finite check) the merges use
+        n_read = sum(sd[k].numel() for sd in (theta0, *tvs.values()) for k in sd)
+        kind = f"{n_read / 1e6:.0f}M"
     else:
         name, hp = VARIANTS.get(method, (method, {}))
         spec = REGISTRY[name]

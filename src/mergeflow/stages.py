@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path

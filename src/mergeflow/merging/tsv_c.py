@@ -5,7 +5,6 @@ Gargiulo et al., "Task singular vectors: reducing task interference in model mer
 take the space of one matrix) and theta0 + tau_t elsewhere (non-matrix tensors are small and kept whole).
 """
 
-import torch
 
 from mergeflow.merging import register
 from mergeflow.merging._tensors import is_matrix, svd
