@@ -52,7 +52,7 @@ class BackboneConfig(_Strict):
     model: str = "vit_tiny_patch16_224"  # any timm model name
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to timm.create_model (img_size, patch_size, embed_dim, ...)
     global_pool: str = "avg"
-    input_norm: Literal["per_image", "pretrained_cfg", "none"] = "per_image"  # per-image standardisation, or the weights' own mean/std
+    input_norm: Literal["center", "per_image", "pretrained_cfg", "none"] = "center"  # per-image normalisation, or the weights' own mean/std
     pretrained: str | None = None  # None: pretrain on the corpus; "hub": timm's weights; a path: a local weights file
 
 

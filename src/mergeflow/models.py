@@ -45,10 +45,15 @@ class Backbone(nn.Module):
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         x = images.permute(0, 3, 1, 2).float().div_(255.0)
         if self.input_norm == "per_image":
-            # each image and channel to zero mean, unit variance: removes global brightness and contrast
+            # each image and channel to zero mean, unit variance: removes global brightness, contrast and hue
             mu = x.mean(dim=(2, 3), keepdim=True)
             sd = x.std(dim=(2, 3), keepdim=True)
             return (x - mu) / (sd + 1e-3)
+        if self.input_norm == "center":
+            # each channel centred, one scale per image: keeps the colour of the contrast (the embedded suite's
+            # tasks live in distinct palettes), and pretraining learns much faster than with fixed scaling
+            mu = x.mean(dim=(2, 3), keepdim=True)
+            return (x - mu) / (x.std(dim=(1, 2, 3), keepdim=True) + 0.05)
         if self.input_norm == "pretrained_cfg":
             return (x - self.mean) / self.std
         return x

@@ -6,8 +6,8 @@ a linear probe on the pretrained features, and the task vectors of different tas
 moderately, as with the 8-task vision benchmark (Cars, DTD, EuroSAT, GTSRB, MNIST, RESISC45, SUN397, SVHN).
 
 Pretraining corpus (disjoint from every downstream task)
-    Each image holds one filled geometric shape and one random pen-stroke "glyph" (32 fixed random
-    characters, none of them a digit-like stroke font) on a procedural background, all in random colours
+    Each image holds one filled geometric shape and one random pen-stroke "glyph" (32 fixed characters, each
+    a random 3-stroke pen path on a 4x4 lattice, fixed independently of the seed) on a procedural background, all in random colours
     spanning the whole hue circle with a clear lightness contrast.  Label heads:
       shape       12  which geometric shape
       glyph       32  which random glyph
@@ -15,9 +15,10 @@ Pretraining corpus (disjoint from every downstream task)
       position     9  3x3 cell holding the shape
       hue          8  hue bin of the shape's colour (keeps colour, hence domain, information in the features)
 
-Downstream tasks: each lives in its own visual domain (palette and style), so that fine-tuning on one task
-mostly changes features that respond to that domain ("irrelevant" rather than "contradictory" tasks, in the
-sense of seed 004), while the labels need features the pretraining heads did not make linearly separable.
+Downstream tasks: each lives in its own visual domain (palette and style), intended to make the tasks
+"irrelevant" rather than "contradictory" to one another (seed 004), while the labels need features the
+pretraining heads did not make linearly separable.  Measured caveat: with a small ViT trained from scratch
+this separation of domains did NOT by itself keep task vectors from interfering (see the suite lab report).
       digits          10  real handwritten digits (sklearn 8x8, upsampled, random affine); grey ink on black (~MNIST)
       house_numbers   10  stroke-font digit between two flanking digits; cream on blue enamel plates    (~SVHN)
       signs           12  road sign: board (round / triangle / diamond) x arrow direction (4); red rim,
@@ -27,7 +28,7 @@ sense of seed 004), while the labels need features the pretraining heads did not
       texture          8  texture family (stripes, grid, checks, dots, zigzag, waves, blotches, crosshatch),
                           random scale / rotation; earth tones                                         (~DTD)
       count            6  number of bright dots (1-6) among dim clutter; yellow on dark green
-      direction        8  compass direction from a filled disc to a ring (a two-object relation); cyan on dark red
+      position         9  3x3 cell of the one closed ring among 3-6 broken rings ('C' shapes); cyan on dark red
     Related pairs: digits <-> house_numbers (same labels, digit identity, like MNIST/SVHN); signs <-> rotation
     (both read the direction of a stroke figure); orientation <-> texture (oriented periodic patterns).
     The other pairs are unrelated: different palettes, different label semantics.
@@ -48,7 +49,7 @@ TASKS: dict[str, int] = {
     "orientation": 18,
     "texture": 8,
     "count": 6,
-    "direction": 8,
+    "position": 9,
 }
 
 _CHUNK = 2048  # images rendered at once (bounds memory of the batched numpy code)
@@ -463,28 +464,28 @@ def _count(rng, n, size):
     return _to_uint8(img), k - 1
 
 
-def _direction(rng, n, size):
-    """Compass direction (8) from a filled disc to a ring placed anywhere; cyan on dark red.
-
-    A relation between two objects: hard for a linear probe on average-pooled features, easy to fine-tune.
-    """
+def _position(rng, n, size):
+    """3x3 cell of the one closed ring among 3-6 broken rings ('C' shapes); cyan on dark red."""
     yy, xx = _grid(size)
-    k = rng.integers(0, 8, n)
+    cell = rng.integers(0, 9, n)
     img = _flat(rng, n, size, _jitter_colour(rng, n, 0.99, 0.7, 0.35))
     img = img * (0.85 + 0.3 * _smooth_noise(rng, n, size, 3))[..., None]
     fg = _jitter_colour(rng, n, 0.5, 0.7, 0.85)
-    ang = k * np.pi / 4 + rng.uniform(-0.25, 0.25, n)
-    dist = rng.uniform(0.55, 1.0, n)
-    # midpoint placed so that both objects stay inside the image
-    mx = rng.uniform(-1, 1, n) * np.maximum(0.0, 0.75 - abs(np.cos(ang)) * dist / 2)
-    my = rng.uniform(-1, 1, n) * np.maximum(0.0, 0.75 - abs(np.sin(ang)) * dist / 2)
-    dx, dy = np.cos(ang) * dist / 2, -np.sin(ang) * dist / 2  # y grows downwards; angle counter-clockwise
-    f32 = lambda v: v.astype(np.float32)[:, None, None]
-    disc = np.hypot(xx - f32(mx - dx), yy - f32(my - dy)) - f32(rng.uniform(0.1, 0.16, n))
-    ring = abs(np.hypot(xx - f32(mx + dx), yy - f32(my + dy)) - 0.12) - 0.04
-    img = _paint(img, _soft(np.minimum(disc, ring), size), fg)
+    # distractors: broken rings with a random gap direction, none in the target's cell
+    cx, cy, _ = _disc_centres(rng, n, 6, 0.0, 0.0)
+    disc_cell = np.clip(((cx + 1) * 1.5).astype(int), 0, 2) + 3 * np.clip(((cy + 1) * 1.5).astype(int), 0, 2)
+    active = (np.arange(6)[None] < rng.integers(3, 7, n)[:, None]) & (disc_cell != cell[:, None])
+    dx, dy = xx[:, None] - cx[..., None, None], yy[:, None] - cy[..., None, None]
+    gap = rng.uniform(0, 2 * np.pi, cx.shape)[..., None, None]
+    in_gap = np.cos(np.arctan2(dy, dx) - gap) > 0.75
+    d = np.where(in_gap, 9.0, abs(np.hypot(dx, dy) - 0.11) - 0.035)
+    img = _paint(img, _soft(np.where(active[..., None, None], d, 9.0).min(1), size), fg)
+    tx = -1 + (cell % 3 + 0.5) * 2 / 3 + rng.uniform(-0.1, 0.1, n)
+    ty = -1 + (cell // 3 + 0.5) * 2 / 3 + rng.uniform(-0.1, 0.1, n)
+    rad = np.hypot(xx - tx[:, None, None], yy - ty[:, None, None])
+    img = _paint(img, _soft(abs(rad - 0.11) - 0.035, size), fg)
     img += rng.normal(0, 0.05, img.shape).astype(np.float32)
-    return _to_uint8(img), k
+    return _to_uint8(img), cell
 
 
 _RENDERERS = {
@@ -494,7 +495,7 @@ _RENDERERS = {
     "orientation": _orientation,
     "texture": _texture,
     "count": _count,
-    "direction": _direction,
+    "position": _position,
 }
 
 
