@@ -281,7 +281,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout()) -> dict:
             pretrained, tvs = _load_task_vectors(params, layout)
             per_task = {}
             for t in params.suite.tasks:
-                lam = float(output[f"lam/{t}"])
+                lam = round(float(output[f"lam/{t}"]), 6)  # stored as a float32 tensor
                 acc = evaluator(spec(pretrained, {t: tvs[t]}, **{**chosen["hyperparameters"], "lam": lam}))
                 others = [o for o in params.suite.tasks if o != t]
                 per_task[t] = {
