@@ -183,3 +183,16 @@ def test_iso_cts_flattens_the_spectrum_over_common_and_task_subspaces():
     taus = torch.stack([tv[M] for tv in tvs.values()])
     sv = torch.linalg.svdvals(iso_cts_matrix(taus, 0.8))  # c = 8, then (10 - 8) / 2 = 1 per task: rank 10
     assert close(sv, torch.full_like(sv, torch.linalg.svdvals(taus.sum(0)).mean().item()), atol=1e-4)
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+def test_breadcrumbs_thresholds_match_ranks(scope):
+    from mergeflow.merging.breadcrumbs import breadcrumb_mask
+
+    taus = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
+    mask = breadcrumb_mask(taus, 0.1, 0.3, scope)
+    mags = taus.abs().reshape(3, 7, 50) if scope == "row" else taus.abs().reshape(3, 1, 350)
+    n = mags.shape[-1]
+    ranks = mags.argsort(-1, descending=True).argsort(-1)  # 0 = largest
+    expected = (ranks >= round(0.1 * n)) & (ranks < round(0.4 * n))
+    assert torch.equal(mask, expected.reshape(taus.shape))

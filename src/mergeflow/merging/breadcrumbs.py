@@ -14,16 +14,25 @@ from mergeflow.merging._tensors import map_tensors
 
 
 def breadcrumb_mask(taus: torch.Tensor, gamma: float, beta: float, scope: str) -> torch.Tensor:
-    """Boolean mask [T, ...] keeping ranks [gamma n, (gamma + beta) n) of |tau| in each row (or whole tensor)."""
+    """Boolean mask [T, ...] keeping ranks [gamma n, (gamma + beta) n) of |tau| in each row (or whole tensor).
+
+    By thresholds, not ranks: keep |tau| <= the value ranked gamma n from the top and > the one ranked
+    (gamma + beta) n (two batched selections; sorting every row costs far more). Tied values at a cut all
+    fall on the same side of it.
+    """
     if scope not in ("row", "tensor"):
         raise ValueError(f"merge.breadcrumbs.scope: expected 'row' or 'tensor', got {scope!r}")
     if not (0 <= gamma < 1 and 0 < beta <= 1 - gamma):
         raise ValueError(f"merge.breadcrumbs: need 0 <= gamma < 1 and 0 < beta <= 1 - gamma, got gamma={gamma}, beta={beta}")
-    flat = taus.abs().reshape(taus.shape[0], -1) if (scope == "tensor" or taus.ndim <= 2) else taus.abs().reshape(taus.shape[0], -1, taus.shape[-1])
-    n = flat.shape[-1]
+    mags = taus.abs().reshape(taus.shape[0], -1) if (scope == "tensor" or taus.ndim <= 2) else taus.abs().reshape(taus.shape[0], -1, taus.shape[-1])
+    n = mags.shape[-1]
     lo, hi = int(round(gamma * n)), int(round((gamma + beta) * n))
-    ranks = flat.argsort(dim=-1, descending=True).argsort(dim=-1)  # 0 = largest
-    return ((ranks >= lo) & (ranks < hi)).reshape(taus.shape)
+    keep = torch.ones_like(mags, dtype=torch.bool)
+    if lo > 0:  # drop the lo largest: keep values <= the one ranked lo from the top (0-based)
+        keep &= mags <= mags.kthvalue(n - lo, dim=-1, keepdim=True).values
+    if hi < n:  # keep the next ones down to rank hi: values > the one ranked hi
+        keep &= mags > mags.kthvalue(n - hi, dim=-1, keepdim=True).values
+    return keep.reshape(taus.shape)
 
 
 @register(
