@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from mergeflow import data as data_mod
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, plot_negation_curves, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
-from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, write_json
+from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
@@ -210,7 +211,8 @@ def _materialise(state) -> dict:
 
 
 def _bytes(state) -> int:
-    return sum(state[k].numel() * state[k].element_size() for k in state)
+    """Size from shapes and dtypes (a lazy file's header): no tensor is read."""
+    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values())
 
 
 def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
@@ -252,7 +254,8 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         }
         if spec.kind == "per_task":
             uses_theta0 = not any(k.startswith(BASE_PREFIX) for k in output)
-            metrics |= {"storage_bytes": store_bytes(output) + (_bytes(pretrained) if uses_theta0 else 0), "model_bytes": _bytes(pretrained)}
+            model_bytes = _bytes(pretrained)
+            metrics |= {"storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0), "model_bytes": model_bytes}
     save_state_dict(layout.merged(method), output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
     with atomic_path(layout.log("merge", method, ".png")) as tmp:
         if spec.kind == "negation":

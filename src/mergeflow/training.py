@@ -187,8 +187,12 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
     coef = torch.zeros(n_classes, train_x.shape[1])
     bias = torch.full((n_classes,), -1e4)  # a class absent from training is never predicted
     classes = torch.as_tensor(clf.classes_)
-    coef[classes] = torch.as_tensor(clf.coef_, dtype=torch.float32) if len(classes) > 2 else torch.cat([-torch.as_tensor(clf.coef_), torch.as_tensor(clf.coef_)]).float() / 2
-    bias[classes] = torch.as_tensor(clf.intercept_, dtype=torch.float32) if len(classes) > 2 else torch.cat([-torch.as_tensor(clf.intercept_), torch.as_tensor(clf.intercept_)]).float() / 2
+    weights = torch.as_tensor(clf.coef_, dtype=torch.float32)
+    intercepts = torch.as_tensor(clf.intercept_, dtype=torch.float32)
+    if len(classes) == 2:  # scikit-learn keeps one logit for two classes: split it symmetrically
+        weights, intercepts = torch.cat([-weights, weights]) / 2, torch.cat([-intercepts, intercepts]) / 2
+    coef[classes] = weights
+    bias[classes] = intercepts
     head = make_head(train_x.shape[1], n_classes)
     with torch.no_grad():
         head.weight.copy_(coef / sd)
