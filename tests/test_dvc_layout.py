@@ -13,15 +13,14 @@ def test_dvc_stages_match_layout(repo_root):
         stages = {s.addressing: s for s in repo.index.stages}
     outs = {a: {str(o.def_path) for o in s.outs} for a, s in stages.items()}
     expected = {"prepare", "pretrain", "vectors", "report", "track"} | {f"finetune@{t}" for t in params.suite.tasks}
-    expected |= {f"{s}@{m}" for s in ("merge", "evaluate") for m in params.merge.methods}
+    expected |= {f"merge@{m}" for m in params.merge.methods}
     assert set(stages) == expected
     assert str(layout.pretrained) in outs["pretrain"] and str(layout.metrics("pretrain")) in outs["pretrain"]
     for t in params.suite.tasks:
         assert {str(layout.finetuned(t)), str(layout.head(t)), str(layout.epochs(t)), str(layout.metrics("finetune", t)), str(layout.log("finetune", t))} == outs[f"finetune@{t}"]
         assert stages[f"finetune@{t}"].cmd == f"mergeflow finetune --task {t}"
     for m in params.merge.methods:
-        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.log("merge", m, ".png"))} == outs[f"merge@{m}"]
-        assert outs[f"evaluate@{m}"] == {str(layout.metrics("evaluate", m))}
+        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png"))} == outs[f"merge@{m}"]
         assert stages[f"merge@{m}"].cmd == f"mergeflow merge --method {m}"
     assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors"))}
     assert outs["report"] == {str(layout.results)}

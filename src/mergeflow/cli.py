@@ -19,8 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("pretrain", help="pretrain the backbone on the corpus, or load real pretrained weights")
     sub.add_parser("finetune", help="linear probe, then fine-tune the backbone on one task").add_argument("--task", required=True)
     sub.add_parser("vectors", help="task vectors and their statistics")
-    sub.add_parser("merge", help="merge with one method, hyperparameters chosen on validation").add_argument("--method", required=True)
-    sub.add_parser("evaluate", help="test accuracy of one merged model on every task").add_argument("--method", required=True)
+    sub.add_parser("merge", help="merge with one method (hyperparameters chosen on validation), then test it on every task").add_argument("--method", required=True)
     sub.add_parser("report", help="summary table and bar chart")
     sub.add_parser("track", help="record the pipeline's outputs in MLflow")
     sub.add_parser("methods", help="list every registered merging method")
@@ -45,8 +44,8 @@ def run_command(args: argparse.Namespace) -> None:
         track(params)
     elif args.command in ("finetune",):
         stages.finetune(params, args.task)
-    elif args.command in ("merge", "evaluate"):
-        getattr(stages, args.command)(params, args.method)
+    elif args.command == "merge":
+        stages.merge(params, args.method)
     else:
         getattr(stages, args.command)(params)
 
