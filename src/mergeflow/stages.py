@@ -230,13 +230,13 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         pretrained, tvs = _load_task_vectors(params, layout)
         tasks = _load_tasks(params, layout)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features)
-        evaluate = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
+        on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
         try:
             if spec.kind == "negation":
-                pretrained_acc = evaluate(_materialise(pretrained))
-                negation = negation_search(spec, overrides, pretrained, tvs, evaluate, pretrained_acc)
+                pretrained_acc = on_val(_materialise(pretrained))
+                negation = negation_search(spec, overrides, pretrained, tvs, on_val, pretrained_acc)
             else:
-                best, output, curve, per_task = search(spec, overrides, pretrained, tvs, evaluate)
+                best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val)
         except ValueError as err:
             raise MergeflowError(str(err)) from None
     fixed, grid = spec.search_space(overrides)
