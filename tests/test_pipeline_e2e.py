@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+from mlflow import MlflowClient
+
 from mergeflow.io import load_state_dict
 
 from .profiles import tiny_params
@@ -53,8 +55,6 @@ def _stages_ran(flow_output: str) -> set[str]:
 
 
 def _mlflow(project_dir):
-    from mlflow import MlflowClient
-
     client = MlflowClient(tracking_uri=f"sqlite:///{project_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("mergeflow/embedded")
     runs = client.search_runs([exp.experiment_id], max_results=500)
@@ -110,7 +110,7 @@ def test_pipeline_end_to_end(project):
     params["merge"]["ties"]["k"] = 0.1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env))
-    assert ran == {"merge@ties", "evaluate@ties", "report", "track"}
+    assert ran == {"merge@ties", "report", "track"}
     assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.1
     # ... and then DVC agrees that everything is up to date
     assert "up to date" in _run("dvc status", root, env)
@@ -119,7 +119,7 @@ def test_pipeline_end_to_end(project):
     # 4. dvc exp run -S changes one hyperparameter and re-runs only what depends on it
     _run("git add -A && git commit -qm 'k=0.1'", root, env)
     out = _run("dvc exp run -S merge.ties.k=0.3", root, env)
-    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "evaluate@ties", "report", "track"}
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "report", "track"}
     assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.3
 
     # 5. MLflow: one parent run per pipeline run, nested runs per stage, task and method
@@ -141,3 +141,12 @@ def test_pipeline_end_to_end(project):
     assert [r.data.params["hp.k"] for r in ties_runs] == ["0.2", "0.1", "0.3"]
     assert all(float(r.data.params["chosen.lam"]) in (0.8, 1.0) and "test.average" in r.data.metrics for r in ties_runs)
     assert "merged/ties.safetensors" in {a.path for a in client.list_artifacts(ties_runs[0].info.run_id, "merged")}
+
+    # 6. MLFLOW_TRACKING_URI sends the record elsewhere, and mlflow.db is left alone
+    other = root.parent / "elsewhere.db"
+    before = len(runs)
+    _run("mergeflow track", root, env | {"MLFLOW_TRACKING_URI": f"sqlite:///{other}"})
+    elsewhere = MlflowClient(tracking_uri=f"sqlite:///{other}")
+    moved = elsewhere.search_runs([elsewhere.get_experiment_by_name("mergeflow/embedded").experiment_id])
+    assert {r.data.tags["mlflow.runName"] for r in moved} >= {"merge@ties", "finetune@digits", "prepare"}
+    assert len(_mlflow(root)[1]) == before
