@@ -12,21 +12,33 @@ per-task models used to choose lambda_t, is the method's default alpha.
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_tensors
-from mergeflow.merging.ties import check_ties_args, disjoint_mean, global_thresholds, trim
+from mergeflow.merging._tensors import count_true, map_blocks
+from mergeflow.merging.ties import check_ties_args, disjoint_mean, trim_limits, trimmed_stack
 
 PAPER = "Wang et al. 2024, TALL masks / Consensus merging (arXiv:2405.07813)"
 TALL_GRID = [0.2, 0.3, 0.4, 0.5, 0.6]
 ALPHA_GRID = [round(0.1 * i, 1) for i in range(1, 11)]
 
 
-def tall_masks(taus: torch.Tensor, mtl: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
-    """[T, ...] boolean: m_t = |tau_t| >= lambda_t |tau_MTL - tau_t|."""
-    shape = (-1,) + (1,) * (taus.ndim - 1)
-    return taus.abs() >= lambdas.view(shape) * (mtl.unsqueeze(0) - taus).abs()
+def tall_masks(taus, mtl: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
+    """[T, ...] boolean: m_t = |tau_t| >= lambda_t |tau_MTL - tau_t|, for a [T, ...] stack or a list.
+
+    One task at a time, in numpy: its temporaries stay in cache, and its comparisons into bool are vectorized
+    (torch's CPU ones are not, ~3x slower).
+    """
+    m = mtl.numpy()
+    masks = np.empty((len(taus), *m.shape), bool)
+    scaled, mags = np.empty_like(m), np.empty_like(m)
+    for tau, lam, mask in zip(taus, lambdas.tolist(), masks):
+        x = tau.numpy()
+        np.abs(np.subtract(m, x, out=scaled), out=scaled)
+        scaled *= np.float32(lam)
+        np.greater_equal(np.abs(x, out=mags), scaled, out=mask)
+    return torch.from_numpy(masks)
 
 
 def lambdas_of(tall_lambda, tasks: list[str]) -> torch.Tensor:
@@ -36,21 +48,25 @@ def lambdas_of(tall_lambda, tasks: list[str]) -> torch.Tensor:
     return torch.full((len(tasks),), float(tall_lambda))
 
 
-def mtl_vector(taus: torch.Tensor, base: str, k: float, cuts) -> torch.Tensor:
-    return taus.sum(0) if base == "ta" else disjoint_mean(trim(taus, k, cuts))
+def mtl_vector(taus: list[torch.Tensor], base: str, limits) -> torch.Tensor:
+    """tau_MTL of a block: the sum, or TIES with the trim's hardshrink limits (ties.trim_limits)."""
+    return torch.stack(taus).sum(0) if base == "ta" else disjoint_mean(trimmed_stack(taus, limits))
+
+
+def _prepare(task_vectors, base: str, ties_k: float, trim_scope: str):
+    return trim_limits(task_vectors, ties_k, trim_scope) if base == "ties" else None
 
 
 def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha, ties_k=0.2, trim_scope="global"):
     tasks = list(task_vectors)
     lambdas = lambdas_of(tall_lambda, tasks)
-    cuts = global_thresholds(task_vectors, ties_k) if base == "ties" and trim_scope == "global" else None
 
-    def merge(key, theta0, taus):
-        mtl = mtl_vector(taus, base, ties_k, cuts)
-        consensus = tall_masks(taus, mtl, lambdas).sum(0) >= min_tasks
+    def merge(theta0, taus, rows, limits):
+        mtl = mtl_vector(taus, base, limits)
+        consensus = count_true(tall_masks(taus, mtl, lambdas)) >= min_tasks
         return theta0 + alpha * consensus * mtl
 
-    return map_tensors(pretrained, task_vectors, merge)
+    return map_blocks(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
 
 def _tall_task_model(base: str):
@@ -59,14 +75,13 @@ def _tall_task_model(base: str):
     def task_model(pretrained, task_vectors, task, *, tall_lambda, alpha, ties_k=0.2, trim_scope="global", **_):
         tasks = list(task_vectors)
         i = tasks.index(task)
-        cuts = global_thresholds(task_vectors, ties_k) if base == "ties" and trim_scope == "global" else None
 
-        def merge(key, theta0, taus):
-            mtl = mtl_vector(taus, base, ties_k, cuts)
-            mask = taus[i].abs() >= float(tall_lambda) * (mtl - taus[i]).abs()
+        def merge(theta0, taus, rows, limits):
+            mtl = mtl_vector(taus, base, limits)
+            mask = tall_masks([taus[i]], mtl, torch.tensor([float(tall_lambda)]))[0]
             return theta0 + alpha * mask * mtl
 
-        return map_tensors(pretrained, task_vectors, merge)
+        return map_blocks(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
     return task_model
 

@@ -9,27 +9,31 @@ Storage: one model-sized vector plus one bit per weight and task, beside theta0.
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_tensors
-from mergeflow.merging.consensus import TALL_GRID, lambdas_of
-from mergeflow.merging.ties import check_ties_args, disjoint_mean, global_thresholds, trim
+from mergeflow.merging._tensors import map_blocks
+from mergeflow.merging.consensus import TALL_GRID, lambdas_of, tall_masks
+from mergeflow.merging.ties import check_ties_args, disjoint_mean, trim_limits, trimmed_stack
 
 
 def _ties_and_masks(pretrained, task_vectors, tall_lambda, ties_k, trim_scope):
     tasks = list(task_vectors)
     lambdas = lambdas_of(tall_lambda, tasks)
-    cuts = global_thresholds(task_vectors, ties_k) if trim_scope == "global" else None
-    store = {}
+    limit_of = trim_limits(task_vectors, ties_k, trim_scope)
+    masks = {}
 
-    def merge(key, theta0, taus):
-        ties = disjoint_mean(trim(taus, ties_k, cuts))
-        shape = (-1,) + (1,) * (taus.ndim - 1)
-        masks = taus.abs() >= lambdas.view(shape) * (ties.unsqueeze(0) - taus).abs()
-        for t, mask in zip(tasks, masks):
-            store[f"mask/{t}/{key}"] = mask
+    def prepare(key, t, tau):
+        masks[f"mask/{tasks[t]}/{key}"] = mask = torch.empty(tau.shape, dtype=torch.bool)  # filled block by block
+        return limit_of(key, t, tau), mask
+
+    def merge(theta0, taus, rows, states):
+        ties = disjoint_mean(trimmed_stack(taus, [limit for limit, _ in states]))
+        for (_, mask), block in zip(states, tall_masks(taus, ties, lambdas)):
+            mask[rows] = block
         return ties
 
-    store |= {f"shared/{k}": v for k, v in map_tensors(pretrained, task_vectors, merge, cast=False).items()}
-    return store
+    shared = map_blocks(pretrained, task_vectors, merge, prepare=prepare, cast=False)
+    # in key order, each in its tensor's shape (map_blocks handles scalars as 1-element vectors)
+    store = {f"mask/{t}/{k}": masks[f"mask/{t}/{k}"].reshape(v.shape) for k, v in shared.items() for t in tasks}
+    return store | {f"shared/{k}": v for k, v in shared.items()}
 
 
 def reconstruct(store, pretrained, task):

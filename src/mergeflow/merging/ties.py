@@ -11,69 +11,81 @@ first pass over the model, done one task vector at a time (peak: one task vector
 (mergekit, PEFT) cuts each tensor separately and streams like every element-wise method.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from math import prod
 
+import numpy as np
 import torch
 
+from mergeflow.io import tensor_specs
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_tensors
+from mergeflow.merging._tensors import map_blocks
 
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 
 
-def kth_largest(magnitudes: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """The n_keep-th largest of non-negative float32 ``magnitudes`` (1-D), exactly, by radix selection.
+def select(values: np.ndarray, i: int) -> np.float32:
+    """The i-th smallest entry (0-based) of 1-D ``values``, exactly, reordering it in place: numpy's introselect
+    runs in linear time, ~10x faster than torch's kthvalue, topk or sort."""
+    values.partition(i)
+    return values[i]
 
-    Non-negative floats order like their int32 bit patterns: a histogram of the top 16 bits finds the bucket that
-    holds the answer, and only that bucket is searched exactly (kthvalue over millions of entries is slow).
-    """
-    bits = magnitudes.contiguous().view(torch.int32)
-    bucket = bits >> 16
-    counts = torch.bincount(bucket, minlength=1 << 15)
-    above = counts.flip(0).cumsum(0)  # above[i]: entries in the top i + 1 buckets
-    top = int(torch.searchsorted(above, torch.tensor(n_keep)))  # the first top-i prefix holding n_keep entries
-    b = (1 << 15) - 1 - top
-    in_bucket = magnitudes[bucket == b]
-    rank_in_bucket = n_keep - (int(above[top - 1]) if top > 0 else 0)  # rank from the top within the bucket
-    return in_bucket.kthvalue(in_bucket.numel() - rank_in_bucket + 1).values
+
+def magnitude_cut(mags: np.ndarray, k: float) -> torch.Tensor:
+    """The smallest magnitude kept when keeping the top-k fraction of 1-D ``mags`` (reordered in place)."""
+    n_keep = max(1, int(round(k * mags.size)))
+    return torch.tensor(mags.min() if n_keep >= mags.size else select(mags, mags.size - n_keep))
 
 
 def topk_threshold(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
-    """The smallest magnitude kept when keeping the top-k fraction of ``magnitudes`` (flattened)."""
-    flat = magnitudes.flatten().float()
-    n_keep = max(1, int(round(k * flat.numel())))
-    if n_keep >= flat.numel():
-        return flat.min()
-    return kth_largest(flat, n_keep)
+    """magnitude_cut of a tensor's magnitudes (flattened), leaving them unchanged."""
+    return magnitude_cut(magnitudes.detach().float().flatten().numpy().copy(), k)
+
+
+def tensor_threshold(tau: torch.Tensor, k: float) -> torch.Tensor:
+    """topk_threshold(|tau|, k), selecting in place in its one fresh array of magnitudes."""
+    return magnitude_cut(np.abs(tau.reshape(-1).float().numpy()), k)
 
 
 def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k: float) -> torch.Tensor:
     """Pass 1 of a global trim: each task's cut over its whole flattened vector, one task at a time."""
     cuts = []
     for tv in task_vectors.values():
-        cuts.append(topk_threshold(torch.cat([tv[key].float().abs().flatten() for key in tv]), k))
+        sizes = [prod(shape) for shape, _ in tensor_specs(tv).values()]
+        flat = torch.empty(sum(sizes))  # one task's magnitudes, written tensor by tensor (no list, no cat)
+        for piece, key in zip(flat.split(sizes), tv):
+            torch.abs(tv[key].float().reshape(-1), out=piece)
+        cuts.append(magnitude_cut(flat.numpy(), k))
     return torch.stack(cuts)
 
 
-def row_thresholds(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
-    """topk_threshold of each row of [T, n] magnitudes, in one batched selection."""
-    return torch.stack([topk_threshold(row, k) for row in magnitudes])
+def shrink_limits(thresholds: torch.Tensor) -> list[float]:
+    """hardshrink(x, l) zeroes |x| <= l: l, the float32 just below a cut, keeps exactly |x| >= cut."""
+    cuts = thresholds.float().reshape(-1)
+    return torch.nextafter(cuts, torch.zeros_like(cuts)).tolist()
 
 
-def trim(taus: torch.Tensor, k: float, thresholds: torch.Tensor | None = None) -> torch.Tensor:
-    """Zero all but the top-k magnitudes of each task's slice of ``taus`` [T, ...] (per tensor unless thresholds given)."""
-    magnitudes = taus.abs()
-    if thresholds is None:
-        thresholds = row_thresholds(magnitudes.flatten(1), k)
-    shape = (-1,) + (1,) * (taus.ndim - 1)
-    return taus * (magnitudes >= thresholds.view(shape))
+def trimmed_stack(taus: Sequence[torch.Tensor], limits: Sequence[float]) -> torch.Tensor:
+    """[T, ...] stack of tau_t with |tau_t| < its cut zeroed (limits from shrink_limits): one pass that stacks and
+    trims, without magnitudes or boolean masks."""
+    out = torch.empty((len(taus), *taus[0].shape))
+    for i, (tau, limit) in enumerate(zip(taus, limits)):
+        torch.hardshrink(tau, limit, out=out[i])
+    return out
 
 
 def disjoint_mean(trimmed: torch.Tensor) -> torch.Tensor:
-    """trimmed: [T, ...]. Elect the sign of the total mass, then average the agreeing non-zero entries."""
+    """trimmed: [T, ...]. Elect the sign of the total mass, then average the agreeing non-zero entries.
+
+    That is (trimmed * agree).sum(0) / agree.sum(0).clamp(min=1) with agree = trimmed * elected > 0, in float ops
+    only: aligned = trimmed * elected is |tau| where the sign agrees, <= 0 elsewhere, so relu(aligned) sums the
+    agreeing magnitudes and its signs count them (summing magnitudes and restoring the sign after is exact).
+    """
     elected = torch.sign(trimmed.sum(0))
-    agree = trimmed * elected > 0  # same sign as elected, and non-zero
-    return (trimmed * agree).sum(0) / agree.sum(0).clamp(min=1)
+    aligned = (trimmed * elected).clamp_(min=0)
+    total = aligned.sum(0)
+    count = aligned.sign_().sum(0)
+    return total * elected / count.clamp_(min=1)
 
 
 def check_ties_args(k: float, trim_scope: str, where: str = "merge.ties") -> None:
@@ -83,10 +95,17 @@ def check_ties_args(k: float, trim_scope: str, where: str = "merge.ties") -> Non
         raise ValueError(f"{where}.k: expected a fraction in (0, 1], got {k}")
 
 
+def trim_limits(task_vectors, k: float, trim_scope: str):
+    """map_blocks' prepare for a trim: task t's hardshrink limit for a tensor (global cuts: computed once)."""
+    if trim_scope == "global":
+        limits = shrink_limits(global_thresholds(task_vectors, k))
+        return lambda key, t, tau: limits[t]
+    return lambda key, t, tau: shrink_limits(tensor_threshold(tau, k))[0]
+
+
 def ties_vector(pretrained, task_vectors, *, k: float, trim_scope: str) -> dict[str, torch.Tensor]:
-    """The TIES-merged task vector (before scaling), one tensor at a time."""
-    cuts = global_thresholds(task_vectors, k) if trim_scope == "global" else None
-    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: disjoint_mean(trim(taus, k, cuts)))
+    """The TIES-merged task vector (before scaling), one block at a time."""
+    return map_blocks(pretrained, task_vectors, lambda theta0, taus, rows, limits: disjoint_mean(trimmed_stack(taus, limits)), prepare=trim_limits(task_vectors, k, trim_scope))
 
 
 @register(
@@ -98,5 +117,4 @@ def ties_vector(pretrained, task_vectors, *, k: float, trim_scope: str) -> dict[
 )
 def ties(pretrained, task_vectors, *, k, trim_scope, lam):
     check_ties_args(k, trim_scope)
-    cuts = global_thresholds(task_vectors, k) if trim_scope == "global" else None
-    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * disjoint_mean(trim(taus, k, cuts)))
+    return map_blocks(pretrained, task_vectors, lambda theta0, taus, rows, limits: theta0 + lam * disjoint_mean(trimmed_stack(taus, limits)), prepare=trim_limits(task_vectors, k, trim_scope))
