@@ -127,3 +127,14 @@ def test_atomic_path_leaves_nothing_on_failure(tmp_path):
             tmp.write_text("half")
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_feature_preservation_without_corpus_images_names_file_and_key(repo_root, tmp_path):
+    """A pretrained (hub or file) backbone comes with no pretraining corpus: preserve_features must be off."""
+    params = _params(repo_root, ["digits"])
+    assert params.finetune.preserve_features.weight > 0
+    layout = Layout(tmp_path)
+    save_state_dict(layout.pretrain_corpus, {"images": torch.zeros(0, 32, 32, 3, dtype=torch.uint8)})
+    with pytest.raises(MergeflowError, match=r"pretrain.safetensors: finetune.preserve_features needs .* set finetune.preserve_features.weight to 0"):
+        stages._feature_anchor(params, layout, None, 0, torch.device("cpu"))
+    assert not (tmp_path / "models").exists()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from sklearn.linear_model import LogisticRegression
 
-from mergeflow.config import BackboneConfig, FinetuneConfig, ProbeConfig
+from mergeflow.config import BackboneConfig, FinetuneConfig, PreserveFeaturesConfig, ProbeConfig
 from mergeflow.models import backbone_state, build_backbone, make_head
-from mergeflow.training import batches, extract_features, finetune, fit_probe, warmup_cosine
+from mergeflow.training import FeatureAnchor, batches, extract_features, finetune, fit_probe, warmup_cosine
 
 TINY = BackboneConfig(kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2})
 
@@ -103,3 +103,51 @@ def test_sgd_and_epochs_schedule():
     head = make_head(backbone.num_features, 3)
     curve = finetune(backbone, head, images, labels, FinetuneConfig(optimizer="sgd", momentum=0.9, epochs=3, batch_size=8, lr=1e-2), seed=0, device=torch.device("cpu"))
     assert len(curve.step) == 3 * 2  # 20 // 8 = 2 full batches an epoch; the partial one is dropped
+
+
+def _anchor(backbone, weight, n=12):
+    corpus, _ = _images(40, seed=7)
+    cfg = PreserveFeaturesConfig(weight=weight, images=n, batch_size=n)
+    return FeatureAnchor.build(backbone, corpus, cfg, seed=0, device=torch.device("cpu"), eval_batch_size=5)
+
+
+def test_feature_anchor_penalty_by_hand():
+    torch.manual_seed(0)
+    backbone = build_backbone(TINY)
+    anchor = _anchor(backbone, weight=3.0)
+    idx = torch.arange(len(anchor.images))
+    assert anchor.penalty(backbone, idx, torch.device("cpu")).item() == pytest.approx(0.0, abs=1e-12)  # theta0: no change
+    with torch.no_grad():
+        backbone.net.patch_embed.proj.bias.add_(0.5)
+    f0, f1 = anchor.features, extract_features(backbone, anchor.images, batch_size=5, device=torch.device("cpu"))
+    by_hand = 3.0 * ((f1 - f0) ** 2).sum() / f1.numel() / (((f0 - f0.mean(0)) ** 2).sum(0) / (len(f0) - 1)).mean()
+    assert anchor.penalty(backbone, idx, torch.device("cpu")).item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+def test_feature_anchor_leaves_the_first_gd_step_unchanged():
+    """The penalty is a square with its minimum at theta0: its gradient there is zero, so seed 000's identity
+    tau = -eta grad L still holds for one epoch of full-batch GD."""
+    images, labels = _images(24)
+    cfg = FinetuneConfig(optimizer="gd", epochs=1, lr=0.05, weight_decay=0.0, warmup_steps=0)
+    states = []
+    for weight in (0.0, 10.0):
+        torch.manual_seed(0)
+        backbone = build_backbone(TINY)
+        head = make_head(backbone.num_features, 3)
+        finetune(backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"), anchor=_anchor(backbone, weight))
+        states.append(backbone_state(backbone))
+    assert all(torch.allclose(states[0][k], states[1][k], atol=1e-7) for k in states[0])
+
+
+def test_feature_anchor_keeps_features_on_its_images():
+    images, labels = _images(32)
+    cfg = FinetuneConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=0)
+    change = {}
+    for weight in (0.0, 30.0):
+        torch.manual_seed(0)
+        backbone = build_backbone(TINY)
+        head = make_head(backbone.num_features, 3)
+        anchor = _anchor(backbone, weight)
+        finetune(backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"), anchor=anchor)
+        change[weight] = (extract_features(backbone, anchor.images, batch_size=5, device=torch.device("cpu")) - anchor.features).pow(2).mean().item()
+    assert change[30.0] < 0.5 * change[0.0]

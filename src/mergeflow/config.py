@@ -74,10 +74,19 @@ class ProbeConfig(_Strict):
     max_iter: int = Field(500, ge=10)
 
 
+class PreserveFeaturesConfig(_Strict):
+    """Keep the backbone's features on out-of-task images (the pretraining corpus) near theta0's while fine-tuning."""
+
+    weight: float = Field(0.0, ge=0)  # beta of the relative squared feature change; 0 turns it off
+    images: int = Field(2048, ge=1)  # corpus images drawn once (seeded); theta0's features on them are computed once
+    batch_size: int = Field(32, ge=1)  # of them per step, beside the task's own batch
+
+
 class FinetuneConfig(ScheduleConfig):
     optimizer: Literal["adamw", "sgd", "gd"] = "adamw"  # gd = full-batch gradient descent (batch = whole split)
     momentum: float = Field(0.0, ge=0, lt=1)  # sgd only
     checkpoint_every_epoch: bool = False  # also keep models/finetuned/<task>.epoch<k>.safetensors
+    preserve_features: PreserveFeaturesConfig = PreserveFeaturesConfig()
 
 
 class MergeConfig(BaseModel):

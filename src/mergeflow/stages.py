@@ -22,7 +22,7 @@ from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
 from mergeflow.task_vectors import plot_cosine_heatmap, statistics, task_vector
-from mergeflow.training import Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
+from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,16 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- finetune
+def _feature_anchor(params: Params, layout: Layout, backbone: Backbone, seed: int, device: torch.device) -> FeatureAnchor | None:
+    cfg = params.finetune.preserve_features
+    if cfg.weight == 0:
+        return None
+    corpus = LazyStateDict(layout.pretrain_corpus)["images"]
+    if len(corpus) == 0:
+        raise MergeflowError(f"{layout.pretrain_corpus}: finetune.preserve_features needs pretraining-corpus images and this corpus is empty (a pretrained backbone has none); set finetune.preserve_features.weight to 0")
+    return FeatureAnchor.build(backbone, corpus, cfg, seed=seed, device=device, eval_batch_size=params.runtime.eval_batch_size)
+
+
 def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     """Linear probe on frozen pretrained features, then fine-tune the backbone with that head frozen."""
     params.check_task(task)
@@ -167,7 +177,8 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
             if params.finetune.checkpoint_every_epoch:
                 epoch_states[epoch] = backbone_state(model)
 
-        curve = finetune_loop(model, probe.head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch)
+        anchor = _feature_anchor(params, layout, backbone, seed, device)
+        curve = finetune_loop(model, probe.head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor)
         individual = {s: accuracy(model, probe.head, data.split(s).images, data.split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
     meta = backbone_metadata(params.backbone) | {"task": task}
     save_state_dict(layout.finetuned(task), backbone_state(model.cpu()), meta)

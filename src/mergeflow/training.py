@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from mergeflow.config import FinetuneConfig, ProbeConfig, ScheduleConfig
+from mergeflow.config import FinetuneConfig, PreserveFeaturesConfig, ProbeConfig, ScheduleConfig
 from mergeflow.errors import MergeflowError
 from mergeflow.models import Backbone, make_head
 
@@ -200,6 +200,35 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
     return ProbeResult(head=head, c=c, val_accuracy=acc, val_curve=curve)
 
 
+@dataclass
+class FeatureAnchor:
+    """Out-of-task images and theta0's features on them, for ``finetune``'s feature-preservation term
+
+        beta * mean_i ||f_theta(x_i) - f_theta0(x_i)||^2 / (d * mean per-feature variance of f_theta0),
+
+    over ``batch_size`` of the images per step. It asks a task vector to leave the function unchanged outside its
+    task, which is weight disentanglement as Ortiz-Jimenez et al. (NeurIPS 2023, arXiv:2305.12827) define it, and
+    which task arithmetic needs; the term itself is feature distillation from the pretrained model, as in
+    Li & Hoiem's Learning without Forgetting (2016), here on pretraining images.
+    """
+
+    images: torch.Tensor  # uint8 [N, H, W, 3]
+    features: torch.Tensor  # theta0's, float32 [N, d]
+    weight: float
+    batch_size: int
+
+    @classmethod
+    def build(cls, backbone: Backbone, corpus: torch.Tensor, cfg: PreserveFeaturesConfig, *, seed: int, device: torch.device, eval_batch_size: int) -> FeatureAnchor:
+        pick = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed))[: cfg.images].sort().values
+        images = corpus[pick]
+        return cls(images, extract_features(backbone, images, batch_size=eval_batch_size, device=device), cfg.weight, cfg.batch_size)
+
+    def penalty(self, backbone: Backbone, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+        target = self.features[idx].to(device)
+        change = (backbone(_batch(self.images, idx, device)).float() - target).pow(2).mean()
+        return self.weight * change / self.features.var(0).mean().to(device)
+
+
 def finetune(
     backbone: Backbone,
     head: nn.Linear,
@@ -211,14 +240,20 @@ def finetune(
     device: torch.device,
     desc: str = "finetune",
     on_epoch_end: Callable[[int], None] | None = None,
+    anchor: FeatureAnchor | None = None,
 ) -> Curve:
-    """Fine-tune the backbone in place with the head frozen (the seeds' protocol)."""
+    """Fine-tune the backbone in place with the head frozen (the seeds' protocol), plus the anchor's
+    feature-preservation term when one is given."""
     backbone.to(device)
     head.to(device).requires_grad_(False)
     y = labels.to(device)
+    anchor_draws = torch.Generator().manual_seed(seed + 1)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(head(backbone(_batch(images, idx, device))).float(), y[idx.to(device)])
+        loss = nn.functional.cross_entropy(head(backbone(_batch(images, idx, device))).float(), y[idx.to(device)])
+        if anchor is not None and anchor.weight > 0:
+            loss = loss + anchor.penalty(backbone, torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws), device)
+        return loss
 
     return train_loop(backbone, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end)
 
