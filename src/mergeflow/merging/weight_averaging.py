@@ -3,10 +3,12 @@
 Wortsman et al., "Model soups", ICML 2022; the 'weight averaging' baseline of Ilharco et al., ICLR 2023.
 """
 
+import torch
+
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_tensors
+from mergeflow.merging._tensors import map_blocks
 
 
 @register("weight_averaging", paper="Wortsman et al. 2022, Model soups (arXiv:2203.05482)")
 def weight_averaging(pretrained, task_vectors):
-    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + taus.mean(0))
+    return map_blocks(pretrained, task_vectors, lambda theta0, taus, rows, _: theta0 + torch.stack(taus).mean(0))
