@@ -217,6 +217,9 @@ class FeatureAnchor:
     weight: float
     batch_size: int
 
+    def __post_init__(self) -> None:
+        self.feature_variance = self.features.var(0).mean()  # the penalty's normaliser, fixed for the whole run
+
     @classmethod
     def build(cls, backbone: Backbone, corpus: torch.Tensor, cfg: PreserveFeaturesConfig, *, seed: int, device: torch.device, eval_batch_size: int) -> FeatureAnchor:
         pick = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed))[: cfg.images].sort().values
@@ -226,7 +229,7 @@ class FeatureAnchor:
     def penalty(self, backbone: Backbone, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
         target = self.features[idx].to(device)
         change = (backbone(_batch(self.images, idx, device)).float() - target).pow(2).mean()
-        return self.weight * change / self.features.var(0).mean().to(device)
+        return self.weight * change / self.feature_variance.to(device)
 
 
 def finetune(
