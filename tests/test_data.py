@@ -94,3 +94,24 @@ def test_imagefolder_without_test_split_is_one_line(repo_root, tmp_path):
     raw["suite"] = {"source": "imagefolder", "root": str(tmp_path), "tasks": ["t"]}
     with pytest.raises(MergeflowError, match=r"suite.root: '.*t' needs train/ and test/"):
         stages.prepare(parse_params(raw), Layout(tmp_path / "repo"))
+
+
+def test_checkpoints_are_byte_identical_across_processes(tmp_path):
+    """The same tensors and metadata saved by two processes give the same bytes: DVC hashes files, so anything
+    else (safetensors writes its metadata map in a per-process random order) re-runs every later stage."""
+    import hashlib
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch; from mergeflow.io import save_state_dict;"
+        "save_state_dict(sys.argv[1], {'w': torch.arange(6.0).reshape(2, 3), 'b': torch.ones(2)},"
+        " {k: k.upper() for k in ('model', 'kwargs', 'global_pool', 'input_norm', 'task', 'epoch')})"
+    )
+    paths = [tmp_path / f"run{i}.safetensors" for i in range(3)]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True)
+    assert len({hashlib.md5(p.read_bytes()).hexdigest() for p in paths}) == 1
+    from mergeflow.io import load_metadata
+
+    assert load_metadata(paths[0])["global_pool"] == "GLOBAL_POOL"

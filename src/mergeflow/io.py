@@ -78,12 +78,18 @@ def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
             raise MergeflowError(f"{source}: tensor '{key}' contains NaN or Inf")
 
 
+# safetensors writes its metadata map in a random order per process, so the same tensors and metadata would hash
+# differently on every run (and DVC would re-run everything downstream): mergeflow stores its metadata as one
+# key holding sorted JSON.
+METADATA_KEY = "mergeflow"
+
+
 def save_state_dict(path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
-    """Save tensors as safetensors, atomically; refuses non-finite weights."""
+    """Save tensors as safetensors, atomically and byte-for-byte reproducibly; refuses non-finite weights."""
     check_finite(state, str(path))
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+        save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(dict(metadata or {}), sort_keys=True)})
 
 
 def load_state_dict(path: str | os.PathLike, *, check: bool = True) -> StateDict:
@@ -164,7 +170,8 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
         raise MergeflowError(f"{path}: checkpoint not found")
     try:
         with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {})
+            metadata = dict(f.metadata() or {})
+        return json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else metadata  # else: not mergeflow's
     except (SafetensorError, OSError, ValueError) as err:
         raise MergeflowError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
 
