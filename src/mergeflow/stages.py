@@ -7,7 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import multiprocessing
+import os
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +92,11 @@ def _load_heads(params: Params, layout: Layout, num_features: int):
     return {t: load_head(layout.head(t), num_features) for t in params.suite.tasks}
 
 
+# Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
+# candidate, and re-reading a small model costs more than holding it. Larger inputs stay memory-mapped.
+IN_MEMORY_INPUT_BYTES = 1 << 30
+
+
 def _load_task_vectors(params: Params, layout: Layout):
     """Memory-mapped: a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
     pretrained = LazyStateDict(layout.pretrained)
@@ -96,6 +104,8 @@ def _load_task_vectors(params: Params, layout: Layout):
     for tv in vectors.values():
         # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
         check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
+    if _bytes(pretrained) + sum(_bytes(tv) for tv in vectors.values()) <= IN_MEMORY_INPUT_BYTES:
+        return _materialise(pretrained), {t: _materialise(tv) for t, tv in vectors.items()}
     return pretrained, vectors
 
 
@@ -103,8 +113,14 @@ def _load_task_vectors(params: Params, layout: Layout):
 def prepare(params: Params, layout: Layout = Layout()) -> dict:
     """Generate (embedded) or convert (imagefolder, torchvision) every task, and the pretraining corpus."""
     with Timer() as timer:
-        built = {t: data_mod.build_task(params.suite, t, _task_seed(params.seed, t)) for t in params.suite.tasks}
-        corpus = data_mod.build_pretraining_corpus(params.suite, params.seed) if params.backbone.pretrained is None else None
+        # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each
+        # from its own seed, so the result does not depend on the number of workers)
+        workers = min(len(params.suite.tasks) + 1, params.threads() or os.cpu_count() or 1)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            corpus_job = pool.submit(data_mod.build_pretraining_corpus, params.suite, params.seed) if params.backbone.pretrained is None else None
+            jobs = {t: pool.submit(data_mod.build_task, params.suite, t, _task_seed(params.seed, t)) for t in params.suite.tasks}
+            built = {t: job.result() for t, job in jobs.items()}
+            corpus = corpus_job.result() if corpus_job else None
         for t, (arrays, classes) in built.items():
             data_mod.save_task(layout.task_data(t), t, arrays, classes, params.suite.image_size)
         tensors = {k: torch.from_numpy(v) for k, v in (corpus or {}).items()}
@@ -244,7 +260,7 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
         try:
             if spec.kind == "negation":
-                pretrained_acc = on_val(_materialise(pretrained))
+                pretrained_acc = on_val(_materialise(pretrained))  # no-op when already in memory
                 negation = negation_search(spec, overrides, pretrained, tvs, on_val, pretrained_acc)
             else:
                 best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val)
