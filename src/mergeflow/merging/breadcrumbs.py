@@ -12,6 +12,7 @@ import torch
 
 from mergeflow.merging import register
 from mergeflow.merging._tensors import map_blocks
+from mergeflow.merging.ties import partition_magnitudes
 
 
 def check_args(gamma: float, beta: float, scope: str) -> None:
@@ -25,7 +26,7 @@ def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray |
     """(upper, lower) along the last dim of ``mags`` [..., n] (reordered in place), keepdim: the values ranked
     lo = gamma n and hi = (gamma + beta) n from the top (0-based); None where there is no cut (lo = 0, hi = n).
 
-    By numpy's introselect (linear; torch's kthvalue is ~10x slower): partition at the lower cut, then only the
+    By introselect (ties.partition_magnitudes): partition at the lower cut, then only the
     part above it for the upper one.
     """
     n = mags.shape[-1]
@@ -33,7 +34,7 @@ def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray |
     upper = lower = None
     above, offset = mags, 0
     if hi < n:
-        mags.partition(n - hi - 1, axis=-1)
+        partition_magnitudes(mags, n - hi - 1)
         lower = mags[..., n - hi - 1 : n - hi].copy()
         above, offset = mags[..., n - hi :], n - hi
     if lo > 0:
@@ -41,7 +42,7 @@ def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray |
         if i < 0:
             upper = lower
         else:
-            above.partition(i, axis=-1)
+            partition_magnitudes(above, i)
             upper = above[..., i : i + 1].copy()
     return upper, lower
 

@@ -24,10 +24,16 @@ from mergeflow.merging._tensors import map_blocks
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 
 
+def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:
+    """mags.partition(i, axis), in place, for non-negative magnitudes. numpy's introselect runs in linear time,
+    ~10x faster than torch's kthvalue, topk or sort; on float32 it selects on the bit patterns, which order
+    non-negative floats exactly as their values do, as integers compare ~1.7x faster than floats."""
+    (mags.view(np.int32) if mags.dtype == np.float32 else mags).partition(i, axis=axis)
+
+
 def select(values: np.ndarray, i: int) -> np.float32:
-    """The i-th smallest entry (0-based) of 1-D ``values``, exactly, reordering it in place: numpy's introselect
-    runs in linear time, ~10x faster than torch's kthvalue, topk or sort."""
-    values.partition(i)
+    """The i-th smallest entry (0-based) of 1-D non-negative ``values``, exactly, reordering it in place."""
+    partition_magnitudes(values, i)
     return values[i]
 
 
