@@ -138,3 +138,18 @@ def test_feature_preservation_without_corpus_images_names_file_and_key(repo_root
     with pytest.raises(MergeflowError, match=r"pretrain.safetensors: finetune.preserve_features needs .* set finetune.preserve_features.weight to 0"):
         stages._feature_anchor(params, layout, None, 0, torch.device("cpu"))
     assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_finite_check_by_one_sum_is_exact(dtype):
+    """check_finite sums each tensor once; a sum that overflows although every entry is finite must pass, and one
+    NaN or Inf among large finite entries must still be named."""
+    from mergeflow.io import check_finite
+
+    big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # sums to Inf in any precision
+    check_finite({"big": big}, "x.safetensors")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        tensor = big.clone()
+        tensor[2] = bad
+        with pytest.raises(MergeflowError, match=r"x.safetensors: tensor 'w' contains NaN or Inf"):
+            check_finite({"w": tensor}, "x.safetensors")
