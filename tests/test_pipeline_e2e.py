@@ -48,6 +48,44 @@ def project(tmp_path_factory, repo_root):
     return dst, env
 
 
+@pytest.fixture(scope="module")
+def prefect_server(project):
+    """A running Prefect server (`prefect server start`), for the flow's PREFECT_API_URL path: started once."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    root, env = project
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server_env = env | {"PREFECT_HOME": str(root.parent / "prefect-server-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    proc = subprocess.Popen(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def _server_records(url: str, kind: str) -> list[dict]:
+    """Flow or task runs ('flow_runs', 'task_runs') a Prefect server holds."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/{kind}/filter", data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+    return json.loads(urllib.request.urlopen(request, timeout=30).read())
+
+
 def _stages_ran(flow_output: str) -> set[str]:
     match = re.search(r"(\d+) of (\d+) stages to run: (.*)", flow_output)
     assert match, flow_output[-2000:]
@@ -61,7 +99,7 @@ def _mlflow(project_dir):
     return client, runs
 
 
-def test_pipeline_end_to_end(project):
+def test_pipeline_end_to_end(project, prefect_server):
     root, env = project
 
     # 1. dvc repro runs everything
@@ -105,12 +143,15 @@ def test_pipeline_end_to_end(project):
     # 2. after dvc repro the Prefect flow has nothing to redo
     assert _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env)) == set()
 
-    # 3. one merge hyperparameter changed: the flow re-runs that merge, its evaluation, the report and tracking only
+    # 3. one merge hyperparameter changed: the flow re-runs that merge, its evaluation, the report and tracking
+    # only; this time against a running Prefect server, which records the flow run and its task runs
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["merge"]["ties"]["k"] = 0.1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env))
+    ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env | {"PREFECT_API_URL": prefect_server}))
     assert ran == {"merge@ties", "report", "track"}
+    assert [(r["flow_id"] is not None, r["state_type"]) for r in _server_records(prefect_server, "flow_runs")] == [(True, "COMPLETED")]
+    assert {(r["name"], r["state_type"]) for r in _server_records(prefect_server, "task_runs")} == {(s, "COMPLETED") for s in ran}
     assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.1
     # ... and then DVC agrees that everything is up to date
     assert "up to date" in _run("dvc status", root, env)
