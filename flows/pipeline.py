@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from mergeflow.orchestration import check_repo, stage_graph, stale_stages
+from mergeflow.orchestration import check_repo, stage_graph, stage_threads, stale_stages
 from tasks.stages import run_stage_task
 
 
@@ -35,17 +35,14 @@ def pipeline(root: str = ".", workers: int | None = None) -> list[str]:
     nodes = stage_graph(root)
     stale = stale_stages(root, nodes)
     workers = workers or default_workers()
-    env = {
-        "MERGEFLOW_THREADS": str(max(1, (os.cpu_count() or 1) // workers)),  # share the cores between concurrent stages
-        "MERGEFLOW_RUN_SOURCE": "prefect",
-        "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or ""),
-    }
+    threads = stage_threads(nodes, stale, workers, os.cpu_count() or 1)  # concurrent stages share the cores
+    env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
     futures = {}
     for node in nodes:
         if node.address not in stale:
             continue
         waits = [futures[u] for u in node.upstream if u in futures]
-        futures[node.address] = run_stage_task.submit(node, root, env, wait_for=waits)
+        futures[node.address] = run_stage_task.submit(node, root, env | {"MERGEFLOW_THREADS": str(threads[node.address])}, wait_for=waits)
     logger.info("%d of %d stages to run: %s", len(futures), len(nodes), ", ".join(futures) or "none")
     return [f.result()["stage"] for f in futures.values()]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mergeflow.orchestration import StageFailed, StageNode, run_stage
+from mergeflow.orchestration import StageFailed, StageNode, run_stage, stage_graph, stage_threads
 from tasks.stages import _retry_unless_bad_input
 
 
@@ -36,3 +36,14 @@ def test_failed_stage_reports_its_status_and_last_line(tmp_path):
         run_stage(node, tmp_path)
     assert err.value.returncode == 2 and err.value.address == "finetune@digits"
     assert str(err.value).endswith("error: task digits: no such file")
+
+
+def test_concurrent_stages_share_the_cores_and_lone_stages_get_them_all(repo_root):
+    nodes = stage_graph(repo_root)  # the real dvc.yaml: 8 fine-tunes, 19 merges
+    every = {n.address for n in nodes}
+    threads = stage_threads(nodes, every, workers=2, cores=2)
+    assert threads["prepare"] == threads["pretrain"] == threads["vectors"] == threads["report"] == 2
+    assert threads["finetune@digits"] == threads["merge@ties"] == 1
+    assert stage_threads(nodes, every, workers=4, cores=16)["finetune@digits"] == 4
+    # only one merge left to run: it has no sibling to share with
+    assert stage_threads(nodes, {"merge@ties", "report", "track"}, workers=2, cores=2) == {"merge@ties": 2, "report": 2, "track": 2}

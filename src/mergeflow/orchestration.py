@@ -61,6 +61,17 @@ def stale_stages(root: str | Path, nodes: list[StageNode]) -> set[str]:
     return stale
 
 
+def stage_threads(nodes: list[StageNode], stale: set[str], workers: int, cores: int) -> dict[str, int]:
+    """CPU threads for each stale stage when ``workers`` stages may run at once: a stage shares the cores with
+    its siblings (stale stages with the same upstream stages, e.g. the fine-tunes), up to ``workers`` of them;
+    a stage with none (prepare, pretrain, vectors, report) gets every core."""
+    siblings: dict[tuple[str, ...], int] = {}
+    for n in nodes:
+        if n.address in stale:
+            siblings[n.upstream] = siblings.get(n.upstream, 0) + 1
+    return {n.address: max(1, cores // min(workers, siblings[n.upstream])) for n in nodes if n.address in stale}
+
+
 class StageFailed(Exception):
     def __init__(self, address: str, returncode: int, tail: str):
         self.address, self.returncode = address, returncode
