@@ -260,7 +260,7 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
         try:
             if spec.kind == "negation":
-                pretrained_acc = on_val(_materialise(pretrained))  # no-op when already in memory
+                pretrained_acc = on_val(_materialise(pretrained))  # a dict of the tensors already read, when held in memory
                 negation = negation_search(spec, overrides, pretrained, tvs, on_val, pretrained_acc)
             else:
                 best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val)

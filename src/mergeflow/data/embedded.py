@@ -20,7 +20,7 @@ Downstream tasks: each lives in its own visual domain (palette and style), inten
 pretraining heads did not make linearly separable.  Measured caveat: with a small ViT trained from scratch
 this separation of domains did NOT by itself keep task vectors from interfering (task arithmetic recovered 9% of
 the probe-to-individual gap); fine-tuning with feature preservation on the pretraining corpus
-(``finetune.preserve_features``) is what makes them add up (about 40%).
+(``finetune.preserve_features``) is what makes them add up (33% in the default run).
       digits          10  real handwritten digits (sklearn 8x8, upsampled, random affine); grey ink on black (~MNIST)
       house_numbers   10  stroke-font digit between two flanking digits; cream on blue enamel plates    (~SVHN)
       signs           12  road sign: board (round / triangle / diamond) x arrow direction (4); red rim,

@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_blocks
-from mergeflow.merging.ties import partition_magnitudes
+from mergeflow.merging._tensors import map_blocks, partition_magnitudes
 
 
 def check_args(gamma: float, beta: float, scope: str) -> None:
@@ -26,7 +25,7 @@ def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray |
     """(upper, lower) along the last dim of ``mags`` [..., n] (reordered in place), keepdim: the values ranked
     lo = gamma n and hi = (gamma + beta) n from the top (0-based); None where there is no cut (lo = 0, hi = n).
 
-    By introselect (ties.partition_magnitudes): partition at the lower cut, then only the
+    By introselect (_tensors.partition_magnitudes): partition at the lower cut, then only the
     part above it for the upper one.
     """
     n = mags.shape[-1]

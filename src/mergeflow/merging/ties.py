@@ -19,16 +19,9 @@ import torch
 
 from mergeflow.io import tensor_specs
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_blocks
+from mergeflow.merging._tensors import map_blocks, partition_magnitudes
 
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
-
-
-def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:
-    """mags.partition(i, axis), in place, for non-negative magnitudes. numpy's introselect runs in linear time,
-    ~10x faster than torch's kthvalue, topk or sort; on float32 it selects on the bit patterns, which order
-    non-negative floats exactly as their values do, as integers compare ~1.7x faster than floats."""
-    (mags.view(np.int32) if mags.dtype == np.float32 else mags).partition(i, axis=axis)
 
 
 def select(values: np.ndarray, i: int) -> np.float32:
