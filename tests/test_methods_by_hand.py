@@ -187,12 +187,11 @@ def test_iso_cts_flattens_the_spectrum_over_common_and_task_subspaces():
 
 @pytest.mark.parametrize("scope", ["row", "tensor"])
 def test_breadcrumbs_thresholds_match_ranks(scope):
-    from mergeflow.merging.breadcrumbs import breadcrumb_mask
-
     taus = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
-    mask = breadcrumb_mask(taus, 0.1, 0.3, scope)
     mags = taus.abs().reshape(3, 7, 50) if scope == "row" else taus.abs().reshape(3, 1, 350)
     n = mags.shape[-1]
     ranks = mags.argsort(-1, descending=True).argsort(-1)  # 0 = largest
     expected = (ranks >= round(0.1 * n)) & (ranks < round(0.4 * n))
-    assert torch.equal(mask, expected.reshape(taus.shape))
+    for tau, keep in zip(taus, expected.reshape(taus.shape)):
+        merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(7, 50)}, {"a": {"w": tau}}, gamma=0.1, beta=0.3, scope=scope, alpha=1.0)
+        assert torch.equal(merged["w"], tau * keep)

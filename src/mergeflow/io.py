@@ -140,16 +140,24 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
             raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        return self._copy(key, lambda mapped: mapped.clone()).reshape(self._entries[key][1])
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Copy tensor ``key``, flattened and converted to out's dtype, into ``out`` (a preallocated buffer)."""
+        self._copy(key, lambda mapped: out.copy_(mapped))
+
+    def _copy(self, key: str, copy) -> torch.Tensor:
+        """copy(the mapped tensor, flattened) -> a tensor of its own, checked; then the mapped pages are released."""
         dtype, shape, (begin, end) = self._entries[key]
-        start = self._base + begin
         numel = math.prod(shape)
-        with warnings.catch_warnings():  # the map is read-only; the tensor is cloned at once
+        if not numel:
+            return copy(torch.empty(0, dtype=dtype))
+        start = self._base + begin
+        with warnings.catch_warnings():  # the map is read-only; copy() makes the tensor its own at once
             warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start).clone().reshape(shape) if numel else torch.empty(shape, dtype=dtype)
-        page = mmap.PAGESIZE
-        lo = start // page * page
-        if end > begin:
-            self._map.madvise(mmap.MADV_DONTNEED, lo, self._base + end - lo)
+            tensor = copy(torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start))
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, lo, self._base + end - lo)
         if self._check:
             check_finite({key: tensor}, str(self.path))
         return tensor

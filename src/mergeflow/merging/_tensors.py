@@ -1,23 +1,24 @@
 """The per-tensor engine every method uses, and small shared helpers (pure functions, no I/O).
 
 ``map_tensors`` walks the keys of the pretrained state dict and, for each, hands the method theta0's tensor and
-the [T, ...] stack of that tensor across task vectors. ``map_blocks`` does the same for element-wise methods one
-block of rows at a time, never stacking a whole tensor. With lazy (memory-mapped) inputs only T + 1 tensors are in
-memory at a time, plus the growing output.
+the [T, ...] stack of that tensor across task vectors. ``map_stacked`` does the same for element-wise methods, whose
+compiled kernels take the stack flattened, read into one buffer reused for every key. With lazy (memory-mapped)
+inputs only T + 1 tensors are in memory at a time, plus the growing output.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from mergeflow.io import StateDict
+from mergeflow.io import StateDict, tensor_specs
+from mergeflow.merging._kernels import add_scaled
 
 
 def stack(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], key: str) -> torch.Tensor:
@@ -42,48 +43,59 @@ def map_tensors(
     return out
 
 
-# Elements per task in one block of map_blocks: a [T, rows, ...] float32 block (T = 8: 2 MiB) and its temporaries
-# stay in cache. The same ops over a whole [T, *shape] stack run several times slower, out of cache and on fresh
-# pages for every temporary.
-BLOCK_ELEMENTS = 1 << 16
+def read_stack(task_vectors: Sequence[Mapping[str, torch.Tensor]], key: str, out: torch.Tensor) -> None:
+    """out[t] = tau_t[key] flattened, as float32: lazy files copy straight from their map into ``out``."""
+    for row, tv in zip(out, task_vectors):
+        if hasattr(tv, "read_into"):
+            tv.read_into(key, row)
+        else:
+            row.copy_(tv[key].reshape(-1))
 
 
-def map_blocks(
+def map_stacked(
     pretrained: Mapping[str, torch.Tensor],
     task_vectors: Mapping[str, Mapping[str, torch.Tensor]],
-    fn: Callable[[torch.Tensor, list[torch.Tensor], slice, list[Any]], torch.Tensor],
+    fn: Callable[[torch.Tensor, tuple[np.ndarray, ...], list[Any]], torch.Tensor],
     *,
-    prepare: Callable[[str, int, torch.Tensor], Any] | None = None,
+    prepare: Callable[[str, int, np.ndarray], Any] | None = None,
     cast: bool = True,
 ) -> StateDict:
-    """map_tensors for element-wise methods, by blocks of rows (slices of dim 0) instead of whole stacks.
+    """map_tensors for element-wise methods, whose compiled kernels (_kernels) take the [T, n] stack flattened.
 
-    For each key, ``states[t] = prepare(key, t, tau_t)`` sees task t's whole float32 tensor (for per-tensor
-    quantities: thresholds, random masks); then ``fn(theta0[rows], [tau[rows] for tau in taus], rows, states)``
-    merges each block. A block holds whole rows of every dim but the first, so wherever fn is element-wise along
-    dim 0 of the tensor (rows of the last dim may be ranked), the result is map_tensors' with
-    fn(theta0, torch.stack(taus)). Scalars are handled as 1-element vectors.
-
-    prepare runs for the T tasks on torch.get_num_threads() threads: it is meant for numpy work (selections,
-    random bits), which runs single-threaded and releases the GIL. Blocks use torch's own threads.
+    For each key, the T task vectors' tensors are read into one reused float32 buffer; ``states[t] =
+    prepare(key, t, tau_t)`` sees task t's tensor in its shape (for per-tensor quantities: thresholds, random
+    masks), on torch.get_num_threads() threads (kernels and numpy release the GIL); then ``fn(theta0 flattened,
+    taus, states)``, taus a tuple of the T flat tensors (numpy views of the buffer), returns the merged tensor,
+    flattened. The buffer is overwritten by the next key.
     """
     sources = list(task_vectors.values())
+    largest = max((math.prod(shape) for shape, _ in tensor_specs(pretrained).values()), default=0)
+    buffer = torch.empty(len(sources) * largest)
 
-    def merge_key(key: str, pool: ThreadPoolExecutor) -> torch.Tensor:  # its tensors are freed on return
+    def merge_key(key: str, pool: ThreadPoolExecutor) -> torch.Tensor:
         theta0 = pretrained[key]
-        base, *taus = (t.float().reshape(1) if t.ndim == 0 else t.float() for t in (theta0, *(tv[key] for tv in sources)))
-        # after the reads, not during them: reads use torch's threads, whose barriers spin when cores are taken
-        states = list(pool.map(lambda t: prepare(key, t, taus[t]), range(len(taus)))) if prepare else [None] * len(taus)
-        merged = torch.empty(base.shape)
-        step = max(1, BLOCK_ELEMENTS // max(1, math.prod(base.shape[1:])))
-        for start in range(0, len(base), step):
-            rows = slice(start, min(start + step, len(base)))
-            merged[rows] = fn(base[rows], [tau[rows] for tau in taus], rows, states)
-        merged = merged.reshape(theta0.shape)
+        taus = buffer[: len(sources) * theta0.numel()].view(len(sources), theta0.numel())
+        read_stack(sources, key, taus)
+        stack = taus.numpy()
+        states = list(pool.map(lambda t: prepare(key, t, stack[t].reshape(theta0.shape)), range(len(sources)))) if prepare else [None] * len(sources)
+        merged = fn(theta0.float().reshape(-1), tuple(stack), states).reshape(theta0.shape)
         return merged.to(theta0.dtype) if cast else merged
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         return {key: merge_key(key, pool) for key in pretrained}
+
+
+def kernel_vector(kernel: Callable[..., Any], taus: tuple[np.ndarray, ...], *args: Any) -> torch.Tensor:
+    """kernel(taus, *args, out) into a fresh flat float32 vector of taus' size."""
+    out = np.empty(taus[0].size, np.float32)
+    kernel(taus, *args, out)
+    return torch.from_numpy(out)
+
+
+def plus_scaled(theta0: torch.Tensor, scale: float, vector: torch.Tensor) -> torch.Tensor:
+    """theta0 + scale * vector (float32, flat), in place in ``vector``: one pass, no temporaries."""
+    add_scaled(theta0.numpy(), np.float32(scale), vector.numpy())
+    return vector
 
 
 def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:
@@ -91,13 +103,6 @@ def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:
     ~10x faster than torch's kthvalue, topk or sort; on float32 it selects on the bit patterns, which order
     non-negative floats exactly as their values do, as integers compare ~1.7x faster than floats."""
     (mags.view(np.int32) if mags.dtype == np.float32 else mags).partition(i, axis=axis)
-
-
-def count_true(mask: torch.Tensor) -> torch.Tensor:
-    """mask.sum(0) (int64) of a [T, ...] boolean mask, summed as bytes when T < 256: ~10x faster."""
-    if len(mask) < 256:
-        return mask.view(torch.uint8).sum(0, dtype=torch.uint8).long()
-    return mask.sum(0)
 
 
 def is_matrix(key: str, tensor: torch.Tensor) -> bool:

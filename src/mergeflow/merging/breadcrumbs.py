@@ -8,10 +8,10 @@ whole tensor instead, as mergekit does (its defaults: gamma = 0.01, density beta
 """
 
 import numpy as np
-import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_blocks, partition_magnitudes
+from mergeflow.merging._kernels import banded_sum
+from mergeflow.merging._tensors import kernel_vector, map_stacked, partition_magnitudes, plus_scaled
 
 
 def check_args(gamma: float, beta: float, scope: str) -> None:
@@ -46,31 +46,14 @@ def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray |
     return upper, lower
 
 
-def band(mags: np.ndarray, upper: np.ndarray | None, lower: np.ndarray | None) -> np.ndarray:
-    """lower < mags <= upper (a missing cut: no bound). Tied values at a cut all fall on the same side of it.
-    numpy: its comparisons into bool are vectorized, torch's CPU ones are not (~3x slower)."""
-    keep = np.less_equal(mags, upper) if upper is not None else np.ones(mags.shape, bool)
-    if lower is not None:
-        keep &= np.greater(mags, lower)
-    return keep
-
-
-def task_mask(tau: torch.Tensor, gamma: float, beta: float, scope: str) -> np.ndarray:
-    """One task's keep mask for a tensor: cuts per row (of the last dim), or over the whole tensor."""
-    mags = np.abs(tau.float().numpy())
-    ranked = mags.reshape(-1) if scope == "tensor" or tau.ndim <= 1 else mags
-    return band(ranked, *rank_cuts(ranked.copy(), gamma, beta)).reshape(tau.shape)
-
-
-def breadcrumb_mask(taus: torch.Tensor, gamma: float, beta: float, scope: str) -> torch.Tensor:
-    """Boolean mask [T, ...] keeping ranks [gamma n, (gamma + beta) n) of |tau| in each row (or whole tensor).
-
-    By thresholds, not ranks: keep |tau| <= the value ranked gamma n from the top and > the one ranked
-    (gamma + beta) n (two selections; sorting every row costs far more). Tied values at a cut all fall on the same
-    side of it.
-    """
-    check_args(gamma, beta, scope)
-    return torch.from_numpy(np.stack([task_mask(tau, gamma, beta, scope) for tau in taus]))
+def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str) -> tuple[np.ndarray, np.ndarray]:
+    """One task's (upper, lower) cuts of a tensor, one per row of its last dim (one for the whole tensor): it keeps
+    lower < |tau| <= upper (a missing cut: inf, -1). Tied values at a cut all fall on the same side of it."""
+    mags = np.abs(tau)
+    ranked = mags.reshape(1, -1) if scope == "tensor" or tau.ndim <= 1 else mags.reshape(-1, tau.shape[-1])
+    upper, lower = rank_cuts(ranked, gamma, beta)
+    rows = len(ranked)
+    return (np.full(rows, np.inf, np.float32) if upper is None else upper.reshape(rows), np.full(rows, -1, np.float32) if lower is None else lower.reshape(rows))
 
 
 @register(
@@ -83,13 +66,8 @@ def breadcrumb_mask(taus: torch.Tensor, gamma: float, beta: float, scope: str) -
 def breadcrumbs(pretrained, task_vectors, *, gamma, beta, scope, alpha):
     check_args(gamma, beta, scope)
 
-    def prepare(key, t, tau):
-        return task_mask(tau, gamma, beta, scope)
+    def merge(theta0, taus, cuts):
+        uppers, lowers = (np.stack(side) for side in zip(*cuts))
+        return plus_scaled(theta0, alpha, kernel_vector(banded_sum, taus, uppers, lowers))
 
-    def merge(theta0, taus, rows, keep):
-        stacked = torch.stack(taus)
-        for x, mask in zip(stacked.numpy(), keep):
-            np.multiply(x, mask[rows], out=x)  # numpy's product with a bool mask is branch-free; torch's is not
-        return theta0 + alpha * stacked.sum(0)
-
-    return map_blocks(pretrained, task_vectors, merge, prepare=prepare)
+    return map_stacked(pretrained, task_vectors, merge, prepare=lambda key, t, tau: row_cuts(tau, gamma, beta, scope))

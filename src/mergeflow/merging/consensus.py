@@ -16,72 +16,60 @@ import numpy as np
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import count_true, map_blocks
-from mergeflow.merging.ties import check_ties_args, disjoint_mean, trim_limits, trimmed_stack
+from mergeflow.merging._kernels import consensus as consensus_kernel, tall_masks, task_sum
+from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+from mergeflow.merging.ties import check_ties_args, ties_vector, trim_cuts
 
 PAPER = "Wang et al. 2024, TALL masks / Consensus merging (arXiv:2405.07813)"
 TALL_GRID = [0.2, 0.3, 0.4, 0.5, 0.6]
 ALPHA_GRID = [round(0.1 * i, 1) for i in range(1, 11)]
 
 
-def tall_masks(taus, mtl: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
-    """[T, ...] boolean: m_t = |tau_t| >= lambda_t |tau_MTL - tau_t|, for a [T, ...] stack or a list.
-
-    One task at a time, in numpy: its temporaries stay in cache, and its comparisons into bool are vectorized
-    (torch's CPU ones are not, ~3x slower).
-    """
-    m = mtl.numpy()
-    masks = np.empty((len(taus), *m.shape), bool)
-    scaled, mags = np.empty_like(m), np.empty_like(m)
-    for tau, lam, mask in zip(taus, lambdas.tolist(), masks):
-        x = tau.numpy()
-        np.abs(np.subtract(m, x, out=scaled), out=scaled)
-        scaled *= np.float32(lam)
-        np.greater_equal(np.abs(x, out=mags), scaled, out=mask)
-    return torch.from_numpy(masks)
-
-
-def lambdas_of(tall_lambda, tasks: list[str]) -> torch.Tensor:
-    """One lambda_t per task: a dict chosen per task, or one value for all."""
+def lambdas_of(tall_lambda, tasks: list[str]) -> np.ndarray:
+    """One float32 lambda_t per task: a dict chosen per task, or one value for all."""
     if isinstance(tall_lambda, Mapping):
-        return torch.tensor([float(tall_lambda[t]) for t in tasks])
-    return torch.full((len(tasks),), float(tall_lambda))
+        return np.array([float(tall_lambda[t]) for t in tasks], np.float32)
+    return np.full(len(tasks), float(tall_lambda), np.float32)
 
 
-def mtl_vector(taus: list[torch.Tensor], base: str, limits) -> torch.Tensor:
-    """tau_MTL of a block: the sum, or TIES with the trim's hardshrink limits (ties.trim_limits)."""
-    return torch.stack(taus).sum(0) if base == "ta" else disjoint_mean(trimmed_stack(taus, limits))
+def mtl_vector(taus: tuple[np.ndarray, ...], base: str, cuts) -> torch.Tensor:
+    """tau_MTL of T flat tensors: the sum, or TIES with the trim's cuts (ties.trim_cuts)."""
+    return kernel_vector(task_sum, taus) if base == "ta" else ties_vector(taus, cuts)
+
+
+def task_masks(taus: tuple[np.ndarray, ...], mtl: torch.Tensor, lambdas: np.ndarray) -> np.ndarray:
+    """[T, n] boolean TALL masks m_t = |tau_t| >= lambda_t |tau_MTL - tau_t| of T flat tensors."""
+    masks = np.empty((len(taus), mtl.numel()), bool)
+    tall_masks(taus, mtl.numpy(), lambdas, tuple(masks))
+    return masks
 
 
 def _prepare(task_vectors, base: str, ties_k: float, trim_scope: str):
-    return trim_limits(task_vectors, ties_k, trim_scope) if base == "ties" else None
+    return trim_cuts(task_vectors, ties_k, trim_scope) if base == "ties" else None
 
 
 def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha, ties_k=0.2, trim_scope="global"):
-    tasks = list(task_vectors)
-    lambdas = lambdas_of(tall_lambda, tasks)
+    lambdas = lambdas_of(tall_lambda, list(task_vectors))
 
-    def merge(theta0, taus, rows, limits):
-        mtl = mtl_vector(taus, base, limits)
-        consensus = count_true(tall_masks(taus, mtl, lambdas)) >= min_tasks
-        return theta0 + alpha * consensus * mtl
+    def merge(theta0, taus, cuts):
+        mtl = mtl_vector(taus, base, cuts)
+        return plus_scaled(theta0, alpha, kernel_vector(consensus_kernel, taus, mtl.numpy(), lambdas, min_tasks))
 
-    return map_blocks(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
+    return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
 
 def _tall_task_model(base: str):
     """theta0 + alpha (m_t * tau_MTL): the per-task model lambda_t is chosen on."""
 
     def task_model(pretrained, task_vectors, task, *, tall_lambda, alpha, ties_k=0.2, trim_scope="global", **_):
-        tasks = list(task_vectors)
-        i = tasks.index(task)
+        i = list(task_vectors).index(task)
+        lambdas = np.full(1, float(tall_lambda), np.float32)
 
-        def merge(theta0, taus, rows, limits):
-            mtl = mtl_vector(taus, base, limits)
-            mask = tall_masks([taus[i]], mtl, torch.tensor([float(tall_lambda)]))[0]
-            return theta0 + alpha * mask * mtl
+        def merge(theta0, taus, cuts):
+            mtl = mtl_vector(taus, base, cuts)
+            return theta0 + alpha * torch.from_numpy(task_masks(taus[i : i + 1], mtl, lambdas)[0]) * mtl
 
-        return map_blocks(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
+        return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
     return task_model
 

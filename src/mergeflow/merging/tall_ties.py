@@ -9,30 +9,23 @@ Storage: one model-sized vector plus one bit per weight and task, beside theta0.
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_blocks
-from mergeflow.merging.consensus import TALL_GRID, lambdas_of, tall_masks
-from mergeflow.merging.ties import check_ties_args, disjoint_mean, trim_limits, trimmed_stack
+from mergeflow.merging._tensors import map_stacked
+from mergeflow.merging.consensus import TALL_GRID, lambdas_of, task_masks
+from mergeflow.merging.ties import check_ties_args, ties_vector, trim_cuts
 
 
 def _ties_and_masks(pretrained, task_vectors, tall_lambda, ties_k, trim_scope):
     tasks = list(task_vectors)
     lambdas = lambdas_of(tall_lambda, tasks)
-    limit_of = trim_limits(task_vectors, ties_k, trim_scope)
-    masks = {}
+    masks = []  # one [T, n] array per key, in key order
 
-    def prepare(key, t, tau):
-        masks[f"mask/{tasks[t]}/{key}"] = mask = torch.empty(tau.shape, dtype=torch.bool)  # filled block by block
-        return limit_of(key, t, tau), mask
-
-    def merge(theta0, taus, rows, states):
-        ties = disjoint_mean(trimmed_stack(taus, [limit for limit, _ in states]))
-        for (_, mask), block in zip(states, tall_masks(taus, ties, lambdas)):
-            mask[rows] = block
+    def merge(theta0, taus, cuts):
+        ties = ties_vector(taus, cuts)
+        masks.append(torch.from_numpy(task_masks(taus, ties, lambdas)))
         return ties
 
-    shared = map_blocks(pretrained, task_vectors, merge, prepare=prepare, cast=False)
-    # in key order, each in its tensor's shape (map_blocks handles scalars as 1-element vectors)
-    store = {f"mask/{t}/{k}": masks[f"mask/{t}/{k}"].reshape(v.shape) for k, v in shared.items() for t in tasks}
+    shared = map_stacked(pretrained, task_vectors, merge, prepare=trim_cuts(task_vectors, ties_k, trim_scope), cast=False)
+    store = {f"mask/{t}/{k}": key_masks[i].reshape(v.shape) for key_masks, (k, v) in zip(masks, shared.items()) for i, t in enumerate(tasks)}
     return store | {f"shared/{k}": v for k, v in shared.items()}
 
 

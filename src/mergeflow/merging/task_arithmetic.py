@@ -4,10 +4,9 @@ Ilharco et al., "Editing models with task arithmetic", ICLR 2023. lam = 1/T give
 0.4 is the paper's value without validation data.
 """
 
-import torch
-
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_blocks
+from mergeflow.merging._kernels import task_sum
+from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
 LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
 
@@ -20,4 +19,4 @@ LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
     coefficient="lam",
 )
 def task_arithmetic(pretrained, task_vectors, *, lam):
-    return map_blocks(pretrained, task_vectors, lambda theta0, taus, rows, _: theta0 + lam * torch.stack(taus).sum(0))
+    return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)))

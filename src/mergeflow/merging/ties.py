@@ -11,7 +11,7 @@ first pass over the model, done one task vector at a time (peak: one task vector
 (mergekit, PEFT) cuts each tensor separately and streams like every element-wise method.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from math import prod
 
 import numpy as np
@@ -19,72 +19,41 @@ import torch
 
 from mergeflow.io import tensor_specs
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_blocks, partition_magnitudes
+from mergeflow.merging._kernels import disjoint_mean
+from mergeflow.merging._tensors import kernel_vector, map_stacked, partition_magnitudes, plus_scaled, read_stack
 
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 
 
-def select(values: np.ndarray, i: int) -> np.float32:
-    """The i-th smallest entry (0-based) of 1-D non-negative ``values``, exactly, reordering it in place."""
-    partition_magnitudes(values, i)
-    return values[i]
+def cut_in_place(mags: np.ndarray, k: float) -> np.float32:
+    """The smallest of the top-k fraction of 1-D magnitudes ``mags``, exactly, reordering them in place: by
+    introselect on their bit patterns (_tensors.partition_magnitudes), in linear time."""
+    i = mags.size - min(mags.size, max(1, int(round(k * mags.size))))
+    partition_magnitudes(mags, i)
+    return mags[i]
 
 
-def magnitude_cut(mags: np.ndarray, k: float) -> torch.Tensor:
-    """The smallest magnitude kept when keeping the top-k fraction of 1-D ``mags`` (reordered in place)."""
-    n_keep = max(1, int(round(k * mags.size)))
-    return torch.tensor(mags.min() if n_keep >= mags.size else select(mags, mags.size - n_keep))
+def magnitude_cut(values: np.ndarray, k: float) -> np.float32:
+    """cut_in_place of |values| (values unchanged)."""
+    return cut_in_place(np.abs(values.reshape(-1)), k)
 
 
 def topk_threshold(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
-    """magnitude_cut of a tensor's magnitudes (flattened), leaving them unchanged."""
-    return magnitude_cut(magnitudes.detach().float().flatten().numpy().copy(), k)
+    """magnitude_cut of a tensor's magnitudes (flattened)."""
+    return torch.tensor(magnitude_cut(magnitudes.detach().float().reshape(-1).numpy(), k))
 
 
-def tensor_threshold(tau: torch.Tensor, k: float) -> torch.Tensor:
-    """topk_threshold(|tau|, k), selecting in place in its one fresh array of magnitudes."""
-    return magnitude_cut(np.abs(tau.reshape(-1).float().numpy()), k)
-
-
-def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k: float) -> torch.Tensor:
+def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k: float) -> list[float]:
     """Pass 1 of a global trim: each task's cut over its whole flattened vector, one task at a time."""
     cuts = []
     for tv in task_vectors.values():
         sizes = [prod(shape) for shape, _ in tensor_specs(tv).values()]
-        flat = torch.empty(sum(sizes))  # one task's magnitudes, written tensor by tensor (no list, no cat)
+        flat = torch.empty(sum(sizes))  # one task's vector, read tensor by tensor (no list, no cat)
         for piece, key in zip(flat.split(sizes), tv):
-            torch.abs(tv[key].float().reshape(-1), out=piece)
-        cuts.append(magnitude_cut(flat.numpy(), k))
-    return torch.stack(cuts)
-
-
-def shrink_limits(thresholds: torch.Tensor) -> list[float]:
-    """hardshrink(x, l) zeroes |x| <= l: l, the float32 just below a cut, keeps exactly |x| >= cut."""
-    cuts = thresholds.float().reshape(-1)
-    return torch.nextafter(cuts, torch.zeros_like(cuts)).tolist()
-
-
-def trimmed_stack(taus: Sequence[torch.Tensor], limits: Sequence[float]) -> torch.Tensor:
-    """[T, ...] stack of tau_t with |tau_t| < its cut zeroed (limits from shrink_limits): one pass that stacks and
-    trims, without magnitudes or boolean masks."""
-    out = torch.empty((len(taus), *taus[0].shape))
-    for i, (tau, limit) in enumerate(zip(taus, limits)):
-        torch.hardshrink(tau, limit, out=out[i])
-    return out
-
-
-def disjoint_mean(trimmed: torch.Tensor) -> torch.Tensor:
-    """trimmed: [T, ...]. Elect the sign of the total mass, then average the agreeing non-zero entries.
-
-    That is (trimmed * agree).sum(0) / agree.sum(0).clamp(min=1) with agree = trimmed * elected > 0, in float ops
-    only: aligned = trimmed * elected is |tau| where the sign agrees, <= 0 elsewhere, so relu(aligned) sums the
-    agreeing magnitudes and its signs count them (summing magnitudes and restoring the sign after is exact).
-    """
-    elected = torch.sign(trimmed.sum(0))
-    aligned = (trimmed * elected).clamp_(min=0)
-    total = aligned.sum(0)
-    count = aligned.sign_().sum(0)
-    return total * elected / count.clamp_(min=1)
+            read_stack([tv], key, piece.unsqueeze(0))
+        mags = np.abs(flat.numpy(), out=flat.numpy())
+        cuts.append(float(cut_in_place(mags, k)))
+    return cuts
 
 
 def check_ties_args(k: float, trim_scope: str, where: str = "merge.ties") -> None:
@@ -94,17 +63,17 @@ def check_ties_args(k: float, trim_scope: str, where: str = "merge.ties") -> Non
         raise ValueError(f"{where}.k: expected a fraction in (0, 1], got {k}")
 
 
-def trim_limits(task_vectors, k: float, trim_scope: str):
-    """map_blocks' prepare for a trim: task t's hardshrink limit for a tensor (global cuts: computed once)."""
+def trim_cuts(task_vectors, k: float, trim_scope: str):
+    """map_stacked's prepare for a trim: task t's magnitude cut of a tensor (global cuts: computed once)."""
     if trim_scope == "global":
-        limits = shrink_limits(global_thresholds(task_vectors, k))
-        return lambda key, t, tau: limits[t]
-    return lambda key, t, tau: shrink_limits(tensor_threshold(tau, k))[0]
+        cuts = global_thresholds(task_vectors, k)
+        return lambda key, t, tau: cuts[t]
+    return lambda key, t, tau: float(magnitude_cut(tau, k))
 
 
-def ties_vector(pretrained, task_vectors, *, k: float, trim_scope: str) -> dict[str, torch.Tensor]:
-    """The TIES-merged task vector (before scaling), one block at a time."""
-    return map_blocks(pretrained, task_vectors, lambda theta0, taus, rows, limits: disjoint_mean(trimmed_stack(taus, limits)), prepare=trim_limits(task_vectors, k, trim_scope))
+def ties_vector(taus: tuple[np.ndarray, ...], cuts: list[float]) -> torch.Tensor:
+    """The TIES-merged task vector (before scaling) of T flat tensors, trimming task t at |tau_t| >= cuts[t]."""
+    return kernel_vector(disjoint_mean, taus, np.array(cuts, np.float32))
 
 
 @register(
@@ -116,4 +85,4 @@ def ties_vector(pretrained, task_vectors, *, k: float, trim_scope: str) -> dict[
 )
 def ties(pretrained, task_vectors, *, k, trim_scope, lam):
     check_ties_args(k, trim_scope)
-    return map_blocks(pretrained, task_vectors, lambda theta0, taus, rows, limits: theta0 + lam * disjoint_mean(trimmed_stack(taus, limits)), prepare=trim_limits(task_vectors, k, trim_scope))
+    return map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: plus_scaled(theta0, lam, ties_vector(taus, cuts)), prepare=trim_cuts(task_vectors, k, trim_scope))
