@@ -21,39 +21,36 @@ def check_args(gamma: float, beta: float, scope: str) -> None:
         raise ValueError(f"merge.breadcrumbs: need 0 <= gamma < 1 and 0 < beta <= 1 - gamma, got gamma={gamma}, beta={beta}")
 
 
-def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(upper, lower) along the last dim of ``mags`` [..., n] (reordered in place), keepdim: the values ranked
-    lo = gamma n and hi = (gamma + beta) n from the top (0-based); None where there is no cut (lo = 0, hi = n).
+def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """(upper, lower), one per row of ``mags`` [rows, n] (reordered in place): the values ranked lo = gamma n and
+    hi = (gamma + beta) n from the top (0-based). A row keeps lower < |tau| <= upper; a missing cut (lo = 0,
+    hi = n) is inf or -1, which keeps everything. Tied values at a cut all fall on the same side of it.
 
     By introselect (_tensors.partition_magnitudes): partition at the lower cut, then only the
     part above it for the upper one.
     """
-    n = mags.shape[-1]
+    rows, n = mags.shape
     lo, hi = int(round(gamma * n)), int(round((gamma + beta) * n))
-    upper = lower = None
+    upper, lower = np.full(rows, np.inf, np.float32), np.full(rows, -1, np.float32)
     above, offset = mags, 0
     if hi < n:
         partition_magnitudes(mags, n - hi - 1)
-        lower = mags[..., n - hi - 1 : n - hi].copy()
-        above, offset = mags[..., n - hi :], n - hi
+        lower = mags[:, n - hi - 1].copy()
+        above, offset = mags[:, n - hi :], n - hi
     if lo > 0:
         i = n - lo - 1 - offset  # < 0 only when lo = hi: the upper cut is the lower one
         if i < 0:
             upper = lower
         else:
             partition_magnitudes(above, i)
-            upper = above[..., i : i + 1].copy()
+            upper = above[:, i].copy()
     return upper, lower
 
 
 def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str) -> tuple[np.ndarray, np.ndarray]:
-    """One task's (upper, lower) cuts of a tensor, one per row of its last dim (one for the whole tensor): it keeps
-    lower < |tau| <= upper (a missing cut: inf, -1). Tied values at a cut all fall on the same side of it."""
+    """One task's rank_cuts of a tensor: one per row of its last dim, or one for the whole tensor."""
     mags = np.abs(tau)
-    ranked = mags.reshape(1, -1) if scope == "tensor" or tau.ndim <= 1 else mags.reshape(-1, tau.shape[-1])
-    upper, lower = rank_cuts(ranked, gamma, beta)
-    rows = len(ranked)
-    return (np.full(rows, np.inf, np.float32) if upper is None else upper.reshape(rows), np.full(rows, -1, np.float32) if lower is None else lower.reshape(rows))
+    return rank_cuts(mags.reshape(1, -1) if scope == "tensor" or tau.ndim <= 1 else mags.reshape(-1, tau.shape[-1]), gamma, beta)
 
 
 @register(
