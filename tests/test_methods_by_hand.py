@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mergeflow.merging import REGISTRY
-from mergeflow.merging._tensors import low_rank
+from mergeflow.merging._tensors import gram_svd, low_rank
 from mergeflow.merging.cart import centred
 from mergeflow.merging.iso import iso_c_matrix, iso_cts_matrix
 from mergeflow.merging.tsv_m import task_singular_vectors, tsv_merge_matrix
@@ -168,7 +168,7 @@ def test_tsv_m_merged_matrix_has_orthonormal_singular_vectors():
     u, s, vh = task_singular_vectors(taus, 3)  # k = 6 // 2
     merged = tsv_merge_matrix(taus)
     # with orthonormal factors the merged matrix's singular values are exactly the kept task singular values
-    assert close(torch.linalg.svdvals(merged), torch.sort(s, descending=True).values, atol=1e-4)
+    assert close(torch.linalg.svdvals(merged), torch.sort(s.cpu(), descending=True).values, atol=1e-4)  # s: on the SVD device
 
 
 def test_iso_c_flattens_the_spectrum():
@@ -195,3 +195,36 @@ def test_breadcrumbs_thresholds_match_ranks(scope):
     for tau, keep in zip(taus, expected.reshape(taus.shape)):
         merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(7, 50)}, {"a": {"w": tau}}, gamma=0.1, beta=0.3, scope=scope, alpha=1.0)
         assert torch.equal(merged["w"], tau * keep)
+
+
+def _rank(r, m, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, r, generator=g) @ torch.randn(r, n, generator=g)
+
+
+@pytest.mark.parametrize(
+    "name, matrix",
+    [
+        ("tall", _rank(30, 40, 30)),
+        ("wide", _rank(30, 30, 40)),
+        ("square", _rank(25, 25, 25)),
+        ("rank 2", _rank(2, 40, 30)),
+        ("rank 2 wide", _rank(2, 30, 40)),
+        ("zeros", torch.zeros(20, 30)),
+        ("one row", _rank(1, 1, 20)),
+        # condition number 1e10: the Gram matrix's is 1e20, beyond float64's 1e16
+        ("ill-conditioned", _rank(30, 50, 30) @ torch.diag(torch.logspace(0, -10, 30))),
+    ],
+)
+def test_gram_svd_matches_lapack_and_stays_orthonormal(name, matrix):
+    """gram_svd (the SVD-based methods' CUDA route, checked here on the CPU) against LAPACK's float64 SVD."""
+    u, s, vh = gram_svd(matrix)
+    x = matrix.double()
+    r = min(x.shape)
+    assert u.shape == (x.shape[0], r) and s.shape == (r,) and vh.shape == (r, x.shape[1]) and u.dtype == torch.float32
+    scale = max(x.norm().item(), 1e-30)
+    assert ((u.double() * s.double()) @ vh.double() - x).norm() <= 1e-6 * scale
+    assert (u.double().T @ u.double() - torch.eye(r, dtype=torch.float64)).abs().max() <= 1e-6
+    assert (vh.double() @ vh.double().T - torch.eye(r, dtype=torch.float64)).abs().max() <= 1e-6
+    assert (s.double() - torch.linalg.svdvals(x)).abs().max() <= 1e-6 * scale
+    assert (s[:-1] >= s[1:]).all()

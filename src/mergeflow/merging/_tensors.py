@@ -116,8 +116,35 @@ def svd_device() -> torch.device:
 
 
 def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thin SVD in float32 on the SVD device: (U [m, r], S [r], Vh [r, n])."""
-    return torch.linalg.svd(matrix.float().to(svd_device()), full_matrices=False)
+    """Thin SVD in float32 on the SVD device: (U [m, r], S [r] descending, Vh [r, n]), r = min(m, n).
+
+    On the CPU, LAPACK's through torch. On CUDA, ``gram_svd``: torch's default CUDA driver (cuSOLVER's gesvdj) took
+    40 ms per ViT-B matrix on an H100 and returned U and V 2e-4 away from orthonormal, where gram_svd took ~9 ms
+    and is within float32 rounding (measured, see README)."""
+    matrix = matrix.float().to(svd_device())
+    return gram_svd(matrix) if matrix.is_cuda else torch.linalg.svd(matrix, full_matrices=False)
+
+
+def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD through the float64 eigendecomposition of the smaller Gram matrix, returned in float32.
+
+    For X [m, n] with m <= n (else on X^T): X X^T = Q diag(w) Q^T gives U = Q; then X^T U = V S, and the QR
+    factorisation of X^T U gives V, orthonormal even where S is ~0 (it completes the basis: rank-deficient and
+    zero matrices come out right), with S = |diag R|. Float64 keeps the squared condition number harmless: U and V
+    are orthonormal and U S Vh = X to float32 rounding.
+    """
+    x = matrix.double()
+    wide = x.shape[0] <= x.shape[1]
+    if not wide:
+        x = x.T
+    _, q = torch.linalg.eigh(x @ x.T)  # ascending eigenvalues
+    v, r = torch.linalg.qr(x.T @ q.flip(-1))
+    d = r.diagonal()
+    s, order = d.abs().sort(descending=True)
+    u, v = q.flip(-1)[:, order], (v * torch.where(d < 0, -1.0, 1.0))[:, order]
+    if not wide:
+        u, v = v, u
+    return u.float(), s.float(), v.T.float()
 
 
 def low_rank(matrix: torch.Tensor, k: int) -> torch.Tensor:

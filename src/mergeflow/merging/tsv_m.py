@@ -16,7 +16,7 @@ ALPHA_GRID = [round(0.15 * i, 2) for i in range(1, 21)]  # linspace(0, 3, 21)[1:
 
 
 def task_singular_vectors(taus: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenated top-k triplets of each task: U^ [m, T k], S^ [T k], Vh^ [T k, n]."""
+    """Concatenated top-k triplets of each task, on the SVD device: U^ [m, T k], S^ [T k], Vh^ [T k, n]."""
     us, ss, vhs = [], [], []
     for tau in taus:
         u, s, vh = svd(tau)

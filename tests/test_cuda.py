@@ -1,0 +1,116 @@
+"""The CUDA path, where a GPU is present (skipped elsewhere): the SVD-based merges on the GPU against the same
+merges on the CPU, features on the GPU against the CPU's, and one full-batch GD step under bf16 autocast against
+seed 000's identity tau = -eta * grad L."""
+
+import copy
+
+import pytest
+import torch
+
+from mergeflow.config import BackboneConfig, FinetuneConfig
+from mergeflow.merging import REGISTRY, _tensors
+from mergeflow.models import backbone_state, build_backbone, make_head
+from mergeflow.training import extract_features, finetune, seed_everything
+from tests.test_merging import models_of
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SVD_METHODS = ["cart", "cart_indexing", "iso_c", "iso_cts", "low_rank_ta", "tsv_c", "tsv_m"]
+CUDA = torch.device("cuda")
+SMALL = BackboneConfig(kwargs={"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2})
+
+
+def _models(n_tasks=4, seed=0):
+    # ViT-shaped keys: matrices (qkv, mlp) take the SVD route, the rest the element-wise one
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"blocks.0.attn.qkv.weight": (96, 32), "blocks.0.mlp.fc1.weight": (64, 32), "blocks.0.norm1.bias": (32,), "pos_embed": (1, 5, 32)}
+    theta0 = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    tvs = {f"t{i}": {k: 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()} for i in range(n_tasks)}
+    return theta0, tvs
+
+
+def test_svd_methods_list_is_complete():
+    # every module that calls an SVD helper is in SVD_METHODS, so a new SVD method gets its GPU check
+    import importlib
+
+    helpers = {"svd", "low_rank", "polar"}
+    uses_svd = {n for n, m in REGISTRY.items() if helpers & set(vars(importlib.import_module(m.fn.__module__)))}
+    assert uses_svd == set(SVD_METHODS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", SVD_METHODS)
+def test_svd_methods_on_the_gpu_match_the_cpu(name, monkeypatch):
+    theta0, tvs = _models()
+    gram_calls = []
+    real_gram_svd = _tensors.gram_svd
+    monkeypatch.setattr(_tensors, "gram_svd", lambda a: gram_calls.append(a.device.type) or real_gram_svd(a))
+    on_gpu = models_of(name, theta0, tvs)
+    assert gram_calls and set(gram_calls) == {"cuda"}
+    monkeypatch.setattr(_tensors, "svd_device", lambda: torch.device("cpu"))
+    n_gpu_calls = len(gram_calls)
+    on_cpu = models_of(name, theta0, tvs)
+    assert len(gram_calls) == n_gpu_calls  # the CPU route is LAPACK's
+    for t in tvs:
+        for k in theta0:
+            a, b = on_gpu[t][k], on_cpu[t][k]
+            assert a.device.type == "cpu" and a.dtype == torch.float32, (t, k)
+            assert (a - b).norm() <= 1e-5 * b.norm(), (name, t, k, ((a - b).norm() / b.norm()).item())
+
+
+def _images(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(0, 3, (n,), generator=g)
+
+
+@needs_cuda
+def test_features_on_the_gpu_match_the_cpu():
+    torch.manual_seed(0)
+    backbone = build_backbone(SMALL)
+    images, _ = _images(20)
+    on_cpu = extract_features(backbone, images, batch_size=8, device=torch.device("cpu"))
+    on_gpu = extract_features(backbone, images, batch_size=8, device=CUDA)
+    assert on_gpu.device.type == "cpu" and on_gpu.dtype == torch.float32
+    # cuDNN runs the patch-embedding convolution in TF32 (torch's default, 10-bit mantissa): ~1e-3; a wrong
+    # result is off by O(1)
+    assert (on_gpu - on_cpu).norm() <= 1e-2 * on_cpu.norm()
+
+
+@needs_cuda
+def test_one_full_batch_gd_step_under_bf16_autocast_is_minus_lr_times_gradient():
+    """Seed 000's identity on the GPU: the step is taken in float32 weights from a bf16-autocast gradient, so
+    tau matches -eta * grad L (float32, CPU) to bf16's precision, ~1e-2, and not better."""
+    torch.manual_seed(0)
+    images, labels = _images(32)
+    backbone = build_backbone(SMALL)
+    head = make_head(backbone.num_features, 3)
+    theta0 = backbone_state(backbone)
+
+    ref_backbone, ref_head = copy.deepcopy(backbone), copy.deepcopy(head)  # float32 on the CPU: ~1e-6, exact beside bf16
+    loss = torch.nn.functional.cross_entropy(ref_head(ref_backbone(images)), labels)
+    names = [n for n, _ in ref_backbone.net.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(loss, list(ref_backbone.net.parameters()))))
+
+    lr = 0.05
+    cfg = FinetuneConfig(optimizer="gd", epochs=1, lr=lr, weight_decay=0.0, warmup_steps=0)
+    curve = finetune(backbone, head, images, labels, cfg, seed=0, device=CUDA)
+    assert len(curve.step) == 1
+    theta1 = {k: v.cpu() for k, v in backbone_state(backbone).items()}
+    assert all(v.dtype == torch.float32 for v in theta1.values())  # autocast leaves the weights in float32
+    tau = torch.cat([(theta1[n] - theta0[n]).flatten() for n in names])
+    expected = torch.cat([-lr * grads[n].flatten() for n in names])
+    rel = ((tau - expected).norm() / expected.norm()).item()
+    assert rel < 3e-2, rel
+
+
+@needs_cuda
+def test_finetuning_on_the_gpu_is_deterministic():
+    images, labels = _images(64)
+    states = []
+    for _ in range(2):
+        seed_everything(0)
+        backbone = build_backbone(SMALL)
+        head = make_head(backbone.num_features, 3)
+        finetune(backbone, head, images, labels, FinetuneConfig(steps=5, batch_size=16, lr=1e-3, warmup_steps=1), seed=5, device=CUDA)
+        states.append(backbone_state(backbone))
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
