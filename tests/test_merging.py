@@ -262,3 +262,16 @@ def test_radix_topk_threshold_matches_sorting(n, k):
     n_keep = max(1, int(round(k * n)))
     expected = mags.sort(descending=True).values[min(n_keep, n) - 1]
     assert topk_threshold(mags, k) == expected
+
+
+@pytest.mark.parametrize("name", ["task_arithmetic", "ties", "dare_ties", "breadcrumbs", "magmax", "consensus_ties"])
+def test_element_wise_merges_do_not_depend_on_the_thread_count(name):
+    # the kernels split entries over threads; each entry is computed alone, in task order
+    g = torch.Generator().manual_seed(3)
+    theta0 = {"blocks.0.mlp.fc1.weight": torch.randn(64, 300, generator=g), "blocks.0.norm1.bias": torch.randn(300, generator=g)}
+    tvs = {f"t{i}": {k: torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(5)}
+    merged = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        merged[threads] = REGISTRY[name](theta0, tvs)
+    assert all(torch.equal(merged[1][k], merged[2][k]) for k in theta0)

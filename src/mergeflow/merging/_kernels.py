@@ -7,41 +7,47 @@ the time to read the inputs). Sums run in task order (torch's sum over a stack f
 so a merge does not depend on how tensors are shaped or split.
 
 Kernels are compiled on first use and cached beside this file (numba's cache): a process pays ~0.5 s to load
-the cached kernels (measured: the first calls of the 9 kernel methods), not the ~6 s compile. They release the GIL, so per-task kernels (selections) run on threads.
+the cached kernels (measured: the first calls of the 9 kernel methods), not the ~6 s compile. The one-pass
+kernels split their entries over numba's threads (as many as torch's, set by map_stacked; each entry is computed
+alone, so the result does not depend on the thread count): on this 2-core machine that took 5-15% off the merges
+in an interleaved A/B benchmark. They release the GIL, so the per-task kernels (DARE's drops) run on threads.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 kernel = njit(cache=True, nogil=True)
+# the one-pass kernels run on the calling thread's numba threads (map_stacked sets them to torch's count); the
+# per-task ones (drop_and_rescale) stay serial: map_stacked already runs them on threads, one task each
+parallel_kernel = njit(cache=True, nogil=True, parallel=True)
 
 F0 = np.float32(0)
 F1 = np.float32(1)
 
 
-@kernel
+@parallel_kernel
 def add_scaled(base, scale, vector):
     """vector = base + scale * vector, in place."""
-    for i in range(vector.size):
+    for i in prange(vector.size):
         vector[i] = base[i] + scale * vector[i]
 
 
-@kernel
+@parallel_kernel
 def task_sum(taus, out):
     """out = sum_t taus[t], summed in task order."""
-    for i in range(out.size):
+    for i in prange(out.size):
         total = taus[0][i]
         for t in range(1, len(taus)):
             total += taus[t][i]
         out[i] = total
 
 
-@kernel
+@parallel_kernel
 def max_magnitude(taus, out):
     """out = the tau_t of largest magnitude, the first task on ties."""
-    for i in range(out.size):
+    for i in prange(out.size):
         best = taus[0][i]
         top = abs(best)
         for t in range(1, len(taus)):
@@ -52,12 +58,12 @@ def max_magnitude(taus, out):
         out[i] = best
 
 
-@kernel
+@parallel_kernel
 def disjoint_mean(taus, cuts, out):
     """TIES' trim, sign election and disjoint mean: with trimmed tau_t = tau_t where |tau_t| >= cuts[t] (else 0),
     gamma = sgn(sum_t trimmed tau_t), out = gamma * (sum of the |trimmed tau_t| whose sign is gamma) / their
     count (0 where none)."""
-    for i in range(out.size):
+    for i in prange(out.size):
         total = F0
         for t in range(len(taus)):
             value = taus[t][i]
@@ -75,19 +81,19 @@ def disjoint_mean(taus, cuts, out):
         out[i] = agreeing * elected / max(count, F1)
 
 
-@kernel
+@parallel_kernel
 def tall_masks(taus, mtl, lambdas, masks):
     """TALL masks: masks[t][i] = |tau_t| >= lambdas[t] |mtl - tau_t|."""
     for t in range(len(taus)):
         tau, mask, lam = taus[t], masks[t], lambdas[t]
-        for i in range(mtl.size):
+        for i in prange(mtl.size):
             mask[i] = abs(tau[i]) >= abs(mtl[i] - tau[i]) * lam
 
 
-@kernel
+@parallel_kernel
 def consensus(taus, mtl, lambdas, min_tasks, out):
     """out = mtl where at least min_tasks TALL masks hold, else 0 * mtl."""
-    for i in range(out.size):
+    for i in prange(out.size):
         votes = 0
         for t in range(len(taus)):
             value = taus[t][i]
@@ -95,22 +101,18 @@ def consensus(taus, mtl, lambdas, min_tasks, out):
         out[i] = mtl[i] if votes >= min_tasks else mtl[i] * F0
 
 
-@kernel
+@parallel_kernel
 def banded_sum(taus, uppers, lowers, out):
     """Model Breadcrumbs: out = sum_t tau_t * (lowers[t, r] < |tau_t| <= uppers[t, r]), rows r of tau_t
     reshaped [rows, n / rows] (one row: cuts over the whole tensor)."""
     rows = uppers.shape[1]
     width = out.size // rows
-    upper = np.empty(len(taus), np.float32)
-    lower = np.empty(len(taus), np.float32)
-    for r in range(rows):
-        upper[:] = uppers[:, r]
-        lower[:] = lowers[:, r]
+    for r in prange(rows):
         for i in range(r * width, (r + 1) * width):
             total = F0
             for t in range(len(taus)):
                 value = taus[t][i]
-                kept = (lower[t] < abs(value)) & (abs(value) <= upper[t])  # branch-free: kept is unpredictable
+                kept = (lowers[t, r] < abs(value)) & (abs(value) <= uppers[t, r])  # branch-free: kept is unpredictable
                 total = value * np.float32(kept) if t == 0 else total + value * np.float32(kept)
             out[i] = total
 

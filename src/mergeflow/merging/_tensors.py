@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 
@@ -81,6 +82,7 @@ def map_stacked(
         merged = fn(theta0.float().reshape(-1), tuple(stack), states).reshape(theta0.shape)
         return merged.to(theta0.dtype) if cast else merged
 
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # for the parallel kernels
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         return {key: merge_key(key, pool) for key in pretrained}
 
@@ -111,7 +113,7 @@ def is_matrix(key: str, tensor: torch.Tensor) -> bool:
 
 
 def svd_device() -> torch.device:
-    """SVD-based methods run on the GPU when there is one, always in float32."""
+    """SVD-based methods run on the GPU when there is one; they return float32 either way."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -119,8 +121,8 @@ def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """Thin SVD in float32 on the SVD device: (U [m, r], S [r] descending, Vh [r, n]), r = min(m, n).
 
     On the CPU, LAPACK's through torch. On CUDA, ``gram_svd``: torch's default CUDA driver (cuSOLVER's gesvdj) took
-    40 ms per ViT-B matrix on an H100 and returned U and V 2e-4 away from orthonormal, where gram_svd took ~9 ms
-    and is within float32 rounding (measured, see README)."""
+    35-38 ms per ViT-B matrix on an H100 and returned U and V 4e-4 away from orthonormal, where gram_svd took
+    12-14 ms and is within float32 rounding (measured, see README)."""
     matrix = matrix.float().to(svd_device())
     return gram_svd(matrix) if matrix.is_cuda else torch.linalg.svd(matrix, full_matrices=False)
 
