@@ -2,11 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from mergeflow.merging import REGISTRY
-from mergeflow.merging._tensors import gram_svd, low_rank
+from mergeflow.merging._tensors import gram_svd, low_rank, seed_of
+from mergeflow.merging.dare import keep_cut
 from mergeflow.merging.cart import centred
 from mergeflow.merging.iso import iso_c_matrix, iso_cts_matrix
 from mergeflow.merging.tsv_m import task_singular_vectors, tsv_merge_matrix
@@ -228,3 +230,35 @@ def test_gram_svd_matches_lapack_and_stays_orthonormal(name, matrix):
     assert (vh.double() @ vh.double().T - torch.eye(r, dtype=torch.float64)).abs().max() <= 1e-6
     assert (s.double() - torch.linalg.svdvals(x)).abs().max() <= 1e-6 * scale
     assert (s[:-1] >= s[1:]).all()
+
+
+def _dare_words(stream: int, n: int) -> np.ndarray:
+    """DARE's mask words, in numpy: fmix32(stream + i * 0x9E3779B9) (the kernels' drop_word)."""
+    w = (np.uint64(stream) + np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)
+    w ^= w >> np.uint64(16)
+    w = (w * np.uint64(0x85EBCA6B)) & np.uint64(0xFFFFFFFF)
+    w ^= w >> np.uint64(13)
+    w = (w * np.uint64(0xC2B2AE35)) & np.uint64(0xFFFFFFFF)
+    return w ^ (w >> np.uint64(16))
+
+
+@pytest.mark.parametrize("name", ["dare_linear", "dare_ties"])
+def test_dare_masks_follow_the_documented_counter_based_rule(name):
+    """Each task's mask from its stream seed_of(seed, task, key) and the entry's index, rescaled by 1 / (1 - p);
+    then task arithmetic, or TIES' election and disjoint mean, computed here in numpy."""
+    theta0, tvs = _models(n_tasks=4, shape=(30, 20))
+    p, seed, lam = 0.6, 7, 0.5
+    merged = REGISTRY[name](theta0, tvs, p=p, seed=seed, lam=lam)
+    for key in theta0:
+        dropped = np.stack([
+            tv[key].numpy().reshape(-1) * (_dare_words(seed_of(seed, task, key), tv[key].numel()) >= keep_cut(p)) / np.float32(1 - p)
+            for task, tv in tvs.items()
+        ])
+        if name == "dare_linear":
+            direction = dropped.sum(0)
+        else:
+            elected = np.sign(dropped.sum(0))
+            agree = (dropped * elected) > 0
+            direction = elected * (dropped * agree * elected).sum(0) / np.maximum(agree.sum(0), 1)
+        expected = theta0[key].numpy().reshape(-1) + lam * direction
+        assert np.allclose(merged[key].numpy().reshape(-1), expected, atol=1e-6), key
