@@ -6,7 +6,8 @@ grow with the model. 'wall s' is the merge itself; 'x read with' adds the start-
 
     python bench/merge.py                       # every method, 8 tasks
     python bench/merge.py --methods ties,cart   # a subset
-    python bench/merge.py --repeat 3            # each row: the fastest of 3 interleaved runs (a shared machine)
+    python bench/merge.py --repeat 5            # 5 interleaved rounds: the fastest run of each method, and the
+                                                # median over rounds of its ratio to that round's read
 
 The element-wise methods' target: peak RSS <= 1.5 GB against ~2.8 GB of inputs, wall time within 3x of reading
 every input once (the 'read' row). Inputs are generated once into --dir and reused.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -107,7 +109,7 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="comma-separated (default: every method, variants included)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=1, help="rounds over every method; each row keeps its fastest run (and its highest peak)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over every method; a row keeps its fastest run, its highest peak, and its median ratio to each round's read")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -121,8 +123,8 @@ def main() -> None:
     print(f"inputs: {args.tasks} task vectors of {args.model}, {input_gb:.2f} GB (+ theta0), ready in {time.perf_counter() - start:.0f} s; {args.threads} threads")
     methods = args.methods.split(",") if args.methods else sorted(set(REGISTRY) | set(VARIANTS))
     rows = []
-    best: dict[str, dict] = {}
     print(f"{'method':<24}{'kind':<10}{'wall s':>8}{'x read':>8}{'start-up s':>12}{'x read with':>13}{'peak RSS GB':>13}{'(at start)':>12}  target")
+    rounds: dict[str, list[dict]] = {}
     for round_ in range(args.repeat):
         for method in ["read", *methods]:
             cmd = [sys.executable, __file__, "--worker", method, "--dir", str(args.dir), "--threads", str(args.threads)]
@@ -130,16 +132,20 @@ def main() -> None:
             if proc.returncode != 0:
                 print(f"{method:<24}failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
                 continue
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
-            if method in best:  # rounds interleave, so every row sees the machine's quiet spells alike
-                prev = best[method]
-                row = {**min(row, prev, key=lambda r: r["wall_s"]), "startup_s": min(row["startup_s"], prev["startup_s"]), "peak_rss_gb": max(row["peak_rss_gb"], prev["peak_rss_gb"])}
-            best[method] = row
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            if "read" in rounds and len(rounds["read"]) == round_ + 1:
+                # against the read of the same round: the machine drifts between quiet and slow spells (a warm
+                # read took 0.38-0.76 s in one session), so a ratio of two minima from different rounds is noise
+                read_s = rounds["read"][round_]["wall_s"]
+                run["x_read"] = run["wall_s"] / read_s
+                run["x_read_with_startup"] = (run["wall_s"] + run["startup_s"]) / read_s
+            rounds.setdefault(method, []).append(run)
             if round_ < args.repeat - 1:
                 continue
-            read_s = best["read"]["wall_s"] if "read" in best else row["wall_s"]
-            row["x_read"] = row["wall_s"] / read_s
-            row["x_read_with_startup"] = (row["wall_s"] + row["startup_s"]) / read_s
+            runs = rounds[method]
+            row = {**min(runs, key=lambda r: r["wall_s"]), "startup_s": min(r["startup_s"] for r in runs), "peak_rss_gb": max(r["peak_rss_gb"] for r in runs)}
+            for ratio in ("x_read", "x_read_with_startup"):
+                row[ratio] = statistics.median(r.get(ratio, 1.0) for r in runs)
             target = ""
             if method in ELEMENT_WISE:
                 ok = row["peak_rss_gb"] <= 1.5 and row["x_read"] <= 3.0
