@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -126,6 +127,8 @@ def main() -> None:
     print(f"{'method':<24}{'kind':<10}{'wall s':>8}{'x read':>8}{'start-up s':>12}{'x read with':>13}{'peak RSS GB':>13}{'(at start)':>12}  target")
     rounds: dict[str, list[dict]] = {}
     for round_ in range(args.repeat):
+        read_s = math.nan  # this round's read: the machine drifts between quiet and slow spells (a warm read took
+        # 0.38-0.76 s in one session), so a ratio of two minima from different rounds is noise
         for method in ["read", *methods]:
             cmd = [sys.executable, __file__, "--worker", method, "--dir", str(args.dir), "--threads", str(args.threads)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -133,19 +136,17 @@ def main() -> None:
                 print(f"{method:<24}failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
                 continue
             run = json.loads(proc.stdout.strip().splitlines()[-1])
-            if "read" in rounds and len(rounds["read"]) == round_ + 1:
-                # against the read of the same round: the machine drifts between quiet and slow spells (a warm
-                # read took 0.38-0.76 s in one session), so a ratio of two minima from different rounds is noise
-                read_s = rounds["read"][round_]["wall_s"]
-                run["x_read"] = run["wall_s"] / read_s
-                run["x_read_with_startup"] = (run["wall_s"] + run["startup_s"]) / read_s
+            if method == "read":
+                read_s = run["wall_s"]
+            run["x_read"] = run["wall_s"] / read_s
+            run["x_read_with_startup"] = (run["wall_s"] + run["startup_s"]) / read_s
             rounds.setdefault(method, []).append(run)
             if round_ < args.repeat - 1:
                 continue
             runs = rounds[method]
             row = {**min(runs, key=lambda r: r["wall_s"]), "startup_s": min(r["startup_s"] for r in runs), "peak_rss_gb": max(r["peak_rss_gb"] for r in runs)}
             for ratio in ("x_read", "x_read_with_startup"):
-                row[ratio] = statistics.median(r.get(ratio, 1.0) for r in runs)
+                row[ratio] = statistics.median(r[ratio] for r in runs)
             target = ""
             if method in ELEMENT_WISE:
                 ok = row["peak_rss_gb"] <= 1.5 and row["x_read"] <= 3.0

@@ -139,11 +139,11 @@ def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     wide = x.shape[0] <= x.shape[1]
     if not wide:
         x = x.T
-    _, q = torch.linalg.eigh(x @ x.T)  # ascending eigenvalues
-    v, r = torch.linalg.qr(x.T @ q.flip(-1))
+    q = torch.linalg.eigh(x @ x.T).eigenvectors.flip(-1)  # largest eigenvalue first
+    v, r = torch.linalg.qr(x.T @ q)
     d = r.diagonal()
     s, order = d.abs().sort(descending=True)
-    u, v = q.flip(-1)[:, order], (v * torch.where(d < 0, -1.0, 1.0))[:, order]
+    u, v = q[:, order], (v * torch.where(d < 0, -1.0, 1.0))[:, order]
     if not wide:
         u, v = v, u
     return u.float(), s.float(), v.T.float()
