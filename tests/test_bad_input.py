@@ -153,3 +153,32 @@ def test_finite_check_by_one_sum_is_exact(dtype):
         tensor[2] = bad
         with pytest.raises(MergeflowError, match=r"x.safetensors: tensor 'w' contains NaN or Inf"):
             check_finite({"w": tensor}, "x.safetensors")
+
+
+def test_lazy_reader_converts_dtypes_and_reads_empty_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    from mergeflow.io import LazyStateDict
+
+    state = {"w": torch.randn(5, 7).to(torch.bfloat16), "e": torch.zeros(0, 3), "i": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    lazy = LazyStateDict(tmp_path / "m.safetensors")
+    assert all(torch.equal(lazy[k], v) and lazy[k].dtype == v.dtype for k, v in state.items())
+    out = torch.full((35,), float("nan"))
+    lazy.read_into("w", out)  # bf16 on disk into a float32 buffer: exact
+    assert torch.equal(out, state["w"].float().reshape(-1))
+    strided = torch.zeros(70)[::2]  # not contiguous: read, then copied in
+    lazy.read_into("w", strided)
+    assert torch.equal(strided, state["w"].float().reshape(-1))
+
+
+def test_lazy_reader_names_the_tensor_when_the_file_shrinks_after_opening(tmp_path):
+    from mergeflow.io import LazyStateDict
+
+    save_state_dict(tmp_path / "m.safetensors", _state())
+    lazy = LazyStateDict(tmp_path / "m.safetensors")
+    last = max(lazy._entries, key=lambda k: lazy._entries[k][2][1])  # the tensor stored last in the file
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "m.safetensors").write_bytes(data[:-8])  # same inode: the open descriptor sees the shorter file
+    with pytest.raises(MergeflowError, match=rf"m.safetensors: file ends inside tensor '{last}'"):
+        lazy[last]

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import mmap
 import os
 import shutil
 import struct
 import tempfile
-import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -115,10 +113,12 @@ _SAFETENSORS_DTYPES = {
 
 
 class LazyStateDict(Mapping[str, torch.Tensor]):
-    """A memory-mapped safetensors file: a tensor is copied out (and checked for NaN/Inf) only when indexed.
+    """A safetensors file read tensor by tensor: the header when opened, a tensor (checked for NaN/Inf) only when
+    indexed, by pread straight into the destination's memory.
 
-    After the copy its pages are released from this process (madvise DONTNEED), so a merge's resident memory is
-    the tensors it holds, not every file it has read; the page cache still serves the next read.
+    pread copies out of the page cache without mapping the file into this process, so a merge's resident memory is
+    the tensors it holds, not the files it has read; on this project's 2-core VM it also took a third of the CPU
+    time of copying out of a memory map (0.5 against 1.4 CPU-s for 2.6 GB: no page faults, one thread).
     """
 
     def __init__(self, path: str | os.PathLike, *, check: bool = True):
@@ -128,39 +128,49 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         self._check = check
         try:
             with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            (n,) = struct.unpack("<Q", self._map[:8])
-            header = json.loads(self._map[8 : 8 + n])
+                size = os.fstat(f.fileno()).st_size
+                (n,) = struct.unpack("<Q", f.read(8))
+                if 8 + n > size:
+                    raise ValueError("header runs past the end of the file")
+                header = json.loads(f.read(n))
             header.pop("__metadata__", None)
             self._base = 8 + n
             self._entries = {k: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in header.items()}
-            if any(self._base + end > len(self._map) for _, _, (_, end) in self._entries.values()):
+            if any(self._base + end > size for _, _, (_, end) in self._entries.values()):
                 raise ValueError("tensor data runs past the end of the file")
         except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
             raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._copy(key, lambda mapped: mapped.clone()).reshape(self._entries[key][1])
+        dtype, shape, _ = self._entries[key]
+        tensor = torch.empty(shape, dtype=dtype)
+        self._read(key, tensor.view(-1))
+        return tensor
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Copy tensor ``key``, flattened and converted to out's dtype, into ``out`` (a preallocated buffer)."""
-        self._copy(key, lambda mapped: out.copy_(mapped))
+        dtype, _, _ = self._entries[key]
+        if out.dtype == dtype and out.is_contiguous():
+            self._read(key, out.view(-1))
+        else:
+            out.copy_(self[key].reshape(-1))
 
-    def _copy(self, key: str, copy) -> torch.Tensor:
-        """copy(the mapped tensor, flattened) -> a tensor of its own, checked; then the mapped pages are released."""
-        dtype, shape, (begin, end) = self._entries[key]
-        numel = math.prod(shape)
-        if not numel:
-            return copy(torch.empty(0, dtype=dtype))
-        start = self._base + begin
-        with warnings.catch_warnings():  # the map is read-only; copy() makes the tensor its own at once
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = copy(torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start))
-        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, lo, self._base + end - lo)
+    def _read(self, key: str, flat: torch.Tensor) -> None:
+        """pread tensor ``key``'s bytes into ``flat`` (contiguous, its dtype and size), then check it."""
+        _, _, (begin, end) = self._entries[key]
+        view = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        if len(view) != end - begin:
+            raise MergeflowError(f"{self.path}: tensor '{key}' holds {end - begin} bytes, not the {len(view)} its shape and dtype need")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
+            if not got:
+                raise MergeflowError(f"{self.path}: file ends inside tensor '{key}' (changed since it was opened?)")
+            done += got
         if self._check:
-            check_finite({key: tensor}, str(self.path))
-        return tensor
+            check_finite({key: flat}, str(self.path))
 
     def __iter__(self):
         return iter(self._entries)

@@ -93,12 +93,12 @@ def _load_heads(params: Params, layout: Layout, num_features: int):
 
 
 # Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
-# candidate, and re-reading a small model costs more than holding it. Larger inputs stay memory-mapped.
+# candidate, and re-reading a small model costs more than holding it. Larger inputs are read tensor by tensor.
 IN_MEMORY_INPUT_BYTES = 1 << 30
 
 
 def _load_task_vectors(params: Params, layout: Layout):
-    """Memory-mapped: a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
+    """Lazy (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
     pretrained = LazyStateDict(layout.pretrained)
     vectors = {t: LazyStateDict(layout.vectors / f"{t}.safetensors") for t in params.suite.tasks}
     for tv in vectors.values():
