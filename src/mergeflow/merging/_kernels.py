@@ -34,14 +34,20 @@ def add_scaled(base, scale, vector):
         vector[i] = base[i] + scale * vector[i]
 
 
+@kernel
+def task_total(taus, i):
+    """sum_t taus[t][i], summed in task order."""
+    total = taus[0][i]
+    for t in range(1, len(taus)):
+        total += taus[t][i]
+    return total
+
+
 @parallel_kernel
 def task_sum(taus, out):
     """out = sum_t taus[t], summed in task order."""
     for i in prange(out.size):
-        total = taus[0][i]
-        for t in range(1, len(taus)):
-            total += taus[t][i]
-        out[i] = total
+        out[i] = task_total(taus, i)
 
 
 @parallel_kernel
@@ -58,27 +64,33 @@ def max_magnitude(taus, out):
         out[i] = best
 
 
+@kernel
+def ties_entry(taus, cuts, i):
+    """TIES' trim, sign election and disjoint mean of entry i: with trimmed tau_t = tau_t where |tau_t| >= cuts[t]
+    (else 0), gamma = sgn(sum_t trimmed tau_t); gamma * (sum of the |trimmed tau_t| whose sign is gamma) / their
+    count (0 where none)."""
+    total = F0
+    for t in range(len(taus)):
+        value = taus[t][i]
+        if abs(value) >= cuts[t]:
+            total += value
+    elected = F1 if total > F0 else (-F1 if total < F0 else F0)
+    agreeing = F0
+    count = F0
+    for t in range(len(taus)):
+        value = taus[t][i]
+        aligned = value * elected
+        if abs(value) >= cuts[t] and aligned > F0:
+            agreeing += aligned
+            count += F1
+    return agreeing * elected / max(count, F1)
+
+
 @parallel_kernel
 def disjoint_mean(taus, cuts, out):
-    """TIES' trim, sign election and disjoint mean: with trimmed tau_t = tau_t where |tau_t| >= cuts[t] (else 0),
-    gamma = sgn(sum_t trimmed tau_t), out = gamma * (sum of the |trimmed tau_t| whose sign is gamma) / their
-    count (0 where none)."""
+    """out = ties_entry of every entry."""
     for i in prange(out.size):
-        total = F0
-        for t in range(len(taus)):
-            value = taus[t][i]
-            if abs(value) >= cuts[t]:
-                total += value
-        elected = F1 if total > F0 else (-F1 if total < F0 else F0)
-        agreeing = F0
-        count = F0
-        for t in range(len(taus)):
-            value = taus[t][i]
-            aligned = value * elected
-            if abs(value) >= cuts[t] and aligned > F0:
-                agreeing += aligned
-                count += F1
-        out[i] = agreeing * elected / max(count, F1)
+        out[i] = ties_entry(taus, cuts, i)
 
 
 @parallel_kernel
@@ -90,15 +102,29 @@ def tall_masks(taus, mtl, lambdas, masks):
             mask[i] = abs(tau[i]) >= abs(mtl[i] - tau[i]) * lam
 
 
+@kernel
+def consensus_entry(taus, mtl, lambdas, min_tasks, i):
+    """Entry i of the consensus vector: mtl (tau_MTL's entry i) where at least min_tasks TALL masks
+    |tau_t| >= lambdas[t] |mtl - tau_t| hold, else 0 * mtl."""
+    votes = 0
+    for t in range(len(taus)):
+        value = taus[t][i]
+        votes += abs(value) >= abs(mtl - value) * lambdas[t]
+    return mtl if votes >= min_tasks else mtl * F0
+
+
 @parallel_kernel
-def consensus(taus, mtl, lambdas, min_tasks, out):
-    """out = mtl where at least min_tasks TALL masks hold, else 0 * mtl."""
+def consensus_of_sum(taus, lambdas, min_tasks, out):
+    """Consensus TA: consensus_entry with tau_MTL = the task sum, computed on the fly (one pass, no tau_MTL array)."""
     for i in prange(out.size):
-        votes = 0
-        for t in range(len(taus)):
-            value = taus[t][i]
-            votes += abs(value) >= abs(mtl[i] - value) * lambdas[t]
-        out[i] = mtl[i] if votes >= min_tasks else mtl[i] * F0
+        out[i] = consensus_entry(taus, task_total(taus, i), lambdas, min_tasks, i)
+
+
+@parallel_kernel
+def consensus_of_ties(taus, cuts, lambdas, min_tasks, out):
+    """Consensus TIES: consensus_entry with tau_MTL = ties_entry, computed on the fly."""
+    for i in prange(out.size):
+        out[i] = consensus_entry(taus, ties_entry(taus, cuts, i), lambdas, min_tasks, i)
 
 
 @parallel_kernel

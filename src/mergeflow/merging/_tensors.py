@@ -2,13 +2,14 @@
 
 ``map_tensors`` walks the keys of the pretrained state dict and, for each, hands the method theta0's tensor and
 the [T, ...] stack of that tensor across task vectors. ``map_stacked`` does the same for element-wise methods, whose
-compiled kernels take the stack flattened, read into one buffer reused for every key. With lazy (memory-mapped)
-inputs only T + 1 tensors are in memory at a time, plus the growing output.
+compiled kernels take the stack flattened, read into one buffer reused for every key. With lazy inputs
+(io.LazyStateDict) only T + 1 tensors are in memory at a time, plus the growing output.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -88,16 +89,35 @@ def map_stacked(
 
 
 def kernel_vector(kernel: Callable[..., Any], taus: tuple[np.ndarray, ...], *args: Any) -> torch.Tensor:
-    """kernel(taus, *args, out) into a fresh flat float32 vector of taus' size."""
-    out = np.empty(taus[0].size, np.float32)
-    kernel(taus, *args, out)
-    return torch.from_numpy(out)
+    """kernel(taus, *args, out) into a fresh flat float32 vector of taus' size.
+
+    Allocated by torch, not numpy: numpy asks for huge pages for arrays over 4 MB, whose first-touch faults took
+    the merge kernels 0.39 s against 0.27 s (a TIES merge of 8 ViT-B/32 task vectors, 3 runs each)."""
+    out = torch.empty(taus[0].size)
+    kernel(taus, *args, out.numpy())
+    return out
 
 
 def plus_scaled(theta0: torch.Tensor, scale: float, vector: torch.Tensor) -> torch.Tensor:
     """theta0 + scale * vector (float32, flat), in place in ``vector``: one pass, no temporaries."""
     add_scaled(theta0.numpy(), np.float32(scale), vector.numpy())
     return vector
+
+
+_scratch = threading.local()
+
+
+def magnitudes_of(values: np.ndarray) -> np.ndarray:
+    """|values|, flat float32, in this thread's scratch buffer (reused: overwritten by the thread's next call).
+
+    A fresh array per task and tensor would cost page faults on every call: 0.62 against 0.84 ns an entry for
+    the cuts of 8 ViT-B-sized tensors on 2 threads.
+    """
+    size = values.size
+    buffer = getattr(_scratch, "magnitudes", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.magnitudes = torch.empty(size).numpy()
+    return np.abs(values.reshape(-1), out=buffer[:size])
 
 
 def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from mergeflow.merging import register
 from mergeflow.merging._kernels import banded_sum
-from mergeflow.merging._tensors import kernel_vector, map_stacked, partition_magnitudes, plus_scaled
+from mergeflow.merging._tensors import kernel_vector, magnitudes_of, map_stacked, partition_magnitudes, plus_scaled
 
 
 def check_args(gamma: float, beta: float, scope: str) -> None:
@@ -49,7 +49,7 @@ def rank_cuts(mags: np.ndarray, gamma: float, beta: float) -> tuple[np.ndarray, 
 
 def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str) -> tuple[np.ndarray, np.ndarray]:
     """One task's rank_cuts of a tensor: one per row of its last dim, or one for the whole tensor."""
-    mags = np.abs(tau)
+    mags = magnitudes_of(tau)
     return rank_cuts(mags.reshape(1, -1) if scope == "tensor" or tau.ndim <= 1 else mags.reshape(-1, tau.shape[-1]), gamma, beta)
 
 

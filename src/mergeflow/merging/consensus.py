@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._kernels import consensus as consensus_kernel, tall_masks, task_sum
+from mergeflow.merging._kernels import consensus_of_sum, consensus_of_ties, tall_masks, task_sum
 from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
 from mergeflow.merging.ties import check_ties_args, ties_vector, trim_cuts
 
@@ -52,8 +52,9 @@ def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha,
     lambdas = lambdas_of(tall_lambda, list(task_vectors))
 
     def merge(theta0, taus, cuts):
-        mtl = mtl_vector(taus, base, cuts)
-        return plus_scaled(theta0, alpha, kernel_vector(consensus_kernel, taus, mtl.numpy(), lambdas, min_tasks))
+        # tau_MTL entry by entry inside the kernel: one pass over the taus, no tau_MTL array
+        vector = kernel_vector(consensus_of_sum, taus, lambdas, min_tasks) if base == "ta" else kernel_vector(consensus_of_ties, taus, np.array(cuts, np.float32), lambdas, min_tasks)
+        return plus_scaled(theta0, alpha, vector)
 
     return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 

@@ -20,7 +20,7 @@ import torch
 from mergeflow.io import tensor_specs
 from mergeflow.merging import register
 from mergeflow.merging._kernels import disjoint_mean
-from mergeflow.merging._tensors import kernel_vector, map_stacked, partition_magnitudes, plus_scaled, read_stack
+from mergeflow.merging._tensors import kernel_vector, magnitudes_of, map_stacked, partition_magnitudes, plus_scaled, read_stack
 
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 
@@ -34,8 +34,8 @@ def cut_in_place(mags: np.ndarray, k: float) -> np.float32:
 
 
 def magnitude_cut(values: np.ndarray, k: float) -> np.float32:
-    """cut_in_place of |values| (values unchanged)."""
-    return cut_in_place(np.abs(values.reshape(-1)), k)
+    """cut_in_place of |values| (values unchanged; the magnitudes go to the thread's scratch buffer)."""
+    return cut_in_place(magnitudes_of(values), k)
 
 
 def topk_threshold(magnitudes: torch.Tensor, k: float) -> torch.Tensor:
