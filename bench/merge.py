@@ -58,6 +58,8 @@ def make_inputs(directory: Path, tasks: int, model: str, seed: int) -> None:
 
 
 def worker(directory: Path, method: str, threads: int) -> dict:
+    # mergeflow first, as in the pipeline's stages: it sets OpenMP's spin count before torch loads
+    import mergeflow  # noqa: F401, I001
     import torch
 
     from mergeflow.io import LazyStateDict
