@@ -118,7 +118,7 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
 
     pread copies out of the page cache without mapping the file into this process, so a merge's resident memory is
     the tensors it holds, not the files it has read; on this project's 2-core VM it also took a third of the CPU
-    time of copying out of a memory map (0.5 against 1.4 CPU-s for 2.6 GB: no page faults, one thread).
+    time of copying out of a memory map (0.5 against 1.3-1.6 CPU-s for 2.6 GB: no page faults, one thread).
     """
 
     def __init__(self, path: str | os.PathLike, *, check: bool = True):
