@@ -7,6 +7,6 @@ __version__ = "0.1.0"
 # OpenMP workers spin after each parallel region before they sleep: libgomp's default is 300,000 spins, milliseconds
 # on this CPU. torch and numba each load their own libgomp, so one runtime's spinning workers take the cores from
 # the other's and from the merges' selection threads. 10,000 spins (read when torch is first imported: set before
-# it) took a TIES merge of 8 ViT-B/32 task vectors from 3.4 to 2.0 CPU-s of user time and left a training step as
-# fast (85 against 87 ms, 3 runs each). A value set by the user wins.
+# it) took a TIES merge of 8 ViT-B/32 task vectors from 3.2-4.5 to 2.0-2.3 CPU-s of user time and left a training
+# step as fast (80-92 against 84-89 ms; 3 runs each). A value set by the user wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")

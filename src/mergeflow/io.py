@@ -127,12 +127,13 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
             raise MergeflowError(f"{self.path}: checkpoint not found")
         self._check = check
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                (n,) = struct.unpack("<Q", f.read(8))
-                if 8 + n > size:
-                    raise ValueError("header runs past the end of the file")
-                header = json.loads(f.read(n))
+            self._fd = os.open(self.path, os.O_RDONLY)  # one descriptor: the header now, each tensor when indexed
+            weakref.finalize(self, os.close, self._fd)
+            size = os.fstat(self._fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            if 8 + n > size:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(os.pread(self._fd, n, 8))
             header.pop("__metadata__", None)
             self._base = 8 + n
             self._entries = {k: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in header.items()}
@@ -140,8 +141,6 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
                 raise ValueError("tensor data runs past the end of the file")
         except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
             raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-        self._fd = os.open(self.path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self._fd)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         dtype, shape, _ = self._entries[key]

@@ -93,23 +93,28 @@ def disjoint_mean(taus, cuts, out):
         out[i] = ties_entry(taus, cuts, i)
 
 
+@kernel
+def tall_holds(value, mtl, lam):
+    """The TALL mask of one entry: |tau_t| >= lambda_t |tau_MTL - tau_t|."""
+    return abs(value) >= abs(mtl - value) * lam
+
+
 @parallel_kernel
 def tall_masks(taus, mtl, lambdas, masks):
-    """TALL masks: masks[t][i] = |tau_t| >= lambdas[t] |mtl - tau_t|."""
+    """TALL masks: masks[t][i] = tall_holds(tau_t[i], mtl[i], lambdas[t])."""
     for t in range(len(taus)):
         tau, mask, lam = taus[t], masks[t], lambdas[t]
         for i in prange(mtl.size):
-            mask[i] = abs(tau[i]) >= abs(mtl[i] - tau[i]) * lam
+            mask[i] = tall_holds(tau[i], mtl[i], lam)
 
 
 @kernel
 def consensus_entry(taus, mtl, lambdas, min_tasks, i):
-    """Entry i of the consensus vector: mtl (tau_MTL's entry i) where at least min_tasks TALL masks
-    |tau_t| >= lambdas[t] |mtl - tau_t| hold, else 0 * mtl."""
+    """Entry i of the consensus vector: mtl (tau_MTL's entry i) where at least min_tasks TALL masks hold, else
+    0 * mtl."""
     votes = 0
     for t in range(len(taus)):
-        value = taus[t][i]
-        votes += abs(value) >= abs(mtl - value) * lambdas[t]
+        votes += tall_holds(taus[t][i], mtl, lambdas[t])
     return mtl if votes >= min_tasks else mtl * F0
 
 
