@@ -275,3 +275,23 @@ def test_element_wise_merges_do_not_depend_on_the_thread_count(name):
         torch.set_num_threads(threads)
         merged[threads] = REGISTRY[name](theta0, tvs)
     assert all(torch.equal(merged[1][k], merged[2][k]) for k in theta0)
+
+
+def test_read_stacks_holds_theta0_then_each_task_per_key_in_one_reused_buffer():
+    from mergeflow.merging._tensors import read_stacks
+
+    theta0 = {"big": torch.arange(6.0).reshape(2, 3), "small": torch.tensor([7.0])}
+    tvs = {t: {k: v + 10 * (i + 1) for k, v in theta0.items()} for i, t in enumerate(["a", "b"])}
+    seen = []
+    for key, stack in read_stacks(theta0, tvs):
+        assert torch.equal(stack, torch.stack([theta0[key].reshape(-1), tvs["a"][key].reshape(-1), tvs["b"][key].reshape(-1)]))
+        seen.append((key, stack.untyped_storage().data_ptr()))
+    assert [k for k, _ in seen] == ["big", "small"] and seen[0][1] == seen[1][1]
+
+
+def test_map_stacked_refuses_a_merge_that_returns_the_reused_buffer():
+    from mergeflow.merging._tensors import map_stacked
+
+    theta0 = {"w": torch.zeros(3)}
+    with pytest.raises(RuntimeError, match="'w'"):
+        map_stacked(theta0, {"a": {"w": torch.ones(3)}}, lambda base, taus, states: base)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +54,27 @@ def read_stack(task_vectors: Sequence[Mapping[str, torch.Tensor]], key: str, out
             row.copy_(tv[key].reshape(-1))
 
 
+def read_stacks(pretrained: Mapping[str, torch.Tensor], task_vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, stack) for every key of theta0: ``stack`` [T + 1, n] float32 holds theta0's and the T task vectors'
+    tensor ``key``, flattened, in one buffer reused for every key (a stack is overwritten by the next).
+
+    theta0 goes to the buffer too, not to a fresh tensor per key: fresh memory costs first-touch page faults,
+    and a merge in a fresh process spent 0.3-0.4 s of its ~1.2 s on them for theta0's 352 MB (ViT-B/32).
+    Overlapping the reads with compute was slower on 2 cores, not faster: starting each task's cuts on the pool
+    as soon as its row was read took TIES per tensor 2.02 -> 2.22 s and Breadcrumbs 2.83 -> 3.15 s (medians of 8
+    merges alternated in one process), and reading the next key ahead on a thread of its own 1.85 -> 2.09 s (5).
+    """
+    sources = [pretrained, *task_vectors.values()]
+    specs = tensor_specs(pretrained)
+    largest = max((math.prod(shape) for shape, _ in specs.values()), default=0)
+    buffer = torch.empty(len(sources) * largest)
+    for key, (shape, _) in specs.items():
+        n = math.prod(shape)
+        stack = buffer[: len(sources) * n].view(len(sources), n)
+        read_stack(sources, key, stack)
+        yield key, stack
+
+
 def map_stacked(
     pretrained: Mapping[str, torch.Tensor],
     task_vectors: Mapping[str, Mapping[str, torch.Tensor]],
@@ -64,36 +85,28 @@ def map_stacked(
 ) -> StateDict:
     """map_tensors for element-wise methods, whose compiled kernels (_kernels) take the [T, n] stack flattened.
 
-    For each key, theta0's and the T task vectors' tensors are read into one reused float32 buffer; ``states[t] =
-    prepare(key, t, tau_t)`` sees task t's tensor in its shape (for per-tensor quantities: thresholds, random
-    masks), on torch.get_num_threads() threads (kernels and numpy release the GIL); then ``fn(theta0 flattened,
-    taus, states)``, taus a tuple of the T flat tensors (numpy views of the buffer), returns the merged tensor,
-    flattened, in memory of its own. The buffer is overwritten by the next key.
-
-    theta0 goes to the buffer too, not to a fresh tensor per key: fresh memory costs first-touch page faults,
-    and a merge in a fresh process spent 0.3-0.4 s of its ~1.2 s on them for theta0's 352 MB (ViT-B/32).
+    For each key, theta0's and the T task vectors' tensors are read into one reused float32 buffer (read_stacks);
+    ``states[t] = prepare(key, t, tau_t)`` sees task t's tensor in its shape (for per-tensor quantities:
+    thresholds, random masks), on torch.get_num_threads() threads (kernels and numpy release the GIL); then
+    ``fn(theta0 flattened, taus, states)``, taus a tuple of the T flat tensors (numpy views of the buffer), returns
+    the merged tensor, flattened, in memory of its own.
     """
-    sources = list(task_vectors.values())
     specs = tensor_specs(pretrained)
-    largest = max((math.prod(shape) for shape, _ in specs.values()), default=0)
-    buffer = torch.empty((len(sources) + 1) * largest)
+    tasks = range(len(task_vectors))
 
-    def merge_key(key: str, pool: ThreadPoolExecutor) -> torch.Tensor:
+    def merge_key(key: str, stack: torch.Tensor, pool: ThreadPoolExecutor) -> torch.Tensor:
         shape, dtype = specs[key]
-        n = math.prod(shape)
-        stacked = buffer[: (len(sources) + 1) * n].view(len(sources) + 1, n)
-        read_stack([pretrained, *sources], key, stacked)
-        theta0, stack = stacked[0], stacked[1:].numpy()
-        states = list(pool.map(lambda t: prepare(key, t, stack[t].reshape(shape)), range(len(sources)))) if prepare else [None] * len(sources)
-        merged = fn(theta0, tuple(stack), states)
-        if merged.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+        taus = stack[1:].numpy()
+        states = list(pool.map(lambda t: prepare(key, t, taus[t].reshape(shape)), tasks)) if prepare else [None] * len(tasks)
+        merged = fn(stack[0], tuple(taus), states)
+        if merged.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr():
             raise RuntimeError(f"map_stacked: the merge of '{key}' returned a view of the reused buffer (theta0 or a tau)")
         merged = merged.reshape(shape)
         return merged.to(dtype) if cast else merged
 
     numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # for the parallel kernels
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        return {key: merge_key(key, pool) for key in pretrained}
+        return {key: merge_key(key, stack, pool) for key, stack in read_stacks(pretrained, task_vectors)}
 
 
 def kernel_vector(kernel: Callable[..., Any], taus: tuple[np.ndarray, ...], *args: Any) -> torch.Tensor:
