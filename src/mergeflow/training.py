@@ -166,9 +166,13 @@ class ProbeResult:
 def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int) -> ProbeResult:
     """Multinomial logistic regression (L-BFGS) on standardised features; C chosen on validation.
 
-    The standardisation is folded into the returned head, so it reads raw backbone features.
+    The standardisation is folded into the returned head, so it reads raw backbone features. The fits run with
+    one BLAS thread: their products (n x d by d x classes, here 3000 x 128 by 128 x 10) are too small to share, and
+    on the 2-core machine a real task's probe took 4.3-5.6 s with OpenBLAS's default threads against 0.4-0.7 s with
+    one. One thread also makes the L-BFGS path, and so the head, independent of the core count.
     """
     from sklearn.linear_model import LogisticRegression  # imported here: it costs every other stage a second
+    from threadpoolctl import threadpool_limits
 
     mu = train_x.mean(0)
     sd = train_x.std(0) + 1e-6
@@ -177,7 +181,8 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
     curve = {}
     for c in cfg.c_grid:
         clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=seed)
-        clf.fit(xs, train_y.numpy())
+        with threadpool_limits(limits=1, user_api="blas"):
+            clf.fit(xs, train_y.numpy())
         acc = float((clf.predict(vs) == val_y.numpy()).mean())
         curve[str(c)] = acc
         if best is None or acc > best[0]:
