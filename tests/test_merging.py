@@ -252,6 +252,25 @@ def test_search_picks_the_best_validation_point_and_per_task_choices():
     assert "tall_lambda" not in best["hyperparameters"]
 
 
+@pytest.mark.parametrize("name", ["consensus_ta", "consensus_ties", "tall_ties"])
+def test_per_task_choice_merges_the_shared_vector_once(name, monkeypatch):
+    """T tasks x 5 lambda_t values are judged on models built from one merge of tau_MTL, not 5T merges."""
+    import mergeflow.merging.consensus as consensus
+    import mergeflow.merging.tall_ties as tall_ties
+    from mergeflow.evaluation import choose_per_task
+
+    merges = []
+    for module in (consensus, tall_ties):
+        real = module.map_stacked
+        monkeypatch.setattr(module, "map_stacked", lambda *a, _real=real, **k: merges.append(1) or _real(*a, **k))
+    theta0, tvs = _random_models()
+    method = REGISTRY[name]
+    fixed, _ = method.search_space({})
+    chosen, curves = choose_per_task(method, {}, fixed, theta0, tvs, FakeEvaluator({t: 0.0 for t in tvs}))
+    assert len(merges) == 1
+    assert set(chosen["tall_lambda"]) == set(tvs) and all(len(c) == 5 for c in curves["tall_lambda"].values())
+
+
 @pytest.mark.parametrize("n, k", [(1, 0.5), (10, 0.3), (1000, 0.2), (100_000, 0.01), (100_000, 0.999)])
 def test_radix_topk_threshold_matches_sorting(n, k):
     from mergeflow.merging.ties import topk_threshold

@@ -79,6 +79,23 @@ def test_consensus_ta_keeps_only_weights_two_tasks_rely_on():
     assert close(per_task["w"], merged["w"])
 
 
+def test_tall_per_task_models_mask_one_task_at_each_lambda():
+    # the models lambda_t is chosen on: theta0 + alpha (m_t * tau_MTL), m_t = |tau_t| >= lambda_t |tau_MTL - tau_t|.
+    # tau_MTL = [2.1, 1]; for c = [0.1, 1]: |tau_MTL - tau_c| = [2, 0], so m_c = [F, T] at lambda 0.5 and [T, T] at
+    # 0.05 (0.1 >= 0.05 x 2). TIES' vector (k = 1: the disjoint mean) is [0.7, 1]
+    theta0 = {"w": T([1.0, -1.0])}
+    tvs = {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([1.0, 0.0])}, "c": {"w": T([0.1, 1.0])}}
+    model_of = REGISTRY["consensus_ta"].task_models(theta0, tvs, tall_lambda=0.4, min_tasks=2, alpha=0.5)
+    assert close(model_of("c", {"tall_lambda": 0.5})["w"], T([1.0, -0.5]))
+    assert close(model_of("c", {"tall_lambda": 0.05})["w"], T([2.05, -0.5]))
+    assert close(model_of("a", {"tall_lambda": 0.5})["w"], T([2.05, -1.0]))  # |tau_MTL - tau_a| = [1.1, 1]: m_a = [T, F]
+    ties_of = REGISTRY["tall_ties"].task_models(theta0, tvs, tall_lambda=0.4, ties_k=1.0, trim_scope="tensor", lam=2.0)
+    store = REGISTRY["tall_ties"](theta0, tvs, tall_lambda=0.5, ties_k=1.0, trim_scope="tensor", lam=2.0)
+    for task in tvs:  # the same model as the stored one with lambda_t = 0.5 for every task
+        assert close(ties_of(task, {"tall_lambda": 0.5})["w"], REGISTRY["tall_ties"].reconstruct(store, theta0, task)["w"])
+    assert close(ties_of("c", {"tall_lambda": 0.5})["w"], T([1.0, 1.0]))
+
+
 def test_emr_reproduces_the_sign_mask_and_scale_rules():
     # sum = [3, 2, 0] elects [+, +, 0]; tau_uni = [2, 3, 0]; M_a = [1, 0, 0], M_b = [1, 1, 0];
     # lambda_a = 3.5 / 2 = 1.75, lambda_b = 4.5 / 5 = 0.9

@@ -84,11 +84,15 @@ def _candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretrained, 
 def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: MultiTaskEvaluator):
     """Per-task hyperparameters (e.g. TALL masks' lambda_t), each chosen on that task's own validation split."""
     chosen, curves = {}, {}
-    for key, values in method.per_task_space(overrides).items():
+    space = method.per_task_space(overrides)
+    if not space:
+        return chosen, curves
+    # hyperparameters still to be searched sit at their defaults here (e.g. consensus' alpha0)
+    model_of = method.task_models(pretrained, task_vectors, **{**method.defaults, **fixed})
+    for key, values in space.items():
         chosen[key], curves[key] = {}, {}
         for task in task_vectors:
-            # hyperparameters still to be searched sit at their defaults here (e.g. consensus' alpha0)
-            accs = [evaluate.task(task, method.task_model(pretrained, task_vectors, task, **{**method.defaults, **fixed, key: v})) for v in values]
+            accs = [evaluate.task(task, model_of(task, {key: v})) for v in values]
             curves[key][task] = dict(zip(map(str, values), accs))
             chosen[key][task] = values[max(range(len(values)), key=accs.__getitem__)]
     return chosen, curves

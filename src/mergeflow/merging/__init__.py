@@ -9,8 +9,9 @@ Kinds of method:
 - ``per_task``: it returns a shared store (a flat state dict) from which ``reconstruct(store, pretrained, task)``
   rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
-Hyperparameters in ``per_task_grid`` are chosen separately for each task on its own validation split, with
-``task_model(pretrained, task_vectors, task, **hyperparameters)`` giving the model that choice is made on.
+Hyperparameters in ``per_task_grid`` are chosen separately for each task on its own validation split, on the
+models that ``task_models(pretrained, task_vectors, **hyperparameters)`` gives: it merges what every choice
+shares once, and returns ``(task, {name: value}) -> that task's model``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class MergeMethod:
     kind: str = "model"  # "model" | "per_task" | "negation"
     reconstruct: Callable[..., StateDict] | None = None  # per_task: (store, pretrained, task) -> that task's model
     per_task_grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # chosen per task, on that task's val
-    task_model: MergeFn | None = None  # (pretrained, task_vectors, task, **hp) -> the model a per-task choice is made on
+    # (pretrained, task_vectors, **hp) -> ((task, per-task hp) -> the model a per-task choice is made on)
+    task_models: Callable[..., Callable[[str, Mapping[str, Any]], StateDict]] | None = None
 
     def __call__(self, pretrained: StateDict, task_vectors: Mapping[str, StateDict], **hyperparameters) -> StateDict:
         return self.fn(pretrained, task_vectors, **{**self.defaults, **hyperparameters})
@@ -101,7 +103,7 @@ def register(
     kind: str = "model",
     reconstruct: Callable[..., StateDict] | None = None,
     per_task_grid: Mapping[str, Sequence[Any]] | None = None,
-    task_model: MergeFn | None = None,
+    task_models: Callable[..., Callable[[str, Mapping[str, Any]], StateDict]] | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
@@ -110,9 +112,9 @@ def register(
             raise RuntimeError(f"merge method '{name}': coefficient '{coefficient}' is not a hyperparameter")
         if (kind == "per_task") != (reconstruct is not None) or kind not in ("model", "per_task", "negation"):
             raise RuntimeError(f"merge method '{name}': a per_task method, and only one, needs reconstruct")
-        if bool(per_task_grid) != (task_model is not None) or not set(per_task_grid or {}) <= set(defaults or {}):
-            raise RuntimeError(f"merge method '{name}': per_task_grid needs task_model, and names hyperparameters")
-        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), task_model)
+        if bool(per_task_grid) != (task_models is not None) or not set(per_task_grid or {}) <= set(defaults or {}):
+            raise RuntimeError(f"merge method '{name}': per_task_grid needs task_models, and names hyperparameters")
+        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), task_models)
         return fn
 
     return wrap

@@ -59,20 +59,30 @@ def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha,
     return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
 
-def _tall_task_model(base: str):
-    """theta0 + alpha (m_t * tau_MTL): the per-task model lambda_t is chosen on."""
+def tall_task_models(pretrained, task_vectors, shared, scale: float):
+    """(task, {"tall_lambda": lambda_t}) -> theta0 + scale (m_t * shared), m_t = 1{|tau_t| >= lambda_t |shared - tau_t|}:
+    the per-task models lambda_t is chosen on. ``shared`` (tau_MTL, or TIES' vector for TALL + TIES) is merged once
+    for the whole search, so each of the T x |grid| models costs one element-wise pass, not a merge."""
 
-    def task_model(pretrained, task_vectors, task, *, tall_lambda, alpha, ties_k=0.2, trim_scope="global", **_):
-        i = list(task_vectors).index(task)
-        lambdas = np.full(1, float(tall_lambda), np.float32)
+    def model_of(task, per_task):
+        lambdas = np.full(1, float(per_task["tall_lambda"]), np.float32)
+        model = {}
+        for key, p in pretrained.items():
+            vector = shared[key]
+            tau = task_vectors[task][key].float().reshape(-1).numpy()
+            mask = torch.from_numpy(task_masks((tau,), vector.reshape(-1), lambdas)[0]).reshape(p.shape)
+            model[key] = (p.float() + scale * mask * vector).to(p.dtype)
+        return model
 
-        def merge(theta0, taus, cuts):
-            mtl = mtl_vector(taus, base, cuts)
-            return theta0 + alpha * torch.from_numpy(task_masks(taus[i : i + 1], mtl, lambdas)[0]) * mtl
+    return model_of
 
-        return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
-    return task_model
+def _tall_task_models(base: str):
+    def task_models(pretrained, task_vectors, *, alpha, ties_k=0.2, trim_scope="global", **_):
+        mtl = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: mtl_vector(taus, base, cuts), prepare=_prepare(task_vectors, base, ties_k, trim_scope), cast=False)
+        return tall_task_models(pretrained, task_vectors, mtl, alpha)
+
+    return task_models
 
 
 @register(
@@ -82,7 +92,7 @@ def _tall_task_model(base: str):
     grid={"alpha": ALPHA_GRID},
     coefficient="alpha",
     per_task_grid={"tall_lambda": TALL_GRID},
-    task_model=_tall_task_model("ta"),
+    task_models=_tall_task_models("ta"),
 )
 def consensus_ta(pretrained, task_vectors, *, tall_lambda, min_tasks, alpha):
     return _consensus(pretrained, task_vectors, base="ta", tall_lambda=tall_lambda, min_tasks=min_tasks, alpha=alpha)
@@ -95,7 +105,7 @@ def consensus_ta(pretrained, task_vectors, *, tall_lambda, min_tasks, alpha):
     grid={"alpha": ALPHA_GRID + [1.2, 1.5, 2.0]},
     coefficient="alpha",
     per_task_grid={"tall_lambda": TALL_GRID},
-    task_model=_tall_task_model("ties"),
+    task_models=_tall_task_models("ties"),
 )
 def consensus_ties(pretrained, task_vectors, *, tall_lambda, min_tasks, ties_k, trim_scope, alpha):
     check_ties_args(ties_k, trim_scope, "merge.consensus_ties")

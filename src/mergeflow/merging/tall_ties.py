@@ -10,7 +10,7 @@ import torch
 
 from mergeflow.merging import register
 from mergeflow.merging._tensors import map_stacked
-from mergeflow.merging.consensus import TALL_GRID, lambdas_of, task_masks
+from mergeflow.merging.consensus import TALL_GRID, lambdas_of, tall_task_models, task_masks
 from mergeflow.merging.ties import check_ties_args, ties_vector, trim_cuts
 
 
@@ -33,10 +33,9 @@ def reconstruct(store, pretrained, task):
     return {k: (p.float() + store["lam"] * store[f"mask/{task}/{k}"] * store[f"shared/{k}"]).to(p.dtype) for k, p in pretrained.items()}
 
 
-def task_model(pretrained, task_vectors, task, *, tall_lambda, ties_k, trim_scope, lam):
-    store = _ties_and_masks(pretrained, task_vectors, {t: tall_lambda for t in task_vectors}, ties_k, trim_scope)
-    store["lam"] = torch.tensor(float(lam))
-    return reconstruct(store, pretrained, task)
+def task_models(pretrained, task_vectors, *, ties_k, trim_scope, lam, **_):
+    shared = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: ties_vector(taus, cuts), prepare=trim_cuts(task_vectors, ties_k, trim_scope), cast=False)
+    return tall_task_models(pretrained, task_vectors, shared, lam)
 
 
 @register(
@@ -46,7 +45,7 @@ def task_model(pretrained, task_vectors, task, *, tall_lambda, ties_k, trim_scop
     kind="per_task",
     reconstruct=reconstruct,
     per_task_grid={"tall_lambda": TALL_GRID},
-    task_model=task_model,
+    task_models=task_models,
 )
 def tall_ties(pretrained, task_vectors, *, tall_lambda, ties_k, trim_scope, lam):
     check_ties_args(ties_k, trim_scope, "merge.tall_ties")
