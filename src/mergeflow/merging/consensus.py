@@ -59,16 +59,17 @@ def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha,
     return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope))
 
 
-def tall_task_models(pretrained, task_vectors, shared, scale: float):
-    """(task, {"tall_lambda": lambda_t}) -> theta0 + scale (m_t * shared), m_t = 1{|tau_t| >= lambda_t |shared - tau_t|}:
-    the per-task models lambda_t is chosen on. ``shared`` (tau_MTL, or TIES' vector for TALL + TIES) is merged once
-    for the whole search, so each of the T x |grid| models costs one element-wise pass, not a merge."""
+def tall_task_models(pretrained, task_vectors, *, base: str, scale: float, ties_k: float, trim_scope: str):
+    """(task, {"tall_lambda": lambda_t}) -> theta0 + scale (m_t * tau_MTL), m_t = 1{|tau_t| >= lambda_t |tau_MTL - tau_t|}:
+    the per-task models lambda_t is chosen on. tau_MTL (the sum, or TIES' vector) is merged once here for the whole
+    search, so each of the T x |grid| models costs one element-wise pass, not a merge."""
+    mtl = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: mtl_vector(taus, base, cuts), prepare=_prepare(task_vectors, base, ties_k, trim_scope), cast=False)
 
     def model_of(task, per_task):
         lambdas = np.full(1, float(per_task["tall_lambda"]), np.float32)
         model = {}
         for key, p in pretrained.items():
-            vector = shared[key]
+            vector = mtl[key]
             tau = task_vectors[task][key].float().reshape(-1).numpy()
             mask = torch.from_numpy(task_masks((tau,), vector.reshape(-1), lambdas)[0]).reshape(p.shape)
             model[key] = (p.float() + scale * mask * vector).to(p.dtype)
@@ -79,8 +80,7 @@ def tall_task_models(pretrained, task_vectors, shared, scale: float):
 
 def _tall_task_models(base: str):
     def task_models(pretrained, task_vectors, *, alpha, ties_k=0.2, trim_scope="global", **_):
-        mtl = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: mtl_vector(taus, base, cuts), prepare=_prepare(task_vectors, base, ties_k, trim_scope), cast=False)
-        return tall_task_models(pretrained, task_vectors, mtl, alpha)
+        return tall_task_models(pretrained, task_vectors, base=base, scale=alpha, ties_k=ties_k, trim_scope=trim_scope)
 
     return task_models
 

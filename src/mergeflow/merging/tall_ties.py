@@ -34,8 +34,7 @@ def reconstruct(store, pretrained, task):
 
 
 def task_models(pretrained, task_vectors, *, ties_k, trim_scope, lam, **_):
-    shared = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: ties_vector(taus, cuts), prepare=trim_cuts(task_vectors, ties_k, trim_scope), cast=False)
-    return tall_task_models(pretrained, task_vectors, shared, lam)
+    return tall_task_models(pretrained, task_vectors, base="ties", scale=lam, ties_k=ties_k, trim_scope=trim_scope)
 
 
 @register(
