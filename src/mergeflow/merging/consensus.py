@@ -11,6 +11,7 @@ per-task models used to choose lambda_t, is the method's default alpha.
 """
 
 from collections.abc import Mapping
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -65,13 +66,17 @@ def tall_task_models(pretrained, task_vectors, *, base: str, scale: float, ties_
     search, so each of the T x |grid| models costs one element-wise pass, not a merge."""
     mtl = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: mtl_vector(taus, base, cuts), prepare=_prepare(task_vectors, base, ties_k, trim_scope), cast=False)
 
+    @lru_cache(maxsize=1)  # the search asks for one task's models in a row: its vector is read once, not per lambda_t
+    def flat_vector(task):
+        return {key: task_vectors[task][key].float().reshape(-1).numpy() for key in pretrained}
+
     def model_of(task, per_task):
         lambdas = np.full(1, float(per_task["tall_lambda"]), np.float32)
+        tau_t = flat_vector(task)
         model = {}
         for key, p in pretrained.items():
             vector = mtl[key]
-            tau = task_vectors[task][key].float().reshape(-1).numpy()
-            mask = torch.from_numpy(task_masks((tau,), vector.reshape(-1), lambdas)[0]).reshape(p.shape)
+            mask = torch.from_numpy(task_masks((tau_t[key],), vector.reshape(-1), lambdas)[0]).reshape(p.shape)
             model[key] = (p.float() + scale * mask * vector).to(p.dtype)
         return model
 
