@@ -29,14 +29,14 @@ def test_weight_averaging_by_hand():
 
 
 def test_ties_per_tensor_by_hand():
-    # k = 0.4 keeps the 2 largest of 5 entries per task:
+    # k = 0.4 keeps floor(0.4 x 5) = 2 largest of 5 entries per task (rounding 'floor'):
     #   trimmed a = [3, 0, 0, -4, 0], trimmed b = [-2, 2, 0, 0, 0]; total mass [1, 2, 0, -4, 0] elects [+, +, 0, -, 0];
     #   disjoint mean of agreeing entries = [3, 2, 0, -4, 0]
     theta0 = {"w": T([10.0, 10.0, 10.0, 10.0, 10.0])}
     tvs = {"a": {"w": T([3.0, -1.0, 0.5, -4.0, 2.0])}, "b": {"w": T([-2.0, 2.0, 1.0, -1.0, 0.2])}}
-    merged = REGISTRY["ties"](theta0, tvs, k=0.4, trim_scope="tensor", lam=1.0)
+    merged = REGISTRY["ties"](theta0, tvs, k=0.4, trim_scope="tensor", rounding="floor", lam=1.0)
     assert close(merged["w"], T([13.0, 12.0, 10.0, 6.0, 10.0]))
-    merged = REGISTRY["ties"](theta0, tvs, k=0.4, trim_scope="tensor", lam=0.5)
+    merged = REGISTRY["ties"](theta0, tvs, k=0.4, trim_scope="tensor", rounding="floor", lam=0.5)
     assert close(merged["w"], T([11.5, 11.0, 10.0, 8.0, 10.0]))
 
 
@@ -48,11 +48,11 @@ def test_ties_disjoint_mean_averages_only_agreeing_entries():
 
 
 def test_ties_global_trim_differs_from_per_tensor():
-    # one task, k = 0.5 of 4 entries: globally the two largest are both in 'a'; per tensor each keeps its largest
+    # one task, k = 0.5 of 4 entries (floor: 2): globally the two largest are both in 'a'; per tensor each keeps its largest
     theta0 = {"a": torch.zeros(2), "b": torch.zeros(2)}
     tvs = {"t": {"a": T([10.0, 9.0]), "b": T([1.0, 2.0])}}
-    glob = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="global", lam=1.0)
-    per = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="tensor", lam=1.0)
+    glob = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="global", rounding="floor", lam=1.0)
+    per = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="tensor", rounding="floor", lam=1.0)
     assert close(glob["a"], T([10.0, 9.0])) and close(glob["b"], T([0.0, 0.0]))
     assert close(per["a"], T([10.0, 0.0])) and close(per["b"], T([0.0, 2.0]))
 
@@ -168,7 +168,7 @@ def _params(merge: dict) -> dict:
 
 
 def test_unknown_hyperparameter_is_one_line_naming_the_key():
-    with pytest.raises(MergeflowError, match=r"merge\.ties\.kk: unknown hyperparameter \(allowed: k, trim_scope, lam\)"):
+    with pytest.raises(MergeflowError, match=r"merge\.ties\.kk: unknown hyperparameter \(allowed: k, trim_scope, rounding, lam\)"):
         parse_params(_params({"methods": ["ties"], "ties": {"kk": 0.1}}))
 
 
@@ -280,7 +280,7 @@ def test_radix_topk_threshold_matches_sorting(n, k):
     mags[: n // 3] = mags[0]  # ties across bucket boundaries
     n_keep = max(1, int(round(k * n)))
     expected = mags.sort(descending=True).values[min(n_keep, n) - 1]
-    assert topk_threshold(mags, k) == expected
+    assert topk_threshold(mags, k, "round") == expected
 
 
 @pytest.mark.parametrize("name", ["task_arithmetic", "ties", "dare_ties", "breadcrumbs", "magmax", "consensus_ties"])

@@ -9,6 +9,11 @@ Kinds of method:
 - ``per_task``: it returns a shared store (a flat state dict) from which ``reconstruct(store, pretrained, task)``
   rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
+Every hyperparameter declares its allowed values in ``ranges`` (a ``Range`` of numbers or a ``Choice`` of names),
+checked on every value of a grid when params.yaml is loaded (``validate_overrides``) and on every call through the
+registry (``REGISTRY[name](...)``, ``task_models``), so a bad value fails before any merge with
+``merge.<method>.<key>: expected ..., got ...``; ``joint`` checks a rule that ties several hyperparameters together
+(Breadcrumbs' gamma + beta <= 1).
 Hyperparameters in ``per_task_grid`` are chosen separately for each task on its own validation split, on the
 models that ``task_models(pretrained, task_vectors, **hyperparameters)`` gives: it merges what every choice
 shares once, and returns ``(task, {name: value}) -> that task's model``.
@@ -16,8 +21,10 @@ shares once, and returns ``(task, {name: value}) -> that task's model``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
+import math
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +33,53 @@ from typing import Any
 from mergeflow.io import StateDict
 
 MergeFn = Callable[..., StateDict]
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a hyperparameter accepts: ``low``/``high`` None is unbounded, ``*_open`` excludes that end."""
+
+    what: str  # what the number is, for the message: "a fraction", "a drop probability"
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def admits(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"{self.what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{self.what} {'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{self.what} {'<' if self.high_open else '<='} {self.high:g}"
+        return self.what
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The names a hyperparameter accepts."""
+
+    options: tuple[str, ...]
+
+    def admits(self, value: Any) -> bool:
+        return value in self.options
+
+    def __str__(self) -> str:
+        return "one of " + ", ".join(map(repr, self.options))
+
+
+Constraint = Range | Choice
+ANY_NUMBER = Range("a number")  # a coefficient: any finite real (the search merges at 0 and 1 to interpolate)
+FRACTION = Range("a fraction", 0, 1)  # [0, 1]
+POSITIVE_FRACTION = Range("a fraction", 0, 1, low_open=True)  # (0, 1]
+SEED = Range("a seed", 0)
 
 
 @dataclass(frozen=True)
@@ -43,9 +97,27 @@ class MergeMethod:
     per_task_grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # chosen per task, on that task's val
     # (pretrained, task_vectors, **hp) -> ((task, per-task hp) -> the model a per-task choice is made on)
     task_models: Callable[..., Callable[[str, Mapping[str, Any]], StateDict]] | None = None
+    ranges: Mapping[str, Constraint] = field(default_factory=dict)  # every hyperparameter's allowed values
+    # a rule across hyperparameters: (all hyperparameters) -> what is wrong with them, or None
+    joint: Callable[[Mapping[str, Any]], str | None] | None = None
 
     def __call__(self, pretrained: StateDict, task_vectors: Mapping[str, StateDict], **hyperparameters) -> StateDict:
-        return self.fn(pretrained, task_vectors, **{**self.defaults, **hyperparameters})
+        hyperparameters = {**self.defaults, **hyperparameters}
+        self.check(hyperparameters)
+        return self.fn(pretrained, task_vectors, **hyperparameters)
+
+    def check(self, hyperparameters: Mapping[str, Any], where: str | None = None, *, joint: bool = True) -> None:
+        """ValueError naming the key (``where.key``) for a value outside its range, or (``joint``: ``hyperparameters``
+        holds them all) the joint rule broken. A per-task value (a mapping task -> value) is checked value by value."""
+        where = where or f"merge.{self.name}"
+        for key, value in hyperparameters.items():
+            constraint = self.ranges.get(key)
+            for v in value.values() if isinstance(value, Mapping) else [value]:
+                if constraint is not None and not constraint.admits(v):
+                    raise ValueError(f"{where}.{key}: expected {constraint}, got {v!r}")
+        problem = self.joint(hyperparameters) if joint and self.joint else None
+        if problem:
+            raise ValueError(f"{where}: {problem}")
 
     def search_space(self, overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         """(fixed hyperparameters, grid) after ``overrides``: a list value is a grid, a scalar fixes the value."""
@@ -83,7 +155,9 @@ class MergeMethod:
     def describe(self) -> str:
         def one(k, v):
             grid = self.grid.get(k) or self.per_task_grid.get(k)
-            return f"{k}={v!r}" + (f" {'per-task ' if k in self.per_task_grid else ''}grid={list(grid)}" if grid else "")
+            allowed = self.ranges.get(k)
+            shown = f" ({allowed})" if allowed is not None and allowed != ANY_NUMBER else ""
+            return f"{k}={v!r}{shown}" + (f" {'per-task ' if k in self.per_task_grid else ''}grid={list(grid)}" if grid else "")
 
         hp = ", ".join(one(k, v) for k, v in self.defaults.items())
         kind = "" if self.kind == "model" else f" ({self.kind})"
@@ -104,6 +178,8 @@ def register(
     reconstruct: Callable[..., StateDict] | None = None,
     per_task_grid: Mapping[str, Sequence[Any]] | None = None,
     task_models: Callable[..., Callable[[str, Mapping[str, Any]], StateDict]] | None = None,
+    ranges: Mapping[str, Constraint] | None = None,
+    joint: Callable[[Mapping[str, Any]], str | None] | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
@@ -114,10 +190,29 @@ def register(
             raise RuntimeError(f"merge method '{name}': a per_task method, and only one, needs reconstruct")
         if bool(per_task_grid) != (task_models is not None) or not set(per_task_grid or {}) <= set(defaults or {}):
             raise RuntimeError(f"merge method '{name}': per_task_grid needs task_models, and names hyperparameters")
-        REGISTRY[name] = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), task_models)
+        if set(ranges or {}) != set(defaults or {}):
+            raise RuntimeError(f"merge method '{name}': ranges must name every hyperparameter, and only those")
+        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint)
+        method.check(method.defaults)  # a default outside its own range is a bug of the method's module
+        REGISTRY[name] = method
         return fn
 
     return wrap
+
+
+def _checked(name: str, task_models: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """task_models called as the method is: its defaults filled in, every value checked against its range."""
+    if task_models is None:
+        return None
+
+    @functools.wraps(task_models)
+    def checked(pretrained, task_vectors, **hyperparameters):
+        method = REGISTRY[name]
+        hyperparameters = {**method.defaults, **hyperparameters}
+        method.check(hyperparameters)
+        return task_models(pretrained, task_vectors, **hyperparameters)
+
+    return checked
 
 
 def _same_type(default: Any, value: Any) -> bool:
@@ -129,7 +224,8 @@ def _same_type(default: Any, value: Any) -> bool:
 
 
 def validate_overrides(method: MergeMethod, overrides: Any, *, where: str) -> None:
-    """Raise ValueError naming the key when an override is unknown or of the wrong type."""
+    """Raise ValueError naming the key when an override is unknown, of the wrong type, or outside its range (every
+    value of a grid), or when a combination the search would merge breaks the method's joint rule."""
     if not isinstance(overrides, Mapping):
         raise ValueError(f"{where}: expected a mapping of hyperparameters")
     for key, value in overrides.items():
@@ -142,6 +238,10 @@ def validate_overrides(method: MergeMethod, overrides: Any, *, where: str) -> No
         for v in values:
             if not _same_type(method.defaults[key], v):
                 raise ValueError(f"{where}.{key}: expected {type(method.defaults[key]).__name__}, got {v!r}")
+            method.check({key: v}, where, joint=False)
+    if method.joint:
+        for candidate in method.candidates(overrides):
+            method.check(candidate, where)
 
 
 def _discover() -> None:

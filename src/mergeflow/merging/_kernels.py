@@ -1,7 +1,11 @@
 """Compiled (numba) kernels of the element-wise methods: one pass over a tensor's T task vectors (``taus``: a
-tuple of T flat float32 arrays, which numba indexes ~3x faster than the rows of a [T, n] array).
+tuple of T flat arrays of one dtype, float32 or float64, which numba indexes ~3x faster than the rows of a [T, n]
+array).
 
-Each kernel walks the entries once and, for each, its T task values in task order, in registers, in float32. A
+Each kernel walks the entries once and, for each, its T task values in task order, in registers, in the taus'
+dtype: numba compiles one version per dtype, and the F0/F1 constants below (0, 1, +-1 and counts: exact in either)
+widen to float64 in the float64 version. Per-task arrays passed beside the taus (cuts, lambdas) and scalars
+(scale, keep_fraction) come in the taus' dtype, so a float32 merge is float32 arithmetic throughout. A
 chain of torch/numpy ops over the stack instead makes a pass over memory per op (session 4's benchmark: 2.7-9.4x
 the time to read the inputs). Sums run in task order (torch's sum over a stack follows an order that depends on the tensor's width),
 so a merge does not depend on how tensors are shaped or split.

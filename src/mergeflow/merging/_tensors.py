@@ -4,6 +4,10 @@
 the [T, ...] stack of that tensor across task vectors. ``map_stacked`` does the same for element-wise methods, whose
 compiled kernels take the stack flattened, read into one buffer reused for every key. With lazy inputs
 (io.LazyStateDict) only T + 1 tensors are in memory at a time, plus the growing output.
+
+Merges compute in their inputs' precision (``compute_dtype``): float64 tensors in float64, every other float
+(float32, bf16, fp16) in float32, then cast back to theta0's dtype. An entry that no task changes is theta0 + 0,
+which is theta0 exactly (a -0.0 entry of theta0 comes back +0.0).
 """
 
 from __future__ import annotations
@@ -23,9 +27,20 @@ from mergeflow.io import StateDict, tensor_specs
 from mergeflow.merging._kernels import add_scaled
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a merge computes a tensor of ``dtype`` in: float64 stays float64; float32, bf16 and fp16 (whose
+    arithmetic would round every step) compute in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def as_compute(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in its compute_dtype (no copy when it already is)."""
+    return tensor.to(compute_dtype(tensor.dtype))
+
+
 def stack(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], key: str) -> torch.Tensor:
-    """[T, *shape] float32 stack of one tensor across tasks."""
-    return torch.stack([tv[key].float() for tv in task_vectors.values()])
+    """[T, *shape] stack of one tensor across tasks, in its compute_dtype."""
+    return torch.stack([as_compute(tv[key]) for tv in task_vectors.values()])
 
 
 def map_tensors(
@@ -35,18 +50,18 @@ def map_tensors(
     *,
     cast: bool = True,
 ) -> StateDict:
-    """{key: fn(key, theta0[key] as float32, stack of tau_t[key])}, one key at a time; cast back to theta0's dtype
-    unless ``cast`` is False (a store of float32 vectors)."""
+    """{key: fn(key, theta0[key], stack of tau_t[key])}, both in the compute_dtype, one key at a time; cast back to
+    theta0's dtype unless ``cast`` is False (a store of vectors in the compute dtype)."""
     out = {}
     for key in pretrained:
         theta0 = pretrained[key]
-        merged = fn(key, theta0.float(), stack(task_vectors, key))
+        merged = fn(key, as_compute(theta0), stack(task_vectors, key))
         out[key] = merged.to(theta0.dtype) if cast else merged
     return out
 
 
 def read_stack(task_vectors: Sequence[Mapping[str, torch.Tensor]], key: str, out: torch.Tensor) -> None:
-    """out[t] = tau_t[key] flattened, as float32: lazy files copy straight from their map into ``out``."""
+    """out[t] = tau_t[key] flattened, in out's dtype: lazy files copy straight from their map into ``out``."""
     for row, tv in zip(out, task_vectors):
         if hasattr(tv, "read_into"):
             tv.read_into(key, row)
@@ -55,8 +70,9 @@ def read_stack(task_vectors: Sequence[Mapping[str, torch.Tensor]], key: str, out
 
 
 def read_stacks(pretrained: Mapping[str, torch.Tensor], task_vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, stack) for every key of theta0: ``stack`` [T + 1, n] float32 holds theta0's and the T task vectors'
-    tensor ``key``, flattened, in one buffer reused for every key (a stack is overwritten by the next).
+    """(key, stack) for every key of theta0: ``stack`` [T + 1, n] holds theta0's and the T task vectors' tensor
+    ``key``, flattened, in its compute_dtype, in one buffer reused for every key of that dtype (a stack is
+    overwritten by the next).
 
     theta0 goes to the buffer too, not to a fresh tensor per key: fresh memory costs first-touch page faults,
     and a merge in a fresh process spent 0.3-0.4 s of its ~1.2 s on them for theta0's 352 MB (ViT-B/32).
@@ -66,11 +82,13 @@ def read_stacks(pretrained: Mapping[str, torch.Tensor], task_vectors: Mapping[st
     """
     sources = [pretrained, *task_vectors.values()]
     specs = tensor_specs(pretrained)
-    largest = max((math.prod(shape) for shape, _ in specs.values()), default=0)
-    buffer = torch.empty(len(sources) * largest)
-    for key, (shape, _) in specs.items():
+    largest: dict[torch.dtype, int] = {}  # compute dtype -> its largest tensor (one buffer each: float32 models, one)
+    for shape, dtype in specs.values():
+        largest[compute_dtype(dtype)] = max(largest.get(compute_dtype(dtype), 0), math.prod(shape))
+    buffers = {dtype: torch.empty(len(sources) * n, dtype=dtype) for dtype, n in largest.items()}
+    for key, (shape, dtype) in specs.items():
         n = math.prod(shape)
-        stack = buffer[: len(sources) * n].view(len(sources), n)
+        stack = buffers[compute_dtype(dtype)][: len(sources) * n].view(len(sources), n)
         read_stack(sources, key, stack)
         yield key, stack
 
@@ -85,7 +103,8 @@ def map_stacked(
 ) -> StateDict:
     """map_tensors for element-wise methods, whose compiled kernels (_kernels) take the [T, n] stack flattened.
 
-    For each key, theta0's and the T task vectors' tensors are read into one reused float32 buffer (read_stacks);
+    For each key, theta0's and the T task vectors' tensors are read into one reused buffer (read_stacks, in the
+    key's compute_dtype: numba compiles each kernel once per dtype);
     ``states[t] = prepare(key, t, tau_t)`` sees task t's tensor in its shape (for per-tensor quantities:
     thresholds, random masks), on torch.get_num_threads() threads (kernels and numpy release the GIL); then
     ``fn(theta0 flattened, taus, states)``, taus a tuple of the T flat tensors (numpy views of the buffer), returns
@@ -110,18 +129,25 @@ def map_stacked(
 
 
 def kernel_vector(kernel: Callable[..., Any], taus: tuple[np.ndarray, ...], *args: Any) -> torch.Tensor:
-    """kernel(taus, *args, out) into a fresh flat float32 vector of taus' size.
+    """kernel(taus, *args, out) into a fresh flat vector of taus' size and dtype.
 
     Allocated by torch, not numpy: numpy asks for huge pages for arrays over 4 MB, whose first-touch faults took
     the merge kernels 0.39 s against 0.27 s (a TIES merge of 8 ViT-B/32 task vectors, 3 runs each)."""
-    out = torch.empty(taus[0].size)
+    out = empty_flat(taus[0].size, taus[0].dtype)
     kernel(taus, *args, out.numpy())
     return out
 
 
+def empty_flat(size: int, dtype: np.dtype) -> torch.Tensor:
+    """A fresh flat tensor of numpy ``dtype`` (float32 or float64), allocated by torch (see kernel_vector)."""
+    return torch.empty(size, dtype={np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}[np.dtype(dtype)])
+
+
 def plus_scaled(theta0: torch.Tensor, scale: float, vector: torch.Tensor) -> torch.Tensor:
-    """theta0 + scale * vector (float32, flat), in place in ``vector``: one pass, no temporaries."""
-    add_scaled(theta0.numpy(), np.float32(scale), vector.numpy())
+    """theta0 + scale * vector (flat, one dtype), in place in ``vector``: one pass, no temporaries. ``scale`` is
+    rounded to that dtype, so a float32 merge stays float32 arithmetic."""
+    values = vector.numpy()
+    add_scaled(theta0.numpy(), values.dtype.type(scale), values)
     return vector
 
 
@@ -129,23 +155,29 @@ _scratch = threading.local()
 
 
 def magnitudes_of(values: np.ndarray) -> np.ndarray:
-    """|values|, flat float32, in this thread's scratch buffer (reused: overwritten by the thread's next call).
+    """|values|, flat, in values' dtype, in this thread's scratch buffer for that dtype (reused: overwritten by the
+    thread's next call).
 
     A fresh array per task and tensor would cost page faults on every call: 0.62-0.65 against 0.84-0.91 ns an
     entry for the cuts of 8 ViT-B-sized tensors on 2 threads (two runs each).
     """
     size = values.size
-    buffer = getattr(_scratch, "magnitudes", None)
+    buffers = getattr(_scratch, "magnitudes", None)
+    if buffers is None:
+        buffers = _scratch.magnitudes = {}
+    buffer = buffers.get(values.dtype)
     if buffer is None or buffer.size < size:
-        buffer = _scratch.magnitudes = torch.empty(size).numpy()
+        buffer = buffers[values.dtype] = empty_flat(size, values.dtype).numpy()
     return np.abs(values.reshape(-1), out=buffer[:size])
 
 
 def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:
     """mags.partition(i, axis), in place, for non-negative magnitudes. numpy's introselect runs in linear time,
-    ~10x faster than torch's kthvalue, topk or sort; on float32 it selects on the bit patterns, which order
-    non-negative floats exactly as their values do, as integers compare ~1.7x faster than floats."""
-    (mags.view(np.int32) if mags.dtype == np.float32 else mags).partition(i, axis=axis)
+    ~10x faster than torch's kthvalue, topk or sort; it selects on the bit patterns (int32 for float32, int64 for
+    float64), which order non-negative floats exactly as their values do, as integers compare ~1.7x faster than
+    floats."""
+    bits = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}.get(mags.dtype)
+    (mags.view(bits) if bits else mags).partition(i, axis=axis)
 
 
 def is_matrix(key: str, tensor: torch.Tensor) -> bool:
@@ -154,18 +186,22 @@ def is_matrix(key: str, tensor: torch.Tensor) -> bool:
 
 
 def svd_device() -> torch.device:
-    """SVD-based methods run on the GPU when there is one; they return float32 either way."""
+    """SVD-based methods run on the GPU when there is one; they return their inputs' compute_dtype either way."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thin SVD in float32 on the SVD device: (U [m, r], S [r] descending, Vh [r, n]), r = min(m, n).
+    """Thin SVD in the matrix's compute_dtype on the SVD device: (U [m, r], S [r] descending, Vh [r, n]),
+    r = min(m, n).
 
-    On the CPU, LAPACK's through torch. On CUDA, ``gram_svd``: torch's default CUDA driver (cuSOLVER's gesvdj) took
-    35-38 ms per ViT-B matrix on an H100 and returned U and V 4e-4 away from orthonormal, where gram_svd took
-    12-14 ms and is within float32 rounding (measured, see README)."""
-    matrix = matrix.float().to(svd_device())
-    return gram_svd(matrix) if matrix.is_cuda else torch.linalg.svd(matrix, full_matrices=False)
+    On the CPU, LAPACK's through torch. On CUDA in float32, ``gram_svd``: torch's default CUDA driver (cuSOLVER's
+    gesvdj) took 35-38 ms per ViT-B matrix on an H100 and returned U and V 4e-4 away from orthonormal, where gram_svd
+    took 12-14 ms and is within float32 rounding (measured, see README). Float64 on CUDA takes cuSOLVER's
+    QR-based gesvd: gram_svd would square the condition number in the precision it returns."""
+    matrix = as_compute(matrix).to(svd_device())
+    if matrix.is_cuda:
+        return gram_svd(matrix) if matrix.dtype == torch.float32 else torch.linalg.svd(matrix, full_matrices=False, driver="gesvd")
+    return torch.linalg.svd(matrix, full_matrices=False)
 
 
 def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,15 +229,18 @@ def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def low_rank(matrix: torch.Tensor, k: int) -> torch.Tensor:
     """The best rank-k approximation (truncated SVD); k = 0 gives zeros."""
     if k <= 0:
-        return torch.zeros_like(matrix, dtype=torch.float32)
+        return torch.zeros_like(matrix, dtype=compute_dtype(matrix.dtype))
     u, s, vh = svd(matrix)
     return ((u[:, :k] * s[:k]) @ vh[:k]).to(matrix.device)
 
 
 def rank_of_ratio(matrix: torch.Tensor, ratio: float) -> int:
-    """k = ratio x min(m, n), rounded, within [0, min(m, n)]."""
+    """k = ceil(ratio x min(m, n)) (seed 002's Algorithm 1: k = ceil(r gamma)), within [0, min(m, n)].
+
+    ratio x r is taken 1e-9 down before the ceiling, so that float noise above an integer (0.07 x 100 =
+    7.000000000000001) does not add a rank: 0.25 x 768 gives 192, 0.08 x 768 = 61.44 gives 62."""
     r = min(matrix.shape)
-    return max(0, min(r, int(round(ratio * r))))
+    return max(0, min(r, math.ceil(ratio * r - 1e-9)))
 
 
 def polar(matrix: torch.Tensor) -> torch.Tensor:

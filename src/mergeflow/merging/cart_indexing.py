@@ -1,14 +1,12 @@
 """CART-Indexing (per-task models): theta_avg plus a rank-k piece of each centred task vector.
 
 Choi et al., "Revisiting weight averaging for model merging" (seed 002, arXiv:2411.12153). Task t uses
-theta_avg + SVD_k(theta_t - theta_avg) on matrices (k = 8% of min(m, n)) and theta_avg elsewhere. Storage:
+theta_avg + SVD_k(theta_t - theta_avg) on matrices (k = ceil(8% of min(m, n)), as CART) and theta_avg elsewhere. Storage:
 theta_avg (kept in the store, so theta0 is not needed) plus k (m + n) numbers per matrix and task.
 """
 
-import torch
-
-from mergeflow.merging import register
-from mergeflow.merging._tensors import BASE_PREFIX, is_matrix, rank_of_ratio, svd
+from mergeflow.merging import FRACTION, register
+from mergeflow.merging._tensors import BASE_PREFIX, as_compute, is_matrix, rank_of_ratio, stack, svd
 
 
 def reconstruct(store, pretrained, task):
@@ -21,13 +19,13 @@ def reconstruct(store, pretrained, task):
     return out
 
 
-@register("cart_indexing", paper="Choi et al. 2024, CART-Indexing (arXiv:2411.12153)", defaults={"rank_ratio": 0.08}, kind="per_task", reconstruct=reconstruct)
+@register("cart_indexing", paper="Choi et al. 2024, CART-Indexing (arXiv:2411.12153)", defaults={"rank_ratio": 0.08}, kind="per_task", reconstruct=reconstruct, ranges={"rank_ratio": FRACTION})
 def cart_indexing(pretrained, task_vectors, *, rank_ratio):
     tasks = list(task_vectors)
     store = {}
     for key in pretrained:
-        theta0 = pretrained[key].float()
-        taus = torch.stack([tv[key].float() for tv in task_vectors.values()])
+        theta0 = as_compute(pretrained[key])
+        taus = stack(task_vectors, key)
         store[f"{BASE_PREFIX}{key}"] = theta0 + taus.mean(0)
         if is_matrix(key, theta0):
             k = rank_of_ratio(theta0, rank_ratio)

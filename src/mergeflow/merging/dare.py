@@ -14,18 +14,14 @@ import math
 
 import numpy as np
 
-from mergeflow.merging import register
+from mergeflow.merging import ANY_NUMBER, SEED, Range, register
 from mergeflow.merging._kernels import disjoint_mean, drop_and_rescale, task_sum
 from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled, seed_of
 from mergeflow.merging.task_arithmetic import LAMBDA_GRID as TA_GRID
 from mergeflow.merging.ties import LAMBDA_GRID as TIES_GRID
 
 PAPER = "Yu et al. 2024, DARE: Language models are super Mario (arXiv:2311.03099)"
-
-
-def check_p(p: float) -> None:
-    if not 0 <= p < 1:
-        raise ValueError(f"merge.dare.p: expected a drop probability in [0, 1), got {p}")
+RANGES = {"p": Range("a drop probability", 0, 1, high_open=True), "seed": SEED, "lam": ANY_NUMBER}
 
 
 def keep_cut(p: float) -> int:
@@ -36,23 +32,26 @@ def keep_cut(p: float) -> int:
 
 
 def prepare_drop(task_vectors, p: float, seed: int):
-    """map_stacked's prepare: drop and rescale task t's tensor in place, tau~ = tau * keep / (1 - p)."""
-    check_p(p)
+    """map_stacked's prepare: drop and rescale task t's tensor in place, tau~ = tau * keep / (1 - p), 1 - p in
+    tau's dtype."""
     tasks = list(task_vectors)
 
     def drop(key, t, tau):
         if p > 0:
-            drop_and_rescale(tau.reshape(-1), seed_of(seed, tasks[t], key), keep_cut(p), np.float32(1 - p))
+            drop_and_rescale(tau.reshape(-1), seed_of(seed, tasks[t], key), keep_cut(p), tau.dtype.type(1 - p))
 
     return drop
 
 
-@register("dare_linear", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 0.4}, grid={"lam": TA_GRID}, coefficient="lam")
+@register("dare_linear", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 0.4}, grid={"lam": TA_GRID}, coefficient="lam", ranges=RANGES)
 def dare_linear(pretrained, task_vectors, *, p, seed, lam):
     return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)), prepare=prepare_drop(task_vectors, p, seed))
 
 
-@register("dare_ties", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 1.0}, grid={"lam": TIES_GRID}, coefficient="lam")
+@register("dare_ties", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 1.0}, grid={"lam": TIES_GRID}, coefficient="lam", ranges=RANGES)
 def dare_ties(pretrained, task_vectors, *, p, seed, lam):
-    no_trim = np.zeros(len(task_vectors), np.float32)
-    return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(disjoint_mean, taus, no_trim)), prepare=prepare_drop(task_vectors, p, seed))
+    # the random drop replaces TIES' trim (no top-k, so no rounding): cuts of 0 keep every surviving entry
+    def merge(theta0, taus, _):
+        return plus_scaled(theta0, lam, kernel_vector(disjoint_mean, taus, np.zeros(len(taus), taus[0].dtype)))
+
+    return map_stacked(pretrained, task_vectors, merge, prepare=prepare_drop(task_vectors, p, seed))

@@ -10,7 +10,7 @@ No hyperparameters. Storage: one model-sized vector, one bit per weight and task
 import torch
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import map_tensors
+from mergeflow.merging._tensors import as_compute, map_tensors
 
 
 def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,8 +22,13 @@ def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reconstruct(store, pretrained, task):
+    """theta0 + lambda_t (M_t * tau_uni) in each tensor's compute dtype (lambda_t is stored in float64)."""
     scale = store[f"scale/{task}"]
-    return {k: (p.float() + scale * store[f"mask/{task}/{k}"] * store[f"shared/{k}"]).to(p.dtype) for k, p in pretrained.items()}
+    out = {}
+    for k, p in pretrained.items():
+        shared = store[f"shared/{k}"]
+        out[k] = (as_compute(p) + scale.to(shared.dtype) * (store[f"mask/{task}/{k}"] * shared)).to(p.dtype)
+    return out
 
 
 @register("emr", paper="Huang et al. 2024, EMR-Merging (arXiv:2405.17461)", kind="per_task", reconstruct=reconstruct)
@@ -43,5 +48,5 @@ def emr(pretrained, task_vectors):
 
     store |= {f"shared/{k}": v for k, v in map_tensors(pretrained, task_vectors, merge, cast=False).items()}
     for i, t in enumerate(tasks):
-        store[f"scale/{t}"] = torch.tensor(float(total[i] / kept[i]) if kept[i] > 0 else 1.0)
+        store[f"scale/{t}"] = torch.tensor(float(total[i] / kept[i]) if kept[i] > 0 else 1.0, dtype=torch.float64)
     return store

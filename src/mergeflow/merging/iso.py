@@ -1,18 +1,27 @@
 """Iso-C and Iso-CTS: flatten the spectrum of the merged task matrix (isotropic merging).
 
 Marczak et al., "No task left behind: isotropic model merging with common and task-specific subspaces", ICML 2025
-(arXiv:2502.04959). Per matrix, with M = sum_t tau_t = U S V^T:
+(arXiv:2502.04959). Per matrix (r = min(m, n)), with M = sum_t tau_t = U S V^T:
     Iso-C    merged = U (mean(S) I) V^T;
-    Iso-CTS  common subspace: the top c = round(common_space_fraction r) singular vectors of M; for each task the top
-             s = (r - c) / T singular vectors of tau_t projected off the common left subspace; concatenate
-             [U_common, U_1 ... U_T] and [V_common, V_1 ... V_T], orthogonalise both by their polar factors, and set
-             every singular value to mean(S) of M.
+    Iso-CTS  common subspace: the top c singular vectors of M; for each task the top s singular vectors of tau_t
+             projected off the common left subspace, (I - U_c U_c^T) tau_t; concatenate [U_c, U_1 ... U_T] and
+             [V_c, V_1 ... V_T], orthogonalise both by their polar factors, and give every direction the same
+             singular value sigma.
 Non-matrix tensors: the mean of tau_t. theta = theta0 + alpha merged, alpha in linspace(0, 3, 21)[1:].
+
+Two choices of Iso-CTS are left open by "c = common_space_fraction r, s = (r - c) / T"; both follow the authors' code
+(danielm1405/iso-merging, src/utils/iso.py):
+- the sizes, when T does not divide r - c: c0 = floor(fraction r), s = round((r - c0) / T) (Python's round, half to
+  even), and the common subspace takes the rest, c = r - T s. So c + T s = r and the merged matrix has full rank
+  (r = 768, T = 8, fraction 0.8: c = 616, s = 19). Where T s would exceed r (c0 < T / 2, tiny matrices; the
+  authors' code would make c negative), s = floor(r / T).
+- the scale: sigma is the mean of the r singular values kept, the top c of M with each task's top s of its
+  projected residual (not the mean of all of M's).
 """
 
 import torch
 
-from mergeflow.merging import register
+from mergeflow.merging import ANY_NUMBER, POSITIVE_FRACTION, register
 from mergeflow.merging._tensors import is_matrix, map_tensors, polar, svd
 from mergeflow.merging.tsv_m import ALPHA_GRID
 
@@ -24,23 +33,30 @@ def iso_c_matrix(taus: torch.Tensor) -> torch.Tensor:
     return (s.mean() * (u @ vh)).to(taus.device)
 
 
+def subspace_sizes(r: int, n_tasks: int, common_space_fraction: float) -> tuple[int, int]:
+    """(c, s): the common subspace's size and each task's, with c + n_tasks s = r (see the module's docstring)."""
+    per_task = round((r - int(r * common_space_fraction)) / n_tasks)
+    if n_tasks * per_task > r:
+        per_task = r // n_tasks
+    return r - n_tasks * per_task, per_task
+
+
 def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Tensor:
     n_tasks, r = taus.shape[0], min(taus.shape[1:])
     u, s, vh = svd(taus.sum(0))
-    c = int(round(common_space_fraction * r))
-    per_task = (r - c) // n_tasks
-    us, vs = [u[:, :c]], [vh[:c].T]
+    c, per_task = subspace_sizes(r, n_tasks, common_space_fraction)
+    u_common = u[:, :c]
+    us, vs, kept = [u_common], [vh[:c].T], [s[:c]]
     if per_task > 0:
-        u_common = u[:, :c]
         for tau in taus.to(u.device):
             residual = tau - u_common @ (u_common.T @ tau)  # off the common left subspace
-            ut, _, vht = svd(residual)
-            us.append(ut[:, :per_task]), vs.append(vht[:per_task].T)
+            ut, st, vht = svd(residual)
+            us.append(ut[:, :per_task]), vs.append(vht[:per_task].T), kept.append(st[:per_task])
     u_hat, v_hat = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
-    return (s.mean() * (u_hat @ v_hat.T)).to(taus.device)
+    return (torch.cat(kept).mean() * (u_hat @ v_hat.T)).to(taus.device)
 
 
-@register("iso_c", paper=PAPER, defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha")
+@register("iso_c", paper=PAPER, defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
 def iso_c(pretrained, task_vectors, *, alpha):
     def merge(key, theta0, taus):
         return theta0 + alpha * (iso_c_matrix(taus) if is_matrix(key, theta0) else taus.mean(0))
@@ -48,11 +64,15 @@ def iso_c(pretrained, task_vectors, *, alpha):
     return map_tensors(pretrained, task_vectors, merge)
 
 
-@register("iso_cts", paper=PAPER, defaults={"common_space_fraction": 0.8, "alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha")
+@register(
+    "iso_cts",
+    paper=PAPER,
+    defaults={"common_space_fraction": 0.8, "alpha": 1.0},
+    grid={"alpha": ALPHA_GRID},
+    coefficient="alpha",
+    ranges={"common_space_fraction": POSITIVE_FRACTION, "alpha": ANY_NUMBER},
+)
 def iso_cts(pretrained, task_vectors, *, common_space_fraction, alpha):
-    if not 0 < common_space_fraction <= 1:
-        raise ValueError(f"merge.iso_cts.common_space_fraction: expected a fraction in (0, 1], got {common_space_fraction}")
-
     def merge(key, theta0, taus):
         return theta0 + alpha * (iso_cts_matrix(taus, common_space_fraction) if is_matrix(key, theta0) else taus.mean(0))
 

@@ -7,7 +7,7 @@ theta = theta0 + slerp. Defined for exactly two models; t = 0.5 by default.
 
 import torch
 
-from mergeflow.merging import register
+from mergeflow.merging import FRACTION, register
 from mergeflow.merging._tensors import map_tensors
 
 
@@ -22,7 +22,7 @@ def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) ->
     return (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
 
 
-@register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5}, grid={"t": [0.25, 0.5, 0.75]})
+@register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION})
 def slerp(pretrained, task_vectors, *, t):
     if len(task_vectors) != 2:
         raise ValueError(f"merge.slerp: SLERP merges exactly two models, got {len(task_vectors)} tasks")

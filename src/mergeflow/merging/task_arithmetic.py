@@ -4,7 +4,7 @@ Ilharco et al., "Editing models with task arithmetic", ICLR 2023. lam = 1/T give
 0.4 is the paper's value without validation data.
 """
 
-from mergeflow.merging import register
+from mergeflow.merging import ANY_NUMBER, register
 from mergeflow.merging._kernels import task_sum
 from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
@@ -17,6 +17,7 @@ LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
     defaults={"lam": 0.4},
     grid={"lam": LAMBDA_GRID},
     coefficient="lam",
+    ranges={"lam": ANY_NUMBER},
 )
 def task_arithmetic(pretrained, task_vectors, *, lam):
     return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)))

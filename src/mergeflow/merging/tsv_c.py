@@ -7,14 +7,14 @@ take the space of one matrix) and theta0 + tau_t elsewhere (non-matrix tensors a
 
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import is_matrix, svd
+from mergeflow.merging._tensors import as_compute, is_matrix, svd
 
 
 def reconstruct(store, pretrained, task):
     out = {}
     for k, p in pretrained.items():
         piece = store[f"u/{task}/{k}"] @ store[f"vh/{task}/{k}"] if f"u/{task}/{k}" in store else store[f"full/{task}/{k}"]
-        out[k] = (p.float() + piece).to(p.dtype)
+        out[k] = (as_compute(p) + piece).to(p.dtype)
     return out
 
 
@@ -25,7 +25,7 @@ def tsv_c(pretrained, task_vectors):
     for key in pretrained:
         theta0 = pretrained[key]
         for t, tv in task_vectors.items():
-            tau = tv[key].float()
+            tau = as_compute(tv[key])
             if is_matrix(key, theta0):
                 k = max(1, min(tau.shape) // n_tasks)
                 u, s, vh = svd(tau)

@@ -9,7 +9,7 @@ theta = theta0 + alpha merged, alpha in linspace(0, 3, 21)[1:], 1.0 by default.
 
 import torch
 
-from mergeflow.merging import register
+from mergeflow.merging import ANY_NUMBER, register
 from mergeflow.merging._tensors import is_matrix, map_tensors, polar, svd
 
 ALPHA_GRID = [round(0.15 * i, 2) for i in range(1, 21)]  # linspace(0, 3, 21)[1:]
@@ -30,7 +30,7 @@ def tsv_merge_matrix(taus: torch.Tensor) -> torch.Tensor:
     return ((polar(u) * s) @ polar(vh.T).T).to(taus.device)
 
 
-@register("tsv_m", paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)", defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha")
+@register("tsv_m", paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)", defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
 def tsv_m(pretrained, task_vectors, *, alpha):
     def merge(key, theta0, taus):
         return theta0 + alpha * (tsv_merge_matrix(taus) if is_matrix(key, theta0) else taus.mean(0))
