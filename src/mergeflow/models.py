@@ -87,12 +87,17 @@ def make_head(num_features: int, num_classes: int) -> nn.Linear:
     return nn.Linear(num_features, num_classes)
 
 
-def load_head(path: str | Path, num_features: int) -> nn.Linear:
+def load_head(path: str | Path, num_features: int, num_classes: int | None = None, classes_source: str = "its task") -> nn.Linear:
+    """A task's linear head, checked against the backbone's features and (when given) the number of classes
+    that ``classes_source``, the task's data file, declares."""
     state = load_state_dict(path)
-    if set(state) != {"weight", "bias"} or state["weight"].ndim != 2:
-        raise MergeflowError(f"{path}: a head holds exactly 'weight' [C, D] and 'bias' [C], found {sorted(state)}")
+    if set(state) != {"weight", "bias"} or state["weight"].ndim != 2 or state["bias"].shape != state["weight"].shape[:1]:
+        found = ", ".join(f"'{k}' {tuple(v.shape)}" for k, v in sorted(state.items()))
+        raise MergeflowError(f"{path}: a head holds exactly 'weight' [C, D] and 'bias' [C], found {found}")
     if state["weight"].shape[1] != num_features:
         raise MergeflowError(f"{path}: tensor 'weight' has {state['weight'].shape[1]} input features, the backbone gives {num_features}")
+    if num_classes is not None and state["weight"].shape[0] != num_classes:
+        raise MergeflowError(f"{path}: tensor 'weight' has {state['weight'].shape[0]} rows, but {classes_source} declares {num_classes} classes")
     head = make_head(num_features, state["weight"].shape[0])
     head.load_state_dict(state)
     return head

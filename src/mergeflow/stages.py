@@ -85,11 +85,12 @@ def _setup(params: Params, seed: int) -> torch.device:
 
 
 def _load_tasks(params: Params, layout: Layout) -> dict[str, data_mod.TaskData]:
-    return {t: data_mod.load_task(layout.task_data(t)) for t in params.suite.tasks}
+    return {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in params.suite.tasks}
 
 
-def _load_heads(params: Params, layout: Layout, num_features: int):
-    return {t: load_head(layout.head(t), num_features) for t in params.suite.tasks}
+def _load_heads(params: Params, layout: Layout, num_features: int, tasks: dict[str, data_mod.TaskData]):
+    """Each task's head, checked against the backbone's features and the task file's declared classes."""
+    return {t: load_head(layout.head(t), num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in params.suite.tasks}
 
 
 # Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
@@ -179,12 +180,12 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     params.check_task(task)
     seed = _task_seed(params.seed, task)
     device = _setup(params, seed)
-    data = data_mod.load_task(layout.task_data(task))
+    data = data_mod.load_task(layout.task_data(task), params.suite.image_size)
     backbone = load_backbone(params.backbone, layout.pretrained)
     bs = params.runtime.eval_batch_size
     with Timer() as timer:
         feats = {s: extract_features(backbone, data.split(s).images, batch_size=bs, device=device) for s in data_mod.SPLITS}
-        probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed)
+        probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))
         probe_acc = {s: float((probe.head(feats[s]).argmax(1) == data.split(s).labels).float().mean()) for s in ("val", "test")}
         model = copy.deepcopy(backbone)
         epoch_states: dict[int, dict] = {}
@@ -256,7 +257,7 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
     with Timer() as timer:
         pretrained, tvs = _load_task_vectors(params, layout)
         tasks = _load_tasks(params, layout)
-        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features)
+        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
         try:
             if spec.kind == "negation":
@@ -307,7 +308,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
     with Timer() as timer:
         output = load_state_dict(layout.merged(method))
         tasks = tasks or _load_tasks(params, layout)
-        heads = heads or _load_heads(params, layout, build_backbone(params.backbone).num_features)
+        heads = heads or _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)
         if spec.kind == "negation":
             pretrained, tvs = _load_task_vectors(params, layout)

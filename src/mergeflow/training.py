@@ -163,8 +163,11 @@ class ProbeResult:
     val_curve: dict[str, float]
 
 
-def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int) -> ProbeResult:
+def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int, num_classes: int | None = None) -> ProbeResult:
     """Multinomial logistic regression (L-BFGS) on standardised features; C chosen on validation.
+
+    The head has ``num_classes`` outputs (the task's declared classes; by default the largest training label
+    plus one): a class absent from the training split gets a logit that is never the largest.
 
     The standardisation is folded into the returned head, so it reads raw backbone features. The fits run with
     one BLAS thread: their products (n x d by d x classes, here 3000 x 128 by 128 x 10) are too small to share, and
@@ -188,7 +191,7 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
         if best is None or acc > best[0]:
             best = (acc, c, clf)
     acc, c, clf = best
-    n_classes = int(train_y.max()) + 1
+    n_classes = num_classes if num_classes is not None else int(train_y.max()) + 1
     coef = torch.zeros(n_classes, train_x.shape[1])
     bias = torch.full((n_classes,), -1e4)  # a class absent from training is never predicted
     classes = torch.as_tensor(clf.classes_)

@@ -1,6 +1,7 @@
 """Task data: every source (the embedded suite, ImageFolder trees, torchvision datasets) is converted once, by
 the ``prepare`` stage, into one safetensors file per task holding uint8 images [N, H, W, 3] and int64 labels for
-the train, val and test splits. Every later stage reads only those files."""
+the train, val and test splits. Every later stage reads only those files, and checks each when reading it
+(``check_task``): a mistake in one is one line naming the file, the array and what was expected."""
 
 from __future__ import annotations
 
@@ -36,37 +37,78 @@ class TaskData:
         return getattr(self, name)
 
 
-def _check_arrays(arrays: dict[str, np.ndarray], task: str, image_size: int) -> None:
+ARRAYS = tuple(f"{split}_{part}" for split in SPLITS for part in ("x", "y"))
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
+
+
+def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size: int | None = None) -> None:
+    """Raise one line naming ``source`` (the task file), the array at fault and what was expected, unless
+    ``arrays`` holds exactly ARRAYS: uint8 images [N, S, S, 3] (S = image_size, or the same square size in every
+    split when None), integer labels [N] in 0 .. len(classes) - 1, at least one image per split."""
+    if not isinstance(classes, list) or len(classes) < 2 or not all(isinstance(c, str) for c in classes):
+        raise MergeflowError(f"{source}: metadata 'classes' is {json.dumps(classes)[:60]}, expected a JSON list of at least two class names")
+    for name in ARRAYS:
+        if name not in arrays:
+            raise MergeflowError(f"{source}: array '{name}' is missing (a task file holds {', '.join(ARRAYS)})")
+    unexpected = sorted(set(arrays) - set(ARRAYS))
+    if unexpected:
+        raise MergeflowError(f"{source}: unexpected array '{unexpected[0]}' (a task file holds only {', '.join(ARRAYS)})")
+    size = image_size
+    if size is None and arrays["train_x"].ndim == 4:
+        size = arrays["train_x"].shape[1]  # no size given: every split must have train's square size
     for split in SPLITS:
-        x, y = arrays.get(f"{split}_x"), arrays.get(f"{split}_y")
-        if x is None or y is None:
-            raise MergeflowError(f"task '{task}': split '{split}' is missing")
-        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (image_size, image_size, 3):
-            raise MergeflowError(f"task '{task}': {split}_x must be uint8 [N, {image_size}, {image_size}, 3], got {x.dtype} {x.shape}")
-        if len(x) != len(y) or len(x) == 0:
-            raise MergeflowError(f"task '{task}': {split} has {len(x)} images and {len(y)} labels")
+        x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        expected_x = f"uint8 images [N, {size}, {size}, 3]" if size else "uint8 images [N, H, H, 3]"
+        if x.dtype != torch.uint8:
+            raise MergeflowError(f"{source}: array '{split}_x' has dtype {str(x.dtype).removeprefix('torch.')}, expected {expected_x}")
+        if x.ndim != 4 or _shape(x)[1:] != (size, size, 3):
+            raise MergeflowError(f"{source}: array '{split}_x' has shape {_shape(x)}, expected {expected_x}")
+        if y.dtype not in _INTEGER_DTYPES:
+            raise MergeflowError(f"{source}: array '{split}_y' has dtype {str(y.dtype).removeprefix('torch.')}, expected integer labels [N]")
+        if y.ndim != 1:
+            raise MergeflowError(f"{source}: array '{split}_y' has shape {_shape(y)}, expected integer labels [N]")
+        if len(x) == 0:
+            raise MergeflowError(f"{source}: array '{split}_x' is empty, expected at least one image")
+        if len(x) != len(y):
+            raise MergeflowError(f"{source}: array '{split}_x' has {len(x)} images but '{split}_y' has {len(y)} labels")
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= len(classes):
+            raise MergeflowError(f"{source}: array '{split}_y' has label {low if low < 0 else high}, but the task declares {len(classes)} classes")
+        if split == "train" and low == high:
+            # the probe's logistic regression needs two classes to tell apart
+            raise MergeflowError(f"{source}: array 'train_y' holds only label {low}, expected at least two classes")
 
 
 def save_task(path: Path, task: str, arrays: dict[str, np.ndarray], classes: list[str], image_size: int) -> None:
-    _check_arrays(arrays, task, image_size)
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    check_task(tensors, classes, str(path), image_size)
     tensors.update({k: v.long() for k, v in tensors.items() if k.endswith("_y")})
     save_state_dict(path, tensors, {"task": task, "classes": json.dumps(classes)})
 
 
-def load_task(path: str | Path) -> TaskData:
+def load_task(path: str | Path, image_size: int | None = None) -> TaskData:
+    """Read a task file and check it (``check_task``): images of ``image_size`` when given, labels within the
+    declared classes; labels come back as int64."""
     path = Path(path)
+    if not path.is_file():
+        raise MergeflowError(f"{path}: task data not found (the prepare stage writes it)")
     tensors = load_state_dict(path, check=False)
     meta = load_metadata(path)
-    for split in SPLITS:
-        for part in ("x", "y"):
-            if f"{split}_{part}" not in tensors:
-                raise MergeflowError(f"{path}: tensor '{split}_{part}' missing")
-    classes = json.loads(meta.get("classes", "[]"))
+    if "classes" not in meta:
+        raise MergeflowError(f"{path}: metadata 'classes' is missing (a task file declares its class names, a JSON list)")
+    try:
+        classes = json.loads(meta["classes"])
+    except json.JSONDecodeError:
+        raise MergeflowError(f"{path}: metadata 'classes' is not JSON, expected a JSON list of class names") from None
+    check_task(tensors, classes, str(path), image_size)
     return TaskData(
         name=meta.get("task", path.stem),
         classes=classes,
-        **{s: Split(tensors[f"{s}_x"], tensors[f"{s}_y"]) for s in SPLITS},
+        **{s: Split(tensors[f"{s}_x"], tensors[f"{s}_y"].long()) for s in SPLITS},
     )
 
 
