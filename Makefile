@@ -1,19 +1,45 @@
 # Two entry points, both from a fresh clone: `make pipeline` installs and runs the default pipeline,
 # `make test` installs and runs the tests. Everything lives in .venv; nothing is downloaded at run time.
+# .venv is installed from requirements.lock (exact versions and sha256 hashes, docs/environment.md) and rebuilt
+# whenever the lock changes; `make lock` updates the lock from pyproject.toml.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+LOCK := requirements.lock
+# uv only resolves the lock (`make lock`); installing uses pip alone. It lives in its own venv inside $(VENV).
+UV_VERSION := 0.13.9
+UV := $(VENV)/uv/bin/uv
 export HF_HUB_OFFLINE := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install pipeline flow test bench clean-outputs
+.PHONY: install lock pipeline flow test bench clean-outputs
 
-$(BIN)/mergeflow: pyproject.toml
+# The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive)
+$(VENV)/.locked: $(LOCK)
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --require-hashes -r $(LOCK)
+	touch $@
+
+# mergeflow itself, editable, with nothing else: its dependencies are the lock's; `pip check` fails when
+# pyproject.toml asks for something the lock does not give (run `make lock`)
+$(BIN)/mergeflow: $(VENV)/.locked pyproject.toml
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $@
 
 install: $(BIN)/mergeflow
+
+# Update requirements.lock from pyproject.toml (dev extra included) for Linux x86_64, Python 3.11, keeping the
+# lock's current versions where they still fit; LOCK_ARGS=--upgrade (or --upgrade-package NAME) moves them.
+# Indexes other than PyPI: LOCK_ARGS='--extra-index-url URL' (never written into the lock)
+lock: $(UV)
+	$(UV) pip compile pyproject.toml --extra dev --generate-hashes --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' -q $(LOCK_ARGS) -o $(LOCK)
+
+$(UV):
+	$(PYTHON) -m venv $(VENV)/uv
+	$(VENV)/uv/bin/pip install -q uv==$(UV_VERSION)
 
 pipeline: install
 	$(BIN)/dvc repro
