@@ -7,6 +7,9 @@ stage feeds it the same way. The normalisation has no parameters: the backbone's
 from __future__ import annotations
 
 import json
+import pickle
+import re
+import warnings
 from pathlib import Path
 
 import timm
@@ -15,7 +18,7 @@ from torch import nn
 
 from mergeflow.config import BackboneConfig
 from mergeflow.errors import MergeflowError
-from mergeflow.io import StateDict, check_compatible, load_state_dict
+from mergeflow.io import StateDict, check_compatible, check_finite, load_state_dict
 
 
 class Backbone(nn.Module):
@@ -23,16 +26,16 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: BackboneConfig, *, pretrained: bool = False):
         super().__init__()
-        create_kwargs = dict(cfg.kwargs)
-        if pretrained and cfg.pretrained not in (None, "hub"):
-            path = Path(cfg.pretrained)
-            if not path.is_file():
-                raise MergeflowError(f"backbone.pretrained: weights file '{path}' not found")
-            create_kwargs["pretrained_cfg_overlay"] = dict(file=str(path))
-        try:
-            self.net = timm.create_model(cfg.model, pretrained=pretrained, num_classes=0, global_pool=cfg.global_pool, **create_kwargs)
-        except (RuntimeError, TypeError, ValueError, KeyError) as err:
-            raise MergeflowError(f"backbone: timm could not build '{cfg.model}' ({str(err).splitlines()[0]})") from None
+        for fixed in ("num_classes", "global_pool", "pretrained_cfg_overlay"):
+            if fixed in cfg.kwargs:
+                raise MergeflowError(f"backbone.kwargs: '{fixed}' is mergeflow's to set (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it")
+        create_kwargs = dict(cfg.kwargs, num_classes=0, global_pool=cfg.global_pool)
+        if pretrained and cfg.pretrained == "hub":
+            self.net = _from_hub(cfg, create_kwargs)
+        elif pretrained and cfg.pretrained is not None:
+            self.net = _from_file(cfg, Path(cfg.pretrained), create_kwargs)
+        else:
+            self.net = _create(cfg, pretrained=False, **create_kwargs)
         self.input_norm = cfg.input_norm
         mean, std = self.net.pretrained_cfg.get("mean", (0.5,) * 3), self.net.pretrained_cfg.get("std", (0.5,) * 3)
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
@@ -60,6 +63,137 @@ class Backbone(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(self.normalise(images))
+
+
+def _create(cfg: BackboneConfig, **kwargs) -> nn.Module:
+    try:
+        return timm.create_model(cfg.model, **kwargs)
+    except (RuntimeError, TypeError, ValueError, KeyError) as err:
+        raise MergeflowError(f"backbone: timm could not build '{cfg.model}' ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def read_weights(path: Path) -> StateDict:
+    """``backbone.pretrained``'s local file as a state dict: safetensors, or a PyTorch checkpoint holding only
+    tensors. torch.load runs with weights_only=True, so a pickle never runs code; a refused one is one line."""
+    where = f"backbone.pretrained: {path}"
+    if not path.is_file():
+        raise MergeflowError(f"backbone.pretrained: weights file '{path}' not found")
+    if path.suffix == ".safetensors":
+        try:
+            return load_state_dict(path)
+        except MergeflowError as err:
+            raise MergeflowError(f"backbone.pretrained: {err}") from None
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols on stderr: the error says enough
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        pickled = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if pickled:  # a class or function in the pickle: a whole model, an optimizer, or code to run
+            raise MergeflowError(
+                f"{where}: holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to unpickle {pickled.group(1)}); "
+                "save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file"
+            ) from None
+        found = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+        raise MergeflowError(f"{where}: not a readable PyTorch checkpoint (torch.load(weights_only=True) refused it: {found.group(1).strip() if found else _first_line(err)})") from None
+    except Exception as err:  # noqa: BLE001  torch.load raises whatever its unpickler or zip reader hit: every one is a bad file
+        raise MergeflowError(f"{where}: not a readable PyTorch checkpoint ({type(err).__name__}: {_first_line(err)})") from None
+    if isinstance(checkpoint, dict):
+        # the wrappers timm's own loader unwraps (training checkpoints), then its 'module.' prefix clean-up
+        for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
+            if isinstance(checkpoint.get(key), dict):
+                checkpoint = checkpoint[key]
+                break
+    if not isinstance(checkpoint, dict):
+        raise MergeflowError(f"{where}: holds {type(checkpoint).__name__}, expected a state dict (tensor name -> tensor)")
+    state = timm.models.clean_state_dict(checkpoint)
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise MergeflowError(f"{where}: entry '{key}' is not a tensor ({type(value).__name__}), expected a state dict holding only tensors")
+    check_finite(state, where)
+    return state
+
+
+_LOAD_ERRORS = (
+    # torch's load_state_dict(strict=True) report, one clause per line: the first key of each kind is named
+    (re.compile(r'Missing key\(s\) in state_dict: "([^"]+)"'), "missing tensor '{0}' that the model expects ({1} missing)"),
+    (re.compile(r'Unexpected key\(s\) in state_dict: "([^"]+)"'), "unexpected tensor '{0}' that the model does not have ({1} unexpected)"),
+    (re.compile(r"size mismatch for ([^:]+): copying a param with shape torch.Size\(\[([^\]]*)\]\) from checkpoint, the shape in current model is torch.Size\(\[([^\]]*)\]\)"), "tensor '{0}' has shape {1}, the model expects {2}"),
+)
+
+
+def _shape(dims: str) -> str:
+    """'96, 32' (inside torch.Size([...])) -> '(96, 32)'; '128' -> '(128,)'."""
+    return str(tuple(int(d) for d in dims.split(",") if d.strip()))
+
+
+def _describe_load_error(err: BaseException) -> str | None:
+    """One line for torch's multi-line key and shape mismatch report, or None if ``err`` is not one."""
+    for line in str(err).splitlines() if isinstance(err, RuntimeError) else ():
+        for pattern, template in _LOAD_ERRORS:
+            found = pattern.search(line)
+            if found and template.startswith("tensor"):
+                return template.format(found.group(1), _shape(found.group(2)), _shape(found.group(3)))
+            if found:
+                return template.format(found.group(1), len(re.findall(r'"[^"]+"', line)))
+    return None
+
+
+def _load_failure(cfg: BackboneConfig, source: str, err: Exception, create_kwargs: dict) -> MergeflowError:
+    """The one line for timm failing to build ``cfg.model`` with ``source``'s weights."""
+    _create(cfg, pretrained=False, **create_kwargs)  # the architecture itself failing: that line, not the weights'
+    described = _describe_load_error(err) or f"timm could not load them into '{cfg.model}' ({type(err).__name__}: {_first_line(err)})"
+    if described.startswith("missing tensor 'fc_norm."):
+        # timm ViTs: average pooling normalises after pooling (fc_norm), class-token pooling before it (norm)
+        described += f"; weights trained with class-token pooling need backbone.global_pool: token (not '{cfg.global_pool}')"
+    return MergeflowError(f"backbone.pretrained: {source}: {described}")
+
+
+def _from_file(cfg: BackboneConfig, path: Path, create_kwargs: dict) -> nn.Module:
+    """timm's model with ``path``'s weights, through timm's own loading (its checkpoint filter adapts position
+    embeddings and patch sizes) but reading the file here, with one-line errors.
+
+    Loading is strict: timm drops the classifier when the model has none (num_classes=0) and then loads leniently,
+    so a checkpoint of another depth or model would leave layers at their random init without a word. Here the
+    classifier is dropped from the file's tensors first, and every other tensor must fit.
+    """
+    state = read_weights(path)
+    classifier = getattr(timm.models.get_pretrained_cfg(cfg.model), "classifier", None) or ()
+    for name in (classifier,) if isinstance(classifier, str) else classifier:
+        state.pop(f"{name}.weight", None)
+        state.pop(f"{name}.bias", None)
+    try:
+        # num_classes=0 in the overlay: timm then sees no classifier to adapt and keeps its load strict
+        net = timm.create_model(cfg.model, pretrained=True, pretrained_cfg_overlay=dict(state_dict=state, num_classes=0), **create_kwargs)
+    except Exception as err:  # noqa: BLE001  timm's checkpoint filters raise anything on a foreign file
+        raise _load_failure(cfg, str(path), err, create_kwargs) from None
+    net.pretrained_cfg.pop("state_dict", None)  # the overlay would keep a second copy of the weights alive
+    return net
+
+
+def _from_hub(cfg: BackboneConfig, create_kwargs: dict) -> nn.Module:
+    """timm's model with its Hugging Face hub weights (or the local cache's copy)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return timm.create_model(cfg.model, pretrained=True, **create_kwargs)
+    except OSError as err:  # the hub's errors (not cached, no network, HTTP 401/404) are all OSErrors
+        hub_id = getattr(timm.models.get_pretrained_cfg(cfg.model), "hf_hub_id", None) or cfg.model
+        if isinstance(err, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+            raise MergeflowError(
+                f"backbone.pretrained: hub: the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub) are not in the local cache, "
+                f"and HF_HUB_OFFLINE=1 forbids downloading them; download them once with network access "
+                f"(`HF_HUB_OFFLINE=0 mergeflow pretrain`, or `hf download {hub_id}`), or set backbone.pretrained to a local weights file"
+            ) from None
+        raise MergeflowError(f"backbone.pretrained: hub: could not get the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub): {type(err).__name__}: {_first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001  as for a file: the hub's weights do not fit backbone.kwargs' model
+        raise _load_failure(cfg, "hub", err, create_kwargs) from None
 
 
 def build_backbone(cfg: BackboneConfig, state: StateDict | None = None, *, source: str = "backbone") -> Backbone:
