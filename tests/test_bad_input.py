@@ -369,3 +369,116 @@ def test_pretrain_cli_with_bad_weights_exits_2_with_one_line_and_writes_nothing(
         return
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
     assert _files(project) == before
+
+
+# ---------------------------------------------------------------- a full disk (issue 16)
+NO_SPACE = "could not be written: no space left on device (the partial file was removed; free space and run again)"
+
+
+@pytest.fixture
+def temporary_files_on_a_full_device(monkeypatch):
+    """atomic_path's temporary file becomes a link to /dev/full: every write to it fails with ENOSPC, for real."""
+    import tempfile
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+
+    def mkstemp(dir, prefix):
+        name = os.path.join(dir, f"{prefix}full")
+        os.symlink("/dev/full", name)
+        return os.open(name, os.O_WRONLY), name
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def test_full_disk_while_writing_json_is_one_line_and_leaves_nothing(tmp_path, temporary_files_on_a_full_device):
+    from mergeflow.io import write_json
+
+    with pytest.raises(MergeflowError) as err:
+        write_json(tmp_path / "metrics" / "finetune.json", {"accuracy": [0.5] * 10000})
+    assert str(err.value) == f"{tmp_path / 'metrics' / 'finetune.json'}: {NO_SPACE}"
+    assert list((tmp_path / "metrics").iterdir()) == []
+
+
+def _safetensors_runs_out_of_space(monkeypatch):
+    """safetensors' own error when its file system is full (seen on a 64 KiB tmpfs: it carries the errno only in its
+    text), after writing part of the file."""
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("mergeflow.io.save_file", save_file)
+
+
+def test_full_disk_while_saving_tensors_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    _safetensors_runs_out_of_space(monkeypatch)
+    out = tmp_path / "models" / "pretrained.safetensors"
+    with pytest.raises(MergeflowError) as err:
+        save_state_dict(out, _state())
+    assert str(err.value) == f"{out}: {NO_SPACE}"
+    assert list(out.parent.iterdir()) == []
+
+
+def test_full_disk_inside_an_atomic_directory_names_the_file_where_it_was_going(tmp_path, monkeypatch):
+    _safetensors_runs_out_of_space(monkeypatch)
+    with pytest.raises(MergeflowError) as err:
+        with atomic_path(tmp_path / "vectors", directory=True) as tmp:
+            (tmp / "stats.json").write_text("{}")
+            save_state_dict(tmp / "digits.safetensors", _state())
+    assert str(err.value) == f"{tmp_path / 'vectors' / 'digits.safetensors'}: {NO_SPACE}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quota_exceeded_is_one_line_and_other_write_errors_pass_through(tmp_path):
+    import errno
+
+    with pytest.raises(MergeflowError) as err:
+        with atomic_path(tmp_path / "a.json"):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert str(err.value) == f"{tmp_path / 'a.json'}: could not be written: disk quota exceeded (the partial file was removed; free space and run again)"
+    with pytest.raises(PermissionError):  # not a lack of space: not relabelled as one
+        with atomic_path(tmp_path / "b.json"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_file_system_through_the_cli(tmp_path, repo_root):
+    """A real full file system (a 16 KiB tmpfs on models/, which needs root): pretrain's 60 KB backbone does not fit."""
+    import subprocess
+
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(project / "models")], capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (and CAP_SYS_ADMIN)")
+    try:
+        _cli_project(project, repo_root, str(_save_safetensors(tmp_path / "w.safetensors", _vit_state())))
+        result = _run_cli(project, "pretrain")
+        assert (result.returncode, result.stderr) == (2, f"error: models/pretrained.safetensors: {NO_SPACE}\n")
+        assert list((project / "models").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(project / "models")], check=True)
+
+
+# ---------------------------------------------------------------- permissions (issue 16)
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)], ids=["umask 022", "umask 027"])
+def test_outputs_get_the_users_normal_permissions(tmp_path, umask, file_mode, dir_mode):
+    """Not mkstemp's 0600 or mkdtemp's 0700: what open() and mkdir() give under the umask."""
+    import stat
+
+    from mergeflow.io import _umask, write_json
+
+    previous = os.umask(umask)
+    try:
+        assert _umask() == umask and os.umask(umask) == umask  # read without being changed
+        save_state_dict(tmp_path / "m.safetensors", _state())
+        write_json(tmp_path / "m.json", {})
+        with atomic_path(tmp_path / "vectors", directory=True) as tmp:
+            save_state_dict(tmp / "digits.safetensors", _state())
+            (tmp / "stats.json").write_text("{}")
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [*tmp_path.iterdir(), *(tmp_path / "vectors").iterdir()]}
+    finally:
+        os.umask(previous)
+    assert modes == {"m.safetensors": file_mode, "m.json": file_mode, "vectors": dir_mode, "digits.safetensors": file_mode, "stats.json": file_mode}

@@ -7,8 +7,10 @@ Every writer goes through a temporary file (or directory) in the destination's f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -25,19 +27,65 @@ from mergeflow.errors import MergeflowError
 StateDict = dict[str, torch.Tensor]
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (/proc/self/status, Linux 4.7+): setting it to read it back, the
+    usual idiom, would briefly give other threads' new files a wrong mode."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: the racy idiom is all there is
+    os.umask(mask)
+    return mask
+
+
+# disk full, quota exceeded: the errnos a write fails with when the output does not fit
+_NO_SPACE = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+
+
+def _no_space(err: BaseException) -> str | None:
+    """What ran out, if ``err`` is a write failing for lack of space (an OSError, or safetensors' own error, which
+    carries the errno only in its text: 'I/O error: No space left on device (os error 28)')."""
+    if isinstance(err, OSError):
+        return _NO_SPACE.get(err.errno)
+    if isinstance(err, SafetensorError):
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        return _NO_SPACE.get(int(found.group(1))) if found else None
+    return None
+
+
+class NoSpaceError(MergeflowError):
+    """An output that did not fit on its file system; ``path`` is the output being written."""
+
+    def __init__(self, path: Path, lacking: str, kind: str):
+        super().__init__(f"{path}: could not be written: {lacking} (the partial {kind} was removed; free space and run again)")
+        self.path, self.lacking, self.kind = path, lacking, kind
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success move it onto ``path``, on failure delete it."""
+    """Yield a temporary sibling path; on success move it onto ``path``, on failure delete it.
+
+    The output gets the permissions of a file made by open() or a directory by mkdir() (0644 / 0755 under umask
+    022), not mkstemp's 0600 / mkdtemp's 0700: other users and serving processes read the models. A write that
+    runs out of space is one line naming ``path``.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if directory:
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    else:
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-        os.close(fd)
-        tmp = Path(name)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if directory:
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+        else:
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+            os.close(fd)
+            tmp = Path(name)
         yield tmp
+        # set here, not at creation: writers such as safetensors replace the file with one of their own
+        os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())
         if directory and path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -45,11 +93,17 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-    except BaseException:
-        if tmp.is_dir():
+    except BaseException as err:
+        if tmp is not None and tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
+        elif tmp is not None:
             tmp.unlink(missing_ok=True)
+        if isinstance(err, NoSpaceError) and tmp is not None and tmp in err.path.parents:
+            # a file written inside this temporary directory: name it where it was going, the directory is gone
+            raise NoSpaceError(path / err.path.relative_to(tmp), err.lacking, err.kind) from None
+        lacking = _no_space(err)
+        if lacking:
+            raise NoSpaceError(path, lacking, "directory" if directory else "file") from None
         raise
 
 
