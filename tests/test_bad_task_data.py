@@ -169,6 +169,51 @@ def test_head_with_another_number_of_classes_than_its_task_is_one_line(tmp_path)
     assert load_head(head, 32, num_classes=11, classes_source="data/tasks/digits.safetensors").out_features == 11
 
 
+# ---------------------------------------------------------------- the pretraining corpus
+def _corpus(n: int = 8) -> dict[str, torch.Tensor]:
+    return {"images": torch.zeros(n, 32, 32, 3, dtype=torch.uint8), "shape": torch.arange(n) % 4, "hue": torch.arange(n) % 2}
+
+
+BAD_CORPORA = [
+    ("images missing", lambda c: c.pop("images"), "array 'images' is missing (the pretraining corpus holds uint8 images [N, 32, 32, 3] and integer labels [N] per head)"),
+    ("float images", lambda c: c.update(images=c["images"].float()), "array 'images' has dtype float32 and shape (8, 32, 32, 3), expected uint8 images [N, 32, 32, 3]"),
+    ("images of another size", lambda c: c.update(images=torch.zeros(8, 16, 16, 3, dtype=torch.uint8)), "array 'images' has dtype uint8 and shape (8, 16, 16, 3), expected uint8 images [N, 32, 32, 3]"),
+    ("labels short", lambda c: c.update(hue=c["hue"][:7]), "array 'hue' has dtype int64 and shape (7,), expected integer labels [8], one per image"),
+    ("float labels", lambda c: c.update(shape=c["shape"].float()), "array 'shape' has dtype float32 and shape (8,), expected integer labels [8], one per image"),
+]
+
+
+@pytest.mark.parametrize("change, message", [c[1:] for c in BAD_CORPORA], ids=[c[0] for c in BAD_CORPORA])
+def test_bad_pretraining_corpus_is_one_line_in_pretrain_and_finetune(tmp_path, repo_root, change, message):
+    """pretrain reads the whole corpus; finetune's feature anchor only its header and images: both check it."""
+    params = parse_params(tiny_params(repo_root / "params.yaml"))
+    layout = Layout(tmp_path)
+    corpus = _corpus()
+    change(corpus)
+    save_state_dict(layout.pretrain_corpus, corpus)
+    for stage in (lambda: stages.pretrain(params, layout), lambda: stages._feature_anchor(params, layout, None, 0, torch.device("cpu"))):
+        with pytest.raises(MergeflowError) as err:
+            stage()
+        assert str(err.value) == f"{layout.pretrain_corpus}: {message}"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["pretrain.safetensors"]
+
+
+def _with_corpus_label(label: int) -> dict[str, torch.Tensor]:
+    corpus = _corpus()
+    corpus["hue"][3] = label
+    return corpus
+
+
+def test_negative_pretraining_label_is_one_line(tmp_path, repo_root):
+    params = parse_params(tiny_params(repo_root / "params.yaml"))
+    layout = Layout(tmp_path)
+    save_state_dict(layout.pretrain_corpus, _with_corpus_label(-2))
+    with pytest.raises(MergeflowError) as err:
+        stages.pretrain(params, layout)
+    assert str(err.value) == f"{layout.pretrain_corpus}: array 'hue' has label -2, expected labels >= 0"
+    assert not layout.pretrained.exists()
+
+
 # ---------------------------------------------------------------- through the real CLI
 def _project(root: Path, repo_root: Path) -> tuple[Path, Layout]:
     """A tiny project, laid out like stages.Layout: params.yaml (tiny profile, tasks digits and count), valid task

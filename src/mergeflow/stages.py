@@ -142,6 +142,7 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
             curve, head_acc = {"step": [], "loss": [], "lr": []}, {}
         else:
             corpus = load_state_dict(layout.pretrain_corpus, check=False)
+            data_mod.check_corpus(tensor_specs(corpus), str(layout.pretrain_corpus), params.suite.image_size, labels=corpus)
             images = corpus.pop("images")
             if len(images) == 0:
                 raise MergeflowError(f"{layout.pretrain_corpus}: the pretraining corpus is empty (suite.pretrain_images = 0)")
@@ -169,7 +170,9 @@ def _feature_anchor(params: Params, layout: Layout, backbone: Backbone, seed: in
     cfg = params.finetune.preserve_features
     if cfg.weight == 0:
         return None
-    corpus = LazyStateDict(layout.pretrain_corpus)["images"]
+    lazy_corpus = LazyStateDict(layout.pretrain_corpus)
+    data_mod.check_corpus(lazy_corpus.specs(), str(layout.pretrain_corpus), params.suite.image_size)
+    corpus = lazy_corpus["images"]
     if len(corpus) == 0:
         raise MergeflowError(f"{layout.pretrain_corpus}: finetune.preserve_features needs pretraining-corpus images and this corpus is empty (a pretrained backbone has none); set finetune.preserve_features.weight to 0")
     return FeatureAnchor.build(backbone, corpus, cfg, seed=seed, device=device, eval_batch_size=params.runtime.eval_batch_size)

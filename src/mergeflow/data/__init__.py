@@ -83,6 +83,25 @@ def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size
             raise MergeflowError(f"{source}: array 'train_y' holds only label {low}, expected at least two classes")
 
 
+def check_corpus(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], source: str, image_size: int, labels: dict[str, torch.Tensor] | None = None) -> None:
+    """The pretraining corpus, from its arrays' shapes and dtypes (a file's header is enough): uint8 'images'
+    [N, S, S, 3] (S = image_size) and, for each pretraining head, integer labels [N]; when ``labels`` (the arrays
+    themselves) are given, no negative label either."""
+    expected_images = f"uint8 images [N, {image_size}, {image_size}, 3]"
+    if "images" not in specs:
+        raise MergeflowError(f"{source}: array 'images' is missing (the pretraining corpus holds {expected_images} and integer labels [N] per head)")
+    shape, dtype = specs["images"]
+    if dtype != torch.uint8 or len(shape) != 4 or shape[1:] != (image_size, image_size, 3):
+        raise MergeflowError(f"{source}: array 'images' has dtype {str(dtype).removeprefix('torch.')} and shape {shape}, expected {expected_images}")
+    for name, (labels_shape, labels_dtype) in specs.items():
+        if name != "images" and (labels_dtype not in _INTEGER_DTYPES or labels_shape != shape[:1]):
+            raise MergeflowError(f"{source}: array '{name}' has dtype {str(labels_dtype).removeprefix('torch.')} and shape {labels_shape}, expected integer labels [{shape[0]}], one per image")
+    for name, y in (labels or {}).items():
+        # a head has as many classes as its largest label plus one: a negative label would index from the end
+        if name != "images" and len(y) and int(y.min()) < 0:
+            raise MergeflowError(f"{source}: array '{name}' has label {int(y.min())}, expected labels >= 0")
+
+
 def save_task(path: Path, task: str, arrays: dict[str, np.ndarray], classes: list[str], image_size: int) -> None:
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
     check_task(tensors, classes, str(path), image_size)
