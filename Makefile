@@ -41,13 +41,16 @@ $(UV):
 	$(PYTHON) -m venv $(VENV)/uv
 	$(VENV)/uv/bin/pip install -q uv==$(UV_VERSION)
 
+# `mergeflow repro` is `mergeflow check` (params.yaml's names, a cut-short dvc.lock) then `dvc repro` with
+# dvc.lock written atomically; the flow runs the same check first
 pipeline: install
-	$(BIN)/dvc repro
+	$(BIN)/mergeflow repro
 
 flow: install
 	$(BIN)/python -m flows.pipeline
 
 test: install
+	$(BIN)/mergeflow check
 	$(BIN)/pytest -q
 
 bench: install

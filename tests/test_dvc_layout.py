@@ -17,10 +17,10 @@ def test_dvc_stages_match_layout(repo_root):
     assert set(stages) == expected
     assert str(layout.pretrained) in outs["pretrain"] and str(layout.metrics("pretrain")) in outs["pretrain"]
     for t in params.suite.tasks:
-        assert {str(layout.finetuned(t)), str(layout.head(t)), str(layout.epochs(t)), str(layout.metrics("finetune", t)), str(layout.log("finetune", t))} == outs[f"finetune@{t}"]
-        assert stages[f"finetune@{t}"].cmd == f"mergeflow finetune --task {t}"
+        assert {str(layout.finetuned(t)), str(layout.head(t)), str(layout.epochs(t)), str(layout.metrics("finetune", t)), str(layout.log("finetune", t)), str(layout.timing("finetune", t))} == outs[f"finetune@{t}"]
+        assert stages[f"finetune@{t}"].cmd == "mergeflow finetune"  # the task comes from DVC_STAGE
     for m in params.merge.methods:
-        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png"))} == outs[f"merge@{m}"]
-        assert stages[f"merge@{m}"].cmd == f"mergeflow merge --method {m}"
-    assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors"))}
+        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png")), str(layout.timing("merge", m))} == outs[f"merge@{m}"]
+        assert stages[f"merge@{m}"].cmd == "mergeflow merge"  # the method comes from DVC_STAGE
+    assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors")), str(layout.timing("vectors"))}
     assert outs["report"] == {str(layout.results)}

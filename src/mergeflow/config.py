@@ -7,6 +7,8 @@ Every field has a comment saying what it is. An unknown key, a wrong type or an 
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,13 +19,25 @@ from mergeflow.errors import MergeflowError
 
 DEFAULT_PARAMS = "params.yaml"
 
+# A name that can reach a file path, a DVC stage name or a command line (a task, a backbone, a suite) is a plain
+# word: letters, digits, '_', '.' and '-', starting with a letter or digit. Nothing a shell or a path treats specially.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+_NAME = re.compile(NAME_PATTERN)
+
+
+def check_name(value: str, where: str) -> str:
+    """``value`` if it is a plain name (NAME_PATTERN), else ValueError naming ``where``."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{where}: {value!r} is not a plain name (letters, digits, '_', '.', '-'; first a letter or digit)")
+    return value
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class SuiteConfig(_Strict):
-    name: str = Field("embedded", pattern=r"^[A-Za-z0-9_.-]+$")  # names the MLflow experiment: mergeflow/<name>
+    name: str = Field("embedded", pattern=NAME_PATTERN)  # names the MLflow experiment: mergeflow/<name>
     source: Literal["embedded", "imagefolder", "torchvision"] = "embedded"
     root: str | None = None  # imagefolder: <root>/<task>/{train,val,test}/<class>/*; torchvision: dataset root (no download)
     tasks: list[str] = Field(min_length=1)  # downstream tasks, in report order
@@ -36,6 +50,8 @@ class SuiteConfig(_Strict):
     @field_validator("tasks")
     @classmethod
     def _unique(cls, tasks: list[str]) -> list[str]:
+        for i, task in enumerate(tasks):
+            check_name(task, f"task {i}")
         dup = sorted({t for t in tasks if tasks.count(t) > 1})
         if dup:
             raise ValueError(f"task '{dup[0]}' is listed twice")
@@ -49,7 +65,7 @@ class SuiteConfig(_Strict):
 
 
 class BackboneConfig(_Strict):
-    model: str = "vit_tiny_patch16_224"  # any timm model name
+    model: str = Field("vit_tiny_patch16_224", pattern=NAME_PATTERN)  # any timm model name
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to timm.create_model (img_size, patch_size, embed_dim, ...)
     global_pool: str = "avg"
     input_norm: Literal["center", "per_image", "pretrained_cfg", "none"] = "center"  # per-image normalisation, or the weights' own mean/std
@@ -104,7 +120,7 @@ class MergeConfig(BaseModel):
 
         for name in list(self.methods) + list(self.model_extra or {}):
             if name not in REGISTRY:
-                raise ValueError(f"unknown merge method '{name}' (registered: {', '.join(sorted(REGISTRY))})")
+                raise ValueError(f"unknown merge method {name!r} (registered: {', '.join(sorted(REGISTRY))})")
         for name, overrides in (self.model_extra or {}).items():
             validate_overrides(REGISTRY[name], overrides, where=f"merge.{name}")
         return self
@@ -167,7 +183,7 @@ def _one_line(err: ValidationError, source: str) -> str:
         return f"{source}: unknown key '{key}' (allowed here: {allowed})"
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
-    shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
     return f"{source}: {key}: {msg}{shown}"
 
 
@@ -189,3 +205,50 @@ def load_params(path: str | os.PathLike = DEFAULT_PARAMS) -> Params:
     except yaml.YAMLError as err:
         raise MergeflowError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     return parse_params(raw, str(path))
+
+
+def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: bool = True) -> Params:
+    """Set ``key.path=value`` overrides in the params file, as ``dvc exp run -S`` does (the value read as YAML),
+    keeping its comments and layout. The result is validated in full before the file is replaced (atomically):
+    a bad override leaves the file untouched. Returns the new params (``write=False``: only checks them)."""
+    import io
+
+    from ruamel.yaml import YAML
+
+    path = Path(path)
+    load_params(path)  # the file as it is must be valid too
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 4096  # no re-wrapping of long flow lists
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))  # not blank
+    doc = rt.load(path.read_text())
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        parts = key.strip().split(".")
+        try:
+            for part in parts:
+                check_name(part, f"override {override!r}: key")
+            if not sep:
+                raise ValueError(f"override {override!r}: expected KEY=VALUE, e.g. merge.ties.k=0.1")
+            value = yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as err:
+            raise MergeflowError(str(err).splitlines()[0]) from None
+        node = doc
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    buffer = io.StringIO()
+    rt.dump(doc, buffer)
+    params = parse_params(yaml.safe_load(buffer.getvalue()), f"{path} with {' '.join(overrides)}")
+    if not write:
+        return params
+    from mergeflow.io import temporary_prefix
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
+    with os.fdopen(fd, "w") as f:
+        f.write(buffer.getvalue())
+    os.chmod(tmp, path.stat().st_mode & 0o777)
+    os.replace(tmp, path)
+    return params

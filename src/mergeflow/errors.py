@@ -1,5 +1,20 @@
-"""One exception type for every user-facing failure: the CLI prints its message on one line and exits non-zero."""
+"""The user-facing failures and the exit status each gives (the CLI prints the message on one line).
+
+Exit status 2 is bad input or configuration: running again cannot help, so the Prefect flow never retries it.
+Exit status 75 (EX_TEMPFAIL) is a transient failure of the environment, which a retry may get past.
+"""
+
+BAD_INPUT_STATUS = 2
+TRANSIENT_STATUS = 75
 
 
 class MergeflowError(Exception):
     """Bad input or configuration. The message names the file, key or tensor at fault."""
+
+    exit_status = BAD_INPUT_STATUS
+
+
+class TransientError(MergeflowError):
+    """A failure a retry may get past: a lock held by another process, a busy database, memory taken by others."""
+
+    exit_status = TRANSIENT_STATUS
