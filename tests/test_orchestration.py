@@ -1,9 +1,22 @@
-"""The Prefect task's retry rule and the stage runner's failure report, without a Prefect server."""
+"""The Prefect task's retry rule, the stage runner (argument lists, failure report, stopping), dvc.lock's
+recovery and atomic writes, and the flow's refusal to share the repository: without a Prefect server."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
-from mergeflow.orchestration import StageFailed, StageNode, run_stage, stage_graph, stage_threads
-from tasks.stages import _retry_unless_bad_input
+from mergeflow import lockfile, orchestration
+from mergeflow.errors import MergeflowError
+from mergeflow.orchestration import StageFailed, StageNode, locked_repo, run_stage, stage_graph, stage_threads
+from tasks.stages import _retry_if_transient
+
+DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
 
 
 class _State:
@@ -19,23 +32,64 @@ class _State:
 @pytest.mark.parametrize(
     ("error", "retry"),
     [
-        (StageFailed("merge@ties", 1, "killed"), True),  # a crash may be transient
-        (StageFailed("merge@ties", 137, "out of memory"), True),
+        (StageFailed("merge@ties", -9, "killed"), True),  # the OOM killer, a preempted node
+        (StageFailed("merge@ties", 75, "error: the MLflow store is locked by another process"), True),
         (StageFailed("merge@ties", 2, "error: params.yaml: merge.ties.k: ..."), False),  # bad input: retrying cannot help
+        (StageFailed("merge@ties", 1, "ZeroDivisionError: division by zero"), False),  # a bug fails the same way again
         (RuntimeError("lost the connection"), True),
         (None, False),
     ],
 )
 def test_retry_rule(error, retry):
-    assert _retry_unless_bad_input(None, None, _State(error)) is retry
+    assert _retry_if_transient(None, None, _State(error)) is retry
+
+
+def _node(tmp_path, script: str, address="finetune@digits") -> StageNode:
+    (tmp_path / "stage.py").write_text(script)
+    return StageNode(address, (sys.executable, "stage.py"), ())
 
 
 def test_failed_stage_reports_its_status_and_last_line(tmp_path):
-    node = StageNode("finetune@digits", "echo starting; echo 'error: task digits: no such file' >&2; exit 2", ())
+    node = _node(tmp_path, "import sys\nprint('starting')\nprint('error: task digits: no such file', file=sys.stderr)\nsys.exit(2)\n")
     with pytest.raises(StageFailed) as err:
         run_stage(node, tmp_path)
-    assert err.value.returncode == 2 and err.value.address == "finetune@digits"
+    assert err.value.returncode == 2 and err.value.address == "finetune@digits" and err.value.bad_input and not err.value.transient
     assert str(err.value).endswith("error: task digits: no such file")
+
+
+def test_stage_runs_as_an_argument_list_with_dvc_stage_set(tmp_path):
+    """No shell: metacharacters in an argument stay characters, and the stage learns its address as under DVC."""
+    (tmp_path / "show.py").write_text("import os, sys\nprint(repr(sys.argv[1:]), os.environ['DVC_STAGE'])\n")
+    node = StageNode("merge@ties", (sys.executable, "show.py", "a;touch pwned;#", "$(touch pwned2)"), ())
+    result = run_stage(node, tmp_path)
+    assert "['a;touch pwned;#', '$(touch pwned2)'] merge@ties" in result["output"]
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+
+
+@pytest.mark.parametrize("cmd", ["mergeflow prepare && rm -rf data", "mergeflow merge | tee log", "mergeflow report > out"])
+def test_a_command_needing_a_shell_is_refused(cmd):
+    with pytest.raises(MergeflowError, match=r"needs a shell; the flow runs commands as argument lists"):
+        orchestration._argv("report", cmd)
+
+
+def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
+    node = _node(tmp_path, "import time\ntime.sleep(60)\n")
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(StageFailed, run_stage, node, tmp_path).value))
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not orchestration._running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        started = time.monotonic()
+        assert orchestration.stop_stages(grace_s=5) == 1
+        thread.join(10)
+        assert time.monotonic() - started < 10 and errors[0].returncode == -signal.SIGTERM
+        assert not errors[0].transient  # stopped on purpose: not retried
+        with pytest.raises(StageFailed, match="the flow is stopping"):
+            run_stage(node, tmp_path)
+    finally:
+        orchestration._stopping.clear()
 
 
 def test_concurrent_stages_share_the_cores_and_lone_stages_get_them_all(repo_root):
@@ -47,3 +101,101 @@ def test_concurrent_stages_share_the_cores_and_lone_stages_get_them_all(repo_roo
     assert stage_threads(nodes, every, workers=4, cores=16)["finetune@digits"] == 4
     # only one merge left to run: it has no sibling to share with
     assert stage_threads(nodes, {"merge@ties", "report", "track"}, workers=2, cores=2) == {"merge@ties": 2, "report": 2, "track": 2}
+
+
+# ---------------------------------------------------------------- dvc.lock
+def _dvc_project(tmp_path):
+    """A one-stage DVC project: `echo` into out.txt."""
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([DVC, "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  one:\n    cmd: python -c \"open('out.txt','w').write('1')\"\n    outs: [out.txt]\n")
+    return tmp_path
+
+
+def test_truncated_lock_is_restored_from_the_good_copy(tmp_path):
+    root = _dvc_project(tmp_path)
+    subprocess.run([DVC, "repro", "-q"], cwd=root, check=True)
+    good = (root / "dvc.lock").read_text()
+    assert lockfile.recover(root) is None and lockfile.good_copy(root).read_text() == good
+    (root / "dvc.lock").write_text(good[: len(good) // 2])  # as a kill in the middle of DVC's write leaves it
+    notice = lockfile.recover(root)
+    assert "was unreadable" in notice and "restored from" in notice
+    assert (root / "dvc.lock").read_text() == good
+    assert subprocess.run([DVC, "status"], cwd=root, capture_output=True, text=True).returncode == 0
+
+
+def test_empty_lock_without_a_copy_comes_back_from_git(tmp_path):
+    root = _dvc_project(tmp_path)
+    subprocess.run([DVC, "repro", "-q"], cwd=root, check=True)
+    good = (root / "dvc.lock").read_text()
+    subprocess.run("git add -A && git -c user.name=t -c user.email=t@t commit -qm one", shell=True, cwd=root, check=True)
+    (root / "dvc.lock").write_text("")
+    assert "restored from git HEAD" in lockfile.recover(root)
+    assert (root / "dvc.lock").read_text() == good
+
+
+def test_unrecoverable_lock_is_one_line(tmp_path):
+    root = _dvc_project(tmp_path)
+    (root / "dvc.lock").write_text("schema: '2.0'\nstages:\n  one:\n    cmd: [")
+    with pytest.raises(MergeflowError, match=r"dvc.lock: unreadable \(\d+ bytes\) and no good copy to restore it from"):
+        lockfile.recover(root)
+
+
+def test_dvc_lock_writes_are_atomic(tmp_path, monkeypatch):
+    """A failure in the middle of DVC's dump (as a kill would be) leaves the previous dvc.lock, not half of one."""
+    from dvc.repo import Repo
+
+    root = _dvc_project(tmp_path)
+    subprocess.run([DVC, "repro", "-q"], cwd=root, check=True)
+    before = (root / "dvc.lock").read_text()
+    (root / "out.txt").write_text("2")
+    import ruamel.yaml
+
+    def half_then_die(self, data, stream, *args, **kwargs):
+        stream.write("schema: '2.0'\nsta")
+        raise KeyboardInterrupt
+
+    with lockfile.atomic_dvc_writes(), Repo(str(root)) as repo:
+        monkeypatch.setattr(ruamel.yaml.YAML, "dump", half_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            orchestration.commit_stage(repo, "one")
+    assert (root / "dvc.lock").read_text() == before
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+
+
+def test_flow_refuses_a_repository_another_dvc_command_holds(tmp_path):
+    root = _dvc_project(tmp_path)
+    with locked_repo(root):
+        proc = subprocess.run([DVC, "repro"], cwd=root, capture_output=True, text=True)
+        assert proc.returncode != 0 and "Unable to acquire lock" in proc.stderr
+        assert not (root / "out.txt").exists()  # refused before running anything
+    # a stage that another DVC process is running (DVC drops its repository lock meanwhile, but records it)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (root / ".dvc" / "tmp" / "rwlock").write_text(json.dumps({"read": {}, "write": {str(root / "out.txt"): {"pid": sleeper.pid, "cmd": "dvc repro"}}}))
+        with pytest.raises(MergeflowError, match=rf"another DVC command is running a stage here \(pid {sleeper.pid}: dvc repro\)"):
+            with locked_repo(root):
+                pass
+    finally:
+        sleeper.kill()
+    with locked_repo(root):  # the recorded process is gone: nothing blocks
+        pass
+
+
+def test_sweep_removes_only_dead_processes_temporaries(tmp_path):
+    from mergeflow.io import sweep_temporaries, temporary_prefix
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "vectors").mkdir()
+    leftovers = [tmp_path / "vectors" / f".digits.safetensors.tmp-{dead.pid}-ab12", tmp_path / f".vectors.old-{dead.pid}"]
+    leftovers[0].write_bytes(b"half")
+    leftovers[1].mkdir()
+    (leftovers[1] / "x.safetensors").write_bytes(b"old")
+    mine = tmp_path / "vectors" / (temporary_prefix(tmp_path / "count.safetensors") + "cd34")  # a write in progress
+    mine.write_bytes(b"being written")
+    kept = [tmp_path / "vectors" / "digits.safetensors", tmp_path / "vectors" / "notes.tmp-1-x"]  # not hidden: not ours
+    for path in kept:
+        path.write_bytes(b"output")
+    assert sorted(sweep_temporaries([tmp_path])) == sorted(leftovers)
+    assert mine.exists() and all(p.exists() for p in kept) and not any(p.exists() for p in leftovers)
