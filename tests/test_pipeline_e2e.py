@@ -2,10 +2,7 @@
 on the outputs (against routes independent of the merge code) and on what MLflow recorded."""
 
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +14,7 @@ from mlflow import MlflowClient
 
 from mergeflow.io import load_state_dict
 
-from .profiles import tiny_params
+from .conftest import copy_project, run as _run
 
 pytestmark = pytest.mark.e2e
 TASKS = ["digits", "house_numbers", "count"]
@@ -25,57 +22,11 @@ METHODS = ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr",
 ROWS = [m for m in METHODS if m != "task_negation"]
 
 
-def _run(cmd, cwd, env, timeout=900):
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + proc.stderr
-
-
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, repo_root):
-    dst = tmp_path_factory.mktemp("project")
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=repo_root, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (repo_root / f).is_file() and not f.startswith("tests/"):
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(repo_root / f, dst / f)
-    (dst / "params.yaml").write_text(yaml.safe_dump(tiny_params(repo_root / "params.yaml"), sort_keys=False))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(dst / ".prefect-home"), "MERGEFLOW_THREADS": "2"}
-    env |= {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    (dst / ".gitignore").write_text((dst / ".gitignore").read_text() + ".prefect-home/\n")
-    _run("git init -q && git add -A && git commit -qm tiny", dst, env)
-    return dst, env
-
-
-@pytest.fixture(scope="module")
-def prefect_server(project):
-    """A running Prefect server (`prefect server start`), for the flow's PREFECT_API_URL path: started once."""
-    import signal
-    import socket
-    import time
-    import urllib.request
-
-    root, env = project
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server_env = env | {"PREFECT_HOME": str(root.parent / "prefect-server-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    proc = subprocess.Popen(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
-                time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+def project(tiny_reference, tiny_env, tmp_path_factory):
+    """A copy of the session's reference run (one `dvc repro` of the tiny profile), with that run's output."""
+    root, out = tiny_reference
+    return copy_project(root, tmp_path_factory.mktemp("e2e") / "project"), tiny_env, out
 
 
 def _server_records(url: str, kind: str) -> list[dict]:
@@ -84,6 +35,11 @@ def _server_records(url: str, kind: str) -> list[dict]:
 
     request = urllib.request.Request(f"{url}/{kind}/filter", data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
     return json.loads(urllib.request.urlopen(request, timeout=30).read())
+
+
+def _flow_runs_of(url: str, root) -> list[dict]:
+    """The flow runs a (shared) Prefect server holds for the project at ``root``."""
+    return [r for r in _server_records(url, "flow_runs") if r["parameters"].get("root") == str(root)]
 
 
 def _stages_ran(flow_output: str) -> set[str]:
@@ -100,10 +56,9 @@ def _mlflow(project_dir):
 
 
 def test_pipeline_end_to_end(project, prefect_server):
-    root, env = project
+    root, env, out = project
 
-    # 1. dvc repro runs everything
-    out = _run("dvc repro", root, env)
+    # 1. dvc repro ran everything (the session's reference run)
     for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", *(f"merge@{m}" for m in METHODS), "report", "track"]:
         assert f"Running stage '{stage}'" in out
     assert "up to date" in _run("dvc status", root, env)
@@ -148,10 +103,12 @@ def test_pipeline_end_to_end(project, prefect_server):
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["merge"]["ties"]["k"] = 0.1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env | {"PREFECT_API_URL": prefect_server}))
+    ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(root)], root, env | {"PREFECT_API_URL": prefect_server}))
     assert ran == {"merge@ties", "report", "track"}
-    assert [(r["flow_id"] is not None, r["state_type"]) for r in _server_records(prefect_server, "flow_runs")] == [(True, "COMPLETED")]
-    assert {(r["name"], r["state_type"]) for r in _server_records(prefect_server, "task_runs")} == {(s, "COMPLETED") for s in ran}
+    flow_runs = _flow_runs_of(prefect_server, root)
+    assert [(r["flow_id"] is not None, r["state_type"]) for r in flow_runs] == [(True, "COMPLETED")]
+    task_runs = [r for r in _server_records(prefect_server, "task_runs") if r["flow_run_id"] == flow_runs[0]["id"]]
+    assert {(r["name"], r["state_type"]) for r in task_runs} == {(s, "COMPLETED") for s in ran}
     assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.1
     # ... and then DVC agrees that everything is up to date
     assert "up to date" in _run("dvc status", root, env)

@@ -65,6 +65,44 @@ class NoSpaceError(MergeflowError):
         self.path, self.lacking, self.kind = path, lacking, kind
 
 
+def default_mode(*, directory: bool = False) -> int:
+    """The mode open() or mkdir() would give a new file or directory (0644 / 0755 under umask 022)."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def temporary_prefix(path: Path) -> str:
+    """A hidden sibling's name prefix that names this process: `.<name>.tmp-<pid>-` (.dvcignore'd; swept once the
+    process is gone)."""
+    return f".{path.name}.tmp-{os.getpid()}-"
+
+
+_TEMPORARY = re.compile(r"^\..+\.(?:tmp-(\d+)-.*|old-(\d+))$")
+
+
+def sweep_temporaries(roots: list[Path]) -> list[Path]:
+    """Remove the temporaries (files or directories) that interrupted atomic writes left under ``roots``: those of
+    processes no longer running. A live process's (a concurrent stage's write in progress) are left. Returns what
+    was removed."""
+    from mergeflow.orchestration import process_alive
+
+    removed = []
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in [*dirnames, *filenames]:
+                match = _TEMPORARY.match(name)
+                if match and not process_alive(int(match.group(1) or match.group(2))):
+                    target = Path(dirpath) / name
+                    if target.is_dir() and not target.is_symlink():
+                        shutil.rmtree(target, ignore_errors=True)
+                        dirnames.remove(name)
+                    else:
+                        target.unlink(missing_ok=True)
+                    removed.append(target)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling path; on success move it onto ``path``, on failure delete it.
@@ -78,14 +116,14 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if directory:
-            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=temporary_prefix(path)))
         else:
-            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
             os.close(fd)
             tmp = Path(name)
         yield tmp
         # set here, not at creation: writers such as safetensors replace the file with one of their own
-        os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())
+        os.chmod(tmp, default_mode(directory=directory))
         if directory and path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)

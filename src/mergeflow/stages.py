@@ -38,6 +38,11 @@ class Layout:
         return self.root.joinpath(*parts)
 
     @property
+    def output_roots(self) -> list[Path]:
+        """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
+        return [self._p(d) for d in ("data", "models", "vectors", "merged", "metrics", "results", "logs")]
+
+    @property
     def pretrain_corpus(self) -> Path:
         return self._p("data", "pretrain.safetensors")
 
@@ -69,6 +74,11 @@ class Layout:
 
     def log(self, stage: str, name: str | None = None, suffix: str = ".json") -> Path:
         return self._p("logs", f"{stage}{suffix}") if name is None else self._p("logs", stage, f"{name}{suffix}")
+
+    def timing(self, stage: str, name: str | None = None) -> Path:
+        """A stage's wall time: apart from its metrics, which later stages depend on, so that re-running a stage
+        that gives the same outputs in another time leaves everything downstream up to date."""
+        return self.log("timing", stage) if name is None else self._p("logs", "timing", stage, f"{name}.json")
 
     @property
     def results(self) -> Path:
@@ -127,8 +137,9 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
         tensors = {k: torch.from_numpy(v) for k, v in (corpus or {}).items()}
         save_state_dict(layout.pretrain_corpus, tensors or {"images": torch.zeros(0, params.suite.image_size, params.suite.image_size, 3, dtype=torch.uint8)}, {"heads": json.dumps(sorted(k for k in tensors if k != "images"))})
     sizes = {t: {s: int(len(arrays[f"{s}_y"])) for s in data_mod.SPLITS} for t, (arrays, _) in built.items()}
-    metrics = {"wall_time_s": timer.seconds, "tasks": sizes, "pretrain_images": int(len(tensors.get("images", [])))}
+    metrics = {"tasks": sizes, "pretrain_images": int(len(tensors.get("images", [])))}
     write_json(layout.metrics("prepare"), metrics)
+    write_json(layout.timing("prepare"), {"wall_time_s": timer.seconds})
     return metrics
 
 
@@ -156,12 +167,12 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
     save_state_dict(layout.pretrained, state, backbone_metadata(params.backbone))
     write_json(layout.log("pretrain"), curve)
     metrics = {
-        "wall_time_s": timer.seconds,
         "parameters": sum(v.numel() for v in state.values()),
         "train_head_accuracy": head_acc,  # on the last corpus images, seen in training: a sanity check, not a score
         "final_loss": curve["loss"][-1] if curve["loss"] else None,
     }
     write_json(layout.metrics("pretrain"), metrics)
+    write_json(layout.timing("pretrain"), {"wall_time_s": timer.seconds})
     return metrics
 
 
@@ -209,13 +220,13 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     write_json(layout.log("finetune", task), curve.as_dict())
     metrics = {
         "task": task,
-        "wall_time_s": timer.seconds,
         "steps": len(curve.step),
         "probe": {"C": probe.c, **probe_acc},
         "individual": individual,
         "gain_over_probe": {s: individual[s] - probe_acc[s] for s in ("val", "test")},
     }
     write_json(layout.metrics("finetune", task), metrics)
+    write_json(layout.timing("finetune", task), {"wall_time_s": timer.seconds})
     return metrics
 
 
@@ -231,8 +242,9 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
                 save_state_dict(tmp / f"{t}.safetensors", tv, {"task": t})
             write_json(tmp / "stats.json", stats)
             plot_cosine_heatmap(stats, tmp / "cosine.png")
-    summary = {"wall_time_s": timer.seconds, "norms": stats["norms"], "relative_norms": stats["relative_norms"]}
+    summary = {"norms": stats["norms"], "relative_norms": stats["relative_norms"]}
     write_json(layout.metrics("vectors"), summary)
+    write_json(layout.timing("vectors"), {"wall_time_s": timer.seconds})
     return summary
 
 
@@ -271,7 +283,7 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         except ValueError as err:
             raise MergeflowError(str(err)) from None
     fixed, grid = spec.search_space(overrides)
-    metrics = {"method": method, "kind": spec.kind, "paper": spec.paper, "grid": grid, "wall_time_s": timer.seconds}
+    metrics = {"method": method, "kind": spec.kind, "paper": spec.paper, "grid": grid}
     if spec.kind == "negation":
         output = {f"lam/{t}": torch.tensor(float(r["chosen"]["lam"])) for t, r in negation.items()}
         metrics |= {"hyperparameters": fixed, "searched": {}, "pretrained_val_accuracy": pretrained_acc, "per_task": negation}
@@ -295,7 +307,8 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         else:
             plot_validation_curve(method, curve, list(grid), tmp)
     write_json(layout.metrics("merge", method), metrics)
-    evaluate(params, method, layout, tasks=tasks, heads=heads)
+    evaluated = evaluate(params, method, layout, tasks=tasks, heads=heads)
+    write_json(layout.timing("merge", method), {"wall_time_s": timer.seconds, "evaluate_wall_time_s": evaluated["wall_time_s"]})
     return metrics
 
 
@@ -332,7 +345,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
             acc = evaluator.per_task(lambda t: spec.reconstruct(output, pretrained, t))
         else:
             acc = evaluator(output)
-    metrics = {"method": method, "kind": spec.kind, "hyperparameters": chosen["hyperparameters"], "searched": chosen["searched"], "wall_time_s": timer.seconds}
+    metrics = {"method": method, "kind": spec.kind, "hyperparameters": chosen["hyperparameters"], "searched": chosen["searched"]}
     if spec.kind == "negation":
         metrics |= {"per_task": per_task, "average": {k: mean(r[k] for r in per_task.values()) for k in ("target", "control", "pretrained_target", "pretrained_control")}}
     else:
@@ -345,10 +358,21 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
             "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if spec.kind == "per_task" else 1.0,
         }
     write_json(layout.metrics("evaluate", method), metrics)
-    return metrics
+    return metrics | {"wall_time_s": timer.seconds}
 
 
 # ---------------------------------------------------------------- report
+def stage_wall_times(params: Params, layout: Layout = Layout()) -> dict[str, float]:
+    """Seconds inside each stage (a merge: its search on validation, then its test evaluation), by stage address."""
+    times = {"prepare": read_json(layout.timing("prepare"))["wall_time_s"], "pretrain": read_json(layout.timing("pretrain"))["wall_time_s"]}
+    times |= {f"finetune@{t}": read_json(layout.timing("finetune", t))["wall_time_s"] for t in params.suite.tasks}
+    times["vectors"] = read_json(layout.timing("vectors"))["wall_time_s"]
+    for m in params.merge.methods:
+        timing = read_json(layout.timing("merge", m))
+        times[f"merge@{m}"] = timing["wall_time_s"] + timing["evaluate_wall_time_s"]
+    return times
+
+
 def report(params: Params, layout: Layout = Layout()) -> dict:
     """Summary table (Markdown, CSV, JSON) and bar chart: Pretrained, Individual and every method."""
     tasks = params.suite.tasks
@@ -356,11 +380,7 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
     negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
     rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations})
-    stage_times = {"prepare": read_json(layout.metrics("prepare"))["wall_time_s"], "pretrain": read_json(layout.metrics("pretrain"))["wall_time_s"]}
-    stage_times |= {f"finetune@{t}": ft[t]["wall_time_s"] for t in tasks}
-    stage_times["vectors"] = read_json(layout.metrics("vectors"))["wall_time_s"]
-    # merge@<method> searches on validation, then evaluates the choice on test
-    stage_times |= {f"merge@{m}": read_json(layout.metrics("merge", m))["wall_time_s"] + ev[m]["wall_time_s"] for m in params.merge.methods}
+    stage_times = stage_wall_times(params, layout)
     with atomic_path(layout.results, directory=True) as tmp:
         (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))

@@ -5,13 +5,24 @@ under ``merge``. Parameters are what each stage used (every merge hyperparameter
 include training curves by step, artifacts the checkpoints, merged models, plots and the summary table; tags hold
 the git commit and dvc.lock hashes. Because it reads the stages' outputs, ``dvc repro`` and the Prefect flow
 record the same thing.
+
+``track`` survives being killed at any point: a new SQLite store is created and migrated under a temporary name
+and then renamed into place (an old one is upgraded on a copy), so a kill during MLflow's migrations leaves no
+half-migrated ``mlflow.db``; runs a killed ``track`` left RUNNING are marked FAILED when the next one starts, and
+that one logs everything again. DVC never restores ``track`` from its run-cache (its output is ``persist``), so it
+always logs to the store it is pointed at.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+import socket
+import sqlite3
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,12 +30,95 @@ from pathlib import Path
 import yaml
 
 from mergeflow.config import Params
-from mergeflow.io import read_json, write_json
+from mergeflow.errors import MergeflowError, TransientError
+from mergeflow.io import default_mode, read_json, temporary_prefix, write_json
+from mergeflow.orchestration import process_alive
 from mergeflow.stages import Layout
 
 
 def tracking_uri(root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def _schema_revision(path: Path) -> str | None:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+    except (sqlite3.Error, TypeError):
+        return None
+
+
+def _run_count(path: Path) -> int:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def _migrate(path: Path) -> None:
+    """Create MLflow's tables in the SQLite file ``path`` (empty or partial) and upgrade them to the latest schema."""
+    import sqlalchemy
+    from mlflow.store.db import utils
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    try:
+        if utils._all_tables_exist(engine):
+            utils._upgrade_db(engine)
+        else:
+            utils._initialize_tables(engine)
+    finally:
+        engine.dispose()
+
+
+def prepare_store(uri: str) -> str | None:
+    """Make a local SQLite store ready before MLflow opens it: created or upgraded under a temporary name, then
+    renamed into place, so that a kill at any point leaves either the old file or a complete new one. A store that
+    an earlier, unprotected kill left half-migrated, with no runs in it, is set aside and made anew. Returns a
+    one-line notice when it set one aside. Other stores (a server, another database) are left to MLflow."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = Path(uri.removeprefix("sqlite:///"))
+    head = _get_latest_schema_revision()
+    if path.is_file() and _schema_revision(path) == head:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
+    os.close(fd)
+    tmp, notice = Path(name), None
+    try:
+        if path.is_file() and path.stat().st_size:
+            shutil.copyfile(path, tmp)
+        try:
+            _migrate(tmp)
+        except Exception as err:  # noqa: BLE001 - any failure of a partial schema: start over if nothing is lost
+            if path.is_file() and _run_count(path):
+                raise MergeflowError(f"{path}: MLflow could not upgrade this store ({str(err).splitlines()[0]}); back it up and run 'mlflow db upgrade {uri}'") from None
+            tmp.write_bytes(b"")
+            _migrate(tmp)
+            aside = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            notice = f"{path}: a half-migrated MLflow store with no runs (left by a killed run) was set aside as {aside.name} and made anew"
+        os.chmod(tmp, default_mode())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return notice
+
+
+def fail_abandoned_runs(client, experiment_id: str) -> int:
+    """Mark FAILED the runs a killed ``track`` on this host left RUNNING (its process is gone); returns how many."""
+    host = socket.gethostname()
+    abandoned = [
+        r
+        for r in client.search_runs([experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`mergeflow.host` = '{host}'", max_results=5000)
+        if not process_alive(int(r.data.tags.get("mergeflow.pid", "0")))
+    ]
+    for run in abandoned:
+        client.set_terminated(run.info.run_id, "FAILED")
+    return len(abandoned)
 
 
 def experiment_name(params: Params) -> str:
@@ -76,14 +170,27 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     from mlflow import MlflowClient
 
     root = layout.root
-    mlflow.set_tracking_uri(tracking_uri(root))
-    experiment = mlflow.set_experiment(experiment_name(params))
+    uri = tracking_uri(root)
+    if notice := prepare_store(uri):
+        print(f"warning: {notice}")
+    mlflow.set_tracking_uri(uri)
+    try:
+        experiment = mlflow.set_experiment(experiment_name(params))
+    except Exception as err:  # noqa: BLE001 - SQLite's lock is held by another writer: worth a retry
+        if "database is locked" in str(err):
+            raise TransientError(f"{uri}: the MLflow store is locked by another process") from None
+        raise
     client = MlflowClient()
+    if failed := fail_abandoned_runs(client, experiment.experiment_id):
+        print(f"marked {failed} runs FAILED that a killed track left RUNNING")
     run_tags, stage_tags = _lock_tags(root)
-    run_tags |= {"git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc")}
+    # every run carries its host and process, so the next track can tell a run still being logged from an abandoned one
+    process_tags = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid())}
+    run_tags |= process_tags | {"git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc")}
     if os.environ.get("PREFECT__FLOW_RUN_ID"):
         run_tags["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
     summary = read_json(layout.results / "summary.json")
+    times = summary["stage_wall_time_s"]
     log_ckpt = params.tracking.log_checkpoints
     tasks, methods = params.suite.tasks, params.merge.methods
 
@@ -98,17 +205,17 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
             mlflow.log_artifact(str(root / "dvc.lock"))
 
         def child(name: str, parent_id: str, tags: Mapping[str, str] | None = None):
-            return mlflow.start_run(run_name=name, nested=True, parent_run_id=parent_id, tags={**stage_tags.get(name, {}), **(tags or {})})
+            return mlflow.start_run(run_name=name, nested=True, parent_run_id=parent_id, tags={**process_tags, **stage_tags.get(name, {}), **(tags or {})})
 
         with child("prepare", parent.info.run_id) as run:
             mlflow.log_params(_flatten("suite", params.suite.model_dump(mode="json")) | {"seed": params.seed})
             prep = read_json(layout.metrics("prepare"))
-            mlflow.log_metrics({"wall_time_s": prep["wall_time_s"], "pretrain_images": prep["pretrain_images"]} | {f"{t}.{s}": n for t, sizes in prep["tasks"].items() for s, n in sizes.items()})
+            mlflow.log_metrics({"wall_time_s": times["prepare"], "pretrain_images": prep["pretrain_images"]} | {f"{t}.{s}": n for t, sizes in prep["tasks"].items() for s, n in sizes.items()})
 
         with child("pretrain", parent.info.run_id) as run:
             mlflow.log_params(_flatten("backbone", params.backbone.model_dump(mode="json")) | _flatten("pretrain", params.pretrain.model_dump(mode="json")))
             pre = read_json(layout.metrics("pretrain"))
-            mlflow.log_metrics(_metrics("", {"wall_time_s": pre["wall_time_s"], "parameters": pre["parameters"]}) | _metrics("head_accuracy.", pre["train_head_accuracy"]))
+            mlflow.log_metrics(_metrics("", {"wall_time_s": times["pretrain"], "parameters": pre["parameters"]}) | _metrics("head_accuracy.", pre["train_head_accuracy"]))
             _log_curve(client, run.info.run_id, read_json(layout.log("pretrain")), "train.")
             if log_ckpt:
                 mlflow.log_artifact(str(layout.pretrained), "checkpoints")
@@ -119,7 +226,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                 with child(f"finetune@{t}", stage_run.info.run_id, {"task": t}) as run:
                     m = read_json(layout.metrics("finetune", t))
                     mlflow.log_params({"task": t, "probe.C": m["probe"]["C"], "steps": m["steps"]})
-                    mlflow.log_metrics({"wall_time_s": m["wall_time_s"]} | _metrics("probe.", m["probe"]) | _metrics("individual.", m["individual"]) | _metrics("gain.", m["gain_over_probe"]))
+                    mlflow.log_metrics({"wall_time_s": times[f"finetune@{t}"]} | _metrics("probe.", m["probe"]) | _metrics("individual.", m["individual"]) | _metrics("gain.", m["gain_over_probe"]))
                     _log_curve(client, run.info.run_id, read_json(layout.log("finetune", t)), "train.")
                     if log_ckpt:
                         mlflow.log_artifact(str(layout.finetuned(t)), "checkpoints")
@@ -127,7 +234,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
 
         with child("vectors", parent.info.run_id):
             vec = read_json(layout.metrics("vectors"))
-            mlflow.log_metrics({"wall_time_s": vec["wall_time_s"]} | _metrics("norm.", vec["norms"]) | _metrics("relative_norm.", vec["relative_norms"]))
+            mlflow.log_metrics({"wall_time_s": times["vectors"]} | _metrics("norm.", vec["norms"]) | _metrics("relative_norm.", vec["relative_norms"]))
             mlflow.log_artifact(str(layout.vectors / "stats.json"))
             mlflow.log_artifact(str(layout.vectors / "cosine.png"))
 
@@ -136,7 +243,8 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                 with child(f"merge@{method}", stage_run.info.run_id, {"method": method}) as run:
                     mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
                     mlflow.log_params(_flatten("hp", mm["hyperparameters"]) | _flatten("grid", mm["grid"]) | {"paper": mm["paper"], "kind": mm["kind"]} | _flatten("chosen", mm["searched"]))
-                    timing = {"merge_wall_time_s": mm["wall_time_s"], "evaluate_wall_time_s": ev["wall_time_s"]}
+                    timing = read_json(layout.timing("merge", method))
+                    timing = {"merge_wall_time_s": timing["wall_time_s"], "evaluate_wall_time_s": timing["evaluate_wall_time_s"]}
                     if mm["kind"] == "negation":
                         mlflow.log_metrics(timing | _metrics("test.average.", ev["average"]) | {f"test.{t}.{k}": v for t, r in ev["per_task"].items() for k, v in r.items()})
                     else:

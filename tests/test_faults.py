@@ -1,0 +1,172 @@
+"""Fault injection on the tiny profile: the flow, `dvc repro` and `track` killed at several points, then the
+project recovers with nothing lost: dvc.lock stays readable, `dvc status` works, and one `mergeflow repro` brings
+every stage back to the results of an uninterrupted run (the session's reference run)."""
+
+import contextlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from mergeflow import lockfile
+
+from .conftest import copy_project, make_tiny_project, run
+
+pytestmark = pytest.mark.e2e
+# outputs whose bytes carry a wall time or a run id: everything else must come back byte-identical
+VARYING = ("logs/timing", "results", "metrics/tracking.json")
+
+
+def _outs(root: Path) -> dict[str, str]:
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    return {o["path"]: o["md5"] for s in lock["stages"].values() for o in s.get("outs", []) if not o["path"].startswith(VARYING)}
+
+
+def _project_processes(root: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cwd", "cmdline"]):
+        try:
+            if proc.info["cwd"] == str(root) and proc.pid != os.getpid():
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_gone(root: Path, timeout: float = 30) -> list:
+    deadline = time.monotonic() + timeout
+    while (left := _project_processes(root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _start(cmd, root, env):
+    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _assert_recoverable(root, env):
+    if (root / "dvc.lock").exists():
+        assert lockfile.readable((root / "dvc.lock").read_text()), "dvc.lock left unreadable"
+    assert run(["dvc", "status"], root, env, check=False).returncode == 0
+
+
+def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_reference, tiny_env, prefect_server):
+    reference, _ = tiny_reference
+    root = make_tiny_project(tmp_path, tiny_env)
+    env = tiny_env | {"PREFECT_API_URL": prefect_server}
+    rng = random.Random(16)
+    faults = []
+    # 1. the flow, SIGKILLed at random points: its stages die with it (parent-death signal), dvc.lock stays whole
+    for _ in range(3):
+        flow = _start([sys.executable, "-m", "flows.pipeline", "--workers", "1"], root, env)
+        delay = rng.uniform(5, 35)
+        time.sleep(delay)
+        flow.kill()
+        flow.wait()
+        assert not _wait_gone(root), f"stages outlived the flow killed at {delay:.1f} s"
+        _assert_recoverable(root, env)
+        faults.append(f"flow SIGKILL at {delay:.1f} s")
+    # 2. the flow, SIGTERM while a stage runs: it stops its stages and its own ephemeral Prefect server
+    flow = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--workers", "1"], cwd=root, env=tiny_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    stage_seen = False
+    while time.monotonic() < deadline and not stage_seen:  # a stage that has run for a second (not about to end)
+        time.sleep(0.2)
+        with contextlib.suppress(psutil.Error):
+            family = psutil.Process(flow.pid).children()
+            stage_seen = any(p.cmdline()[1:2] and p.cmdline()[1].endswith("/mergeflow") and time.time() - p.create_time() > 1.0 for p in family)
+    assert stage_seen, "no stage started under the flow"
+    family = [p.pid for p in psutil.Process(flow.pid).children(recursive=True)]
+    flow.send_signal(signal.SIGTERM)
+    out, _ = flow.communicate(timeout=90)
+    assert flow.returncode == 130, out[-2000:]
+    assert "SIGTERM: stopped 1 running stages" in out
+    time.sleep(2)
+    assert not [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a stage or the flow's Prefect server outlived it"
+    _assert_recoverable(root, env)
+    faults.append("flow SIGTERM during a stage")
+    # 3. `dvc repro`, its process group SIGKILLed (as a scheduler or Ctrl-C would stop it) at random points
+    for _ in range(2):
+        repro = _start(["dvc", "repro"], root, env)
+        delay = rng.uniform(3, 20)
+        time.sleep(delay)
+        os.killpg(repro.pid, signal.SIGKILL)
+        repro.wait()
+        assert not _wait_gone(root)
+        _assert_recoverable(root, env)
+        faults.append(f"dvc repro SIGKILL at {delay:.1f} s")
+    # 4. dvc.lock cut short, as a kill during DVC's own (non-atomic) write leaves it; a leftover temporary file
+    lock = (root / "dvc.lock").read_text()
+    (root / "dvc.lock").write_text(lock[: len(lock) // 2])
+    (root / "data" / ".pretrain.safetensors.tmp-999999-x").write_bytes(b"half a file")
+    faults.append("dvc.lock cut in half")
+    # 5. one `mergeflow repro` brings every stage back to the uninterrupted run's results
+    out = run(["mergeflow", "repro"], root, env)
+    assert "restored from" in out
+    assert "up to date" in run(["dvc", "status"], root, env)
+    assert _outs(root) == _outs(reference)
+    assert json.loads((root / "results/summary.json").read_text())["rows"] == json.loads((reference / "results/summary.json").read_text())["rows"]
+    print("faults survived:", "; ".join(faults))
+
+
+def test_leftover_temporaries_change_no_hash(tmp_path, tiny_reference, tiny_env):
+    root = copy_project(tiny_reference[0], tmp_path / "p")
+    for folder in ("data", "vectors", "results", "models/epochs/digits"):
+        (root / folder / ".x.safetensors.tmp-999999-abc").write_bytes(b"partial")
+        (root / folder / ".x.old-999999").mkdir()
+    assert "up to date" in run(["dvc", "status"], root, tiny_env)
+
+
+def _revision(path: Path):
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            return db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+    except sqlite3.Error:
+        return None
+
+
+def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
+    from mlflow import MlflowClient
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    root = copy_project(tiny_reference[0], tmp_path / "p")
+    store = tmp_path / "store.db"
+    env = tiny_env | {"MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    head = _get_latest_schema_revision()
+    for delay in (1.0, 2.5, 4.0, 6.0, 9.0):  # imports, MLflow's first migration, logging runs and artifacts
+        track = _start(["mergeflow", "track"], root, env)
+        time.sleep(delay)
+        track.kill()
+        track.wait()
+        assert not store.exists() or _revision(store) == head, f"store left half-migrated by a kill at {delay} s"
+    out = run(["mergeflow", "track"], root, env)
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    runs = client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id], max_results=1000)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    last = json.loads((root / "metrics/tracking.json").read_text())["run_id"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == last]
+    assert client.get_run(last).info.status == "FINISHED" and {r.data.tags["mlflow.runName"] for r in children} == {"prepare", "pretrain", "finetune", "vectors", "merge"}
+    if any(r.info.status == "FAILED" for r in runs):
+        assert "that a killed track left RUNNING" in out
+
+
+def test_track_is_never_restored_from_the_run_cache(tmp_path, tiny_reference, tiny_env):
+    """A new MLflow store and a track stage to redo: DVC runs track (it logs), rather than restoring its output."""
+    from mlflow import MlflowClient
+
+    root = copy_project(tiny_reference[0], tmp_path / "p")
+    (root / "mlflow.db").unlink()
+    (root / "metrics/tracking.json").unlink()
+    out = run(["dvc", "repro"], root, tiny_env)
+    assert "Running stage 'track'" in out and "restored from run-cache" not in out.split("'track'")[-1]
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    assert client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id])
