@@ -135,7 +135,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {}
     for round_ in range(args.repeat):
         read_s = math.nan  # this round's read: the machine drifts between quiet and slow spells (a warm read took
-        # 0.38-0.76 s in one session), so a ratio of two minima from different rounds is noise
+        # 0.38-0.76 s on one day), so a ratio of two minima from different rounds is noise
         for method in ["read", *methods]:
             cmd = [sys.executable, __file__, "--worker", method, "--dir", str(args.dir), "--threads", str(args.threads)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
