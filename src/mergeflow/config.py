@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -244,11 +243,8 @@ def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: boo
     params = parse_params(yaml.safe_load(buffer.getvalue()), f"{path} with {' '.join(overrides)}")
     if not write:
         return params
-    from mergeflow.io import temporary_prefix
+    from mergeflow.io import atomic_path
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
-    with os.fdopen(fd, "w") as f:
-        f.write(buffer.getvalue())
-    os.chmod(tmp, path.stat().st_mode & 0o777)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(buffer.getvalue())
     return params

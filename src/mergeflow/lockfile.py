@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from mergeflow.errors import MergeflowError
-from mergeflow.io import default_mode, temporary_prefix
+from mergeflow.io import atomic_path
 
 LOCKFILE = "dvc.lock"
 _patch_lock = threading.Lock()
@@ -52,17 +51,8 @@ def _git_head_lock(root: Path) -> str | None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def recover(root: str | Path = ".") -> str | None:
@@ -106,18 +96,8 @@ def atomic_dvc_writes() -> Iterator[None]:
             def dump_atomically(path, data, dumper, fs=None, **dumper_args):
                 if fs is not None and getattr(fs, "protocol", "local") != "local":
                     return original(path, data, dumper, fs=fs, **dumper_args)
-                path = Path(os.fspath(path))
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
-                try:
-                    with os.fdopen(fd, "w+", encoding="utf-8") as stream:
-                        dumper(data, stream, **dumper_args)
-                        stream.flush()
-                        os.fsync(stream.fileno())
-                    os.chmod(tmp, default_mode())
-                    os.replace(tmp, path)
-                except BaseException:
-                    Path(tmp).unlink(missing_ok=True)
-                    raise
+                with atomic_path(os.fspath(path)) as tmp, open(tmp, "w+", encoding="utf-8") as stream:
+                    dumper(data, stream, **dumper_args)
 
             for module in modules:
                 module._dump_data = dump_atomically

@@ -22,7 +22,6 @@ import shutil
 import socket
 import sqlite3
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +30,7 @@ import yaml
 
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError, TransientError
-from mergeflow.io import default_mode, read_json, temporary_prefix, write_json
+from mergeflow.io import atomic_path, read_json, write_json
 from mergeflow.orchestration import process_alive
 from mergeflow.stages import Layout
 
@@ -84,11 +83,8 @@ def prepare_store(uri: str) -> str | None:
     head = _get_latest_schema_revision()
     if path.is_file() and _schema_revision(path) == head:
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path))
-    os.close(fd)
-    tmp, notice = Path(name), None
-    try:
+    notice = None
+    with atomic_path(path) as tmp:  # a kill leaves the old file (or none) and a temporary the next stage sweeps
         if path.is_file() and path.stat().st_size:
             shutil.copyfile(path, tmp)
         try:
@@ -99,12 +95,8 @@ def prepare_store(uri: str) -> str | None:
             tmp.write_bytes(b"")
             _migrate(tmp)
             aside = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-            os.replace(path, aside)
+            shutil.copyfile(path, aside)
             notice = f"{path}: a half-migrated MLflow store with no runs (left by a killed run) was set aside as {aside.name} and made anew"
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return notice
 
 
