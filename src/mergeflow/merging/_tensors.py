@@ -196,7 +196,7 @@ def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     On the CPU, LAPACK's through torch. On CUDA in float32, ``gram_svd``: torch's default CUDA driver (cuSOLVER's
     gesvdj) took 35-38 ms per ViT-B matrix on an H100 and returned U and V 4e-4 away from orthonormal, where gram_svd
-    took 12-14 ms and is within float32 rounding (measured, see README). Float64 on CUDA takes cuSOLVER's
+    took 12-14 ms and is within float32 rounding (measured: docs/benchmarks.md). Float64 on CUDA takes cuSOLVER's
     QR-based gesvd: gram_svd would square the condition number in the precision it returns."""
     matrix = as_compute(matrix).to(svd_device())
     if matrix.is_cuda:
