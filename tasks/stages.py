@@ -1,8 +1,10 @@
 """Prefect task: run one stage of dvc.yaml. All logic lives in mergeflow.orchestration."""
 
+import sys
+
 from prefect import get_run_logger, task
 
-from mergeflow.orchestration import StageFailed, StageNode, run_stage
+from mergeflow.orchestration import StageFailed, StageNode, process_device_pool, resume_stages, run_stage, stop_stages, stopping
 
 
 def _retry_if_transient(task, task_run, state) -> bool:
@@ -17,9 +19,43 @@ def _retry_if_transient(task, task_run, state) -> bool:
     return False
 
 
+def dask_worker_index() -> int | None:
+    """This process's number when it is a worker of a Dask LocalCluster (named 0, 1, ...), else None."""
+    if "distributed" not in sys.modules:  # never imported: not a Dask worker
+        return None
+    from distributed import get_worker
+
+    try:
+        name = get_worker().name
+    except ValueError:
+        return None
+    return name if isinstance(name, int) else None
+
+
+# the flow run whose stop (stop_worker_stages) this process has seen, on a worker of an existing Dask cluster
+_stopped_flow_run: str | None = None
+
+
+def stop_worker_stages(flow_run_id: str) -> int:
+    """On a Dask worker (Client.run), when flow run ``flow_run_id`` is stopped: stop the stages this worker runs
+    and start no more of that run's. Returns how many were running."""
+    global _stopped_flow_run
+    _stopped_flow_run = flow_run_id
+    return stop_stages()
+
+
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_if_transient, task_run_name="{node.address}")
-def run_stage_task(node: StageNode, root: str, env: dict[str, str]) -> dict:
-    result = run_stage(node, root, env)
+def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[str] | None = None, gpu_workers: int | None = None) -> dict:
+    """Run one stage. With ``gpus``, the stage gets one of them to itself (CUDA_VISIBLE_DEVICES) from this
+    process's pool, waiting while every one is taken; on a Dask LocalCluster of ``gpu_workers`` workers each
+    worker hands out its own share of them."""
+    worker = dask_worker_index()
+    if stopping() and _stopped_flow_run not in (None, env.get("PREFECT__FLOW_RUN_ID")):
+        resume_stages()  # a long-lived Dask worker: an earlier flow run was stopped, not this one
+    with process_device_pool(gpus, gpu_workers, worker).lease() as device_env:
+        if device_env:
+            get_run_logger().info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
+        result = run_stage(node, root, env | device_env)
     if result["output"].strip():
         get_run_logger().info("%s output (last lines):\n%s", node.address, "\n".join(result["output"].strip().splitlines()[-20:]))
     return result

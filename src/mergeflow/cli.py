@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list every registered merging method")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock")
     sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` (any of its options) with dvc.lock written atomically")
+    sub.add_parser("serve", add_help=False, help="schedule the pipeline: a Prefect deployment served from here (--cron EXPR or --interval SECONDS; serve --help)")
     return parser
 
 
@@ -97,6 +98,14 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, args.dvc_args = parser.parse_known_args(argv)
+    if args.command == "serve":  # its options are flows.serve's (the Prefect flow lives in the repository, not in the package)
+        sys.path.insert(0, os.getcwd())
+        try:
+            from flows.serve import main as serve
+        except ImportError:
+            print("error: mergeflow serve runs from the repository root (where flows/ and dvc.yaml are)", file=sys.stderr)
+            return 2
+        return serve(args.dvc_args)
     if args.dvc_args and args.command != "repro":
         parser.error(f"unrecognized arguments: {' '.join(args.dvc_args)}")
     try:
