@@ -14,11 +14,13 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install lock pipeline flow test bench clean-outputs
 
-# The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive)
+# The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive).
+# --no-deps: the lock already lists every package, and pip's resolver mis-pins an extra (sqlalchemy[asyncio])
+# below its newest release; `pip check` below checks that the set is complete
 $(VENV)/.locked: $(LOCK)
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
 	touch $@
 
 # mergeflow itself, editable, with nothing else: its dependencies are the lock's; `pip check` fails when
