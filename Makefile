@@ -12,7 +12,7 @@ UV := $(VENV)/uv/bin/uv
 export HF_HUB_OFFLINE := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install lock pipeline flow test bench clean-outputs
+.PHONY: install lock pipeline flow test reproduce bench clean-outputs
 
 # The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive).
 # --no-deps: the lock already lists every package, and pip's resolver mis-pins an extra (sqlalchemy[asyncio])
@@ -54,6 +54,10 @@ flow: install
 test: install
 	$(BIN)/mergeflow check
 	$(BIN)/pytest -q
+
+# a fresh clone of the committed HEAD reproduces dvc.lock's data and pretrained model (minutes; CI runs it)
+reproduce: install
+	MERGEFLOW_REPRODUCE=1 $(BIN)/pytest -q tests/test_reproduce.py
 
 bench: install
 	$(BIN)/python bench/merge.py

@@ -106,7 +106,8 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_refer
         faults.append(f"dvc repro SIGKILL at {delay:.1f} s")
     # 4. dvc.lock cut short, as a kill during DVC's own (non-atomic) write leaves it; a leftover temporary file
     lock = (root / "dvc.lock").read_text()
-    (root / "dvc.lock").write_text(lock[: len(lock) // 2])
+    cut = next(i for i in range(len(lock) // 2, len(lock)) if not lockfile.readable(lock[:i]))  # a prefix DVC cannot load
+    (root / "dvc.lock").write_text(lock[:cut])
     (root / "data" / ".pretrain.safetensors.tmp-999999-x").write_bytes(b"half a file")
     faults.append("dvc.lock cut in half")
     # 5. one `mergeflow repro` brings every stage back to the uninterrupted run's results
@@ -148,15 +149,17 @@ def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
         track.kill()
         track.wait()
         assert not store.exists() or _revision(store) == head, f"store left half-migrated by a kill at {delay} s"
-    out = run(["mergeflow", "track"], root, env)
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    experiment = client.get_experiment_by_name("mergeflow/embedded")
+    abandoned = len(client.search_runs([experiment.experiment_id], filter_string="attributes.status = 'RUNNING'")) if experiment else 0
+    out = run(["mergeflow", "track"], root, env)
+    if abandoned:  # the last kill left runs RUNNING (earlier ones were marked by the tracks after them)
+        assert f"marked {abandoned} runs FAILED that a killed track left RUNNING" in out
     runs = client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id], max_results=1000)
     assert not [r for r in runs if r.info.status == "RUNNING"]
     last = json.loads((root / "metrics/tracking.json").read_text())["run_id"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == last]
     assert client.get_run(last).info.status == "FINISHED" and {r.data.tags["mlflow.runName"] for r in children} == {"prepare", "pretrain", "finetune", "vectors", "merge"}
-    if any(r.info.status == "FAILED" for r in runs):
-        assert "that a killed track left RUNNING" in out
 
 
 def test_track_is_never_restored_from_the_run_cache(tmp_path, tiny_reference, tiny_env):
