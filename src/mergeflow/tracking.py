@@ -39,20 +39,15 @@ def tracking_uri(root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
 
 
-def _schema_revision(path: Path) -> str | None:
+def _read_one(path: Path, sql: str):
+    """The first column of the first row ``sql`` gives on the SQLite file ``path``, opened read-only; None when
+    the file, table or row is missing."""
     try:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            return db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
-    except (sqlite3.Error, TypeError):
-        return None
-
-
-def _run_count(path: Path) -> int:
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            return db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+            row = db.execute(sql).fetchone()
     except sqlite3.Error:
-        return 0
+        return None
+    return row[0] if row else None
 
 
 def _migrate(path: Path) -> None:
@@ -81,7 +76,7 @@ def prepare_store(uri: str) -> str | None:
         return None
     path = Path(uri.removeprefix("sqlite:///"))
     head = _get_latest_schema_revision()
-    if path.is_file() and _schema_revision(path) == head:
+    if path.is_file() and _read_one(path, "SELECT version_num FROM alembic_version") == head:
         return None
     notice = None
     with atomic_path(path) as tmp:  # a kill leaves the old file (or none) and a temporary the next stage sweeps
@@ -90,7 +85,7 @@ def prepare_store(uri: str) -> str | None:
         try:
             _migrate(tmp)
         except Exception as err:  # noqa: BLE001 - any failure of a partial schema: start over if nothing is lost
-            if path.is_file() and _run_count(path):
+            if path.is_file() and _read_one(path, "SELECT COUNT(*) FROM runs"):
                 raise MergeflowError(f"{path}: MLflow could not upgrade this store ({str(err).splitlines()[0]}); back it up and run 'mlflow db upgrade {uri}'") from None
             tmp.write_bytes(b"")
             _migrate(tmp)
