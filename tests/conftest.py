@@ -47,14 +47,14 @@ def tiny_env(tmp_path_factory) -> dict[str, str]:
 def make_tiny_project(dst: Path, env: dict[str, str], **override) -> Path:
     """A fresh clone-like copy of this repository (tracked and untracked-not-ignored files, no tests, no outputs)
     on the tiny profile, committed in a git repository of its own."""
-    from .profiles import tiny_params
+    from .profiles import tiny_params_text
 
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         if (REPO / f).is_file() and not f.startswith("tests/") and f != "dvc.lock":
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dst / f)
-    (dst / "params.yaml").write_text(yaml.safe_dump(tiny_params(REPO / "params.yaml", **override), sort_keys=False))
+    (dst / "params.yaml").write_text(tiny_params_text(REPO / "params.yaml", **override))
     run("git init -q && git add -A && git commit -qm tiny", dst, env)
     return dst
 

@@ -38,7 +38,29 @@ def tiny_params(repo_params: Path, **override) -> dict:
     return deep_update(deep_update(yaml.safe_load(repo_params.read_text()), TINY), override)
 
 
+def _set_in(doc, override: dict) -> None:
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(doc.get(key), dict) and key != "kwargs":
+            _set_in(doc[key], value)
+        else:
+            doc[key] = copy.deepcopy(value)
+
+
+def tiny_params_text(repo_params: Path, **override) -> str:
+    """The tiny profile as a params.yaml in the repository's own form (comments kept, as DVC writes it)."""
+    import io
+
+    from mergeflow.config import round_trip_yaml
+
+    rt = round_trip_yaml()
+    doc = rt.load(repo_params.read_text())
+    _set_in(doc, deep_update(TINY, override))
+    buffer = io.StringIO()
+    rt.dump(doc, buffer)
+    return buffer.getvalue()
+
+
 if __name__ == "__main__":
     import sys
 
-    print(yaml.safe_dump(tiny_params(Path(sys.argv[1])), sort_keys=False))
+    print(tiny_params_text(Path(sys.argv[1])), end="")

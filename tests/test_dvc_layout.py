@@ -20,7 +20,10 @@ def test_dvc_stages_match_layout(repo_root):
         assert {str(layout.finetuned(t)), str(layout.head(t)), str(layout.epochs(t)), str(layout.metrics("finetune", t)), str(layout.log("finetune", t)), str(layout.timing("finetune", t))} == outs[f"finetune@{t}"]
         assert stages[f"finetune@{t}"].cmd == "mergeflow finetune"  # the task comes from DVC_STAGE
     for m in params.merge.methods:
-        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png")), str(layout.timing("merge", m))} == outs[f"merge@{m}"]
+        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png")), str(layout.log("merge", m)), str(layout.timing("merge", m))} == outs[f"merge@{m}"]
         assert stages[f"merge@{m}"].cmd == "mergeflow merge"  # the method comes from DVC_STAGE
     assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors")), str(layout.timing("vectors"))}
-    assert outs["report"] == {str(layout.results)}
+    assert outs["report"] == {str(layout.results), str(layout.metrics("summary"))}
+    # the headline is the one metrics file (what `dvc exp show` compares); no stage depends on a wall time
+    assert {str(o.def_path) for s in stages.values() for o in s.outs if o.metric} == {str(layout.metrics("summary"))}
+    assert not [d for s in stages.values() for d in s.deps if str(d.def_path).startswith("logs/timing") or str(d.def_path) == "logs"]

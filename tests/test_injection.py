@@ -101,12 +101,27 @@ def test_overrides_keep_the_file_and_its_comments(tmp_path, repo_root):
     params.write_text((repo_root / "params.yaml").read_text())
     new = apply_overrides(params, ["merge.ties.k=0.1", "finetune.steps=5"])
     assert new.merge.overrides("ties")["k"] == 0.1 and new.finetune.steps == 5
-    text = params.read_text()
-    assert "# every data-free method but slerp" in text and "k: 0.1" in text
+    original, text = (repo_root / "params.yaml").read_text().splitlines(), params.read_text().splitlines()
+    assert [l for l in original if l.strip().startswith("#")] == [l for l in text if l.strip().startswith("#")]
+    changed = [(a, b) for a, b in zip(original, text) if a != b]
+    assert len(original) == len(text) and [b.strip() for _, b in changed] == ["steps: 5", "ties: {k: 0.1, trim_scope: global, lam: [0.8, 1.0, 1.2, 1.5, 2.0, 2.5]}"]
+
+
+@pytest.mark.parametrize("override", ["merge.ties.k=0.1", "suite.tasks=[digits,signs]", "backbone.pretrained=weights.safetensors", "merge.cart.lam=[1.0,2.0]", "runtime.threads=2"])
+def test_params_yaml_is_in_the_form_dvc_writes(tmp_path, repo_root, override):
+    """`dvc exp run -S` rewrites the whole file with its own YAML writer: params.yaml is kept in that form, so
+    DVC's rewrite and ours give the same file, and change only the value set."""
+    from dvc.utils.hydra import apply_overrides as dvc_apply_overrides
+
+    ours, dvcs = tmp_path / "ours.yaml", tmp_path / "dvc.yaml"
+    for path in (ours, dvcs):
+        path.write_text((repo_root / "params.yaml").read_text())
+    apply_overrides(ours, [override])
+    dvc_apply_overrides(str(dvcs), [override])
+    assert ours.read_text() == dvcs.read_text()
     original = (repo_root / "params.yaml").read_text().splitlines()
-    assert [l for l in original if l.strip().startswith("#")] == [l for l in text.splitlines() if l.strip().startswith("#")]
-    changed = [l for l in original if l not in text.splitlines()]  # the two set, and the two-line methods list, now one line
-    assert len(changed) == 4 and "threads: null" in text
+    removed = [l for l in original if l not in dvcs.read_text().splitlines()]
+    assert len(removed) == (6 if override.startswith("suite.tasks") else 1), removed
 
 
 # ---------------------------------------------------------------- through the commands users run

@@ -206,20 +206,27 @@ def load_params(path: str | os.PathLike = DEFAULT_PARAMS) -> Params:
     return parse_params(raw, str(path))
 
 
+def round_trip_yaml():
+    """A YAML reader and writer that keeps comments, set up as DVC's own (``dvc exp run -S``) is: a list it writes
+    is one item a line, None is an empty value, lines wrap at 80. params.yaml is kept in that form, so that either
+    writer changes only the values it sets."""
+    from ruamel.yaml import YAML
+
+    rt = YAML()
+    rt.default_flow_style = False
+    rt.preserve_quotes = True
+    return rt
+
+
 def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: bool = True) -> Params:
     """Set ``key.path=value`` overrides in the params file, as ``dvc exp run -S`` does (the value read as YAML),
     keeping its comments and layout. The result is validated in full before the file is replaced (atomically):
     a bad override leaves the file untouched. Returns the new params (``write=False``: only checks them)."""
     import io
 
-    from ruamel.yaml import YAML
-
     path = Path(path)
     load_params(path)  # the file as it is must be valid too
-    rt = YAML()
-    rt.preserve_quotes = True
-    rt.width = 4096  # no re-wrapping of long flow lists
-    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))  # not blank
+    rt = round_trip_yaml()
     doc = rt.load(path.read_text())
     for override in overrides:
         key, sep, text = override.partition("=")

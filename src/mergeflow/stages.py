@@ -9,6 +9,7 @@ import json
 import math
 import multiprocessing
 import os
+import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ import torch
 from mergeflow import data as data_mod
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, plot_negation_curves, plot_summary, plot_validation_curve, search, summary_csv, summary_markdown, summary_rows
+from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, search, summary_csv, summary_markdown, summary_rows
 from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
-from mergeflow.task_vectors import plot_cosine_heatmap, statistics, task_vector
+from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_merge_search
+from mergeflow.summary import headline_metrics, validation_records
+from mergeflow.task_vectors import statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
 
@@ -139,7 +142,7 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
     sizes = {t: {s: int(len(arrays[f"{s}_y"])) for s in data_mod.SPLITS} for t, (arrays, _) in built.items()}
     metrics = {"tasks": sizes, "pretrain_images": int(len(tensors.get("images", [])))}
     write_json(layout.metrics("prepare"), metrics)
-    write_json(layout.timing("prepare"), {"wall_time_s": timer.seconds})
+    write_json(layout.timing("prepare"), timer.record())
     return metrics
 
 
@@ -150,7 +153,7 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
     with Timer() as timer:
         if params.backbone.pretrained is not None:
             backbone = Backbone(params.backbone, pretrained=True)
-            curve, head_acc = {"step": [], "loss": [], "lr": []}, {}
+            curve, head_acc = [], {}
         else:
             corpus = load_state_dict(layout.pretrain_corpus, check=False)
             data_mod.check_corpus(tensor_specs(corpus), str(layout.pretrain_corpus), params.suite.image_size, labels=corpus)
@@ -159,7 +162,7 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
                 raise MergeflowError(f"{layout.pretrain_corpus}: the pretraining corpus is empty (suite.pretrain_images = 0)")
             backbone = build_backbone(params.backbone)
             heads, curve_obj = pretrain_loop(backbone, images, corpus, params.pretrain, seed=params.seed, device=device)
-            curve = curve_obj.as_dict()
+            curve = curve_obj.records()
             probe_n = min(2000, len(images))
             feats = extract_features(backbone, images[-probe_n:], batch_size=params.runtime.eval_batch_size, device=device)
             head_acc = {name: float((heads[name].cpu()(feats).argmax(1) == y[-probe_n:]).float().mean()) for name, y in corpus.items()}
@@ -169,10 +172,10 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
     metrics = {
         "parameters": sum(v.numel() for v in state.values()),
         "train_head_accuracy": head_acc,  # on the last corpus images, seen in training: a sanity check, not a score
-        "final_loss": curve["loss"][-1] if curve["loss"] else None,
+        "final_loss": curve[-1]["loss"] if curve else None,
     }
     write_json(layout.metrics("pretrain"), metrics)
-    write_json(layout.timing("pretrain"), {"wall_time_s": timer.seconds})
+    write_json(layout.timing("pretrain"), timer.record())
     return metrics
 
 
@@ -217,7 +220,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     with atomic_path(layout.epochs(task), directory=True) as tmp:
         for epoch, state in epoch_states.items():
             save_state_dict(tmp / f"epoch{epoch:03d}.safetensors", state, meta | {"epoch": str(epoch)})
-    write_json(layout.log("finetune", task), curve.as_dict())
+    write_json(layout.log("finetune", task), curve.records())
     metrics = {
         "task": task,
         "steps": len(curve.step),
@@ -226,7 +229,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
         "gain_over_probe": {s: individual[s] - probe_acc[s] for s in ("val", "test")},
     }
     write_json(layout.metrics("finetune", task), metrics)
-    write_json(layout.timing("finetune", task), {"wall_time_s": timer.seconds})
+    write_json(layout.timing("finetune", task), timer.record())
     return metrics
 
 
@@ -244,7 +247,7 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
             plot_cosine_heatmap(stats, tmp / "cosine.png")
     summary = {"norms": stats["norms"], "relative_norms": stats["relative_norms"]}
     write_json(layout.metrics("vectors"), summary)
-    write_json(layout.timing("vectors"), {"wall_time_s": timer.seconds})
+    write_json(layout.timing("vectors"), timer.record())
     return summary
 
 
@@ -302,13 +305,11 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
             metrics |= {"storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0), "model_bytes": model_bytes}
     save_state_dict(layout.merged(method), output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
     with atomic_path(layout.log("merge", method, ".png")) as tmp:
-        if spec.kind == "negation":
-            plot_negation_curves(negation, tmp)
-        else:
-            plot_validation_curve(method, curve, list(grid), tmp)
+        plot_merge_search(metrics, tmp)
     write_json(layout.metrics("merge", method), metrics)
+    write_json(layout.log("merge", method), validation_records(metrics, spec.coefficient))
     evaluated = evaluate(params, method, layout, tasks=tasks, heads=heads)
-    write_json(layout.timing("merge", method), {"wall_time_s": timer.seconds, "evaluate_wall_time_s": evaluated["wall_time_s"]})
+    write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()})
     return metrics
 
 
@@ -374,16 +375,20 @@ def stage_wall_times(params: Params, layout: Layout = Layout()) -> dict[str, flo
 
 
 def report(params: Params, layout: Layout = Layout()) -> dict:
-    """Summary table (Markdown, CSV, JSON) and bar chart: Pretrained, Individual and every method."""
+    """Summary table (Markdown, CSV, JSON), the accuracy heatmap and the sorted averages; the headline metrics
+    (metrics/summary.json) that `dvc exp show` and `dvc metrics diff` compare."""
     tasks = params.suite.tasks
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
     negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
     rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations})
-    stage_times = stage_wall_times(params, layout)
+    headline = headline_metrics(rows, ev)
     with atomic_path(layout.results, directory=True) as tmp:
         (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
-        write_json(tmp / "summary.json", {"rows": rows, "negation": negations, "stage_wall_time_s": stage_times})
-        plot_summary(rows, tasks, tmp / "accuracy.png")
-    return {"rows": rows, "negation": negations, "stage_wall_time_s": stage_times}
+        write_json(tmp / "summary.json", {"rows": rows, "negation": negations})
+        write_json(tmp / "averages.json", [{"method": r["method"], "test_avg": round(100 * r["average"], 2)} for r in rows])
+        plot_accuracy_heatmap(rows, tasks, tmp / "accuracy.png")
+        plot_averages(rows, tmp / "averages.png")
+    write_json(layout.metrics("summary"), headline)
+    return {"rows": rows, "negation": negations, "headline": headline}

@@ -23,14 +23,14 @@ from mergeflow.models import Backbone, make_head
 
 @dataclass
 class Curve:
-    """Per-step training record, logged to MLflow by step."""
+    """Per-step training record, written as one record per step (the form `dvc plots` reads), logged to MLflow by step."""
 
     step: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, list]:
-        return {"step": self.step, "loss": self.loss, "lr": self.lr}
+    def records(self) -> list[dict[str, float]]:
+        return [{"step": s, "loss": loss, "lr": lr} for s, loss, lr in zip(self.step, self.loss, self.lr)]
 
 
 def seed_everything(seed: int, threads: int | None = None) -> None:
@@ -282,9 +282,17 @@ def head_accuracy(head: nn.Linear, features: torch.Tensor, labels: torch.Tensor)
 
 
 class Timer:
+    """Seconds spent inside (a monotonic clock), and when that was (Unix times, for the stages' real start and end
+    in MLflow)."""
+
     def __enter__(self) -> Timer:
+        self.started = time.time()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+        self.ended = time.time()
+
+    def record(self) -> dict[str, float]:
+        return {"wall_time_s": self.seconds, "started": self.started, "ended": self.ended}

@@ -1,0 +1,67 @@
+"""What a pipeline run reports beyond its tables: the headline metrics `dvc exp show` and `dvc metrics diff`
+compare, and the records `dvc plots` draws (one JSON object per point). Accuracies here are percentages."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from mergeflow.evaluation import mean
+
+
+def percent(fraction: float) -> float:
+    return round(100 * fraction, 2)
+
+
+def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
+    """Per method: test average, the share of the probe-to-individual gap recovered (both %) and the values chosen
+    on validation; the probe's and the individual models' averages beside them. ``rows`` are
+    evaluation.summary_rows (Pretrained, Individual, then one per merge method); task negation's average is over
+    its targets (each task's accuracy with that task negated), and its gap recovered, by the same formula, is
+    negative when it forgets."""
+    probe, individual = rows[0]["average"], rows[1]["average"]
+    gap = individual - probe
+    by_method = {r["method"]: r for r in rows[2:]}
+    headline = {"probe": {"test_avg": percent(probe)}, "individual": {"test_avg": percent(individual)}}
+    for method, ev in evaluations.items():
+        if ev["kind"] == "negation":
+            target = ev["average"]["target"]
+            entry = {"test_avg": percent(target), "gap_recovered": percent((target - probe) / gap), "control_avg": percent(ev["average"]["control"])}
+        else:
+            row = by_method[method]
+            entry = {"test_avg": percent(row["average"]), "gap_recovered": percent(row["gap_recovered"])}
+        # scalars only: a per-task choice (TALL's lambda_t) is one value per task, kept in metrics/evaluate
+        entry |= {k: v for k, v in ev["searched"].items() if isinstance(v, (int, float, str))}
+        headline[method] = entry
+    return headline
+
+
+def validation_records(merge_metrics: Mapping, coefficient: str | None) -> list[dict]:
+    """The validation search as records {hyperparameter, value, val_avg, chosen}: against the method's
+    coefficient (or its only searched hyperparameter), the others held at their chosen values; one record for a
+    method with a single setting. Task negation: its targets' and controls' average accuracy against lam."""
+    if merge_metrics["kind"] == "negation":
+        per_task = list(merge_metrics["per_task"].values())
+        records = []
+        for i, point in enumerate(per_task[0]["curve"]):
+            records.append({
+                "hyperparameter": "lam",
+                "value": point["lam"],
+                "val_avg": percent(mean(r["curve"][i]["target"] for r in per_task)),
+                "control_avg": percent(mean(r["curve"][i]["control"] for r in per_task)),
+            })
+        return records
+    grid = list(merge_metrics["grid"])
+    x = coefficient if coefficient in grid else (grid[-1] if grid else None)
+    chosen = merge_metrics["searched"]
+    records = []
+    for row in merge_metrics["val_curve"]:
+        hp = row["hyperparameters"]
+        if any(hp[k] != chosen[k] for k in grid if k != x):
+            continue
+        records.append({
+            "hyperparameter": x or "(one setting)",
+            "value": hp[x] if x else 0,
+            "val_avg": percent(row["average"]),
+            "chosen": all(hp[k] == chosen[k] for k in grid),
+        })
+    return records

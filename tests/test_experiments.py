@@ -1,0 +1,108 @@
+"""DVC experiments compare (issue: results a researcher can compare), on a copy of the tiny reference run:
+`dvc exp run -S` leaves params.yaml as it was but for the value set, `dvc exp show` and `dvc metrics diff` hold
+the headline metrics of each experiment, an experiment's outputs come back after the next one ran, `dvc plots
+show` renders every declared plot, a failed stage's outputs come back with `dvc checkout`, and re-running a stage
+that gives the same outputs stales nothing downstream."""
+
+import hashlib
+import json
+
+import pytest
+
+from mergeflow.io import read_json
+
+from .conftest import copy_project, run
+
+
+def _json(cmd, cwd, env):
+    """A command's JSON output (stdout only: DVC may warn on stderr)."""
+    proc = run(cmd, cwd, env, check=False)
+    assert proc.returncode == 0, f"{cmd}: {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout)
+
+
+def _md5(path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def project(tiny_reference, tiny_env, tmp_path_factory):
+    root = copy_project(tiny_reference[0], tmp_path_factory.mktemp("experiments"))
+    run("git add -A && git commit -qm 'the reference run'", root, tiny_env)
+    return root
+
+
+def test_experiments_keep_and_compare_their_results(project, tiny_env):
+    root = project
+    before = (root / "params.yaml").read_text().splitlines()
+    baseline = read_json(root / "metrics" / "summary.json")
+
+    run(["dvc", "exp", "run", "-n", "ties-k01", "-S", "merge.ties.k=0.1"], root, tiny_env)
+    after = (root / "params.yaml").read_text().splitlines()
+    assert [(a, b) for a, b in zip(before, after) if a != b] == [(l, l.replace("k: 0.2", "k: 0.1")) for l in before if "ties: {k: 0.2" in l]
+    assert len(before) == len(after)
+    first = read_json(root / "metrics" / "summary.json")
+    evaluated = read_json(root / "metrics" / "evaluate" / "ties.json")
+    assert first["ties"]["test_avg"] == round(100 * evaluated["average"], 2) and first["ties"]["lam"] == evaluated["searched"]["lam"]
+    first_model = _md5(root / "merged" / "ties.safetensors")
+
+    run(["dvc", "exp", "run", "-n", "ties-k05", "-S", "merge.ties.k=0.5"], root, tiny_env)
+    second = read_json(root / "metrics" / "summary.json")
+
+    # every experiment's headline, and the baseline's, from `dvc exp show`
+    shown = _json(["dvc", "exp", "show", "--json"], root, tiny_env)
+    head = next(r for r in shown if r["rev"] != "workspace")
+    assert head["data"]["metrics"]["metrics/summary.json"]["data"] == baseline
+    experiments = {e["revs"][0]["name"]: e["revs"][0]["data"] for e in head["experiments"]}
+    assert experiments["ties-k01"]["metrics"]["metrics/summary.json"]["data"] == first
+    assert experiments["ties-k05"]["metrics"]["metrics/summary.json"]["data"] == second
+    assert experiments["ties-k01"]["params"]["params.yaml"]["data"]["merge"]["ties"]["k"] == 0.1
+    # the headline is compact: a few numbers per method, not the per-task detail
+    assert {k for entry in first.values() for k in entry} <= {"test_avg", "gap_recovered", "control_avg", "lam", "alpha", "tall_lambda", "k"}
+
+    diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
+    assert diff["metrics/summary.json"]["ties.test_avg"]["old"] == baseline["ties"]["test_avg"]
+    assert diff["metrics/summary.json"]["ties.test_avg"]["new"] == second["ties"]["test_avg"]
+
+    # the first experiment's outputs were not lost when the second ran
+    run(["dvc", "exp", "apply", "ties-k01"], root, tiny_env)
+    assert _md5(root / "merged" / "ties.safetensors") == first_model
+    assert read_json(root / "metrics" / "summary.json") == first
+
+
+def test_every_declared_plot_renders(project, tiny_env):
+    shown = _json(["dvc", "plots", "show", "--json"], project, tiny_env)
+    plots = shown["data"]
+    methods = read_json(project / "results" / "summary.json")["rows"][2:]
+    expected = {"results/accuracy.png", "results/averages.png", "average test accuracy by method", "logs/pretrain.json"}
+    expected |= {f"logs/finetune/{t}.json" for t in ("digits", "house_numbers", "count")}
+    expected |= {f"logs/merge/{m}.{ext}" for m in [r["method"] for r in methods] + ["task_negation"] for ext in ("png", "json")}
+    assert set(plots) == expected and not shown.get("errors")
+    for name, [plot] in plots.items():
+        if plot["type"] == "image":
+            assert (project / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        else:
+            values = plot["content"]["data"]["values"]
+            assert values, name
+    bars = plots["average test accuracy by method"][0]["content"]["data"]["values"]
+    assert {b["method"]: b["test_avg"] for b in bars} == {r["method"]: round(100 * r["average"], 2) for r in read_json(project / "results" / "summary.json")["rows"]}
+
+
+def test_a_failed_stage_loses_nothing_and_a_rerun_with_the_same_outputs_stales_nothing(project, tiny_env):
+    root = project
+    run("git checkout -q -- params.yaml dvc.lock && dvc checkout -q", root, tiny_env)
+    outs = [root / "merged" / "ties.safetensors", root / "metrics" / "merge" / "ties.json", root / "metrics" / "evaluate" / "ties.json", root / "logs" / "merge" / "ties.png"]
+    kept = {p: _md5(p) for p in outs}
+    params = root / "params.yaml"
+    good = params.read_text()
+    params.write_text(good.replace("ties: {k: 0.2", "ties: {kk: 0.2"))
+    failed = run(["dvc", "repro", "merge@ties"], root, tiny_env, check=False)
+    assert failed.returncode != 0 and "merge.ties.kk: unknown hyperparameter" in failed.stderr + failed.stdout
+    params.write_text(good)
+    run(["dvc", "checkout", "merge@ties"], root, tiny_env)
+    assert {p: _md5(p) for p in outs} == kept
+
+    # a fine-tune run again gives the same model and a new wall time: nothing downstream is stale
+    run(["dvc", "repro", "-f", "-s", "finetune@digits"], root, tiny_env)
+    status = _json(["dvc", "status", "--json"], root, tiny_env)
+    assert status == {}, status

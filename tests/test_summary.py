@@ -1,0 +1,56 @@
+"""The headline metrics and the validation records, on small hand-made inputs."""
+
+import pytest
+
+from mergeflow.evaluation import summary_rows
+from mergeflow.summary import headline_metrics, validation_records
+
+TASKS = ["a", "b"]
+# probe 0.5 and 0.7 (average 0.6), individual 0.9 and 0.9 (average 0.9): the gap is 0.3
+FINETUNE = {"a": {"probe": {"test": 0.5}, "individual": {"test": 0.9}}, "b": {"probe": {"test": 0.7}, "individual": {"test": 0.9}}}
+
+
+def test_headline_metrics_by_hand():
+    evaluations = {
+        "task_arithmetic": {"kind": "single", "accuracy": {"a": 0.8, "b": 0.7}, "searched": {"lam": 0.3}},
+        "tall": {"kind": "per_task", "accuracy": {"a": 0.9, "b": 0.8}, "searched": {"tall_lambda": {"a": 0.2, "b": 0.6}}, "storage_models": 1.5},
+        "task_negation": {"kind": "negation", "searched": {}, "average": {"target": 0.3, "control": 0.55, "pretrained_target": 0.6, "pretrained_control": 0.6}},
+    }
+    rows = summary_rows(TASKS, FINETUNE, {m: e for m, e in evaluations.items() if e["kind"] != "negation"})
+    headline = headline_metrics(rows, evaluations)
+    assert headline["probe"] == {"test_avg": 60.0} and headline["individual"] == {"test_avg": 90.0}
+    # (0.75 - 0.6) / 0.3 = 50%
+    assert headline["task_arithmetic"] == {"test_avg": 75.0, "gap_recovered": 50.0, "lam": 0.3}
+    # a per-task choice is not a headline scalar
+    assert headline["tall"] == {"test_avg": 85.0, "gap_recovered": pytest.approx(83.33)}
+    # negation by the same formula: (0.3 - 0.6) / 0.3 = -100%
+    assert headline["task_negation"] == {"test_avg": 30.0, "gap_recovered": -100.0, "control_avg": 55.0}
+
+
+def _row(hp, average):
+    return {"hyperparameters": hp, "accuracy": {}, "average": average}
+
+
+def test_validation_records_follow_the_coefficient_at_the_other_chosen_values():
+    metrics = {
+        "kind": "single",
+        "grid": {"rank_ratio": [0.1, 0.2], "lam": [0.5, 1.0]},
+        "searched": {"rank_ratio": 0.2, "lam": 1.0},
+        "val_curve": [_row({"rank_ratio": 0.1, "lam": 0.5}, 0.5), _row({"rank_ratio": 0.1, "lam": 1.0}, 0.9), _row({"rank_ratio": 0.2, "lam": 0.5}, 0.6), _row({"rank_ratio": 0.2, "lam": 1.0}, 0.7)],
+    }
+    assert validation_records(metrics, "lam") == [
+        {"hyperparameter": "lam", "value": 0.5, "val_avg": 60.0, "chosen": False},
+        {"hyperparameter": "lam", "value": 1.0, "val_avg": 70.0, "chosen": True},
+    ]
+    one = {"kind": "single", "grid": {}, "searched": {}, "val_curve": [_row({"p": 0.9}, 0.4)]}
+    assert validation_records(one, None) == [{"hyperparameter": "(one setting)", "value": 0, "val_avg": 40.0, "chosen": True}]
+
+
+def test_validation_records_of_negation_average_targets_and_controls():
+    curve_a = [{"lam": 0.5, "target": 0.4, "control": 0.8}, {"lam": 1.0, "target": 0.2, "control": 0.6}]
+    curve_b = [{"lam": 0.5, "target": 0.6, "control": 0.7}, {"lam": 1.0, "target": 0.4, "control": 0.5}]
+    metrics = {"kind": "negation", "grid": {"lam": [0.5, 1.0]}, "per_task": {"a": {"curve": curve_a}, "b": {"curve": curve_b}}}
+    assert validation_records(metrics, "lam") == [
+        {"hyperparameter": "lam", "value": 0.5, "val_avg": 50.0, "control_avg": 75.0},
+        {"hyperparameter": "lam", "value": 1.0, "val_avg": 30.0, "control_avg": 55.0},
+    ]
