@@ -1,5 +1,5 @@
 """Evaluation of a backbone on every task with each task's own head; hyperparameter search on validation;
-the summary table (absolute and normalized accuracy) and its bar chart."""
+the summary table (absolute and normalized accuracy); its plots are in mergeflow.plots."""
 
 from __future__ import annotations
 
@@ -139,28 +139,6 @@ def negation_search(method: MergeMethod, overrides: Mapping, pretrained, task_ve
     return results
 
 
-def plot_validation_curve(method: str, curve: list[dict], grid_keys: list[str], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    if len(grid_keys) == 1:
-        key = grid_keys[0]
-        ax.plot([r["hyperparameters"][key] for r in curve], [100 * r["average"] for r in curve], marker="o")
-        ax.set_xlabel(key)
-    else:
-        ax.plot(range(len(curve)), [100 * r["average"] for r in curve], marker="o")
-        ax.set_xlabel("candidate (" + ", ".join(grid_keys) + ")" if grid_keys else "single setting")
-    ax.set_ylabel("avg. validation accuracy (%)")
-    ax.set_title(f"{method}: validation search")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
-
-
 def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict]) -> list[dict]:
     """Rows Pretrained (linear probe), Individual and one per method: accuracy per task, average, normalized
     accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered."""
@@ -207,27 +185,6 @@ def summary_csv(rows: list[dict], tasks: list[str]) -> str:
     return buf.getvalue()
 
 
-def plot_summary(rows: list[dict], tasks: list[str], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    width = 0.8 / len(rows)
-    xs = range(len(tasks) + 1)
-    fig, ax = plt.subplots(figsize=(2 + 1.1 * (len(tasks) + 1), 4))
-    for i, r in enumerate(rows):
-        ax.bar([x + i * width for x in xs], [100 * r[t] for t in tasks] + [100 * r["average"]], width, label=r["method"])
-    ax.set_xticks([x + 0.4 - width / 2 for x in xs], [*tasks, "average"], rotation=30, ha="right")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(0, 100)
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("Merged models on every task (each task's own head)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
-
-
 def negation_markdown(method: str, ev: dict, tasks: list[str]) -> str:
     """Forgetting (accuracy on the negated task) against control (the other tasks), pretrained beside negated."""
     lines = [f"\n### {method}: forgetting vs control (test accuracy, %)\n", "| negated task | lam | target: pretrained → negated | control: pretrained → negated |", "|---|---|---|---|"]
@@ -237,22 +194,3 @@ def negation_markdown(method: str, ev: dict, tasks: list[str]) -> str:
     a = ev["average"]
     lines.append(f"| **average** | | {100 * a['pretrained_target']:.1f} → **{100 * a['target']:.1f}** | {100 * a['pretrained_control']:.1f} → **{100 * a['control']:.1f}** |")
     return "\n".join(lines) + "\n"
-
-
-def plot_negation_curves(results: Mapping[str, dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for task, r in results.items():
-        line = ax.plot([c["lam"] for c in r["curve"]], [100 * c["target"] for c in r["curve"]], label=task)[0]
-        ax.plot([c["lam"] for c in r["curve"]], [100 * c["control"] for c in r["curve"]], ls="--", color=line.get_color())
-    ax.set_xlabel("lam (negation)")
-    ax.set_ylabel("val. accuracy (%): target —, control --")
-    ax.legend(fontsize=6, ncol=2)
-    ax.set_title("task negation: forgetting vs control")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)

@@ -39,26 +39,3 @@ def statistics(pretrained: StateDict, task_vectors: Mapping[str, StateDict]) -> 
         "cosine": _cosine_matrix(flat),
         "cosine_per_layer": per_layer,
     }
-
-
-def plot_cosine_heatmap(stats: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks, cos = stats["tasks"], stats["cosine"]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(tasks), 0.6 + 0.7 * len(tasks)))
-    off_diag = [abs(cos[i][j]) for i in range(len(tasks)) for j in range(len(tasks)) if i != j] or [1.0]
-    vmax = max(off_diag)
-    im = ax.imshow(cos, cmap="RdBu_r", vmin=-vmax, vmax=vmax)
-    ax.set_xticks(range(len(tasks)), tasks, rotation=45, ha="right")
-    ax.set_yticks(range(len(tasks)), tasks)
-    for i in range(len(tasks)):
-        for j in range(len(tasks)):
-            ax.text(j, i, f"{cos[i][j]:.2f}", ha="center", va="center", fontsize=7)
-    ax.set_title("Task-vector cosine similarity")
-    fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
