@@ -120,25 +120,27 @@ def test_pipeline_end_to_end(project, prefect_server):
     assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "report", "track"}
     assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.3
 
-    # 5. MLflow: one parent run per pipeline run, nested runs per stage, task and method
+    # 5. MLflow: one run per stage item, logged again only when its stage changed, and one pipeline run per
+    # pipeline state naming the stage runs it covers
     client, runs = _mlflow(root)
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert sorted(r.data.tags["mergeflow.source"] for r in parents) == ["dvc", "dvc", "prefect"]
-    first = min(parents, key=lambda r: r.info.start_time)
-    assert len(first.data.tags["git.commit"]) == 40 and len(first.data.tags["dvc.lock.sha256"]) == 64
-    assert first.data.params["merge.ties.k"] == "0.2" and first.data.params["finetune.steps"] == "8"
-    children = {r.data.tags["mlflow.runName"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == first.info.run_id}
-    assert set(children) == {"prepare", "pretrain", "finetune", "vectors", "merge"}
-    by_name = {}
+    by_stage = {}
     for r in runs:
-        by_name.setdefault(r.data.tags["mlflow.runName"], []).append(r)
-    ft_run = next(r for r in by_name["finetune@digits"] if r.data.tags["mlflow.parentRunId"] == children["finetune"].info.run_id)
+        by_stage.setdefault(r.data.tags["mergeflow.stage"], []).append(r)
+    pipelines = by_stage["pipeline"]
+    assert sorted(r.data.tags["mergeflow.source"] for r in pipelines) == ["dvc", "dvc", "prefect"]
+    first = min(pipelines, key=lambda r: r.info.start_time)
+    assert len(first.data.tags["git.commit"]) == 40 and len(first.data.tags["dvc.lock.sha256"]) == 64
+    assert {r.info.run_name for r in by_stage["prepare"] + by_stage["pretrain"] + by_stage["vectors"]} == {"prepare", "pretrain", "vectors"}
+    assert len(by_stage["finetune"]) == len(TASKS) and len(by_stage["merge"]) == len(METHODS) + 2  # ties twice more
+    ft_run = client.get_run(first.data.tags["stage_run.finetune.digits"])
+    assert ft_run.data.params["finetune.steps"] == "8" and ft_run.info.run_name == "finetune@digits"
     assert len(client.get_metric_history(ft_run.info.run_id, "train.loss")) == 8
     assert "checkpoints/digits.safetensors" in {a.path for a in client.list_artifacts(ft_run.info.run_id, "checkpoints")}
-    ties_runs = sorted(by_name["merge@ties"], key=lambda r: r.info.start_time)
-    assert [r.data.params["hp.k"] for r in ties_runs] == ["0.2", "0.1", "0.3"]
-    assert all(float(r.data.params["chosen.lam"]) in (0.8, 1.0) and "test.average" in r.data.metrics for r in ties_runs)
-    assert "merged/ties.safetensors" in {a.path for a in client.list_artifacts(ties_runs[0].info.run_id, "merged")}
+    ties_runs = sorted((r for r in by_stage["merge"] if r.data.tags["mergeflow.item"] == "ties"), key=lambda r: r.info.start_time)
+    assert [r.data.params["k"] for r in ties_runs] == ["0.2", "0.1", "0.3"]
+    assert all(float(r.data.params["lam"]) in (0.8, 1.0) and "test_avg" in r.data.metrics for r in ties_runs)
+    assert first.data.tags["stage_run.merge.ties"] == ties_runs[0].info.run_id
+    assert ties_runs[0].data.tags["mergeflow.model_uri"].startswith("models:/")
 
     # 6. MLFLOW_TRACKING_URI sends the record elsewhere, and mlflow.db is left alone
     other = root.parent / "elsewhere.db"

@@ -1,29 +1,73 @@
-"""MLflow records of a pipeline run, made by the last stage (``mergeflow track``) from what the stages wrote.
+"""MLflow records of the pipeline, made by its last stage (``mergeflow track``) from the files the stages wrote.
 
-One parent run per pipeline run, nested runs per stage, with runs per task under ``finetune`` and per method
-under ``merge``. Parameters are what each stage used (every merge hyperparameter and the chosen value), metrics
-include training curves by step, artifacts the checkpoints, merged models, plots and the summary table; tags hold
-the git commit and dvc.lock hashes. Because it reads the stages' outputs, ``dvc repro`` and the Prefect flow
-record the same thing.
+Runs. One run per stage item (``prepare``, ``pretrain``, ``finetune@<task>``, ``vectors``, ``merge@<method>``),
+tagged ``mergeflow.stage`` (prepare, pretrain, finetune, vectors, merge) and ``mergeflow.item`` (the task or
+method), started and ended at the stage's real times (logs/timing). Plus one ``pipeline`` run per pipeline state:
+the git commit, dvc.lock, results/, the probe and individual averages, the best method, and one tag
+``stage_run.<stage>.<item>`` per stage run it covers. Runs are flat (no nesting): a stage run that did not change
+belongs to every later pipeline run.
+
+Only what changed is logged. A stage item's fingerprint is the sha256 of its dvc.lock entry's params and output
+hashes (timing logs left out: a re-run that gives the same outputs is the same result). A run whose fingerprint
+already has a FINISHED run in the experiment is not logged again, and the pipeline run's fingerprint is that of
+all its stages and the report; a weights file whose md5 is already in the store is not copied again (the run
+points to the copy through ``mergeflow.weights_in``).
+
+Metric convention, the same for every merge run (a new method follows it), accuracies in percent:
+
+    test_avg          mean test accuracy over the tasks
+    test_acc.<task>   test accuracy on each task
+    val_avg           mean validation accuracy of the chosen setting
+    normalized_avg    mean of test accuracy / the individual fine-tuned model's, per task
+    gap_recovered     (test_avg - probe_avg) / (individual_avg - probe_avg): the share of the gap between the
+                      linear probe on the pretrained backbone and the individual models that the merge closes
+    storage_models    what is stored, in models (1 for one merged model; per-task stores more)
+    wall_time_s       the merge stage: search on validation plus the test evaluation
+
+Task negation (kind "negation") logs the same names for the models that negate each task t: ``test_acc.<t>`` is
+the accuracy on t itself (the target, lower is better), ``test_avg`` their mean, ``gap_recovered`` by the same
+formula (negative: it moves away from the individual models), ``storage_models`` one model per task, and adds
+``control_acc.<t>`` (mean accuracy on the other tasks) and ``control_avg``.
+
+Parameters of a merge run: ``method``, ``kind``, ``paper``, every hyperparameter under its own name (``lam``,
+``k``, ``rank_ratio``; a per-task choice as ``<key>.<task>``) and each searched grid as ``grid.<key>`` (its
+values, comma-separated). The validation curve is the artifact ``curves/val_curve.json`` (a table against the
+hyperparameter values, per-task choices' curves too) beside the stage's plot ``plots/<method>.png`` (a heatmap for
+two-parameter grids); it is no metric history, which the UI plots against the step (the grid index) and which
+would add names other methods lack. A merged model of kind "model" is an MLflow model (``model``, see
+mergeflow.mlflow_model). Per-task stores are plain artifacts (``merged/<method>.safetensors``: a task's model is
+rebuilt from the store and the pretrained weights), and task negation's file of chosen coefficients is not logged
+(they are its ``lam.<t>`` parameters). The best merged model (highest test_avg among single models, a tie to the
+method listed first) is registered as ``mergeflow-<suite>``.
+
+Views. The experiment carries a saved view, "Methods ranked by test_avg" (experiment tag
+``mlflow.sharedViewState.methods``, in the runs page's Views menu): merge runs except negation, whose test_avg
+ranks the other way, best test_avg first, headline metrics and hyperparameters as columns. ``ui_path`` in
+metrics/tracking.json opens it. MLflow 3.17's UI picks the classic (not GenAI) pages from its own
+``workflowType`` (the "Model training" switch, or ``?workflowType=machine_learning``, which ``ui_path`` carries);
+the experiment tag ``mlflow.experimentKind`` = ``custom_model_development`` is set for the versions that read it.
 
 ``track`` survives being killed at any point: a new SQLite store is created and migrated under a temporary name
 and then renamed into place (an old one is upgraded on a copy), so a kill during MLflow's migrations leaves no
 half-migrated ``mlflow.db``; runs a killed ``track`` left RUNNING are marked FAILED when the next one starts, and
-that one logs everything again. DVC never restores ``track`` from its run-cache (its output is ``persist``), so it
-always logs to the store it is pointed at.
+that one logs them again (only FINISHED runs count as logged). DVC never restores ``track`` from its run-cache
+(its output is ``persist``), so it always logs to the store it is pointed at.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import socket
 import sqlite3
 import subprocess
+import tempfile
 import time
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import yaml
@@ -33,6 +77,11 @@ from mergeflow.errors import MergeflowError, TransientError
 from mergeflow.io import atomic_path, read_json, write_json
 from mergeflow.orchestration import process_alive
 from mergeflow.stages import Layout
+
+MERGE_METRICS = ("test_avg", "val_avg", "normalized_avg", "gap_recovered", "storage_models", "wall_time_s")  # and test_acc.<task>
+VIEW_KEY = "methods"  # the shared view's key: experiment tag mlflow.sharedViewState.methods
+VIEW_NAME = "Methods ranked by test_avg"  # its name in the UI's Views menu
+ML_EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's value of mlflow.experimentKind for classic ML
 
 
 def tracking_uri(root: Path) -> str:
@@ -112,12 +161,18 @@ def experiment_name(params: Params) -> str:
     return f"mergeflow/{params.suite.name}"
 
 
+def registered_model_name(params: Params) -> str:
+    return f"mergeflow-{params.suite.name}"
+
+
 def _flatten(prefix: str, obj) -> dict[str, str]:
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():
             out |= _flatten(f"{prefix}.{k}" if prefix else str(k), v)
         return out
+    if isinstance(obj, list):
+        return {prefix: json.dumps(obj)}
     return {prefix: str(obj)}
 
 
@@ -128,34 +183,303 @@ def _git_commit(root: Path) -> str:
         return "unknown"
 
 
-def _lock_tags(root: Path) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """(run-wide tags, per-stage tags) from dvc.lock: its sha256 and each stage's output hashes."""
+def _sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def lock_stages(root: Path) -> dict[str, dict]:
+    """dvc.lock's stage entries by name ({} when there is no lock)."""
     lock = root / "dvc.lock"
     if not lock.is_file():
-        return {"dvc.lock": "absent"}, {}
-    text = lock.read_text()
-    stages = (yaml.safe_load(text) or {}).get("stages", {})
-    per_stage = {name: {f"dvc.out.{o['path']}": o.get("md5", "") for o in entry.get("outs", [])} for name, entry in stages.items()}
-    return {"dvc.lock.sha256": hashlib.sha256(text.encode()).hexdigest()}, per_stage
+        return {}
+    try:
+        return (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) or {}
+    except yaml.YAMLError as err:
+        raise MergeflowError(f"{lock}: not valid YAML ({str(err).splitlines()[0]}); run 'mergeflow check' to restore it") from None
 
 
-def _log_curve(client, run_id: str, curve: Mapping[str, list], prefix: str) -> None:
-    from mlflow.entities import Metric
+def fingerprint(entry: Mapping | None, files: list[Path], root: Path) -> str:
+    """What identifies a stage item's result: its dvc.lock entry's params and output hashes, timing logs left
+    out (a re-run that gives the same outputs in another time is the same result). Without an entry that
+    matches the stage's metrics files (no dvc.lock, or a stage re-run but not yet committed), the md5 of the
+    files ``track`` reads for it."""
+    recorded = {o["path"]: o.get("md5") for o in (entry or {}).get("outs", [])}
+    current = all(recorded[rel] == _md5(p) for p in files if p.suffix == ".json" and (rel := p.relative_to(root).as_posix()) in recorded)
+    if entry and entry.get("outs") and current:
+        outs = {o["path"]: o.get("md5") for o in entry["outs"] if not o["path"].startswith("logs/timing/")}
+        return _sha256({"params": entry.get("params", {}), "outs": outs})
+    return _sha256({p.relative_to(root).as_posix(): _md5(p) for p in files if p.is_file()})
 
-    now = int(time.time() * 1000)
-    metrics = [Metric(f"{prefix}{key}", float(v), now, int(step)) for key in curve if key != "step" for step, v in zip(curve["step"], curve[key])]
-    for i in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[i : i + 1000], synchronous=True)
+
+def _out_md5(entry: Mapping | None, path: Path, root: Path) -> str:
+    """A file's md5 as dvc.lock records it (no need to read it again), else computed."""
+    rel = path.relative_to(root).as_posix()
+    for out in (entry or {}).get("outs", []):
+        if out["path"] == rel and out.get("md5"):
+            return out["md5"]
+    return _md5(path)
 
 
-def _metrics(prefix: str, values: Mapping[str, float]) -> dict[str, float]:
-    return {f"{prefix}{k}": float(v) for k, v in values.items() if isinstance(v, (int, float))}
+def stage_times(path: Path, extra_keys: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(started, ended) in Unix seconds from a timing file. Files without them (written before stages recorded
+    them) give ended = the file's modification time, when the stage wrote it, and started = ended - wall time."""
+    timing = read_json(path)
+    try:
+        wall = float(timing["wall_time_s"]) + sum(float(timing[k]) for k in extra_keys)
+    except (KeyError, TypeError, ValueError):
+        raise MergeflowError(f"{path}: needs numbers 'wall_time_s'{''.join(f', {k!r}' for k in extra_keys)}") from None
+    ended = float(timing.get("ended") or path.stat().st_mtime)
+    return float(timing.get("started") or ended - wall), ended
+
+
+def curve_records(log, source: Path) -> list[dict]:
+    """A training log as records [{"step": 0, "loss": ..., "lr": ...}, ...]; the older column form
+    {"step": [...], "loss": [...]} is turned into records."""
+    if isinstance(log, Mapping) and isinstance(log.get("step"), list):
+        keys = list(log)
+        return [dict(zip(keys, values)) for values in zip(*(log[k] for k in keys))]
+    if isinstance(log, list) and all(isinstance(r, Mapping) and "step" in r for r in log):
+        return list(log)
+    raise MergeflowError(f"{source}: a training log is records [{{'step': ..., 'loss': ...}}, ...] or columns {{'step': [...], ...}}")
+
+
+def _pct(x: float) -> float:
+    return round(100.0 * float(x), 2)  # 2 decimals: the UI shows every digit, and a test split of N scores in 100/N steps
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def merge_metrics(mm: Mapping, ev: Mapping, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float) -> dict[str, float]:
+    """The convention's metrics (module docstring) of one merge, from metrics/merge/<m>.json and
+    metrics/evaluate/<m>.json; fractions become percent."""
+    gap = individual_avg - probe_avg
+    if ev["kind"] == "negation":
+        per_task = ev["per_task"]
+        target = {t: per_task[t]["target"] for t in tasks}
+        extra = {f"control_acc.{t}": _pct(per_task[t]["control"]) for t in tasks} | {"control_avg": _pct(ev["average"]["control"])}
+        test_avg, val_avg = ev["average"]["target"], _mean(mm["per_task"][t]["chosen"]["target"] for t in tasks)
+        normalized, storage = _mean(target[t] / individual[t] for t in tasks), float(len(tasks))
+    else:
+        target, extra = ev["accuracy"], {}
+        test_avg, val_avg, normalized, storage = ev["average"], mm["val_average"], ev["normalized_average"], ev["storage_models"]
+    return {
+        "test_avg": _pct(test_avg),
+        "val_avg": _pct(val_avg),
+        "normalized_avg": _pct(normalized),
+        "gap_recovered": _pct((test_avg - probe_avg) / gap) if gap else float("nan"),
+        "storage_models": round(float(storage), 2),
+        **{f"test_acc.{t}": _pct(target[t]) for t in tasks},
+        **extra,
+    }
+
+
+def merge_params(mm: Mapping, ev: Mapping) -> dict[str, str]:
+    """method, kind, paper, each hyperparameter under its own name (per-task choices as <key>.<task>), and the
+    searched grids as grid.<key>."""
+    chosen = dict(mm["hyperparameters"])
+    if ev["kind"] == "negation":
+        chosen["lam"] = {t: r["lam"] for t, r in ev["per_task"].items()}
+    return {"method": mm["method"], "kind": mm["kind"], "paper": mm["paper"]} | _flatten("", chosen) | {f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()}  # not JSON: the UI spreads a JSON list over lines
+
+
+def _val_curve(mm: Mapping) -> dict:
+    """The validation search as a table against the hyperparameter values (not the grid index), percent."""
+    keys = list(mm["grid"])
+    if mm["kind"] == "negation":
+        rows = [{"task": t, "lam": p["lam"], "target": _pct(p["target"]), "control": _pct(p["control"])} for t, r in mm["per_task"].items() for p in r["curve"]]
+        return {"x": ["lam"], "rows": rows, "chosen": {t: r["chosen"]["lam"] for t, r in mm["per_task"].items()}}
+    rows = [{k: r["hyperparameters"].get(k) for k in keys} | {"val_avg": _pct(r["average"])} for r in mm.get("val_curve", [])]
+    per_task = [{"key": key, "task": t, "value": float(v), "val_acc": _pct(acc)} for key, by_task in (mm.get("per_task_curves") or {}).items() for t, curve in by_task.items() for v, acc in curve.items()]
+    return {"x": keys, "rows": rows, "per_task": per_task, "chosen": mm["searched"]}
+
+
+class _Recorder:
+    """Logs stage runs into one experiment, skipping those already logged."""
+
+    def __init__(self, client, experiment_id: str, base_tags: dict[str, str]):
+        self.client, self.experiment_id, self.base_tags = client, experiment_id, base_tags
+        self.stage_runs: dict[str, str] = {}  # stage item -> its run id (new or already there)
+        self.fingerprints: dict[str, str] = {}
+        self.new_runs: list[str] = []
+
+    def find(self, tag: str, value: str) -> str | None:
+        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{tag}` = '{value}' and attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
+        return runs[0].info.run_id if runs else None
+
+    @contextlib.contextmanager
+    def run(self, name: str, fp: str, times: tuple[float, float], tags: Mapping[str, str]) -> Iterator[str | None]:
+        """A run for stage item ``name`` at the stage's real start and end; yields None (nothing to log) when
+        a FINISHED run with fingerprint ``fp`` is already there."""
+        self.fingerprints[name] = fp
+        if existing := self.find("mergeflow.fingerprint", fp):
+            self.stage_runs[name] = existing
+            yield None
+            return
+        started, ended = times
+        run = self.client.create_run(self.experiment_id, start_time=int(started * 1000), run_name=name, tags={**self.base_tags, **tags, "mergeflow.fingerprint": fp})
+        run_id = run.info.run_id
+        try:
+            yield run_id
+        except BaseException:
+            self.client.set_terminated(run_id, "FAILED")
+            raise
+        # after everything is logged: a FINISHED run is a complete one (log_model's own end is overwritten here)
+        self.client.set_terminated(run_id, "FINISHED", end_time=int(ended * 1000))
+        self.stage_runs[name] = run_id
+        self.new_runs.append(run_id)
+
+    def log(self, run_id: str, params: Mapping[str, str] = {}, metrics: Mapping[str, float] = {}, at: float | None = None, history: Mapping[str, list[tuple[int, float]]] = {}) -> None:
+        """Parameters, metrics at time ``at`` (the stage's end), and metric histories by step."""
+        from mlflow.entities import Metric, Param
+
+        ts = int((at or time.time()) * 1000)
+        metrics = {k: round(float(v), 3) if k == "wall_time_s" else v for k, v in metrics.items()}  # ms: the UI shows every digit
+        entries = [Metric(k, float(v), ts, 0) for k, v in metrics.items()] + [Metric(k, float(v), ts, int(step)) for k, points in history.items() for step, v in points]
+        params = [Param(k, str(v)) for k, v in params.items()]
+        for i in range(0, len(params), 100):  # MLflow's limits per batch: 100 params, 1000 metrics
+            self.client.log_batch(run_id, params=params[i : i + 100], synchronous=True)
+        for i in range(0, len(entries), 1000):
+            self.client.log_batch(run_id, metrics=entries[i : i + 1000], synchronous=True)
+
+    def stored(self, md5: str) -> dict[str, str] | None:
+        """The tags of a FINISHED run whose logged weights include a file with this md5, if any."""
+        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`mergeflow.weights_md5` LIKE '%{md5}%' and attributes.status = 'FINISHED'", max_results=1)
+        return runs[0].data.tags | {"run_id": runs[0].info.run_id} if runs else None
+
+    def weights(self, run_id: str, files: Mapping[Path, str], artifact_path: Callable[[Path], str]) -> None:
+        """Copy weights files (path -> md5) into the run's artifacts, except those the store already holds: the
+        run's tag mergeflow.weights_in.<file> names the run that has it."""
+        copied = []
+        for path, md5 in files.items():
+            if holder := self.stored(md5):
+                self.client.set_tag(run_id, f"mergeflow.weights_in.{path.stem}", f"runs:/{holder['run_id']}")
+                continue
+            self.client.log_artifact(run_id, str(path), artifact_path(path))
+            copied.append(md5)
+        if copied:
+            self.client.set_tag(run_id, "mergeflow.weights_md5", " ".join(copied))  # what the next track searches
+
+
+def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str, params: Params) -> str:
+    """Log a merged model as an MLflow model (mergeflow.mlflow_model) unless one with these weights is stored;
+    returns its model URI (also the run's tag mergeflow.model_uri)."""
+    import mlflow
+    import numpy
+    import pydantic
+    import safetensors
+    import timm
+    import torch
+
+    from mergeflow import mlflow_model
+
+    holder = recorder.stored(md5)
+    if holder and holder.get("mergeflow.model_uri"):
+        uri = holder["mergeflow.model_uri"]
+        recorder.client.set_tag(run_id, "mergeflow.weights_in.model", f"runs:/{holder['run_id']}")
+    else:
+        requirements = [f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, timm, safetensors, numpy, pydantic, mlflow)]
+        with contextlib.ExitStack() as stack:
+            backbone = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mergeflow-track-"))) / mlflow_model.BACKBONE
+            backbone.write_text(json.dumps(params.backbone.model_dump(mode="json"), indent=2))
+            stack.enter_context(mlflow.start_run(run_id=run_id))
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=mlflow_model.__file__,
+                artifacts={"weights": str(weights.resolve()), "backbone": str(backbone)},
+                pip_requirements=requirements,  # given, so MLflow does not run the model to infer them
+            )
+        uri = info.model_uri
+        recorder.client.set_tag(run_id, "mergeflow.weights_md5", md5)
+    recorder.client.set_tag(run_id, "mergeflow.model_uri", uri)
+    return uri
+
+
+def register_best(client, name: str, merge_runs: Mapping[str, str]) -> dict | None:
+    """Register the merged model with the highest test_avg among ``merge_runs`` (method -> run id, single-model
+    methods only) as a version of ``name``, tagged with its method and hyperparameters; no new version when the
+    latest one already comes from that run. Returns {"name", "version", "run_id", "method"} or None."""
+    from mlflow.exceptions import MlflowException
+
+    runs = [client.get_run(r) for r in merge_runs.values()]
+    runs = [r for r in runs if "test_avg" in r.data.metrics and r.data.tags.get("mergeflow.model_uri")]
+    if not runs:
+        return None
+    best = max(runs, key=lambda r: r.data.metrics["test_avg"])
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="The best merged model (highest test_avg among single-model methods) of each pipeline run; load with mergeflow.mlflow_model.load_model('models:/<name>/<version>').")
+    versions = client.search_model_versions(f"name = '{name}'")
+    latest = max(versions, key=lambda v: int(v.version), default=None)
+    if latest is not None and latest.run_id == best.info.run_id:
+        return {"name": name, "version": latest.version, "run_id": best.info.run_id, "method": best.data.params["method"]}
+    hyperparameters = {k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")}
+    tags = {"method": best.data.params["method"], "test_avg": f"{best.data.metrics['test_avg']:.2f}", "run_id": best.info.run_id} | hyperparameters
+    version = client.create_model_version(name, best.data.tags["mergeflow.model_uri"], run_id=best.info.run_id, tags=tags)
+    return {"name": name, "version": version.version, "run_id": best.info.run_id, "method": tags["method"]}
+
+
+def methods_view(tasks: list[str], hyperparameters: list[str]) -> dict:
+    """The experiment's shared view of merge runs (MLflow UI state, stored as the experiment tag
+    mlflow.sharedViewState.<key> and opened by ?viewStateShareKey=<key>): merge runs (negation aside: its test_avg ranks the other way), best test_avg first,
+    the headline metrics and the hyperparameters as columns."""
+    metrics = ["test_avg", "gap_recovered", "normalized_avg", "val_avg", "storage_models", *(f"test_acc.{t}" for t in tasks)]
+    columns = ["attributes.`Run Name`", *(f"metrics.`{m}`" for m in metrics), *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
+    return {
+        "searchFilter": "tags.`mergeflow.stage` = 'merge' and params.kind != 'negation'",  # negation's test_avg: lower is better
+        "orderByKey": "metrics.`test_avg`",
+        "orderByAsc": False,
+        "startTime": "ALL",
+        "lifecycleFilter": "Active",
+        "modelVersionFilter": "All Runs",
+        "datasetsFilter": [],
+        "selectedColumns": columns,
+        "columnOrder": columns,
+    }
+
+
+def ui_path(experiment_id: str) -> str:
+    """The MLflow UI path (after the server's address) of the methods view, in the classic ML view."""
+    query = urllib.parse.urlencode({"viewStateShareKey": VIEW_KEY, "workflowType": "machine_learning"})
+    return f"/#/experiments/{experiment_id}/runs?{query}"
+
+
+def headline_markdown(client, experiment_id: str, merge_ids: list[str], probe_avg: float, individual_avg: float) -> str:
+    """The pipeline run's description (the UI renders it as Markdown): every method, best test_avg first, each
+    linked to its merge run."""
+    runs = sorted((client.get_run(r) for r in merge_ids), key=lambda r: (r.data.params["kind"] == "negation", -r.data.metrics["test_avg"]))
+    lines = [f"Linear probe {_pct(probe_avg)}%, individual models {_pct(individual_avg)}% (test average).", "", "| method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|"]
+    for r in runs:
+        chosen = ", ".join(f"{k}={v}" for k, v in r.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid."))
+        note = " (negation: target accuracy, lower is better)" if r.data.params["kind"] == "negation" else ""
+        lines.append(f"| [{r.data.params['method']}](#/experiments/{experiment_id}/runs/{r.info.run_id}){note} | {r.data.metrics['test_avg']:.2f} | {r.data.metrics['gap_recovered']:.1f} | {chosen} |")
+    return "\n".join(lines)
+
+
+def _hyperparameter_names(client, run_ids) -> list[str]:
+    names: set[str] = set()
+    for run_id in run_ids:
+        names |= {k for k in client.get_run(run_id).data.params if k not in ("method", "kind", "paper") and not k.startswith("grid.")}
+    return sorted(names)
 
 
 def track(params: Params, layout: Layout = Layout()) -> dict:
     import mlflow
     from mlflow import MlflowClient
 
+    track_started = time.time()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # log_model reads its files back: no bars in the stage's log
     root = layout.root
     uri = tracking_uri(root)
     if notice := prepare_store(uri):
@@ -168,89 +492,144 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
             raise TransientError(f"{uri}: the MLflow store is locked by another process") from None
         raise
     client = MlflowClient()
-    if failed := fail_abandoned_runs(client, experiment.experiment_id):
+    exp_id = experiment.experiment_id
+    if failed := fail_abandoned_runs(client, exp_id):
         print(f"marked {failed} runs FAILED that a killed track left RUNNING")
-    run_tags, stage_tags = _lock_tags(root)
-    # every run carries its host and process, so the next track can tell a run still being logged from an abandoned one
-    process_tags = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid())}
-    run_tags |= process_tags | {"git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc")}
-    if os.environ.get("PREFECT__FLOW_RUN_ID"):
-        run_tags["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
-    summary = read_json(layout.results / "summary.json")
-    times = summary["stage_wall_time_s"]
-    log_ckpt = params.tracking.log_checkpoints
+
     tasks, methods = params.suite.tasks, params.merge.methods
+    lock = lock_stages(root)
+    # every run carries its host and process, so the next track can tell a run still being logged from an abandoned one
+    base = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid()), "git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc")}
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):
+        base["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
+    rec = _Recorder(client, exp_id, base)
+    log_ckpt = params.tracking.log_checkpoints
+    ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
+    individual = {t: ft[t]["individual"]["test"] for t in tasks}
+    probe_avg, individual_avg = _mean(ft[t]["probe"]["test"] for t in tasks), _mean(individual.values())
 
-    with mlflow.start_run(run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=run_tags) as parent:
-        mlflow.log_params(_flatten("", params.model_dump(mode="json")))
-        for row in summary["rows"]:
-            name = row["method"].split(" ")[0].lower()
-            mlflow.log_metrics({f"{name}.average": row["average"], f"{name}.normalized": row["normalized"]} | _metrics(f"{name}.acc.", {t: row[t] for t in tasks}))
-        mlflow.log_metrics(_metrics("wall_time_s.", {k.replace("@", "."): v for k, v in summary["stage_wall_time_s"].items()}))
-        mlflow.log_artifacts(str(layout.results), "results")
-        if (root / "dvc.lock").is_file():
-            mlflow.log_artifact(str(root / "dvc.lock"))
+    def item(name: str, stage: str, files: list[Path], timing: Path, label: str = "", extra_time: tuple[str, ...] = ()):
+        times = stage_times(timing, extra_time)
+        tags = {"mergeflow.stage": stage} | ({"mergeflow.item": label} if label else {})
+        return rec.run(name, fingerprint(lock.get(name), files, root), times, tags), times[1]
 
-        def child(name: str, parent_id: str, tags: Mapping[str, str] | None = None):
-            return mlflow.start_run(run_name=name, nested=True, parent_run_id=parent_id, tags={**process_tags, **stage_tags.get(name, {}), **(tags or {})})
+    def weights(run_id: str, entry_name: str, files: Mapping[Path, str]) -> None:
+        if log_ckpt:
+            rec.weights(run_id, {p: _out_md5(lock.get(entry_name), p, root) for p in files}, lambda p: files[p])
 
-        with child("prepare", parent.info.run_id) as run:
-            mlflow.log_params(_flatten("suite", params.suite.model_dump(mode="json")) | {"seed": params.seed})
+    ctx, end = item("prepare", "prepare", [layout.metrics("prepare")], layout.timing("prepare"))
+    with ctx as run_id:
+        if run_id:
             prep = read_json(layout.metrics("prepare"))
-            mlflow.log_metrics({"wall_time_s": times["prepare"], "pretrain_images": prep["pretrain_images"]} | {f"{t}.{s}": n for t, sizes in prep["tasks"].items() for s, n in sizes.items()})
+            images = {s: sum(sizes[s] for sizes in prep["tasks"].values()) for s in ("train", "val", "test")}
+            rec.log(run_id, {"seed": params.seed} | _flatten("suite", params.suite.model_dump(mode="json")), {"wall_time_s": read_json(layout.timing("prepare"))["wall_time_s"], "pretrain_images": prep["pretrain_images"]} | {f"task_images.{s}": n for s, n in images.items()}, end)
 
-        with child("pretrain", parent.info.run_id) as run:
-            mlflow.log_params(_flatten("backbone", params.backbone.model_dump(mode="json")) | _flatten("pretrain", params.pretrain.model_dump(mode="json")))
+    ctx, end = item("pretrain", "pretrain", [layout.metrics("pretrain"), layout.pretrained], layout.timing("pretrain"))
+    with ctx as run_id:
+        if run_id:
             pre = read_json(layout.metrics("pretrain"))
-            mlflow.log_metrics(_metrics("", {"wall_time_s": times["pretrain"], "parameters": pre["parameters"]}) | _metrics("head_accuracy.", pre["train_head_accuracy"]))
-            _log_curve(client, run.info.run_id, read_json(layout.log("pretrain")), "train.")
-            if log_ckpt:
-                mlflow.log_artifact(str(layout.pretrained), "checkpoints")
+            curve = curve_records(read_json(layout.log("pretrain")), layout.log("pretrain"))
+            rec.log(
+                run_id,
+                _flatten("backbone", params.backbone.model_dump(mode="json")) | _flatten("pretrain", params.pretrain.model_dump(mode="json")),
+                {"wall_time_s": read_json(layout.timing("pretrain"))["wall_time_s"], "parameters": pre["parameters"], "final_loss": pre["final_loss"]} | {f"head_acc.{k}": _pct(v) for k, v in pre["train_head_accuracy"].items()},
+                end,
+                {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
+            )
+            weights(run_id, "pretrain", {layout.pretrained: "checkpoints"})
 
-        with child("finetune", parent.info.run_id) as stage_run:
-            mlflow.log_params(_flatten("finetune", params.finetune.model_dump(mode="json")) | _flatten("probe", params.probe.model_dump(mode="json")))
-            for t in tasks:
-                with child(f"finetune@{t}", stage_run.info.run_id, {"task": t}) as run:
-                    m = read_json(layout.metrics("finetune", t))
-                    mlflow.log_params({"task": t, "probe.C": m["probe"]["C"], "steps": m["steps"]})
-                    mlflow.log_metrics({"wall_time_s": times[f"finetune@{t}"]} | _metrics("probe.", m["probe"]) | _metrics("individual.", m["individual"]) | _metrics("gain.", m["gain_over_probe"]))
-                    _log_curve(client, run.info.run_id, read_json(layout.log("finetune", t)), "train.")
-                    if log_ckpt:
-                        mlflow.log_artifact(str(layout.finetuned(t)), "checkpoints")
-                        mlflow.log_artifact(str(layout.head(t)), "heads")
+    for t in tasks:
+        name = f"finetune@{t}"
+        ctx, end = item(name, "finetune", [layout.metrics("finetune", t), layout.finetuned(t), layout.head(t)], layout.timing("finetune", t), t)
+        with ctx as run_id:
+            if run_id:
+                m = ft[t]
+                curve = curve_records(read_json(layout.log("finetune", t)), layout.log("finetune", t))
+                rec.log(
+                    run_id,
+                    {"task": t, "steps": m["steps"], "probe.C": m["probe"]["C"]} | _flatten("finetune", params.finetune.model_dump(mode="json")),
+                    {"wall_time_s": read_json(layout.timing("finetune", t))["wall_time_s"], "probe_acc": _pct(m["probe"]["test"]), "individual_acc": _pct(m["individual"]["test"]), "individual_val_acc": _pct(m["individual"]["val"]), "gain": _pct(m["gain_over_probe"]["test"])},
+                    end,
+                    {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
+                )
+                weights(run_id, name, {layout.finetuned(t): "checkpoints", layout.head(t): "heads"})
 
-        with child("vectors", parent.info.run_id):
+    ctx, end = item("vectors", "vectors", [layout.metrics("vectors"), layout.vectors / "stats.json"], layout.timing("vectors"))
+    with ctx as run_id:
+        if run_id:
             vec = read_json(layout.metrics("vectors"))
-            mlflow.log_metrics({"wall_time_s": times["vectors"]} | _metrics("norm.", vec["norms"]) | _metrics("relative_norm.", vec["relative_norms"]))
-            mlflow.log_artifact(str(layout.vectors / "stats.json"))
-            mlflow.log_artifact(str(layout.vectors / "cosine.png"))
+            rec.log(run_id, {"tasks": ",".join(tasks)}, {"wall_time_s": read_json(layout.timing("vectors"))["wall_time_s"]} | {f"norm.{k}": v for k, v in vec["norms"].items()} | {f"relative_norm.{k}": v for k, v in vec["relative_norms"].items()}, end)
+            for f in ("stats.json", "cosine.png"):
+                if (layout.vectors / f).is_file():
+                    client.log_artifact(run_id, str(layout.vectors / f))
 
-        with child("merge", parent.info.run_id) as stage_run:
-            for method in methods:
-                with child(f"merge@{method}", stage_run.info.run_id, {"method": method}) as run:
-                    mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
-                    mlflow.log_params(_flatten("hp", mm["hyperparameters"]) | _flatten("grid", mm["grid"]) | {"paper": mm["paper"], "kind": mm["kind"]} | _flatten("chosen", mm["searched"]))
-                    timing = read_json(layout.timing("merge", method))
-                    timing = {"merge_wall_time_s": timing["wall_time_s"], "evaluate_wall_time_s": timing["evaluate_wall_time_s"]}
-                    if mm["kind"] == "negation":
-                        mlflow.log_metrics(timing | _metrics("test.average.", ev["average"]) | {f"test.{t}.{k}": v for t, r in ev["per_task"].items() for k, v in r.items()})
-                    else:
-                        mlflow.log_metrics(
-                            timing
-                            | {"val.average": mm["val_average"], "test.average": ev["average"], "test.normalized": ev["normalized_average"], "storage_models": ev["storage_models"]}
-                            | _metrics("val.", mm["val_accuracy"])
-                            | _metrics("test.", ev["accuracy"])
-                        )
-                        grid_keys = list(mm["grid"])
-                        if len(grid_keys) == 1:  # the validation curve, indexed by grid position
-                            curve = mm["val_curve"]
-                            _log_curve(client, run.info.run_id, {"step": list(range(len(curve))), "val.curve.average": [r["average"] for r in curve], f"val.curve.{grid_keys[0]}": [r["hyperparameters"][grid_keys[0]] for r in curve]}, "")
-                    plot = layout.log("merge", method, ".png")
-                    if plot.is_file():
-                        mlflow.log_artifact(str(plot))
-                    if log_ckpt:
-                        mlflow.log_artifact(str(layout.merged(method)), "merged")
+    single_models: dict[str, str] = {}
+    for method in methods:
+        name = f"merge@{method}"
+        files = [layout.metrics("merge", method), layout.metrics("evaluate", method), layout.merged(method)]
+        ctx, end = item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",))
+        with ctx as run_id:
+            if run_id:
+                mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
+                timing = read_json(layout.timing("merge", method))
+                metrics = merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | {"wall_time_s": timing["wall_time_s"] + timing.get("evaluate_wall_time_s", 0.0)}
+                rec.log(run_id, merge_params(mm, ev), metrics, end)
+                client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
+                plot = layout.log("merge", method, ".png")
+                if plot.is_file():
+                    client.log_artifact(run_id, str(plot), "plots")
+                if log_ckpt and mm["kind"] == "model":
+                    _log_merged_model(rec, run_id, layout.merged(method), _out_md5(lock.get(name), layout.merged(method), root), params)
+                elif log_ckpt and mm["kind"] == "per_task":
+                    weights(run_id, name, {layout.merged(method): "merged"})
+        if read_json(layout.metrics("merge", method))["kind"] == "model":
+            single_models[method] = rec.stage_runs[name]
 
-    record = {"tracking_uri": mlflow.get_tracking_uri(), "experiment": experiment.name, "experiment_id": experiment.experiment_id, "run_id": parent.info.run_id}
+    registered = register_best(client, registered_model_name(params), single_models) if log_ckpt else None
+
+    # the pipeline run: one per state of all its stages (and the report); a track with nothing new logs none
+    report_fp = fingerprint(lock.get("report"), sorted(layout.results.glob("*.json")), root)
+    pipeline_fp = _sha256({"stages": rec.fingerprints, "report": report_fp})
+    pipeline_id = rec.find("mergeflow.pipeline_fingerprint", pipeline_fp)
+    if pipeline_id is None:
+        # from the first stage this pipeline run (re)ran, to now
+        started = min((client.get_run(r).info.start_time for r in rec.new_runs), default=int(track_started * 1000))
+        tags = base | {"mergeflow.stage": "pipeline", "mergeflow.pipeline_fingerprint": pipeline_fp}
+        tags |= {f"stage_run.{n.replace('@', '.')}": r for n, r in rec.stage_runs.items()}
+        if (root / "dvc.lock").is_file():
+            tags["dvc.lock.sha256"] = hashlib.sha256((root / "dvc.lock").read_bytes()).hexdigest()
+        best = {}
+        if single_models:
+            best_run = max((client.get_run(r) for r in single_models.values()), key=lambda r: r.data.metrics["test_avg"])
+            best = {"best_test_avg": best_run.data.metrics["test_avg"]}
+            tags |= {"mergeflow.best_method": best_run.data.params["method"], "mergeflow.best_run": best_run.info.run_id}
+        if registered:
+            tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
+        tags["mlflow.note.content"] = headline_markdown(client, exp_id, [rec.stage_runs[f"merge@{m}"] for m in methods], probe_avg, individual_avg)
+        run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
+        pipeline_id = run.info.run_id
+        try:
+            rec.log(pipeline_id, {"suite": params.suite.name, "tasks": ",".join(tasks), "methods": ",".join(methods), "backbone": params.backbone.model}, {"probe_avg": _pct(probe_avg), "individual_avg": _pct(individual_avg)} | best)
+            client.log_artifacts(pipeline_id, str(layout.results), "results")
+            if (root / "dvc.lock").is_file():
+                client.log_artifact(pipeline_id, str(root / "dvc.lock"))
+        except BaseException:
+            client.set_terminated(pipeline_id, "FAILED")
+            raise
+        client.set_terminated(pipeline_id, "FINISHED", end_time=int(time.time() * 1000))
+        rec.new_runs.append(pipeline_id)
+
+    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in methods]
+    client.set_experiment_tag(exp_id, "mlflow.experimentKind", ML_EXPERIMENT_KIND)
+    # the UI's saved-view envelope: listed under Views > Saved views, and opened by ?viewStateShareKey=
+    now_ms = int(time.time() * 1000)
+    view = {"name": VIEW_NAME, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(methods_view(tasks, _hyperparameter_names(client, merge_ids)))}
+    client.set_experiment_tag(exp_id, f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(view))
+    path = ui_path(exp_id)
+    server = os.environ.get("MERGEFLOW_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")  # where `mergeflow ui` serves
+    print(f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in {experiment.name}; methods ranked by test_avg: {server}{path}")
+    if registered:
+        print(f"best merged model: {registered['method']}, models:/{registered['name']}/{registered['version']}")
+    record = {"tracking_uri": mlflow.get_tracking_uri(), "experiment": experiment.name, "experiment_id": exp_id, "run_id": pipeline_id, "ui_path": path, "new_runs": len(rec.new_runs), "registered_model": registered}
     write_json(layout.metrics("tracking"), record)
     return record

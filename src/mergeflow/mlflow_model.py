@@ -1,0 +1,75 @@
+"""Merged models as MLflow models, and loading them back.
+
+``track`` logs each merged model (methods of kind "model": one set of weights for every task) with
+``mlflow.pyfunc.log_model(python_model=<this file>, ...)``, MLflow's "models from code": the model's files are this
+file, the weights as safetensors (``weights.safetensors``) and the backbone's configuration (``backbone.json``, the
+``backbone`` section of params.yaml). Nothing is pickled. Two ways back:
+
+    from mergeflow.mlflow_model import load_model
+    net = load_model("runs:/<run_id>/model", "sqlite:///mlflow.db")   # torch.nn.Module: uint8 images [N, H, W, 3] -> features [N, D]
+
+    import mlflow
+    features = mlflow.pyfunc.load_model("runs:/<run_id>/model").predict(images)   # numpy in, numpy out
+
+``models:/mergeflow-<suite>/<version>`` (the model registry) works in both. Task heads are not part of the model:
+they are the fine-tuning runs' ``heads/<task>.safetensors`` artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import torch
+
+WEIGHTS = "weights.safetensors"
+BACKBONE = "backbone.json"
+
+
+def _build(weights: str | Path, backbone: str | Path) -> torch.nn.Module:
+    from mergeflow.config import BackboneConfig
+    from mergeflow.io import load_state_dict
+    from mergeflow.models import build_backbone
+
+    cfg = BackboneConfig(**json.loads(Path(backbone).read_text()))
+    # the architecture comes from the configuration alone: never timm's or a file's pretrained weights
+    model = build_backbone(cfg.model_copy(update={"pretrained": None}), load_state_dict(weights), source=str(weights))
+    return model.eval()
+
+
+def load_model(model_uri: str, tracking_uri: str | None = None) -> torch.nn.Module:
+    """The backbone of a merged model logged by ``track`` (``runs:/<run_id>/model``, ``models:/<id>`` or
+    ``models:/<name>/<version>``), in eval mode, built from its configuration with timm and holding its weights.
+    ``tracking_uri``: the store (default: MLflow's current one, e.g. MLFLOW_TRACKING_URI, such as
+    sqlite:///mlflow.db). Reads the files only: no code stored with the model runs."""
+    import yaml
+
+    previous = mlflow.get_tracking_uri()
+    if tracking_uri:  # set for the call: MLflow resolves runs:/<id>/model through the current store, whatever it is passed
+        mlflow.set_tracking_uri(tracking_uri)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, tracking_uri=tracking_uri))
+    finally:
+        mlflow.set_tracking_uri(previous)
+    spec = yaml.safe_load((local / "MLmodel").read_text())
+    files = spec.get("flavors", {}).get("python_function", {}).get("artifacts", {})
+    if set(files) != {"weights", "backbone"}:
+        raise ValueError(f"{model_uri}: not a mergeflow merged model (its MLmodel names artifacts {sorted(files)}, expected 'weights' and 'backbone')")
+    return _build(local / files["weights"]["path"], local / files["backbone"]["path"])
+
+
+class MergedBackbone(mlflow.pyfunc.PythonModel):
+    """pyfunc wrapper: ``predict`` takes uint8 images [N, H, W, 3] (a numpy array) and returns features [N, D]."""
+
+    def load_context(self, context) -> None:
+        self.net = _build(context.artifacts["weights"], context.artifacts["backbone"])
+
+    def predict(self, context, model_input, params=None):
+        with torch.no_grad():
+            return self.net(torch.as_tensor(np.asarray(model_input, dtype=np.uint8))).numpy()
+
+
+if __name__ != "mergeflow.mlflow_model":  # run by MLflow as the model's code (under a name of its own), not imported
+    mlflow.models.set_model(MergedBackbone())
