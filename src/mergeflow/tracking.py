@@ -419,7 +419,7 @@ def register_best(client, name: str, merge_runs: Mapping[str, str]) -> dict | No
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description="The best merged model (highest test_avg among single-model methods) of each pipeline run; load with mergeflow.mlflow_model.load_model('models:/<name>/<version>').")
+        client.create_registered_model(name, description=f"The best merged model (highest test_avg among single-model methods) of each pipeline run; load one with `mergeflow.mlflow_model.load_model('models:/{name}/1')` (its version number for 1).")
     versions = client.search_model_versions(f"name = '{name}'")
     latest = max(versions, key=lambda v: int(v.version), default=None)
     if latest is not None and latest.run_id == best.info.run_id:
