@@ -103,6 +103,8 @@ def test_a_failed_stage_loses_nothing_and_a_rerun_with_the_same_outputs_stales_n
     assert {p: _md5(p) for p in outs} == kept
 
     # a fine-tune run again gives the same model and a new wall time: nothing downstream is stale
+    run(["dvc", "repro"], root, tiny_env)  # track again, after the experiments' own tracks
+    assert _json(["dvc", "status", "--json"], root, tiny_env) == {}
     run(["dvc", "repro", "-f", "-s", "finetune@digits"], root, tiny_env)
     status = _json(["dvc", "status", "--json"], root, tiny_env)
     assert status == {}, status
