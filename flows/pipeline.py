@@ -16,12 +16,15 @@ See docs/scaling.md; ``python -m flows.serve`` (``mergeflow serve``) schedules t
 
 import argparse
 import contextlib
+import json
 import os
 import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -37,8 +40,10 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow.checks import check_project
 from mergeflow.config import apply_overrides
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import PipelineFailed, check_repo, commit_stage, locked_repo, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus
+from mergeflow.orchestration import PipelineFailed, StageFailed, StageNode, check_repo, commit_stage, locked_repo, quiet_failure_tracebacks, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus
 from tasks.stages import run_stage_task, stop_worker_stages
+
+quiet_failure_tracebacks()  # a failed stage or bad input is its one line in the logs, not a traceback
 
 Runner = Literal["thread", "dask"]
 RUNNERS: tuple[str, ...] = ("thread", "dask")
@@ -97,36 +102,91 @@ def _ephemeral_api_url() -> str | None:
     return servers[0].api_url if servers else None
 
 
-def _as_completed(futures: list, on_stop: Callable[[], None] | None = None) -> Iterator:
-    """The futures as they finish. The main thread waits in short spells: Python runs signal handlers only there,
-    and a SIGTERM delivered to a worker thread would otherwise wait for the next stage to end. ``on_stop`` is
-    called once, from this thread, when the run is being stopped (stopping())."""
-    finished: queue.Queue = queue.Queue()
-    for future in futures:
-        future.add_done_callback(finished.put)
-    for _ in futures:
-        while True:
-            try:
-                yield finished.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if on_stop is not None and stopping():
-                    on_stop()
-                    on_stop = None
-                continue
-
-
-def _stop_on_dask(task_runner, futures: list) -> Callable[[], None]:
+def _stop_on_dask(task_runner, futures: dict) -> Callable[[], None]:
     """Stopping a run on Dask: cancel the stages not started yet, and stop those running on every worker (their
-    processes are the workers' children, out of this process's reach)."""
+    processes are the workers' children, out of this process's reach). ``futures``: the stages submitted so far."""
     run_id = str(flow_run.get_id() or "")
 
     def stop() -> None:
-        task_runner.client.cancel([f.wrapped_future for f in futures])
+        task_runner.client.cancel([f.wrapped_future for f in futures.values()])
         stopped = task_runner.client.run(stop_worker_stages, run_id)  # {worker: stages it stopped}
         get_run_logger().warning("stopping: %d running stages stopped on the Dask workers, the rest cancelled", sum(stopped.values()))
 
     return stop
+
+
+@dataclass
+class RunOutcome:
+    """What a flow run did with its stale stages, each named by its address."""
+
+    planned: list[str]  # the stale stages, in dependency order
+    done: list[str] = field(default_factory=list)  # completed and committed to dvc.lock
+    failed: dict[str, BaseException] = field(default_factory=dict)  # address -> its failure (StageFailed, mostly)
+    not_run: dict[str, str] = field(default_factory=dict)  # address -> why it never started
+
+    def error_line(self, address: str) -> str:
+        """A failed stage's one line: its own last line (``error: ...`` for bad input), or the failure's message."""
+        err = self.failed[address]
+        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {err}"
+
+    def status(self, address: str) -> str:
+        err = self.failed[address]
+        if not isinstance(err, StageFailed):
+            return "did not finish"
+        return f"exit status {err.returncode}" + (" (bad input)" if err.bad_input else "")
+
+
+def _run_stages(task_runner, nodes: list[StageNode], parameters: Callable[[StageNode], dict], repo, stopper=None) -> RunOutcome:
+    """Run ``nodes`` (stale stages, in dependency order) on ``task_runner``. A stage is submitted once every stage
+    it waits for in this run has completed and been committed, so a stage downstream of a failure never becomes a
+    Prefect task run (Prefect would leave it NotReady, naming the failed upstream by its task run's UUID): it is
+    recorded as not run, by address. The main thread waits in short spells: Python runs signal handlers only
+    there. ``stopper(task_runner, futures)`` gives what to call once when the run is being stopped (Dask)."""
+    outcome = RunOutcome([n.address for n in nodes])
+    waiting = {n.address: n for n in nodes}
+    futures: dict = {}
+    finished: queue.Queue = queue.Queue()
+    on_stop = stopper(task_runner, futures) if stopper else None
+
+    def submit_ready() -> None:
+        changed = True
+        while changed:  # a stage recorded as not run makes the stages after it not run
+            changed = False
+            for address, node in list(waiting.items()):
+                upstream = [u for u in node.upstream if u in outcome.planned]
+                blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
+                if blocked or stopping():
+                    outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the flow was stopped"
+                elif all(u in outcome.done for u in upstream):
+                    # wait_for on finished futures: no waiting, but the UI draws the graph's edges
+                    future = task_runner.submit(run_stage_task, parameters(node), wait_for=[futures[u] for u in upstream])
+                    future.add_done_callback(lambda f, a=address: finished.put((a, f)))
+                    futures[address] = future
+                else:
+                    continue
+                del waiting[address]
+                changed = True
+
+    submit_ready()
+    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) < len(nodes):
+        try:
+            address, future = finished.get(timeout=0.5)
+        except queue.Empty:
+            if stopping():
+                if on_stop is not None:
+                    on_stop()
+                    on_stop = None
+                submit_ready()  # what still waits will not start
+            continue
+        try:
+            result = future.result()
+        except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
+            outcome.failed[address] = err
+        else:
+            commit_stage(repo, result["stage"])  # one at a time, from this thread: dvc.lock has one writer
+            outcome.done.append(address)
+        submit_ready()
+    return outcome
 
 
 @flow(name="mergeflow-pipeline")
@@ -134,13 +194,18 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     """Run every stale stage. ``overrides`` are ``key.path=value`` settings written into params.yaml first, as
     ``dvc exp run -S`` takes them; every name is checked (mergeflow check) before any stage runs. ``runner``:
     "thread" (a thread pool here) or "dask" (a LocalCluster of ``workers`` processes, or the cluster at
-    ``dask_address``); ``workers``: stages at once (default: one per GPU, else one per CPU core)."""
+    ``dask_address``); ``workers``: stages at once (default: one per GPU, else one per CPU core). The run ends
+    by publishing the Markdown artifact mergeflow-summary: the summary table and the MLflow run, or what failed."""
     logger = get_run_logger()
-    check_repo(root)
-    check_runner(runner, dask_address)
-    if overrides:
-        apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
-    _, notices = check_project(root)
+    try:
+        check_repo(root)
+        check_runner(runner, dask_address)
+        if overrides:
+            apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
+        _, notices = check_project(root)
+    except MergeflowError as err:
+        publish_summary(failure_markdown(None, f"error: {err}"))
+        raise
     for notice in notices:
         logger.warning(notice)
     # DVC names a stage relative to the working directory ("../repo/dvc.yaml:merge@ties" from elsewhere), and a
@@ -161,31 +226,102 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         gpu_workers = workers if gpus and runner == "dask" else None
         to_run = [n for n in nodes if n.address in stale]
         logger.info("%d of %d stages to run: %s", len(to_run), len(nodes), ", ".join(n.address for n in to_run) or "none")
-        done, failed, futures = [], [], {}
+        outcome = RunOutcome([])
         if not to_run:
             logger.info("nothing to do: every stage is up to date")
         else:
             logger.info("runner: %s, %d stages at once%s", runner if not dask_address else f"dask at {dask_address}", workers, f", GPUs {', '.join(gpus)}" if gpus else "")
-        with make_task_runner(runner, workers, dask_address) if to_run else contextlib.nullcontext() as task_runner:
-            for node in to_run:
-                waits = [futures[u] for u in node.upstream if u in futures]
-                parameters = {"node": node, "root": root, "env": env | {"MERGEFLOW_THREADS": str(threads[node.address])}, "gpus": gpus, "gpu_workers": gpu_workers}
-                futures[node.address] = task_runner.submit(run_stage_task, parameters, wait_for=waits)
-            on_stop = _stop_on_dask(task_runner, list(futures.values())) if runner == "dask" and futures else None
-            for future in _as_completed(list(futures.values()), on_stop):
-                try:
-                    result = future.result()
-                except Exception as err:  # noqa: BLE001 - reported below; stages that do not depend on it go on
-                    failed.append(err)
-                    continue
-                commit_stage(repo, result["stage"])  # one at a time, from this thread: dvc.lock has one writer
-                done.append(result["stage"])
-    if failed and stopping():
-        raise PipelineFailed(f"stopped by a signal: {len(done)} of {len(futures)} stages completed and were recorded in dvc.lock; the rest run next time")
-    if failed:
-        first = next((e for e in failed if not type(e).__name__.startswith("Upstream")), failed[0])
-        raise PipelineFailed(f"{len(failed)} of {len(futures)} stages did not complete; first failure: {first}")
-    return done
+
+            def parameters(node: StageNode) -> dict:
+                return {"node": node, "root": root, "env": env | {"MERGEFLOW_THREADS": str(threads[node.address])}, "gpus": gpus, "gpu_workers": gpu_workers}
+
+            with make_task_runner(runner, workers, dask_address) as task_runner:
+                outcome = _run_stages(task_runner, to_run, parameters, repo, _stop_on_dask if runner == "dask" else None)
+    if outcome.failed or outcome.not_run:
+        for address in outcome.failed:
+            logger.error("failed: %s, %s: %s", address, outcome.status(address), outcome.error_line(address))
+        if outcome.not_run:
+            logger.error("not run: %s", "; ".join(f"{a} ({why})" for a, why in outcome.not_run.items()))
+        publish_summary(failure_markdown(outcome, stages=len(nodes)))
+        if stopping():
+            raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {len(to_run)} stages completed and were recorded in dvc.lock; the rest run next time")
+        first = next(iter(outcome.failed.values()), None)
+        missing = len(outcome.failed) + len(outcome.not_run)
+        raise PipelineFailed(f"{missing} of {len(to_run)} stages did not complete; first failure: {first if first is not None else next(iter(outcome.not_run.values()))}")
+    publish_summary(success_markdown(Path(root), outcome.done, len(nodes)))
+    return outcome.done
+
+
+# ---------------------------------------------------------------- the flow run's Markdown artifact
+SUMMARY_ARTIFACT_KEY = "mergeflow-summary"
+MLFLOW_UI_ENV = "MERGEFLOW_MLFLOW_UI"  # where the MLflow UI is served, for the artifact's link
+DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
+
+
+def mlflow_ui_base() -> str:
+    return (os.environ.get(MLFLOW_UI_ENV) or DEFAULT_MLFLOW_UI).rstrip("/")
+
+
+def mlflow_run_url(tracking: dict, base: str | None = None) -> str:
+    """The MLflow UI's page of the run that ``tracking`` (metrics/tracking.json) names."""
+    return f"{base or mlflow_ui_base()}/#/experiments/{tracking['experiment_id']}/runs/{tracking['run_id']}"
+
+
+def _mlflow_section(root: Path) -> str:
+    try:
+        tracking = json.loads((root / "metrics" / "tracking.json").read_text())
+        url = mlflow_run_url(tracking)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"No MLflow run to link: metrics/tracking.json is missing or incomplete ({type(err).__name__}); the track stage writes it."
+    base = mlflow_ui_base()
+    port = urllib.parse.urlsplit(base).port or 5000
+    return (
+        f"MLflow run [{tracking['run_id']}]({url}) in experiment {tracking.get('experiment', tracking['experiment_id'])}, "
+        f"store `{tracking.get('tracking_uri', '?')}`.\n\n"
+        f"The link opens while the MLflow UI serves that store at {base}: run `mergeflow ui --port {port}` in `{root}` "
+        f"(set {MLFLOW_UI_ENV} when your MLflow UI runs elsewhere)."
+    )
+
+
+def success_markdown(root: Path, ran: list[str], stages: int) -> str:
+    """The artifact of a completed run: which stages ran, results/summary.md, and the MLflow run's link."""
+    if ran:
+        head = f"**Ran in this flow run** ({len(ran)} of {stages} stages): {', '.join(ran)}. The other stages were up to date."
+    else:
+        head = f"**Nothing ran in this flow run**: all {stages} stages were up to date. The results below are the current ones, from an earlier run."
+    try:
+        table = (root / "results" / "summary.md").read_text().strip()
+    except OSError:
+        table = "results/summary.md is missing (the report stage writes it)."
+    return f"# mergeflow pipeline: completed\n\n{head}\n\n## Results (results/summary.md)\n\n{table}\n\n## MLflow\n\n{_mlflow_section(root)}\n"
+
+
+def failure_markdown(outcome: RunOutcome | None, error: str | None = None, stages: int | None = None) -> str:
+    """The artifact of a failed run: each failed stage with its one-line error, the stages that never started and
+    those that completed; or ``error`` when the run stopped before any stage (bad configuration)."""
+    lines = ["# mergeflow pipeline: failed", ""]
+    if outcome is None:
+        return "\n".join(lines + ["The run stopped before any stage, on:", "", f"    {error}", "", "`mergeflow check` checks the configuration."]) + "\n"
+    lines += ["## Failed", ""] + [f"- **{a}**, {outcome.status(a)}: `{outcome.error_line(a)}`" for a in outcome.failed]
+    if outcome.not_run:
+        lines += ["", "## Not run", ""] + [f"- **{a}**: {why}" for a, why in outcome.not_run.items()]
+    lines += ["", "## Completed", ""]
+    if outcome.done:
+        lines += [f"{', '.join(outcome.done)} ({len(outcome.done)} of the {len(outcome.planned)} stages to run, of {stages} in all): recorded in dvc.lock, so the next run starts from there."]
+    else:
+        lines += [f"None of the {len(outcome.planned)} stages to run (of {stages} in all)."]
+    return "\n".join(lines) + "\n"
+
+
+def publish_summary(markdown: str) -> None:
+    """Publish the flow run's Markdown artifact (key mergeflow-summary). Failing to publish is a warning: the
+    stages' work is done and recorded either way."""
+    from prefect.artifacts import create_markdown_artifact
+
+    try:
+        create_markdown_artifact(markdown=markdown, key=SUMMARY_ARTIFACT_KEY, description="mergeflow: what this flow run did, its results and MLflow run")
+    except Exception as err:  # noqa: BLE001 - see above
+        get_run_logger().warning("could not publish the %s artifact: %s", SUMMARY_ARTIFACT_KEY, err)
 
 
 def _stop(signum, frame):

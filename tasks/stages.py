@@ -1,10 +1,16 @@
-"""Prefect task: run one stage of dvc.yaml. All logic lives in mergeflow.orchestration."""
+"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.orchestration."""
 
+import json
 import sys
+import time
+from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from mergeflow.orchestration import StageFailed, StageNode, process_device_pool, resume_stages, run_stage, stop_stages, stopping
+from mergeflow.orchestration import StageFailed, StageNode, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
+
+OUTPUT_LINES = 20  # the last lines of a stage's output that reach the Prefect logs
+quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's
 
 
 def _retry_if_transient(task, task_run, state) -> bool:
@@ -49,13 +55,47 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
     """Run one stage. With ``gpus``, the stage gets one of them to itself (CUDA_VISIBLE_DEVICES) from this
     process's pool, waiting while every one is taken; on a Dask LocalCluster of ``gpu_workers`` workers each
     worker hands out its own share of them."""
+    logger = get_run_logger()
     worker = dask_worker_index()
     if stopping() and _stopped_flow_run not in (None, env.get("PREFECT__FLOW_RUN_ID")):
         resume_stages()  # a long-lived Dask worker: an earlier flow run was stopped, not this one
+    started = time.monotonic()
     with process_device_pool(gpus, gpu_workers, worker).lease() as device_env:
         if device_env:
-            get_run_logger().info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
-        result = run_stage(node, root, env | device_env)
-    if result["output"].strip():
-        get_run_logger().info("%s output (last lines):\n%s", node.address, "\n".join(result["output"].strip().splitlines()[-20:]))
+            logger.info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
+        try:
+            result = run_stage(node, root, env | device_env)
+        except StageFailed as err:
+            seconds = time.monotonic() - started
+            kind = " (bad input)" if err.bad_input else " (transient)" if err.transient else ""
+            logger.error("%s failed after %.1f s with exit status %d%s: %s", node.address, seconds, err.returncode, kind, err.tail)
+            if (last := last_lines(err.output)) != err.tail:  # more than its error line
+                logger.error("%s output (last lines):\n%s", node.address, last)
+            raise
+    logger.info("%s", completed_line(node, root, time.monotonic() - started))
+    if last := last_lines(result["stdout"]):
+        logger.info("%s output (last lines):\n%s", node.address, last)
+    if last := last_lines(result["stderr"]):
+        logger.info("%s stderr (last lines):\n%s", node.address, last)
     return result
+
+
+def last_lines(output: str, n: int = OUTPUT_LINES) -> str:
+    return "\n".join(output.strip().splitlines()[-n:])
+
+
+def completed_line(node: StageNode, root: str, seconds: float, most: int = 6) -> str:
+    """The stage's summary line: its address, time and the numbers at the top level of the metrics files it
+    wrote (metrics/*.json), e.g. "merge@ties completed in 3.1 s: average=0.322, val_average=0.233"."""
+    numbers = []
+    for out in node.outs:
+        if not (out.startswith("metrics/") and out.endswith(".json")):
+            continue
+        try:
+            record = json.loads((Path(root) / out).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            numbers += [f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    shown = ", ".join(numbers[:most]) + (", ..." if len(numbers) > most else "")
+    return f"{node.address} completed in {seconds:.1f} s" + (f": {shown}" if shown else "")

@@ -1,4 +1,4 @@
-"""mergeflow: run one stage of the model-merging pipeline, check the project, or list the merging methods.
+"""The ``mergeflow`` command: one stage of the model-merging pipeline, the project check, the methods, the MLflow UI.
 
 Under DVC and the Prefect flow a stage takes its task or method from DVC_STAGE (finetune@<task>, merge@<method>),
 so no name from params.yaml is ever pasted into a shell command. Bad input or configuration prints one line,
@@ -15,25 +15,62 @@ from mergeflow import __version__
 from mergeflow.errors import MergeflowError, TransientError
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mergeflow", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"mergeflow {__version__}")
-    parser.add_argument("--params", default="params.yaml", help="the configuration file (default: params.yaml)")
+DESCRIPTION = """Model merging, end to end: fine-tune one backbone per task, merge the task vectors with each
+method, evaluate and compare them. Each pipeline stage is a command; DVC or Prefect runs them."""
+EPILOG = """common commands (from the repository root):
+  mergeflow check                 validate params.yaml and what dvc.yaml takes from it
+  mergeflow repro                 run the stale stages with DVC (dvc repro, checked first)
+  python -m flows.pipeline        the same with Prefect: stages at once, a summary artifact
+  mergeflow methods               the methods: grids params.yaml sets, beside the papers' defaults
+  mergeflow ui                    the MLflow UI on what `track` logged (http://127.0.0.1:5000)
+  mergeflow merge --method ties   one stage by hand (DVC and the flow run each stage so)
+
+Bad input or configuration prints one line, "error: <what, where>", and exits with status 2; a
+transient failure exits with status 75. `mergeflow COMMAND --help` describes each command."""
+
+
+def _configured(argv: list[str] | None) -> tuple[str, object | None]:
+    """The params file the command line names, and its Params, or None when it does not load: help must work
+    with a broken or missing params.yaml (then it lists no tasks and marks no methods)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--params", default="params.yaml")
+    path = pre.parse_known_args(argv)[0].params
+    try:
+        from mergeflow.config import load_params
+
+        return path, load_params(path)
+    except Exception:  # noqa: BLE001 - any failure only means no choices to list; the command itself reports it
+        return path, None
+
+
+def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    from mergeflow.merging import REGISTRY
+
+    path, params = _configured(argv)
+    tasks = f"one of {', '.join(params.suite.tasks)} (suite.tasks in {path})" if params else f"a task of suite.tasks in {path} ({path} did not load: none listed)"
+    running = set(params.merge.methods) if params else set()
+    methods = ", ".join(f"{m}*" if m in running else m for m in sorted(REGISTRY))
+    methods_help = f"one of {methods}" + (f" (* = in merge.methods of {path})" if running else f" ({path} did not load: merge.methods not marked)")
+
+    parser = argparse.ArgumentParser(prog="mergeflow", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mergeflow {__version__}", help="print the version and exit")
+    parser.add_argument("--params", default="params.yaml", metavar="FILE", help="the configuration file (default: params.yaml)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("prepare", help="generate or convert every task's data and the pretraining corpus")
-    sub.add_parser("pretrain", help="pretrain the backbone on the corpus, or load real pretrained weights")
-    sub.add_parser("finetune", help="linear probe, then fine-tune the backbone on one task").add_argument(
-        "--task", help="one of suite.tasks (default: from DVC_STAGE=finetune@<task>, as DVC and the flow set it)"
-    )
-    sub.add_parser("vectors", help="task vectors and their statistics")
-    sub.add_parser("merge", help="merge with one method (hyperparameters chosen on validation), then test it on every task").add_argument(
-        "--method", help="one of merge.methods (default: from DVC_STAGE=merge@<method>, as DVC and the flow set it)"
-    )
-    sub.add_parser("report", help="summary table and bar chart")
-    sub.add_parser("track", help="record the pipeline's outputs in MLflow")
-    sub.add_parser("methods", help="list every registered merging method")
-    sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock")
-    sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` (any of its options) with dvc.lock written atomically")
+    sub.add_parser("prepare", help="stage: generate or convert every task's data and the pretraining corpus", description="Generate or convert every task's data (data/tasks) and the pretraining corpus.")
+    sub.add_parser("pretrain", help="stage: pretrain the backbone on the corpus, or load real pretrained weights", description="Pretrain the backbone on the corpus, or load the weights backbone.pretrained names.")
+    finetune = sub.add_parser("finetune", help="stage: linear probe, then fine-tune the backbone on one task", description="Linear probe, then fine-tune the backbone on one task.")
+    finetune.add_argument("--task", metavar="TASK", help=f"the task: {tasks}; default: from DVC_STAGE=finetune@<task>, as DVC and the flow set it")
+    sub.add_parser("vectors", help="stage: task vectors (fine-tuned minus pretrained) and their statistics", description="Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities.")
+    merge = sub.add_parser("merge", help="stage: merge with one method (hyperparameters chosen on validation), then test on every task", description="Merge the task vectors with one method, its hyperparameters chosen on the validation splits, then test it on every task.")
+    merge.add_argument("--method", metavar="METHOD", help=f"the method: {methods_help}; default: from DVC_STAGE=merge@<method>, as DVC and the flow set it")
+    sub.add_parser("report", help="stage: the summary table (results/summary.md) and plots", description="The summary table of every method (results/summary.md, .csv, .json) and its plots.")
+    sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
+    sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
+    sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
+    sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` with dvc.lock written atomically", description="`mergeflow check`, then `dvc repro [ARGS]` (any of dvc repro's options and stage names) with dvc.lock written atomically.", usage="mergeflow repro [-h] [DVC_REPRO_ARGS ...]")
+    ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
+    ui.add_argument("--port", type=int, default=5000, help="port to serve on (default: 5000; the artifact's link follows MERGEFLOW_MLFLOW_UI)")
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     sub.add_parser("serve", add_help=False, help="schedule the pipeline: a Prefect deployment served from here (--cron EXPR or --interval SECONDS; serve --help)")
     return parser
 
@@ -51,11 +88,9 @@ def _stage_item(given: str | None, stage: str, what: str) -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "methods":
-        from mergeflow.merging import REGISTRY
-
-        for name in sorted(REGISTRY):
-            print(REGISTRY[name].describe())
-        return 0
+        return print_methods(args.params)
+    if args.command == "ui":
+        return mlflow_ui(args.port, args.host)
     if args.command in ("check", "repro"):
         from mergeflow.checks import check_project
 
@@ -95,8 +130,97 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _value(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _values(values, most: int = 8) -> str:
+    """A grid, its middle elided when long: [0.05, 0.1, 0.15, ..., 1] (20 values)."""
+    shown = [_value(v) for v in values]
+    if len(shown) > most:
+        return f"[{', '.join(shown[:3])}, ..., {shown[-1]}] ({len(shown)} values)"
+    return f"[{', '.join(shown)}]"
+
+
+def _space(fixed: dict, grid: dict, per_task: dict, method=None) -> str:
+    """One method's hyperparameters, one a line: a grid searched on validation, a grid searched per task, or a
+    fixed value; with ``method``, each one's default (the value used without validation data) and allowed values."""
+    from mergeflow.merging import ANY_NUMBER
+
+    def name(k: str) -> str:
+        if method is None:
+            return k
+        allowed = method.ranges.get(k)
+        return f"{k}={_value(method.defaults[k])}" + (f" ({allowed})" if allowed is not None and allowed != ANY_NUMBER else "")
+
+    lines = [f"{name(k)}{',' if method else ''} grid {_values(v)}" for k, v in grid.items()]
+    lines += [f"{name(k)}{',' if method else ''} per-task grid {_values(v)}" for k, v in per_task.items()]
+    lines += [name(k) if method else f"{k}={_value(v)}" for k, v in fixed.items() if k not in per_task]
+    return "\n".join(lines) or "(no hyperparameters)"
+
+
+def methods_table(params, source: str = "params.yaml"):
+    """A rich Table: each method, whether merge.methods runs it, the hyperparameters ``params`` makes effective
+    (Params.merge.overrides through the method's search_space) and the paper's defaults and grids."""
+    from rich.table import Table
+
+    from mergeflow.merging import REGISTRY
+
+    table = Table(title=f"merging methods (* = in merge.methods of {source})" if params else "merging methods: the papers' defaults", show_lines=True, title_justify="left")
+    table.add_column("method", no_wrap=True)
+    if params:
+        table.add_column(f"effective ({source})", overflow="fold", ratio=1)
+    table.add_column("paper's defaults", overflow="fold", ratio=1)
+    for name in sorted(REGISTRY):
+        method = REGISTRY[name]
+        fixed, grid = method.search_space()
+        paper = _space(fixed, grid, method.per_task_space(), method)
+        kind = "" if method.kind == "model" else f"\n({method.kind.replace('_', '-')})"
+        if not params:
+            table.add_row(f"{name}{kind}", f"{paper}\n[dim]{method.paper}[/dim]")
+            continue
+        overrides = params.merge.overrides(name)
+        fixed, grid = method.search_space(overrides)
+        effective = _space(fixed, grid, method.per_task_space(overrides))
+        marked = f"{name} *" if name in params.merge.methods else name
+        table.add_row(f"{marked}{kind}", effective if overrides else f"{effective}\n[dim](the defaults)[/dim]", f"{paper}\n[dim]{method.paper}[/dim]")
+    return table
+
+
+def print_methods(params_path: str) -> int:
+    from rich.console import Console
+
+    from mergeflow.config import load_params
+
+    try:
+        params = load_params(params_path)
+    except MergeflowError as err:  # the registry's own defaults still help
+        print(f"warning: {err}; showing the papers' defaults only", file=sys.stderr)
+        params = None
+    console = Console(width=min(Console().width, 120), highlight=False)
+    console.print(methods_table(params, params_path))
+    return 0
+
+
+def mlflow_ui(port: int, host: str) -> int:
+    """``mlflow ui`` on the store ``track`` logs to, so that the Prefect summary artifact's link opens."""
+    import subprocess
+    from pathlib import Path
+
+    from mergeflow.tracking import tracking_uri
+
+    uri = tracking_uri(Path.cwd())
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        print(f"warning: {uri}: no MLflow store yet (the track stage creates it); the UI starts empty", file=sys.stderr)
+    print(f"MLflow UI on {uri}: http://{host}:{port} (Ctrl-C stops it)", file=sys.stderr)
+    try:
+        return subprocess.call([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)])
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = _parser(argv)
     args, args.dvc_args = parser.parse_known_args(argv)
     if args.command == "serve":  # its options are flows.serve's (the Prefect flow lives in the repository, not in the package)
         sys.path.insert(0, os.getcwd())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -40,6 +41,7 @@ class StageNode:
     address: str  # e.g. "finetune@digits"
     argv: tuple[str, ...]  # the stage's command, split as a POSIX shell would split it, run without one
     upstream: tuple[str, ...]  # stages whose outputs this one reads
+    outs: tuple[str, ...] = ()  # its outputs, relative to the repository root
 
 
 def _repo(root: str | Path):
@@ -64,7 +66,7 @@ def stage_graph(root_or_repo=".") -> list[StageNode]:
     with contextlib.nullcontext(root_or_repo) if not isinstance(root_or_repo, (str, Path)) else _repo(root_or_repo) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
         order = list(reversed(list(nx.topological_sort(graph))))
-        return [StageNode(s.addressing, _argv(s.addressing, s.cmd), tuple(sorted(u.addressing for u in graph.successors(s)))) for s in order]
+        return [StageNode(s.addressing, _argv(s.addressing, s.cmd), tuple(sorted(u.addressing for u in graph.successors(s))), tuple(str(o.def_path) for o in s.outs)) for s in order]
 
 
 def stale_stages(root_or_repo, nodes: list[StageNode]) -> set[str]:
@@ -144,12 +146,15 @@ def commit_stage(repo, address: str) -> None:
 
 
 class StageFailed(Exception):
-    def __init__(self, address: str, returncode: int, tail: str):
-        self.address, self.returncode, self.tail = address, returncode, tail
+    """A stage that exited with a non-zero status: ``tail`` is the last line it printed (its ``error: ...`` line
+    for bad input), ``output`` the end of what it printed (stdout and stderr)."""
+
+    def __init__(self, address: str, returncode: int, tail: str, output: str = ""):
+        self.address, self.returncode, self.tail, self.output = address, returncode, tail, output
         super().__init__(f"stage {address} exited with status {returncode}: {tail}")
 
     def __reduce__(self):  # pickled whole: a Dask worker sends the failure back to the flow
-        return type(self), (self.address, self.returncode, self.tail)
+        return type(self), (self.address, self.returncode, self.tail, self.output)
 
     @property
     def transient(self) -> bool:
@@ -166,6 +171,25 @@ class PipelineFailed(MergeflowError):
     """Stages of a flow run failed (each is reported with its own status and last line)."""
 
     exit_status = 1
+
+
+class OneLineFailures(logging.Filter):
+    """Drops the traceback Prefect logs with a failed stage (StageFailed) or bad input (MergeflowError): the
+    message already names the stage and holds its own error line, and a traceback through the flow's machinery
+    reads as a crash of mergeflow. A stage's own traceback (an unexpected error) is in its logged output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], (StageFailed, MergeflowError)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_failure_tracebacks() -> None:
+    """Install OneLineFailures on Prefect's flow- and task-run loggers (in each process that runs either)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OneLineFailures) for f in logger.filters):
+            logger.addFilter(OneLineFailures())
 
 
 _stopping = threading.Event()
@@ -213,8 +237,10 @@ def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | Non
             _running.pop(proc.pid, None)
     if proc.returncode != 0:
         lines = (stderr or stdout).strip().splitlines()
-        raise StageFailed(node.address, proc.returncode, lines[-1] if lines else "(no output)")
-    return {"stage": node.address, "argv": list(node.argv), "output": (stdout + stderr)[-4000:]}
+        raise StageFailed(node.address, proc.returncode, lines[-1] if lines else "(no output)", (stdout + stderr)[-4000:])
+    # stdout and stderr apart too: a stage's summary is the end of its stdout, and warnings on stderr must not
+    # push it out of the lines the flow logs
+    return {"stage": node.address, "argv": list(node.argv), "output": (stdout + stderr)[-4000:], "stdout": stdout[-4000:], "stderr": stderr[-4000:]}
 
 
 def die_with_parent() -> None:
