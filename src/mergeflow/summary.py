@@ -9,7 +9,8 @@ from mergeflow.evaluation import mean
 
 
 def percent(fraction: float) -> float:
-    return round(100 * fraction, 2)
+    """Two decimals: MLflow's UI shows every digit, and a test split of N images scores in steps of 100/N."""
+    return round(100 * float(fraction), 2)
 
 
 def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:

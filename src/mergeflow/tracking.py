@@ -74,9 +74,11 @@ import yaml
 
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError, TransientError
+from mergeflow.evaluation import mean
 from mergeflow.io import atomic_path, read_json, write_json
 from mergeflow.orchestration import process_alive
 from mergeflow.stages import Layout
+from mergeflow.summary import percent
 
 MERGE_METRICS = ("test_avg", "val_avg", "normalized_avg", "gap_recovered", "storage_models", "wall_time_s")  # and test_acc.<task>
 VIEW_KEY = "methods"  # the shared view's key: experiment tag mlflow.sharedViewState.methods
@@ -251,15 +253,6 @@ def curve_records(log, source: Path) -> list[dict]:
     raise MergeflowError(f"{source}: a training log is records [{{'step': ..., 'loss': ...}}, ...] or columns {{'step': [...], ...}}")
 
 
-def _pct(x: float) -> float:
-    return round(100.0 * float(x), 2)  # 2 decimals: the UI shows every digit, and a test split of N scores in 100/N steps
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
 def merge_metrics(mm: Mapping, ev: Mapping, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float) -> dict[str, float]:
     """The convention's metrics (module docstring) of one merge, from metrics/merge/<m>.json and
     metrics/evaluate/<m>.json; fractions become percent."""
@@ -267,19 +260,19 @@ def merge_metrics(mm: Mapping, ev: Mapping, tasks: list[str], individual: Mappin
     if ev["kind"] == "negation":
         per_task = ev["per_task"]
         target = {t: per_task[t]["target"] for t in tasks}
-        extra = {f"control_acc.{t}": _pct(per_task[t]["control"]) for t in tasks} | {"control_avg": _pct(ev["average"]["control"])}
-        test_avg, val_avg = ev["average"]["target"], _mean(mm["per_task"][t]["chosen"]["target"] for t in tasks)
-        normalized, storage = _mean(target[t] / individual[t] for t in tasks), float(len(tasks))
+        extra = {f"control_acc.{t}": percent(per_task[t]["control"]) for t in tasks} | {"control_avg": percent(ev["average"]["control"])}
+        test_avg, val_avg = ev["average"]["target"], mean(mm["per_task"][t]["chosen"]["target"] for t in tasks)
+        normalized, storage = mean(target[t] / individual[t] for t in tasks), float(len(tasks))
     else:
         target, extra = ev["accuracy"], {}
         test_avg, val_avg, normalized, storage = ev["average"], mm["val_average"], ev["normalized_average"], ev["storage_models"]
     return {
-        "test_avg": _pct(test_avg),
-        "val_avg": _pct(val_avg),
-        "normalized_avg": _pct(normalized),
-        "gap_recovered": _pct((test_avg - probe_avg) / gap) if gap else float("nan"),
+        "test_avg": percent(test_avg),
+        "val_avg": percent(val_avg),
+        "normalized_avg": percent(normalized),
+        "gap_recovered": percent((test_avg - probe_avg) / gap) if gap else float("nan"),
         "storage_models": round(float(storage), 2),
-        **{f"test_acc.{t}": _pct(target[t]) for t in tasks},
+        **{f"test_acc.{t}": percent(target[t]) for t in tasks},
         **extra,
     }
 
@@ -297,10 +290,10 @@ def _val_curve(mm: Mapping) -> dict:
     """The validation search as a table against the hyperparameter values (not the grid index), percent."""
     keys = list(mm["grid"])
     if mm["kind"] == "negation":
-        rows = [{"task": t, "lam": p["lam"], "target": _pct(p["target"]), "control": _pct(p["control"])} for t, r in mm["per_task"].items() for p in r["curve"]]
+        rows = [{"task": t, "lam": p["lam"], "target": percent(p["target"]), "control": percent(p["control"])} for t, r in mm["per_task"].items() for p in r["curve"]]
         return {"x": ["lam"], "rows": rows, "chosen": {t: r["chosen"]["lam"] for t, r in mm["per_task"].items()}}
-    rows = [{k: r["hyperparameters"].get(k) for k in keys} | {"val_avg": _pct(r["average"])} for r in mm.get("val_curve", [])]
-    per_task = [{"key": key, "task": t, "value": float(v), "val_acc": _pct(acc)} for key, by_task in (mm.get("per_task_curves") or {}).items() for t, curve in by_task.items() for v, acc in curve.items()]
+    rows = [{k: r["hyperparameters"].get(k) for k in keys} | {"val_avg": percent(r["average"])} for r in mm.get("val_curve", [])]
+    per_task = [{"key": key, "task": t, "value": float(v), "val_acc": percent(acc)} for key, by_task in (mm.get("per_task_curves") or {}).items() for t, curve in by_task.items() for v, acc in curve.items()]
     return {"x": keys, "rows": rows, "per_task": per_task, "chosen": mm["searched"]}
 
 
@@ -459,7 +452,7 @@ def headline_markdown(client, experiment_id: str, merge_ids: list[str], probe_av
     """The pipeline run's description (the UI renders it as Markdown): every method, best test_avg first, each
     linked to its merge run."""
     runs = sorted((client.get_run(r) for r in merge_ids), key=lambda r: (r.data.params["kind"] == "negation", -r.data.metrics["test_avg"]))
-    lines = [f"Linear probe {_pct(probe_avg)}%, individual models {_pct(individual_avg)}% (test average).", "", "| method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|"]
+    lines = [f"Linear probe {percent(probe_avg)}%, individual models {percent(individual_avg)}% (test average).", "", "| method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|"]
     for r in runs:
         chosen = ", ".join(f"{k}={v}" for k, v in r.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid."))
         note = " (negation: target accuracy, lower is better)" if r.data.params["kind"] == "negation" else ""
@@ -506,7 +499,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     log_ckpt = params.tracking.log_checkpoints
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     individual = {t: ft[t]["individual"]["test"] for t in tasks}
-    probe_avg, individual_avg = _mean(ft[t]["probe"]["test"] for t in tasks), _mean(individual.values())
+    probe_avg, individual_avg = mean(ft[t]["probe"]["test"] for t in tasks), mean(individual.values())
 
     def item(name: str, stage: str, files: list[Path], timing: Path, label: str = "", extra_time: tuple[str, ...] = ()):
         times = stage_times(timing, extra_time)
@@ -532,7 +525,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
             rec.log(
                 run_id,
                 _flatten("backbone", params.backbone.model_dump(mode="json")) | _flatten("pretrain", params.pretrain.model_dump(mode="json")),
-                {"wall_time_s": read_json(layout.timing("pretrain"))["wall_time_s"], "parameters": pre["parameters"], "final_loss": pre["final_loss"]} | {f"head_acc.{k}": _pct(v) for k, v in pre["train_head_accuracy"].items()},
+                {"wall_time_s": read_json(layout.timing("pretrain"))["wall_time_s"], "parameters": pre["parameters"], "final_loss": pre["final_loss"]} | {f"head_acc.{k}": percent(v) for k, v in pre["train_head_accuracy"].items()},
                 end,
                 {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
             )
@@ -548,7 +541,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                 rec.log(
                     run_id,
                     {"task": t, "steps": m["steps"], "probe.C": m["probe"]["C"]} | _flatten("finetune", params.finetune.model_dump(mode="json")),
-                    {"wall_time_s": read_json(layout.timing("finetune", t))["wall_time_s"], "probe_acc": _pct(m["probe"]["test"]), "individual_acc": _pct(m["individual"]["test"]), "individual_val_acc": _pct(m["individual"]["val"]), "gain": _pct(m["gain_over_probe"]["test"])},
+                    {"wall_time_s": read_json(layout.timing("finetune", t))["wall_time_s"], "probe_acc": percent(m["probe"]["test"]), "individual_acc": percent(m["individual"]["test"]), "individual_val_acc": percent(m["individual"]["val"]), "gain": percent(m["gain_over_probe"]["test"])},
                     end,
                     {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
                 )
@@ -609,7 +602,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
         run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
         pipeline_id = run.info.run_id
         try:
-            rec.log(pipeline_id, {"suite": params.suite.name, "tasks": ",".join(tasks), "methods": ",".join(methods), "backbone": params.backbone.model}, {"probe_avg": _pct(probe_avg), "individual_avg": _pct(individual_avg)} | best)
+            rec.log(pipeline_id, {"suite": params.suite.name, "tasks": ",".join(tasks), "methods": ",".join(methods), "backbone": params.backbone.model}, {"probe_avg": percent(probe_avg), "individual_avg": percent(individual_avg)} | best)
             client.log_artifacts(pipeline_id, str(layout.results), "results")
             if (root / "dvc.lock").is_file():
                 client.log_artifact(pipeline_id, str(root / "dvc.lock"))
