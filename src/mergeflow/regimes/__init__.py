@@ -1,0 +1,227 @@
+"""The registry of training-time regimes: ways of producing the T task models from theta0.
+
+A regime is one module in this package: a function ``(theta0, tasks, train, *, on_round_end=None, resume=None,
+**hyperparameters) -> RegimeResult`` decorated with ``@register``, which records its paper and defaults as data.
+Modules are discovered by name, as the merge methods are (mergeflow.merging), so adding a regime means adding one
+file. No regime does I/O or knows the model: every fine-tune goes through the caller's ``train``.
+
+The trainer, ``train(task, state, budget, carry) -> (new_state, carry)``, fine-tunes a copy of ``state`` on
+``task`` for ``budget`` (a ``Budget``: steps or epochs, and where in which learning-rate schedule they fall) and
+returns the new state with its ``carry``: whatever it wants back on that task's next call (optimiser state),
+opaque to the regime, None on a first call or a reset. It must be a function of its arguments only (a data order
+seeded from the task and ``budget.round``, not from a global generator), so that a resumed run repeats an
+uninterrupted one bit for bit. The pipeline builds one on training.train_loop; the tests use tiny exact ones
+(``full_batch_gd_trainer``).
+
+Regimes run in rounds (standard and one_epoch are one round). In round r every task trains from the round's
+start state; the regime then combines the T models into the next start (MIMA: their uniform average; ATM:
+theta + alpha * sum of the round's task vectors). After each finished round ``on_round_end(checkpoint)`` is
+called with a ``Checkpoint`` holding everything a later round needs; ``resume=checkpoint`` continues from it,
+so a run killed between rounds restarts from its last finished round. Writing checkpoints (atomically) is the
+caller's job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mergeflow.io import StateDict
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long one call of the trainer trains, and the learning-rate schedule it follows.
+
+    ``steps`` and ``epochs`` both None is the trainer's own full schedule (today's fine-tune). Otherwise the call
+    takes ``steps`` optimisation steps (or ``epochs`` whole epochs), its first step at position ``schedule_start``
+    of a schedule ``schedule_length`` steps long (warm-up and cosine are evaluated there)."""
+
+    steps: int | None = None
+    epochs: int | None = None
+    schedule_start: int = 0
+    schedule_length: int | None = None  # None: this call's own length (steps, or epochs in steps)
+    round: int = 1  # 1-based; lets the trainer draw a fresh data order each round
+
+    @classmethod
+    def of_steps(cls, steps: int, *, round: int = 1, schedule_start: int = 0, schedule_length: int | None = None) -> Budget:
+        """``steps`` steps; the schedule spelled out (its own length when not given), so that equal budgets
+        compare equal however they were made."""
+        if steps < 1:
+            raise ValueError(f"a budget of {steps} steps: expected at least 1")
+        return cls(steps=steps, schedule_start=schedule_start, schedule_length=steps if schedule_length is None else schedule_length, round=round)
+
+
+Trainer = Callable[[str, StateDict, Budget, Any], tuple[StateDict, Any]]
+
+
+@dataclass
+class RoundRecord:
+    """What one finished round leaves for the studies."""
+
+    round: int  # 1-based
+    start: StateDict  # the state every task trained from in this round
+    combined: StateDict | None  # the round's combination (MIMA's uniform average, ATM's model); None for one-shot regimes
+    update_norms: dict[str, float]  # ||delta_t||, delta_t = theta_t(r) - start: this round's own change
+    update_cosines: dict[tuple[str, str], float]  # cos(delta_a, delta_b) for each pair a < b in task order
+    task_vector_norms: dict[str, float]  # ||tau_t||, tau_t = theta_t(r) - theta0: the change since theta0
+    task_vector_cosines: dict[tuple[str, str], float]  # cos(tau_a, tau_b)
+    updates: dict[str, StateDict] | None = None  # delta_t itself (ATM's per-round task vectors), when kept
+
+
+@dataclass
+class Checkpoint:
+    """Everything needed to run the rounds after ``round``: what ``on_round_end`` receives and ``resume`` takes."""
+
+    round: int  # the last finished round
+    task_states: dict[str, StateDict]  # theta_t(round)
+    next_start: StateDict  # the state round + 1 starts from
+    carries: dict[str, Any]  # the trainer's carry per task (None where it is reset)
+    records: list[RoundRecord]  # rounds 1..round
+
+
+@dataclass
+class RegimeResult:
+    task_states: dict[str, StateDict]  # the final task models, theta_t; their vectors theta_t - theta0 go to the merges
+    model: StateDict | None  # the regime's own model (ATM after round R, MIMA's last average); None for one-shot regimes
+    rounds: list[RoundRecord]
+
+
+RegimeFn = Callable[..., RegimeResult]
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    fn: RegimeFn  # (theta0, tasks, train, *, on_round_end, resume, **hyperparameters) -> RegimeResult
+    paper: str  # citation
+    defaults: Mapping[str, Any]  # every hyperparameter, at its default
+
+    @property
+    def formula(self) -> str:
+        """The first line of the module's docstring: what the regime computes."""
+        module = importlib.import_module(self.fn.__module__)
+        return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+
+    def __call__(self, theta0: StateDict, tasks: Sequence[str], train: Trainer, **kwargs) -> RegimeResult:
+        unknown = set(kwargs) - set(self.defaults) - {"on_round_end", "resume"}
+        if unknown:
+            raise ValueError(f"regime {self.name}: unknown hyperparameter(s) {sorted(unknown)} (allowed: {', '.join(self.defaults) or 'none'})")
+        return self.fn(theta0, list(tasks), train, **{**self.defaults, **kwargs})
+
+    def describe(self) -> str:
+        hp = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items())
+        return f"{self.name:<12} {hp or '(no hyperparameters)'}  [{self.paper}]"
+
+
+REGISTRY: dict[str, Regime] = {}
+
+
+def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None):
+    def wrap(fn: RegimeFn) -> RegimeFn:
+        if name in REGISTRY:
+            raise RuntimeError(f"regime '{name}' registered twice")
+        REGISTRY[name] = Regime(name, fn, paper, dict(defaults or {}))
+        return fn
+
+    return wrap
+
+
+# --- the shared round loop -------------------------------------------------------------------------------------
+
+
+def difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
+    """a - b, key by key (floating tensors; others are taken from a)."""
+    return {k: a[k] - b[k] if a[k].is_floating_point() else a[k] for k in a}
+
+
+def uniform_average(states: Sequence[Mapping[str, torch.Tensor]]) -> StateDict:
+    """(1/T) sum_t states[t], summed in task order (floating tensors; others are taken from the first)."""
+    out = {}
+    for k, first in states[0].items():
+        if not first.is_floating_point():
+            out[k] = first
+            continue
+        total = first.clone()
+        for s in states[1:]:
+            total += s[k]
+        out[k] = total / len(states)
+    return out
+
+
+def _flat(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.detach().reshape(-1).to(torch.float64) for v in state.values() if v.is_floating_point()])
+
+
+def _norms_and_cosines(vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    flats = {t: _flat(v) for t, v in vectors.items()}
+    norms = {t: float(f.norm()) for t, f in flats.items()}
+    tasks = list(flats)
+    cosines = {}
+    for i, a in enumerate(tasks):
+        for b in tasks[i + 1 :]:
+            denom = norms[a] * norms[b]
+            cosines[(a, b)] = float(flats[a] @ flats[b]) / denom if denom > 0 else math.nan
+    return norms, cosines
+
+
+def run_rounds(
+    theta0: StateDict,
+    tasks: list[str],
+    train: Trainer,
+    *,
+    n_rounds: int,
+    budget: Callable[[int], Budget],
+    combine: Callable[[StateDict, dict[str, StateDict]], StateDict] | None,
+    carry_optimizer: bool = False,
+    keep_updates: bool = False,
+    on_round_end: Callable[[Checkpoint], None] | None = None,
+    resume: Checkpoint | None = None,
+) -> RegimeResult:
+    """Rounds ``resume.round + 1 .. n_rounds`` (all of them without ``resume``): every task trains
+    ``budget(r)`` from the round's start, then ``combine(start, {task: theta_t})`` is the next round's start."""
+    if not tasks:
+        raise ValueError("a regime needs at least one task")
+    if n_rounds < 1:
+        raise ValueError(f"{n_rounds} rounds: expected at least 1")
+    if resume is None:
+        start, carries, records, task_states, first = theta0, {t: None for t in tasks}, [], {}, 1
+    else:
+        if resume.round > n_rounds or list(resume.task_states) != tasks:
+            raise ValueError(f"cannot resume from round {resume.round} of tasks {list(resume.task_states)}: this run has {n_rounds} rounds of {tasks}")
+        start, carries, records, task_states, first = resume.next_start, dict(resume.carries), list(resume.records), dict(resume.task_states), resume.round + 1
+    for r in range(first, n_rounds + 1):
+        task_states = {}
+        for task in tasks:
+            # every task starts from its own copy, so a trainer that works in place cannot touch the others' start
+            state = {k: v.clone() for k, v in start.items()}
+            task_states[task], carry = train(task, state, budget(r), carries[task] if carry_optimizer else None)
+            carries[task] = carry if carry_optimizer else None
+        updates = {t: difference(s, start) for t, s in task_states.items()}
+        update_norms, update_cosines = _norms_and_cosines(updates)
+        tv_norms, tv_cosines = _norms_and_cosines({t: difference(s, theta0) for t, s in task_states.items()})
+        combined = combine(start, task_states) if combine is not None else None
+        records.append(RoundRecord(r, start, combined, update_norms, update_cosines, tv_norms, tv_cosines, updates if keep_updates else None))
+        start = combined if combined is not None else start
+        if on_round_end is not None:
+            on_round_end(Checkpoint(r, task_states, start, dict(carries), list(records)))
+    return RegimeResult(task_states, records[-1].combined, records)
+
+
+def _discover() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+from mergeflow.regimes._trainers import full_batch_gd_trainer  # noqa: E402  (needs Budget above)
+
+_discover()
+
+__all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RoundRecord", "Trainer", "full_batch_gd_trainer", "register", "run_rounds", "uniform_average"]

@@ -1,0 +1,45 @@
+"""ATM: theta(0) = theta0; for r = 1..R: tau_t(r) = FineTune(theta(r-1), D_t, K) - theta(r-1); theta(r) = theta(r-1) + alpha * sum_t tau_t(r).
+
+Alternating tuning and merging: Zhou et al., "ATM: Improving model merging by alternating tuning and merging"
+(arXiv:2411.03055), read through seed 000 ("On Task Vectors and Gradients"): with one full-batch GD step per task
+per round, R rounds are exactly R multi-task GD steps at step size alpha * eta on sum_t L_t, and with longer
+rounds the gap is O(eta^2) per round.
+
+Each round is a fresh, short fine-tune from the current model: K = ``steps`` steps, or one epoch when ``steps``
+is None (seed 000's one-epoch task vectors), with its own learning-rate schedule and a fresh optimiser. ``alpha``
+None is 1/T, so that each round moves to the average of the round's task models (no scaling to tune without
+validation data). ATM's own result is ``RegimeResult.model`` (theta(R)); the per-round task vectors tau_t(r) are
+kept in ``rounds[r - 1].updates``; ``task_states`` are the last round's models theta(R-1) + tau_t(R).
+"""
+
+from mergeflow.regimes import Budget, register, run_rounds
+
+
+def _step(alpha: float):
+    def combine(theta, task_states):
+        out = {}
+        for k, v in theta.items():
+            if not v.is_floating_point():
+                out[k] = v
+                continue
+            total = task_states[next(iter(task_states))][k] - v
+            for s in list(task_states.values())[1:]:
+                total += s[k] - v
+            out[k] = v + alpha * total
+        return out
+
+    return combine
+
+
+@register(
+    "atm",
+    paper="Zhou et al. 2024, ATM: Improving model merging by alternating tuning and merging (arXiv:2411.03055); seed 000",
+    defaults={"rounds": 4, "steps": None, "alpha": None, "keep_updates": True},
+)
+def atm(theta0, tasks, train, *, rounds, steps, alpha, keep_updates, on_round_end=None, resume=None):
+    alpha = 1 / len(tasks) if alpha is None else alpha
+
+    def budget(r):
+        return Budget(epochs=1, round=r) if steps is None else Budget.of_steps(steps, round=r)
+
+    return run_rounds(theta0, tasks, train, n_rounds=rounds, budget=budget, combine=_step(alpha), keep_updates=keep_updates, on_round_end=on_round_end, resume=resume)
