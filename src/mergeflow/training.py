@@ -6,10 +6,13 @@ the CPU the runs are deterministic for a given thread count.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +31,7 @@ class Curve:
     step: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
+    optimizer_state: dict[str, Any] | None = None  # the optimiser's state_dict at the end, to continue training from it
 
     def records(self) -> list[dict[str, float]]:
         return [{"step": s, "loss": loss, "lr": lr} for s, loss, lr in zip(self.step, self.loss, self.lr)]
@@ -90,27 +94,41 @@ def train_loop(
     momentum: float = 0.0,
     desc: str = "train",
     on_epoch_end: Callable[[int], None] | None = None,
+    start: int = 0,
+    schedule_length: int | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
 ) -> Curve:
-    """Run the schedule; ``loss_fn(indices)`` returns the mean loss of the batch with those example indices."""
+    """Run the schedule; ``loss_fn(indices)`` returns the mean loss of the batch with those example indices.
+
+    The defaults run one whole schedule from a fresh optimiser. A part of a longer schedule (the regimes' rounds):
+    ``start`` is the first step's position both in a warm-up + cosine schedule ``schedule_length`` steps long (None:
+    this call's steps) and in the data order that ``seed`` draws, and ``optimizer_state`` (a ``state_dict``) is
+    loaded into the optimiser first; the returned curve holds the optimiser's final state."""
     full_batch = optimizer == "gd"
     steps = total_steps(cfg, n_examples, full_batch)
+    length = steps if schedule_length is None else schedule_length
     batch_size = n_examples if full_batch else cfg.batch_size
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(optimizer, params, cfg, momentum)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, cfg.warmup_steps))
+    if optimizer_state is not None:
+        # a copy: the optimiser updates its state in place, and the caller's may be a checkpoint still to be written
+        opt.load_state_dict(copy.deepcopy(dict(optimizer_state)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(start + s, length, cfg.warmup_steps))
     gen = torch.Generator().manual_seed(seed)
     per_epoch = max(1, n_examples // min(batch_size, n_examples))
     curve = Curve()
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    for step, idx in enumerate(tqdm(batches(n_examples, batch_size, steps, gen), total=steps, desc=desc, mininterval=5, disable=None)):
+    # the first ``start`` batches of the data order belong to earlier parts of the schedule
+    order = itertools.islice(batches(n_examples, batch_size, start + steps, gen), start, None)
+    for step, idx in enumerate(tqdm(order, total=steps, desc=desc, mininterval=5, disable=None)):
         with autocast:
             loss = loss_fn(idx)
         if not torch.isfinite(loss):
             raise MergeflowError(f"{desc}: loss became {loss.item()} at step {step} (lower the learning rate)")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        curve.step.append(step)
+        curve.step.append(start + step)
         curve.loss.append(float(loss.detach()))
         curve.lr.append(opt.param_groups[0]["lr"])
         opt.step()
@@ -118,6 +136,7 @@ def train_loop(
         if on_epoch_end and (step + 1) % per_epoch == 0:
             on_epoch_end((step + 1) // per_epoch)
     model.eval()
+    curve.optimizer_state = opt.state_dict()
     return curve
 
 
@@ -252,13 +271,20 @@ def finetune(
     desc: str = "finetune",
     on_epoch_end: Callable[[int], None] | None = None,
     anchor: FeatureAnchor | None = None,
+    start: int = 0,
+    schedule_length: int | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
 ) -> Curve:
     """Fine-tune the backbone in place with the head frozen (the seeds' protocol), plus the anchor's
-    feature-preservation term when one is given."""
+    feature-preservation term when one is given. ``start``, ``schedule_length`` and ``optimizer_state`` continue
+    a longer schedule, as in ``train_loop``."""
     backbone.to(device)
     head.to(device).requires_grad_(False)
     y = labels.to(device)
     anchor_draws = torch.Generator().manual_seed(seed + 1)
+    if anchor is not None and anchor.weight > 0:
+        for _ in range(start):  # the anchor batches of the schedule's earlier steps
+            torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.cross_entropy(head(backbone(_batch(images, idx, device))).float(), y[idx.to(device)])
@@ -266,7 +292,10 @@ def finetune(
             loss = loss + anchor.penalty(backbone, torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws), device)
         return loss
 
-    return train_loop(backbone, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end)
+    return train_loop(
+        backbone, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end,
+        start=start, schedule_length=schedule_length, optimizer_state=optimizer_state,
+    )
 
 
 @torch.no_grad()
