@@ -18,7 +18,7 @@ start state; the regime then combines the T models into the next start (MIMA: th
 theta + alpha * sum of the round's task vectors). After each finished round ``on_round_end(checkpoint)`` is
 called with a ``Checkpoint`` holding everything a later round needs; ``resume=checkpoint`` continues from it,
 so a run killed between rounds restarts from its last finished round. Writing checkpoints (atomically) is the
-caller's job.
+caller's job: ``save_checkpoint`` / ``load_checkpoint`` (one safetensors file, written atomically).
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def _discover() -> None:
 
 
 from mergeflow.regimes._trainers import full_batch_gd_trainer  # noqa: E402  (needs Budget above)
+from mergeflow.regimes._checkpoint import load_checkpoint, save_checkpoint  # noqa: E402  (needs Checkpoint above)
 
 _discover()
 
-__all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RoundRecord", "Trainer", "full_batch_gd_trainer", "register", "run_rounds", "uniform_average"]
+__all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RoundRecord", "Trainer", "full_batch_gd_trainer", "load_checkpoint", "register", "run_rounds", "save_checkpoint", "uniform_average"]
