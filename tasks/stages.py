@@ -1,15 +1,12 @@
 """Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.orchestration."""
 
-import json
 import sys
 import time
-from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from mergeflow.orchestration import StageFailed, StageNode, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
+from mergeflow.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
 
-OUTPUT_LINES = 20  # the last lines of a stage's output that reach the Prefect logs
 quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's
 
 
@@ -79,23 +76,3 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
         logger.info("%s stderr (last lines):\n%s", node.address, last)
     return result
 
-
-def last_lines(output: str, n: int = OUTPUT_LINES) -> str:
-    return "\n".join(output.strip().splitlines()[-n:])
-
-
-def completed_line(node: StageNode, root: str, seconds: float, most: int = 6) -> str:
-    """The stage's summary line: its address, time and the numbers at the top level of the metrics files it
-    wrote (metrics/*.json), e.g. "merge@ties completed in 3.1 s: average=0.322, val_average=0.233"."""
-    numbers = []
-    for out in node.outs:
-        if not (out.startswith("metrics/") and out.endswith(".json")):
-            continue
-        try:
-            record = json.loads((Path(root) / out).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict):
-            numbers += [f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    shown = ", ".join(numbers[:most]) + (", ..." if len(numbers) > most else "")
-    return f"{node.address} completed in {seconds:.1f} s" + (f": {shown}" if shown else "")

@@ -371,3 +371,27 @@ def resume_stages() -> None:
     """Accept stages again after stop_stages: in a long-lived process that runs the stages of flow after flow (a
     worker of an existing Dask cluster), one flow's stop must not refuse the next flow's stages."""
     _stopping.clear()
+
+
+OUTPUT_LINES = 20  # the last lines of a stage's output that reach the Prefect logs
+
+
+def last_lines(output: str, n: int = OUTPUT_LINES) -> str:
+    return "\n".join(output.strip().splitlines()[-n:])
+
+
+def completed_line(node: StageNode, root: str, seconds: float, most: int = 6) -> str:
+    """The stage's summary line: its address, time and the numbers at the top level of the metrics files it
+    wrote (metrics/*.json), e.g. "merge@ties completed in 3.1 s: average=0.322, val_average=0.233"."""
+    numbers = []
+    for out in node.outs:
+        if not (out.startswith("metrics/") and out.endswith(".json")):
+            continue
+        try:
+            record = json.loads((Path(root) / out).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            numbers += [f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    shown = ", ".join(numbers[:most]) + (", ..." if len(numbers) > most else "")
+    return f"{node.address} completed in {seconds:.1f} s" + (f": {shown}" if shown else "")
