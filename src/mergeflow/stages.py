@@ -363,17 +363,6 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
 
 
 # ---------------------------------------------------------------- report
-def stage_wall_times(params: Params, layout: Layout = Layout()) -> dict[str, float]:
-    """Seconds inside each stage (a merge: its search on validation, then its test evaluation), by stage address."""
-    times = {"prepare": read_json(layout.timing("prepare"))["wall_time_s"], "pretrain": read_json(layout.timing("pretrain"))["wall_time_s"]}
-    times |= {f"finetune@{t}": read_json(layout.timing("finetune", t))["wall_time_s"] for t in params.suite.tasks}
-    times["vectors"] = read_json(layout.timing("vectors"))["wall_time_s"]
-    for m in params.merge.methods:
-        timing = read_json(layout.timing("merge", m))
-        times[f"merge@{m}"] = timing["wall_time_s"] + timing["evaluate_wall_time_s"]
-    return times
-
-
 def report(params: Params, layout: Layout = Layout()) -> dict:
     """Summary table (Markdown, CSV, JSON), the accuracy heatmap and the sorted averages; the headline metrics
     (metrics/summary.json) that `dvc exp show` and `dvc metrics diff` compare."""
