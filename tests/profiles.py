@@ -21,6 +21,7 @@ TINY = {
         "emr": {},
         "task_negation": {"lam": [0.5, 1.0]},
     },
+    "regimes": {"mima": {"rounds": [2]}},  # run: one_epoch and mima, as params.yaml
 }
 
 

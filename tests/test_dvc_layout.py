@@ -14,6 +14,7 @@ def test_dvc_stages_match_layout(repo_root):
     outs = {a: {str(o.def_path) for o in s.outs} for a, s in stages.items()}
     expected = {"prepare", "pretrain", "vectors", "report", "track"} | {f"finetune@{t}" for t in params.suite.tasks}
     expected |= {f"merge@{m}" for m in params.merge.methods}
+    expected |= {f"{stage}@{r}" for stage in ("regime", "regime_merge") for r in params.regimes.run} | {f"study@{s}" for s in params.studies.run}
     assert set(stages) == expected
     assert str(layout.pretrained) in outs["pretrain"] and str(layout.metrics("pretrain")) in outs["pretrain"]
     for t in params.suite.tasks:
@@ -22,6 +23,19 @@ def test_dvc_stages_match_layout(repo_root):
     for m in params.merge.methods:
         assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png")), str(layout.log("merge", m)), str(layout.timing("merge", m))} == outs[f"merge@{m}"]
         assert stages[f"merge@{m}"].cmd == "mergeflow merge"  # the method comes from DVC_STAGE
+    for r in params.regimes.run:
+        assert outs[f"regime@{r}"] == {str(layout.regime(r)), str(layout.metrics("regime", r)), str(layout.timing("regime", r))}
+        assert stages[f"regime@{r}"].cmd == "mergeflow regime" and stages[f"regime_merge@{r}"].cmd == "mergeflow regime_merge"
+        for variant in params.regimes.config(r).variants(r, params.finetune.steps):
+            assert layout.regime_vectors(r, variant).is_relative_to(layout.regime(r))
+            for m in params.regimes.methods_of(r):
+                run = layout.merge_run(m, r, variant)
+                for path in (run.merged, run.choice, run.evaluation, run.search_plot, run.search_log):  # each inside one of the stage's outs
+                    assert sum(path.is_relative_to(o) for o in outs[f"regime_merge@{r}"]) == 1, path
+        assert str(layout.timing("regime_merge", r)) in outs[f"regime_merge@{r}"]
+    for s in params.studies.run:
+        assert outs[f"study@{s}"] == {str(layout.study(s)), str(layout.metrics("studies", s)), str(layout.timing("study", s))}
+        assert stages[f"study@{s}"].cmd == "mergeflow study"
     assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors")), str(layout.timing("vectors"))}
     assert outs["report"] == {str(layout.results), str(layout.metrics("summary"))}
     # the headline is the one metrics file (what `dvc exp show` compares); no stage depends on a wall time

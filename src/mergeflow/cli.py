@@ -22,6 +22,7 @@ EPILOG = """common commands (from the repository root):
   mergeflow repro                 run the stale stages with DVC (dvc repro, checked first)
   python -m flows.pipeline        the same with Prefect: stages at once, a summary artifact
   mergeflow methods               the methods: grids params.yaml sets, beside the papers' defaults
+  mergeflow regimes               the training-time regimes and studies params.yaml runs
   mergeflow ui                    the MLflow UI on what `track` logged (http://127.0.0.1:5000)
   mergeflow merge --method ties   one stage by hand (DVC and the flow run each stage so)
 
@@ -63,8 +64,15 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("vectors", help="stage: task vectors (fine-tuned minus pretrained) and their statistics", description="Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities.")
     merge = sub.add_parser("merge", help="stage: merge with one method (hyperparameters chosen on validation), then test on every task", description="Merge the task vectors with one method, its hyperparameters chosen on the validation splits, then test it on every task.")
     merge.add_argument("--method", metavar="METHOD", help=f"the method: {methods_help}; default: from DVC_STAGE=merge@<method>, as DVC and the flow set it")
+    regime = sub.add_parser("regime", help="stage: a training-time regime's task vectors (one_epoch, mima, atm; regimes in params.yaml)", description="Make the task vectors of one training-time regime (every variant: MIMA and ATM one per round count), checkpointed after every round.")
+    regime.add_argument("--regime", metavar="REGIME", help="the regime: one of regimes.run; default: from DVC_STAGE=regime@<regime>")
+    regime_merge = sub.add_parser("regime_merge", help="stage: merge a regime's task vectors with its methods, then test them", description="Merge each variant of one regime with the methods regimes.<regime>.methods lists (chosen on validation), then test them.")
+    regime_merge.add_argument("--regime", metavar="REGIME", help="the regime: one of regimes.run; default: from DVC_STAGE=regime_merge@<regime>")
+    study = sub.add_parser("study", help="stage: one of the papers' studies, a report with a verdict per claim (studies/<name>/report.md)", description="Run one study (studies.run in params.yaml): studies/<name>/report.md with a verdict per claim, computed from the measurements.")
+    study.add_argument("name", nargs="?", metavar="NAME", help="the study; default: from DVC_STAGE=study@<name>")
     sub.add_parser("report", help="stage: the summary table (results/summary.md) and plots", description="The summary table of every method (results/summary.md, .csv, .json) and its plots.")
     sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
+    sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
     sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` with dvc.lock written atomically", description="`mergeflow check`, then `dvc repro [ARGS]` (any of dvc repro's options and stage names) with dvc.lock written atomically.", usage="mergeflow repro [-h] [DVC_REPRO_ARGS ...]")
@@ -89,6 +97,8 @@ def _stage_item(given: str | None, stage: str, what: str) -> str:
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "methods":
         return print_methods(args.params)
+    if args.command == "regimes":
+        return print_regimes(args.params)
     if args.command == "ui":
         return mlflow_ui(args.port, args.host)
     if args.command in ("check", "repro"):
@@ -125,6 +135,10 @@ def run_command(args: argparse.Namespace) -> int:
         stages.finetune(params, _stage_item(args.task, "finetune", "task"))
     elif args.command == "merge":
         stages.merge(params, _stage_item(args.method, "merge", "method"))
+    elif args.command in ("regime", "regime_merge"):
+        getattr(stages, args.command)(params, _stage_item(args.regime, args.command, "regime"))
+    elif args.command == "study":
+        stages.study(params, _stage_item(args.name, "study", "name"))
     else:
         getattr(stages, args.command)(params)
     return 0
@@ -199,6 +213,28 @@ def print_methods(params_path: str) -> int:
         params = None
     console = Console(width=min(Console().width, 120), highlight=False)
     console.print(methods_table(params, params_path))
+    return 0
+
+
+def print_regimes(params_path: str) -> int:
+    """Each regime: its paper and defaults; for those regimes.run lists, the variants (with the keyword arguments
+    the regime function gets) and the methods they are merged with. Then the studies."""
+    from mergeflow.config import load_params
+    from mergeflow.regimes import REGISTRY as REGIMES
+    from mergeflow.studies import REGISTRY as STUDIES
+
+    params = load_params(params_path)
+    print(f"regimes (standard is finetune's; * = in regimes.run of {params_path}):")
+    for name, regime in sorted(REGIMES.items()):
+        running = name in params.regimes.run
+        print(f"  {name}{' *' if running else ''}: {regime.formula}\n      [{regime.paper}]")
+        if running:
+            for variant, kwargs in params.regimes.config(name).variants(name, params.finetune.steps).items():
+                shown = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "one epoch per task"
+                print(f"      {variant}: {shown}; merged with {', '.join(params.regimes.methods_of(name))}")
+    print("studies (* = in studies.run):")
+    for name, spec in sorted(STUDIES.items()):
+        print(f"  {name}{' *' if name in params.studies.run else ''}: {spec.title} [{spec.paper}]")
     return 0
 
 

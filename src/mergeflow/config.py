@@ -128,6 +128,117 @@ class MergeConfig(BaseModel):
         return dict((self.model_extra or {}).get(method) or {})
 
 
+class _RegimeRunConfig(_Strict):
+    """One regime's hyperparameters (its merge methods are in RegimeMethodsConfig, so that changing them does not
+    train the regime again)."""
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        """Each set of task vectors this regime makes, by name (a regime with a list of round counts makes one
+        per count), with the keyword arguments of mergeflow.regimes' function."""
+        return {regime: {}}
+
+
+class OneEpochRegimeConfig(_RegimeRunConfig):
+    pass
+
+
+class MimaRegimeConfig(_RegimeRunConfig):
+    rounds: list[int] = Field(default_factory=lambda: [4], min_length=1)  # N, each dividing finetune.steps; one set of task vectors per N
+    schedule: Literal["one_schedule", "restart"] = "one_schedule"  # one lr schedule over S, or a fresh one per round
+    optimizer_state: Literal["reset", "carry"] = "reset"  # a fresh optimiser per round, or each task's carried over
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        return {f"{regime}_n{n}": {"rounds": n, "total_steps": finetune_steps, "schedule": self.schedule, "optimizer_state": self.optimizer_state} for n in self.rounds}
+
+
+class AtmRegimeConfig(_RegimeRunConfig):
+    rounds: list[int] = Field(default_factory=lambda: [4], min_length=1)  # R; one run per R
+    steps: int | Literal["epoch"] | None = None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
+    alpha: float | None = Field(None, gt=0)  # theta += alpha * sum of the round's task vectors; empty (null): 1/T
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        def steps(r: int) -> int | None:
+            return None if self.steps == "epoch" else self.steps if self.steps is not None else finetune_steps // r
+
+        return {f"{regime}_r{r}": {"rounds": r, "steps": steps(r), "alpha": self.alpha} for r in self.rounds}
+
+
+def _seed_001_methods() -> list[str]:
+    return ["weight_averaging", "task_arithmetic", "ties"]  # seed 001's Table 1: UA, TA, TIES
+
+
+class RegimeMethodsConfig(_Strict):
+    """Per regime, the methods its task vectors go to: merge methods (merge.<method> sets their grids, as for the
+    standard regime), or the regime's own name for its own model (ATM's theta(R), MIMA's last uniform average)."""
+
+    one_epoch: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
+    mima: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
+    atm: list[str] = Field(default_factory=lambda: ["atm", "task_arithmetic", "ties"], min_length=1)
+
+
+class RegimesConfig(_Strict):
+    """Training-time regimes run beside the standard fine-tune (finetune above): each makes its own task vectors,
+    merged with its own methods (mergeflow.regimes)."""
+
+    run: list[Literal["one_epoch", "mima", "atm"]] = Field(default_factory=list)  # a DVC stage regime@<name> each
+    methods: RegimeMethodsConfig = RegimeMethodsConfig()
+    one_epoch: OneEpochRegimeConfig = OneEpochRegimeConfig()
+    mima: MimaRegimeConfig = MimaRegimeConfig()
+    atm: AtmRegimeConfig = AtmRegimeConfig()
+
+    @field_validator("run")
+    @classmethod
+    def _unique_runs(cls, run: list[str]) -> list[str]:
+        dup = sorted({r for r in run if run.count(r) > 1})
+        if dup:
+            raise ValueError(f"regime '{dup[0]}' is listed twice")
+        return run
+
+    @model_validator(mode="after")
+    def _known_methods(self) -> RegimesConfig:
+        from mergeflow.merging import REGISTRY
+
+        for regime in ("one_epoch", "mima", "atm"):
+            own = {regime} if regime != "one_epoch" else set()
+            for method in getattr(self.methods, regime):
+                if method not in REGISTRY and method not in own:
+                    allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + sorted(own)
+                    raise ValueError(f"regimes.{regime}.methods: unknown method {method!r} (a merge method, or '{regime}' for the regime's own model: {', '.join(allowed)})")
+                if method in REGISTRY and REGISTRY[method].kind == "negation":
+                    raise ValueError(f"regimes.{regime}.methods: {method!r} is task negation, which does not merge a multi-task model")
+        return self
+
+    def config(self, regime: str) -> _RegimeRunConfig:
+        return getattr(self, regime)
+
+    def methods_of(self, regime: str) -> list[str]:
+        return getattr(self.methods, regime)
+
+
+class StudiesConfig(BaseModel):
+    """``run`` lists the studies to run (mergeflow.studies), a DVC stage study@<name> each; every other key is a
+    study name whose settings override its defaults (each study validates its own)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    run: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _known_studies(self) -> StudiesConfig:
+        from mergeflow.studies import REGISTRY
+
+        for name in list(self.run) + list(self.model_extra or {}):
+            if name not in REGISTRY:
+                raise ValueError(f"unknown study {name!r} (registered: {', '.join(sorted(REGISTRY)) or 'none'})")
+        for name, overrides in (self.model_extra or {}).items():
+            REGISTRY[name].settings(overrides, where=f"studies.{name}")
+        return self
+
+    def settings(self, study: str):
+        from mergeflow.studies import REGISTRY
+
+        return REGISTRY[study].settings((self.model_extra or {}).get(study) or {}, where=f"studies.{study}")
+
+
 class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1)  # torch CPU threads; MERGEFLOW_THREADS overrides (the Prefect flow sets it)
@@ -146,6 +257,8 @@ class Params(_Strict):
     probe: ProbeConfig = ProbeConfig()
     finetune: FinetuneConfig = FinetuneConfig(steps=250, batch_size=64, lr=3e-4, weight_decay=0.1, warmup_steps=25)
     merge: MergeConfig = MergeConfig(methods=["weight_averaging", "task_arithmetic", "ties"])
+    regimes: RegimesConfig = RegimesConfig()
+    studies: StudiesConfig = StudiesConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
 
@@ -156,6 +269,25 @@ class Params(_Strict):
     def check_task(self, task: str) -> None:
         if task not in self.suite.tasks:
             raise MergeflowError(f"params.yaml: suite.tasks has no task '{task}' (tasks: {', '.join(self.suite.tasks)})")
+
+    @model_validator(mode="after")
+    def _regime_budgets(self) -> Params:
+        """Round counts that split finetune.steps, for the regimes that run."""
+        for n in self.regimes.mima.rounds if "mima" in self.regimes.run else ():
+            if n < 1 or self.finetune.steps % n:
+                raise ValueError(f"regimes.mima.rounds: {n} rounds must divide finetune.steps = {self.finetune.steps} (K = S/N steps a round)")
+        for r in self.regimes.atm.rounds if "atm" in self.regimes.run else ():
+            if r < 1 or (self.regimes.atm.steps is None and self.finetune.steps < r):
+                raise ValueError(f"regimes.atm.rounds: {r} rounds of finetune.steps / R steps: needs 1 <= R <= finetune.steps = {self.finetune.steps}")
+        return self
+
+    def check_regime(self, regime: str) -> None:
+        if regime not in self.regimes.run:
+            raise MergeflowError(f"params.yaml: regimes.run has no regime '{regime}' (regimes: {', '.join(self.regimes.run) or 'none'})")
+
+    def check_study(self, study: str) -> None:
+        if study not in self.studies.run:
+            raise MergeflowError(f"params.yaml: studies.run has no study '{study}' (studies: {', '.join(self.studies.run) or 'none'})")
 
     def check_method(self, method: str) -> None:
         if method not in self.merge.methods:
@@ -183,6 +315,8 @@ def _one_line(err: ValidationError, source: str) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    if not loc:  # a check across sections names its own keys
+        return f"{source}: {msg}"
     return f"{source}: {key}: {msg}{shown}"
 
 

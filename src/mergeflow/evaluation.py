@@ -139,9 +139,13 @@ def negation_search(method: MergeMethod, overrides: Mapping, pretrained, task_ve
     return results
 
 
-def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict]) -> list[dict]:
+def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict], *, regime: str = "standard", individual_models: Mapping[str, float] | None = None) -> list[dict]:
     """Rows Pretrained (linear probe), Individual and one per method: accuracy per task, average, normalized
-    accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered."""
+    accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
+
+    A training-time regime's rows (``regime``: its variant, e.g. mima_n4) are its own task models' test accuracies
+    (``individual_models``) in place of Pretrained and Individual, then its methods; they are normalized by the
+    standard fine-tune's individual models and its probe-to-individual gap, so that every row compares on one scale."""
     individual = {t: finetune[t]["individual"]["test"] for t in tasks}
     probe = {t: finetune[t]["probe"]["test"] for t in tasks}
     gap = mean(individual.values()) - mean(probe.values())
@@ -149,6 +153,7 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
     def row(name: str, acc: Mapping[str, float], chosen: str = "", storage: float = 1.0) -> dict:
         avg = mean(acc[t] for t in tasks)
         return {
+            "regime": regime,
             "method": name,
             **{t: acc[t] for t in tasks},
             "average": avg,
@@ -161,7 +166,10 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
     def shown(v) -> str:
         return "per task" if isinstance(v, Mapping) else str(v)
 
-    rows = [row("Pretrained (linear probe)", probe), row("Individual", individual, storage=float(len(tasks)))]
+    if individual_models is None:
+        rows = [row("Pretrained (linear probe)", probe), row("Individual", individual, storage=float(len(tasks)))]
+    else:
+        rows = [row("Individual", individual_models, storage=float(len(tasks)))]
     for name, ev in evaluations.items():
         chosen = ", ".join(f"{k}={shown(v)}" for k, v in ev["searched"].items())
         rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0)))
@@ -169,17 +177,17 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
 
 
 def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
-    head = ["method", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
+    head = ["regime", "method", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["method"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", f"{100 * r['gap_recovered']:.0f}%", f"{r['storage_models']:.2f}", r["chosen"]]
+        cells = [r["regime"], r["method"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", f"{100 * r['gap_recovered']:.0f}%", f"{r['storage_models']:.2f}", r["chosen"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def summary_csv(rows: list[dict], tasks: list[str]) -> str:
     buf = _io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["method", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
+    writer = csv.DictWriter(buf, fieldnames=["regime", "method", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()

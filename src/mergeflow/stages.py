@@ -26,7 +26,7 @@ from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_merge_search
-from mergeflow.summary import headline_metrics, validation_records
+from mergeflow.summary import headline_metrics, regime_headline, validation_records
 from mergeflow.task_vectors import statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
@@ -43,7 +43,7 @@ class Layout:
     @property
     def output_roots(self) -> list[Path]:
         """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "merged", "metrics", "results", "logs")]
+        return [self._p(d) for d in ("data", "models", "vectors", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints")]
 
     @property
     def pretrain_corpus(self) -> Path:
@@ -87,6 +87,60 @@ class Layout:
     def results(self) -> Path:
         return self._p("results")
 
+    # ------------------------------------------------------------ training-time regimes (stage regime@<regime>)
+    def regime(self, regime: str) -> Path:
+        """regimes/<regime>/<variant>/: vectors/<task>.safetensors (tau_t = theta_t - theta0) and stats.json,
+        model.safetensors (the regime's own model, when it has one), updates/round<i>/<task>.safetensors (ATM's
+        per-round task vectors). Its measurements (accuracies, per-round norms and cosines) are in metrics/regime/<regime>.json."""
+        return self._p("regimes", regime)
+
+    def regime_vectors(self, regime: str, variant: str) -> Path:
+        return self.regime(regime) / variant / "vectors"
+
+    def regime_model(self, regime: str, variant: str) -> Path:
+        return self.regime(regime) / variant / "model.safetensors"
+
+    def regime_updates(self, regime: str, variant: str, round: int) -> Path:
+        return self.regime(regime) / variant / "updates" / f"round{round}"
+
+    def regime_checkpoint(self, regime: str, variant: str) -> Path:
+        """The last finished round of a regime run (not a DVC output: a resumed run reads it, a finished run
+        removes it)."""
+        return self._p("checkpoints", "regime", regime, f"{variant}.safetensors")
+
+    def merge_run(self, method: str, regime: str | None = None, variant: str | None = None) -> MergeRun:
+        """Where one merge reads and writes: the standard regime's at merge@<method>'s paths, a regime's
+        variant's under regime_merge@<regime>'s folders."""
+        if regime is None:
+            return MergeRun(method, self.vectors, self.merged(method), self.metrics("merge", method), self.metrics("evaluate", method), self.log("merge", method, ".png"), self.log("merge", method))
+        return MergeRun(
+            method, self.regime_vectors(regime, variant),
+            self._p("merged", "regime", regime, variant, f"{method}.safetensors"),
+            self._p("metrics", "regime_merge", regime, variant, "merge", f"{method}.json"),
+            self._p("metrics", "regime_merge", regime, variant, "evaluate", f"{method}.json"),
+            self._p("logs", "regime_merge", regime, variant, f"{method}.png"),
+            self._p("logs", "regime_merge", regime, variant, f"{method}.json"),
+        )
+
+    # ------------------------------------------------------------ studies (stage study@<study>)
+    def study(self, study: str) -> Path:
+        """studies/<study>/: report.md and its figures."""
+        return self._p("studies", study)
+
+
+@dataclass(frozen=True)
+class MergeRun:
+    """One merge's inputs and outputs: the task vectors it merges, and where its merged model, its choice on
+    validation (metrics), its test evaluation and its search (plot, records) go."""
+
+    method: str
+    vectors: Path
+    merged: Path
+    choice: Path
+    evaluation: Path
+    search_plot: Path
+    search_log: Path
+
 
 def _task_seed(seed: int, task: str) -> int:
     return seed * 1_000_003 + zlib.crc32(task.encode())
@@ -111,10 +165,11 @@ def _load_heads(params: Params, layout: Layout, num_features: int, tasks: dict[s
 IN_MEMORY_INPUT_BYTES = 1 << 30
 
 
-def _load_task_vectors(params: Params, layout: Layout):
-    """Lazy (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
+def _load_task_vectors(params: Params, layout: Layout, directory: Path | None = None):
+    """The task vectors in ``directory`` (default: the standard regime's, vectors/), and theta0. Lazy
+    (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
     pretrained = LazyStateDict(layout.pretrained)
-    vectors = {t: LazyStateDict(layout.vectors / f"{t}.safetensors") for t in params.suite.tasks}
+    vectors = {t: LazyStateDict((directory or layout.vectors) / f"{t}.safetensors") for t in params.suite.tasks}
     for tv in vectors.values():
         # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
         check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
@@ -251,6 +306,159 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
     return summary
 
 
+# ---------------------------------------------------------------- regime
+def _pairs(cosines: dict[tuple[str, str], float]) -> dict[str, float]:
+    return {f"{a}|{b}": c for (a, b), c in cosines.items()}
+
+
+def _regime_identity(params: Params, regime: str, variant: str, kwargs: dict, layout: Layout) -> dict:
+    """What a checkpoint must match to be resumed: the settings and inputs every round depends on."""
+    inputs = [layout.pretrained, *(layout.task_data(t) for t in params.suite.tasks), *(layout.head(t) for t in params.suite.tasks)]
+    if params.finetune.preserve_features.weight:
+        inputs.append(layout.pretrain_corpus)
+    stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in inputs}
+    return {
+        "regime": regime, "variant": variant, "hyperparameters": kwargs, "seed": params.seed, "tasks": params.suite.tasks,
+        "backbone": params.backbone.model_dump(mode="json"), "finetune": params.finetune.model_dump(mode="json"), "inputs": stamps,
+    }
+
+
+def _resume_from(path: Path, identity: dict):
+    """The checkpoint at ``path`` when it belongs to this run, else None (a stale one is left for the new run to
+    overwrite after its first round)."""
+    from mergeflow.regimes import load_checkpoint
+
+    if not path.is_file():
+        return None
+    try:
+        return load_checkpoint(path, identity=identity)
+    except MergeflowError as err:
+        print(f"regime: not resuming from {path}: {err}", flush=True)
+        return None
+
+
+def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
+    """Stage regime@<name>: every variant of one training-time regime (mergeflow.regimes; MIMA and ATM make one per
+    round count), through the pipeline's own fine-tune from theta0 under each task's probe head (the standard
+    fine-tune's, frozen). Writes each variant's task vectors and statistics, its own model when it has one, and
+    metrics/regime/<name>.json: the task models' accuracies, the regime model's, per-round norms and cosines.
+
+    After every finished round the run is checkpointed (atomically) under checkpoints/; a run killed mid-regime
+    starts again from its last finished round, and a finished one removes its checkpoints."""
+    from mergeflow.regimes import REGISTRY as REGIMES, save_checkpoint
+    from mergeflow.regimes._finetune import finetune_trainer
+
+    params.check_regime(name)
+    cfg = params.regimes.config(name)
+    device = _setup(params, params.seed)
+    tasks = _load_tasks(params, layout)
+    theta0 = load_state_dict(layout.pretrained)
+    backbone = build_backbone(params.backbone, theta0, source=str(layout.pretrained))
+    heads = _load_heads(params, layout, backbone.num_features, tasks)
+    seeds = {t: _task_seed(params.seed, t) for t in tasks}
+    bs = params.runtime.eval_batch_size
+    variants_out: dict[str, dict] = {}
+    with Timer() as timer:
+        anchors = {t: _feature_anchor(params, layout, backbone, seeds[t], device) for t in tasks}
+        train = finetune_trainer(params.backbone, heads, {t: (d.train.images, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=device, anchors=anchors)
+        results = {}
+        for variant, kwargs in cfg.variants(name, params.finetune.steps).items():
+            checkpoint = layout.regime_checkpoint(name, variant)
+            identity = _regime_identity(params, name, variant, kwargs, layout)
+            round_times: list[float] = []
+            clock = [time.perf_counter()]
+
+            def on_round_end(ckpt, checkpoint=checkpoint, identity=identity, round_times=round_times, clock=clock):
+                save_checkpoint(checkpoint, ckpt, identity=identity)
+                now = time.perf_counter()
+                round_times.append(now - clock[0])
+                clock[0] = now
+
+            resume = _resume_from(checkpoint, identity)
+            if resume is not None:
+                print(f"regime {variant}: resuming after round {resume.round} from {checkpoint}", flush=True)
+                round_times.extend([float("nan")] * resume.round)  # those rounds' times were another process's
+            with Timer() as variant_timer:
+                result = REGIMES[name](theta0, list(tasks), train, on_round_end=on_round_end, resume=resume, **kwargs)
+
+            def accuracies(state, task):
+                model = build_backbone(params.backbone, state)
+                return {s: accuracy(model, heads[task], tasks[task].split(s).images, tasks[task].split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+
+            individual = {t: accuracies(result.task_states[t], t) for t in tasks}
+            own = None
+            if result.model is not None:
+                own_acc = {s: {t: accuracies(result.model, t)[s] for t in tasks} for s in ("val", "test")}
+                own = {"accuracy": own_acc, "average": {s: mean(own_acc[s].values()) for s in own_acc}}
+            variants_out[variant] = {
+                "hyperparameters": kwargs,
+                "individual": individual,
+                "individual_average": {s: mean(individual[t][s] for t in tasks) for s in ("val", "test")},
+                "model": own,
+                "rounds": [
+                    {"round": r.round, "update_norms": r.update_norms, "update_cosines": _pairs(r.update_cosines), "task_vector_norms": r.task_vector_norms, "task_vector_cosines": _pairs(r.task_vector_cosines), "wall_time_s": t}
+                    for r, t in zip(result.rounds, round_times)
+                ],
+                "wall_time_s": variant_timer.seconds,
+            }
+            results[variant] = result
+    with atomic_path(layout.regime(name), directory=True) as tmp:
+        for variant, result in results.items():
+            tvs = {t: task_vector(theta0, result.task_states[t], pretrained_name=str(layout.pretrained), finetuned_name=f"{variant} {t}") for t in tasks}
+            meta = {"regime": name, "variant": variant}
+            for t, tv in tvs.items():
+                save_state_dict(tmp / variant / "vectors" / f"{t}.safetensors", tv, meta | {"task": t})
+            write_json(tmp / variant / "vectors" / "stats.json", statistics(theta0, tvs))
+            if result.model is not None:
+                save_state_dict(tmp / variant / "model.safetensors", result.model, backbone_metadata(params.backbone) | meta)
+            for record in result.rounds:
+                for t, update in (record.updates or {}).items():
+                    save_state_dict(tmp / variant / "updates" / f"round{record.round}" / f"{t}.safetensors", update, meta | {"task": t, "round": str(record.round)})
+    metrics = {"regime": name, "paper": REGIMES[name].paper, "variants": variants_out}
+    write_json(layout.metrics("regime", name), metrics)
+    write_json(layout.timing("regime", name), timer.record())
+    for variant in results:
+        layout.regime_checkpoint(name, variant).unlink(missing_ok=True)
+    return metrics
+
+
+def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
+    """Stage regime_merge@<name>: each variant of regime <name> merged with each of its methods, the
+    hyperparameters chosen on validation as for the standard regime (merge.<method> sets the grids), then tested;
+    the regime's own name in its methods evaluates its own model (ATM's theta(R), MIMA's uniform average)."""
+    params.check_regime(name)
+    cfg = params.regimes.config(name)
+    device = _setup(params, params.seed)
+    regime_metrics = read_json(layout.metrics("regime", name))
+    out: dict[str, dict] = {}
+    with Timer() as timer:
+        tasks = _load_tasks(params, layout)
+        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
+        ft = {t: read_json(layout.metrics("finetune", t)) for t in params.suite.tasks}
+        for variant in cfg.variants(name, params.finetune.steps):
+            if variant not in regime_metrics["variants"]:
+                raise MergeflowError(f"{layout.metrics('regime', name)}: no variant '{variant}' (run regime@{name} again)")
+            for method in params.regimes.methods_of(name):
+                run = layout.merge_run(method, name, variant)
+                if method == name:
+                    own = regime_metrics["variants"][variant]["model"]
+                    if own is None:
+                        raise MergeflowError(f"regimes.{name}.methods: regime {name} has no model of its own to evaluate")
+                    acc = own["accuracy"]["test"]
+                    individual = {t: ft[t]["individual"]["test"] for t in params.suite.tasks}
+                    evaluation = {
+                        "method": method, "kind": "regime_model", "hyperparameters": regime_metrics["variants"][variant]["hyperparameters"], "searched": {},
+                        "accuracy": acc, "average": mean(acc.values()), "normalized": {t: acc[t] / individual[t] for t in acc},
+                        "normalized_average": mean(acc[t] / individual[t] for t in acc), "storage_models": 1.0,
+                    }
+                    write_json(run.evaluation, evaluation)
+                else:
+                    _, evaluation = merge_and_evaluate(params, run, layout, tasks, heads, device)
+                out[f"{variant}/{method}"] = evaluation
+    write_json(layout.timing("regime_merge", name), timer.record())
+    return out
+
+
 # ---------------------------------------------------------------- merge
 def _materialise(state) -> dict:
     return {k: state[k] for k in state}
@@ -262,29 +470,38 @@ def _bytes(state) -> int:
 
 
 def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
-    """Merge with one method; every grid point is scored on the validation split and the best is kept, then
-    evaluated on test (``evaluate``), in the same process: a stage's start costs more than a small model's merge.
+    """Stage merge@<method>: merge the standard regime's task vectors with one method (``merge_and_evaluate``)."""
+    params.check_method(method)
+    device = _setup(params, params.seed)
+    with Timer() as timer:
+        tasks = _load_tasks(params, layout)
+        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
+        metrics, evaluated = merge_and_evaluate(params, layout.merge_run(method), layout, tasks, heads, device)
+    write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()})
+    return metrics
+
+
+def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, heads, device) -> tuple[dict, dict]:
+    """Merge ``run.vectors`` with ``run.method``; every grid point is scored on the validation split and the best
+    is kept, then evaluated on test (``evaluate``), in the same process: a stage's start costs more than a small
+    model's merge. Returns the choice's metrics and the evaluation's.
 
     A per-task method's output is its store (each task's model is rebuilt from it); task negation's output is the
     coefficient chosen for each task.
     """
-    params.check_method(method)
+    method = run.method
     spec = REGISTRY[method]
-    device = _setup(params, params.seed)
     overrides = params.merge.overrides(method)
-    with Timer() as timer:
-        pretrained, tvs = _load_task_vectors(params, layout)
-        tasks = _load_tasks(params, layout)
-        heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
-        on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
-        try:
-            if spec.kind == "negation":
-                pretrained_acc = on_val(_materialise(pretrained))  # a dict of the tensors already read, when held in memory
-                negation = negation_search(spec, overrides, pretrained, tvs, on_val, pretrained_acc)
-            else:
-                best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val)
-        except ValueError as err:
-            raise MergeflowError(str(err)) from None
+    pretrained, tvs = _load_task_vectors(params, layout, run.vectors)
+    on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
+    try:
+        if spec.kind == "negation":
+            pretrained_acc = on_val(_materialise(pretrained))  # a dict of the tensors already read, when held in memory
+            negation = negation_search(spec, overrides, pretrained, tvs, on_val, pretrained_acc)
+        else:
+            best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val)
+    except ValueError as err:
+        raise MergeflowError(str(err)) from None
     fixed, grid = spec.search_space(overrides)
     metrics = {"method": method, "kind": spec.kind, "paper": spec.paper, "grid": grid}
     if spec.kind == "negation":
@@ -303,32 +520,31 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
             uses_theta0 = not any(k.startswith(BASE_PREFIX) for k in output)
             model_bytes = _bytes(pretrained)
             metrics |= {"storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0), "model_bytes": model_bytes}
-    save_state_dict(layout.merged(method), output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
-    with atomic_path(layout.log("merge", method, ".png")) as tmp:
+    save_state_dict(run.merged, output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
+    with atomic_path(run.search_plot) as tmp:
         plot_merge_search(metrics, tmp)
-    write_json(layout.metrics("merge", method), metrics)
-    write_json(layout.log("merge", method), validation_records(metrics, spec.coefficient))
-    evaluated = evaluate(params, method, layout, tasks=tasks, heads=heads)
-    write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()})
-    return metrics
+    write_json(run.choice, metrics)
+    write_json(run.search_log, validation_records(metrics, spec.coefficient))
+    return metrics, evaluate(params, method, layout, tasks=tasks, heads=heads, run=run)
 
 
 # ---------------------------------------------------------------- evaluate
-def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=None, heads=None) -> dict:
-    """Test accuracy on every task, absolute and normalized by the individual model (per-task methods: each task
-    with its own rebuilt model; task negation: the negated task's accuracy against the others')."""
-    params.check_method(method)
+def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=None, heads=None, run: MergeRun | None = None) -> dict:
+    """Test accuracy on every task, absolute and normalized by the (standard regime's) individual model
+    (per-task methods: each task with its own rebuilt model; task negation: the negated task's accuracy against
+    the others'). ``run``: a regime's merge (default: the standard regime's, merge@<method>)."""
+    run = run or layout.merge_run(method)
     spec = REGISTRY[method]
     device = _setup(params, params.seed)
-    chosen = read_json(layout.metrics("merge", method))
+    chosen = read_json(run.choice)
     ft = {t: read_json(layout.metrics("finetune", t)) for t in params.suite.tasks}
     with Timer() as timer:
-        output = load_state_dict(layout.merged(method))
+        output = load_state_dict(run.merged)
         tasks = tasks or _load_tasks(params, layout)
         heads = heads or _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)
         if spec.kind == "negation":
-            pretrained, tvs = _load_task_vectors(params, layout)
+            pretrained, tvs = _load_task_vectors(params, layout, run.vectors)
             per_task = {}
             for t in params.suite.tasks:
                 lam = round(float(output[f"lam/{t}"]), 6)  # stored as a float32 tensor
@@ -358,26 +574,67 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
             "normalized_average": mean(acc[t] / individual[t] for t in acc),
             "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if spec.kind == "per_task" else 1.0,
         }
-    write_json(layout.metrics("evaluate", method), metrics)
+    write_json(run.evaluation, metrics)
     return metrics | {"wall_time_s": timer.seconds}
 
 
 # ---------------------------------------------------------------- report
+def regime_evaluations(params: Params, layout: Layout) -> dict[str, dict]:
+    """Each regime variant's own task models' test accuracies and its methods' evaluations:
+    {variant: {"regime": name, "individual": {task: acc}, "evaluations": {method: metrics/.../evaluate/<m>.json}}}."""
+    out = {}
+    for name in params.regimes.run:
+        cfg = params.regimes.config(name)
+        measured = read_json(layout.metrics("regime", name))["variants"]
+        for variant in cfg.variants(name, params.finetune.steps):
+            out[variant] = {
+                "regime": name,
+                "individual": {t: measured[variant]["individual"][t]["test"] for t in params.suite.tasks},
+                "evaluations": {m: read_json(layout.merge_run(m, name, variant).evaluation) for m in params.regimes.methods_of(name)},
+            }
+    return out
+
+
 def report(params: Params, layout: Layout = Layout()) -> dict:
     """Summary table (Markdown, CSV, JSON), the accuracy heatmap and the sorted averages; the headline metrics
-    (metrics/summary.json) that `dvc exp show` and `dvc metrics diff` compare."""
+    (metrics/summary.json) that `dvc exp show` and `dvc metrics diff` compare. The standard regime's rows come
+    first; each training-time regime's variant adds its individual models and its methods (the regime column)."""
     tasks = params.suite.tasks
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
     negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
     rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations})
     headline = headline_metrics(rows, ev)
+    for variant, r in regime_evaluations(params, layout).items():
+        variant_rows = summary_rows(tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"])
+        rows += variant_rows
+        headline[variant] = regime_headline(variant_rows, r["evaluations"])
+    labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
     with atomic_path(layout.results, directory=True) as tmp:
         (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
         write_json(tmp / "summary.json", {"rows": rows, "negation": negations})
-        write_json(tmp / "averages.json", [{"method": r["method"], "test_avg": round(100 * r["average"], 2)} for r in rows])
-        plot_accuracy_heatmap(rows, tasks, tmp / "accuracy.png")
-        plot_averages(rows, tmp / "averages.png")
+        write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])
+        plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png")
+        plot_averages(labelled, tmp / "averages.png")
     write_json(layout.metrics("summary"), headline)
     return {"rows": rows, "negation": negations, "headline": headline}
+
+
+# ---------------------------------------------------------------- study
+def study(params: Params, name: str, layout: Layout = Layout()) -> dict:
+    """Stage study@<name>: one of the papers' analyses (mergeflow.studies) on the pipeline's outputs. Writes
+    studies/<name>/report.md (its verdict per claim, tables, figures) and metrics/studies/<name>.json."""
+    from mergeflow.studies import REGISTRY as STUDIES, StudyContext, verdict_table
+
+    params.check_study(name)
+    spec = STUDIES[name]
+    device = _setup(params, params.seed)
+    with Timer() as timer, atomic_path(layout.study(name), directory=True) as tmp:
+        result = spec.fn(StudyContext(params, layout, params.studies.settings(name), tmp, device))
+        (tmp / "report.md").write_text(f"# {spec.title}\n\n{spec.paper}\n\n## Verdicts\n\n{verdict_table(result.claims)}\n{result.body}")
+    verdicts = [c.verdict for c in result.claims]
+    metrics = {"study": name, "paper": spec.paper, "holds": verdicts.count("holds"), "fails": verdicts.count("fails"), "not_measured": verdicts.count("not measured"), "claims": [c.record() for c in result.claims]}
+    write_json(layout.metrics("studies", name), metrics)
+    write_json(layout.timing("study", name), timer.record())
+    return metrics

@@ -36,6 +36,18 @@ def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
     return headline
 
 
+def regime_headline(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
+    """One regime variant's headline: its individual models' test average, then per method its test average, gap
+    recovered (of the standard fine-tune's probe-to-individual gap) and the values chosen on validation.
+    ``rows``: evaluation.summary_rows of the variant (Individual, then one per method)."""
+    by_method = {r["method"]: r for r in rows[1:]}
+    headline = {"individual": {"test_avg": percent(rows[0]["average"])}}
+    for method, ev in evaluations.items():
+        row = by_method[method]
+        headline[method] = {"test_avg": percent(row["average"]), "gap_recovered": percent(row["gap_recovered"])} | {k: v for k, v in ev["searched"].items() if isinstance(v, (int, float, str))}
+    return headline
+
+
 def validation_records(merge_metrics: Mapping, coefficient: str | None) -> list[dict]:
     """The validation search as records {hyperparameter, value, val_avg, chosen}: against the method's
     coefficient (or its only searched hyperparameter), the others held at their chosen values; one record for a

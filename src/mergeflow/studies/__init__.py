@@ -1,0 +1,116 @@
+"""The registry of studies: the papers' analyses, each a DVC stage ``study@<name>`` that writes a Markdown report
+with plots and a verdict per claim, computed from the measurements.
+
+A study is one module in this package: a function ``(context: StudyContext) -> StudyResult`` decorated with
+``@register``, which records its paper and its settings (a pydantic model: every field a setting with its
+default; ``studies.<name>`` in params.yaml overrides them). Modules are discovered by name, as the merge methods
+and regimes are, so adding a study means adding one file. A study reads the pipeline's outputs through
+``context.layout`` (mergeflow.stages.Layout) and may compute its own measurements; it writes its figures into
+``context.out_dir`` and returns its claims and the report's body. ``mergeflow.stages.study`` writes
+``studies/<name>/report.md`` (title, verdict table, body) and ``metrics/studies/<name>.json`` atomically.
+
+A claim's verdict is ``holds`` or ``fails`` from the numbers beside it, or ``not measured`` when what it needs was
+not run (a regime or round count not in params.yaml): never written by hand.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from mergeflow.errors import MergeflowError
+
+
+class StudySettings(BaseModel):
+    """Base of a study's settings: unknown keys are refused, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str  # e.g. "000.1"
+    text: str  # the paper's claim, in one sentence
+    holds: bool | None  # None: not measured (what it needs was not run)
+    numbers: Mapping[str, Any]  # the measurements the verdict is computed from
+    detail: str = ""  # one line: the comparison made, with its numbers
+
+    @property
+    def verdict(self) -> str:
+        return "not measured" if self.holds is None else "holds" if self.holds else "fails"
+
+    def record(self) -> dict:
+        return {"id": self.id, "claim": self.text, "verdict": self.verdict, "detail": self.detail, "numbers": dict(self.numbers)}
+
+
+@dataclass
+class StudyResult:
+    claims: list[Claim]
+    body: str  # Markdown after the verdict table: tables, figures (relative links to files in out_dir)
+    figures: list[str] = field(default_factory=list)  # file names written into out_dir
+
+
+@dataclass(frozen=True)
+class StudyContext:
+    params: Any  # mergeflow.config.Params
+    layout: Any  # mergeflow.stages.Layout
+    settings: StudySettings
+    out_dir: Path  # where figures go (a temporary directory, renamed into place when the study succeeds)
+    device: Any  # torch.device
+
+
+StudyFn = Callable[[StudyContext], StudyResult]
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    fn: StudyFn
+    paper: str
+    title: str
+    settings_model: type[StudySettings]
+
+    def settings(self, overrides: Mapping[str, Any], *, where: str) -> StudySettings:
+        try:
+            return self.settings_model.model_validate(dict(overrides))
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"{where}.{key}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+REGISTRY: dict[str, Study] = {}
+
+
+def register(name: str, *, paper: str, title: str, settings: type[StudySettings] = StudySettings):
+    def wrap(fn: StudyFn) -> StudyFn:
+        if name in REGISTRY:
+            raise RuntimeError(f"study '{name}' registered twice")
+        REGISTRY[name] = Study(name, fn, paper, title, settings)
+        return fn
+
+    return wrap
+
+
+def verdict_table(claims: list[Claim]) -> str:
+    lines = ["| claim | verdict | measured |", "|---|---|---|"]
+    for c in claims:
+        lines.append(f"| {c.id} {c.text} | **{c.verdict}** | {c.detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def _discover() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_discover()
+
+__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "MergeflowError", "register", "verdict_table"]
