@@ -1,10 +1,13 @@
 """What `mergeflow track` records in MLflow, on a copy of the session's tiny reference run (whose `dvc repro`
-already ran track once): one metric convention for every merge run, nothing logged twice, merged models that load
-back in one call, the registry's best model, and the stages' real times."""
+already ran track once): one metric convention for every merge run (the training-time regimes' too), the regimes'
+variants and the studies' verdicts as their files say, nothing logged twice, merged models that load back in one
+call, the registry's best model, and the stages' real times."""
 
 import hashlib
 import json
+import shutil
 import sqlite3
+import statistics
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,7 @@ def tracked(tiny_reference, tiny_env, tmp_path_factory):
     ref, _ = tiny_reference
     root = copy_project(ref, tmp_path_factory.mktemp("tracking") / "project")
     _rebase_store(root / "mlflow.db", ref.resolve(), root.resolve())
+    run("mergeflow track", root, tiny_env)  # what ran after the reference's track (a study, when track does not depend on it)
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     return root, tiny_env, client, client.get_experiment_by_name("mergeflow/embedded").experiment_id
 
@@ -67,11 +71,11 @@ def test_merge_runs_share_one_metric_convention(tracked):
         average = ev["average"]["target"] if method == "task_negation" else ev["average"]
         assert r.data.metrics["test_avg"] == pytest.approx(100 * average, abs=0.006), method
         assert r.data.params["method"] == method and r.data.params["kind"] == ev["kind"]
-        assert r.data.tags["mergeflow.fingerprint"]
+        assert r.data.tags["mergeflow.fingerprint"] and (r.data.tags["regime"], r.data.tags["variant"]) == ("standard", "standard")
     assert merges["ties"].data.params["k"] == "0.2" and merges["ties"].data.params["grid.lam"] == "0.8, 1.0"
     assert merges["consensus_ta"].data.params.keys() >= {f"tall_lambda.{t}" for t in TASKS}
     assert merges["task_negation"].data.params.keys() >= {f"lam.{t}" for t in TASKS}
-    summary = {r["method"]: r for r in _read(root, "results/summary.json")["rows"]}
+    summary = {r["method"]: r for r in _read(root, "results/summary.json")["rows"] if r["regime"] == "standard"}  # the regimes' rows follow
     assert merges["ties"].data.metrics["gap_recovered"] == pytest.approx(100 * summary["ties"]["gap_recovered"], abs=0.006)
     curve = json.loads(Path(client.download_artifacts(merges["ties"].info.run_id, "curves/val_curve.json")).read_text())
     assert curve["x"] == ["lam"] and sorted(r["lam"] for r in curve["rows"]) == [0.8, 1.0]
@@ -81,6 +85,124 @@ def test_merge_runs_share_one_metric_convention(tracked):
     view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.methods"])["state"])
     assert view["orderByKey"] == "metrics.`test_avg`" and "metrics.`test_avg`" in view["selectedColumns"]
     assert _read(root, "metrics/tracking.json")["ui_path"] == f"/#/experiments/{exp_id}/runs?viewStateShareKey=methods&workflowType=machine_learning"
+
+
+def _params(root: Path):
+    from mergeflow.config import load_params
+
+    return load_params(root / "params.yaml")
+
+
+def _one(runs, **tags):
+    found = [r for r in runs if all(r.data.tags.get(k) == v for k, v in tags.items())]
+    assert len(found) == 1, (tags, [r.info.run_name for r in found])
+    return found[0]
+
+
+def _pct(fraction: float) -> float:
+    return round(100 * fraction, 2)
+
+
+def test_regime_runs_record_each_variant(tracked):
+    root, _, client, exp_id = tracked
+    p = _params(root)
+    runs = list(_runs(client, exp_id, "regime").values())
+    expected = [(r, v) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps)]
+    assert expected and sorted((r.data.tags["regime"], r.data.tags["variant"]) for r in runs) == sorted(expected)
+    ft = {t: _read(root, f"metrics/finetune/{t}.json") for t in TASKS}
+    probe, individual = sum(ft[t]["probe"]["test"] for t in TASKS) / 3, sum(ft[t]["individual"]["test"] for t in TASKS) / 3
+    for regime, variant in expected:
+        record = _read(root, f"metrics/regime/{regime}.json")["variants"][variant]
+        r = _one(runs, regime=regime, variant=variant)
+        assert r.info.run_name == f"regime@{variant}" and r.data.tags["mergeflow.item"] == regime
+        assert {k: v for k, v in r.data.params.items() if k not in ("regime", "variant", "paper")} == {k: str(v) for k, v in record["hyperparameters"].items()}
+        assert r.data.params["paper"] == _read(root, f"metrics/regime/{regime}.json")["paper"]
+        m = r.data.metrics
+        assert m["individual_avg"] == pytest.approx(_pct(sum(record["individual"][t]["test"] for t in TASKS) / 3), abs=0.006)
+        assert m["individual_val_avg"] == pytest.approx(_pct(sum(record["individual"][t]["val"] for t in TASKS) / 3), abs=0.006)
+        assert {t: m[f"individual_acc.{t}"] for t in TASKS} == {t: _pct(record["individual"][t]["test"]) for t in TASKS}
+        assert m["wall_time_s"] == pytest.approx(record["wall_time_s"], abs=0.001)
+        if record["model"] is None:
+            assert not any(k.startswith("model_") for k in m) and "mergeflow.model_uri" not in r.data.tags
+        else:
+            own = record["model"]["accuracy"]
+            assert m["model_test_avg"] == pytest.approx(_pct(sum(own["test"].values()) / 3), abs=0.006)
+            assert m["model_val_avg"] == pytest.approx(_pct(sum(own["val"].values()) / 3), abs=0.006)
+            assert m["model_gap_recovered"] == pytest.approx(100 * (sum(own["test"].values()) / 3 - probe) / (individual - probe), abs=0.006)
+            state = load_model(f"runs:/{r.info.run_id}/model", f"sqlite:///{root / 'mlflow.db'}").net.state_dict()
+            expected_state = load_state_dict(root / f"regimes/{regime}/{variant}/model.safetensors")
+            assert state.keys() == expected_state.keys() and all(torch.equal(state[k], t) for k, t in expected_state.items())
+        # per round: the median and max over the task pairs, at step = round
+        for metric, key, summary in [("task_vector_cosine_median", "task_vector_cosines", statistics.median), ("update_cosine_max", "update_cosines", max)]:
+            history = sorted((h.step, h.value) for h in client.get_metric_history(r.info.run_id, metric))
+            assert history == [(rd["round"], pytest.approx(summary(list(rd[key].values())), abs=6e-5)) for rd in record["rounds"]], metric
+        assert m["task_vector_cosine_median"] == pytest.approx(statistics.median(record["rounds"][-1]["task_vector_cosines"].values()), abs=6e-5)  # the table shows the last round
+        artifacts = {a.path for a in client.list_artifacts(r.info.run_id)} | {a.path for a in client.list_artifacts(r.info.run_id, "vectors")}
+        assert {"regime", "vectors/stats.json"} <= artifacts
+
+
+def test_regime_merge_runs_follow_the_merge_convention(tracked):
+    root, _, client, exp_id = tracked
+    p = _params(root)
+    runs = list(_runs(client, exp_id, "regime_merge").values())
+    expected = [(r, v, m) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps) for m in p.regimes.methods_of(r)]
+    assert expected and sorted((r.data.tags["regime"], r.data.tags["variant"], r.data.params["method"]) for r in runs) == sorted(expected)
+    summary = {(row["regime"], row["method"]): row for row in _read(root, "results/summary.json")["rows"]}
+    ft = {t: _read(root, f"metrics/finetune/{t}.json") for t in TASKS}
+    names = (set(MERGE_METRICS) - {"wall_time_s"}) | {f"test_acc.{t}" for t in TASKS}
+    for regime, variant, method in expected:
+        r = _one([x for x in runs if x.data.params["method"] == method], regime=regime, variant=variant)
+        folder = f"metrics/regime_merge/{regime}/{variant}"
+        ev = _read(root, f"{folder}/evaluate/{method}.json")
+        assert r.info.run_name == f"{variant}/{method}" and r.data.tags["mergeflow.item"] == regime
+        assert set(r.data.metrics) == names, (variant, method)
+        m = r.data.metrics
+        assert m["test_avg"] == pytest.approx(_pct(sum(ev["accuracy"][t] for t in TASKS) / 3), abs=0.006)
+        assert {t: m[f"test_acc.{t}"] for t in TASKS} == {t: _pct(ev["accuracy"][t]) for t in TASKS}
+        assert m["normalized_avg"] == pytest.approx(100 * sum(ev["accuracy"][t] / ft[t]["individual"]["test"] for t in TASKS) / 3, abs=0.006)
+        assert m["gap_recovered"] == pytest.approx(100 * summary[(variant, method)]["gap_recovered"], abs=0.006)  # the standard fine-tune's scale
+        assert m["storage_models"] == pytest.approx(ev["storage_models"], abs=0.006)
+        assert r.data.params["kind"] == ev["kind"]
+        if method == regime:  # the regime's own model: evaluated, not merged
+            assert ev["kind"] == "regime_model" and not any(k.startswith("grid.") for k in r.data.params)
+            weights = root / f"regimes/{regime}/{variant}/model.safetensors"
+        else:
+            mm = _read(root, f"{folder}/merge/{method}.json")
+            assert m["val_avg"] == pytest.approx(_pct(mm["val_average"]), abs=0.006)
+            assert {k: v for k, v in r.data.params.items() if k.startswith("grid.")} == {f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()}
+            assert f"plots/{method}.png" in {a.path for a in client.list_artifacts(r.info.run_id, "plots")}
+            weights = root / f"merged/regime/{regime}/{variant}/{method}.safetensors"
+        chosen = {k: str(v) for k, v in ev["hyperparameters"].items() if not isinstance(v, dict)}
+        assert {k: r.data.params[k] for k in chosen} == chosen
+        if ev["kind"] in ("model", "regime_model"):
+            state = load_model(f"runs:/{r.info.run_id}/model", f"sqlite:///{root / 'mlflow.db'}").net.state_dict()
+            assert all(torch.equal(state[k], t) for k, t in load_state_dict(weights).items()), (variant, method)
+    # the saved view ranks the merge runs of every regime, negation aside, and shows the regime
+    view = json.loads(json.loads(client.get_experiment(exp_id).tags["mlflow.sharedViewState.methods"])["state"])
+    assert {"tags.`regime`", "tags.`variant`"} <= set(view["selectedColumns"])
+    ranked = client.search_runs([exp_id], filter_string=view["searchFilter"], order_by=["metrics.test_avg DESC"], max_results=1000)
+    standard = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"]
+    assert sorted(r.info.run_id for r in ranked) == sorted([r.info.run_id for r in standard] + [r.info.run_id for r in runs])
+    assert client.search_runs([exp_id], filter_string=f"tags.variant = '{expected[0][1]}' and {view['searchFilter']}", max_results=1000)
+    # the registry stays the standard regime's
+    latest = max(client.search_model_versions("name = 'mergeflow-embedded'"), key=lambda v: int(v.version))
+    assert client.get_run(latest.run_id).data.tags["regime"] == "standard"
+
+
+def test_study_runs_record_verdicts(tracked):
+    root, _, client, exp_id = tracked
+    p = _params(root)
+    runs = list(_runs(client, exp_id, "study").values())
+    assert p.studies.run and sorted(r.data.tags["study"] for r in runs) == sorted(p.studies.run)
+    for name in p.studies.run:
+        study = _read(root, f"metrics/studies/{name}.json")
+        r = _one(runs, study=name)
+        verdicts = [c["verdict"] for c in study["claims"]]
+        assert r.data.metrics["holds"] == verdicts.count("holds") and r.data.metrics["fails"] == verdicts.count("fails") and r.data.metrics["not_measured"] == verdicts.count("not measured")
+        assert {k: v for k, v in r.data.params.items() if k.startswith("verdict.")} == {f"verdict.{c['id']}": c["verdict"] for c in study["claims"]}
+        files = {f.name for f in (root / "studies" / name).iterdir() if f.is_file()}
+        assert "report.md" in files and files <= {a.path for a in client.list_artifacts(r.info.run_id)}
+        assert all(c["id"] in r.data.tags["mlflow.note.content"] for c in study["claims"])
 
 
 def test_runs_start_and_end_at_the_stages_times(tracked):
@@ -123,6 +245,21 @@ def test_registry_holds_the_best_merged_model(tracked):
     }
 
 
+def test_runs_logged_before_regimes_get_the_standard_tag(tracked):
+    """A store from a track that knew no regimes: its standard runs are tagged when track meets them again, and
+    nothing is logged again."""
+    root, env, client, exp_id = tracked
+    merges = _runs(client, exp_id, "merge")
+    ties = next(r for r in merges.values() if r.data.tags["mergeflow.item"] == "ties")
+    client.delete_tag(ties.info.run_id, "regime")
+    client.delete_tag(ties.info.run_id, "variant")
+    before = _runs(client, exp_id).keys()
+    assert "0 new runs" in run("mergeflow track", root, env)
+    assert _runs(client, exp_id).keys() == before
+    tags = client.get_run(ties.info.run_id).data.tags
+    assert (tags["regime"], tags["variant"]) == ("standard", "standard")
+
+
 def test_track_logs_only_what_changed(tracked):
     root, env, client, exp_id = tracked
     before, files = _runs(client, exp_id), _store_files(root)
@@ -152,3 +289,21 @@ def test_track_logs_only_what_changed(tracked):
     assert pipeline.data.tags["stage_run.merge.ties"] == ties.info.run_id
     assert pipeline.data.tags["stage_run.merge.emr"] == next(r.info.run_id for r in before.values() if r.data.tags.get("mergeflow.item") == "emr")
     assert _read(root, "metrics/tracking.json")["run_id"] == pipeline.info.run_id
+
+
+def test_regimes_and_studies_that_did_not_run_are_left_out(tiny_reference, tiny_env, tmp_path):
+    """regimes.run and studies.run list what has not run yet (no metrics, or no timing file): track logs the rest
+    and says what it left out."""
+    ref, _ = tiny_reference
+    root = copy_project(ref, tmp_path / "project")
+    for path in ("mlflow.db", "mlruns", "metrics/studies", "logs/timing/regime_merge"):
+        shutil.rmtree(root / path) if (root / path).is_dir() else (root / path).unlink()
+    apply_overrides(root / "params.yaml", ["tracking.log_checkpoints=false"])
+    out = run("mergeflow track", root, tiny_env)
+    p = _params(root)
+    assert all(f"study {s} not tracked" in out for s in p.studies.run) and all(f"regime {r}'s merges not tracked" in out for r in p.regimes.run)
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp_id = client.get_experiment_by_name("mergeflow/embedded").experiment_id
+    stages = [r.data.tags["mergeflow.stage"] for r in _runs(client, exp_id).values()]
+    assert stages.count("regime") == sum(len(p.regimes.config(r).variants(r, p.finetune.steps)) for r in p.regimes.run)
+    assert "regime_merge" not in stages and "study" not in stages and stages.count("pipeline") == 1

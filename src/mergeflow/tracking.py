@@ -5,10 +5,39 @@ tagged ``mergeflow.stage`` (prepare, pretrain, finetune, vectors, merge) and ``m
 method), started and ended at the stage's real times (logs/timing). Plus one ``pipeline`` run per pipeline state:
 the git commit, dvc.lock, results/, the probe and individual averages, the best method, and one tag
 ``stage_run.<stage>.<item>`` per stage run it covers. Runs are flat (no nesting): a stage run that did not change
-belongs to every later pipeline run.
+belongs to every later pipeline run. The standard fine-tune's runs (finetune, vectors, merge) are tagged
+``regime`` = ``variant`` = ``standard``.
+
+Training-time regimes and studies (each item of their stages is several runs, so each run's key in the pipeline
+run, ``stage_run.<stage>.<item>.<variant>[.<method>]``, names it):
+
+    regime@<r>        one run per variant v (run name ``regime@<v>``; tags regime=<r>, variant=<v>): params the
+                      variant's hyperparameters, regime, variant, paper; metrics individual_avg,
+                      individual_val_avg, individual_acc.<task> (its task models), model_test_avg, model_val_avg,
+                      model_gap_recovered, model_test_acc.<task> (its own model, when it has one: MIMA's average,
+                      ATM's theta(R)), wall_time_s (the variant's), and per round (step = round)
+                      update_cosine_median/_max, task_vector_cosine_median/_max (over the task pairs),
+                      update_norm_mean, task_vector_norm_mean, round_wall_time_s; artifacts the variant's record
+                      (``regime/<v>.json``: every pair's cosine per round), its vectors' stats.json, and its own
+                      model as an MLflow model (``model``) when it has one
+    regime_merge@<r>  one run per variant v and method m (run name ``<v>/<m>``; tags regime=<r>, variant=<v>), a
+                      merge run under the convention below (gap_recovered and normalized_avg on the standard
+                      fine-tune's scale, as in results/summary.json; no wall_time_s: the stage times its
+                      variants' merges together); the method named as the regime (kind "regime_model") is its own
+                      model, evaluated: its params are the variant's hyperparameters, its model the regime's
+    study@<s>         one run (tag study=<s>): metrics holds, fails, not_measured, wall_time_s; params paper and
+                      verdict.<claim id> (holds, fails, not measured); artifacts report.md and its figures, and
+                      study.json (every claim's numbers); the verdicts as its description
+
+A variant's run (and a regime merge's) starts and ends with its stage, which runs every variant. A regime or
+study that has not run (its metrics file, or its timing file, missing) is left out with a notice. The registry
+holds the standard regime's best merged model only: its versions compare one pipeline run to the next on the
+same fine-tune.
 
 Only what changed is logged. A stage item's fingerprint is the sha256 of its dvc.lock entry's params and output
-hashes (timing logs left out: a re-run that gives the same outputs is the same result). A run whose fingerprint
+hashes (timing logs left out: a re-run that gives the same outputs is the same result); a regime variant's or
+regime merge's, the sha256 of its own files' md5s (dvc.lock's, from the directory manifests in DVC's cache, when
+current) and its record without wall times. A run whose fingerprint
 already has a FINISHED run in the experiment is not logged again, and the pipeline run's fingerprint is that of
 all its stages and the report; a weights file whose md5 is already in the store is not copied again (the run
 points to the copy through ``mergeflow.weights_in``).
@@ -41,8 +70,11 @@ rebuilt from the store and the pretrained weights), and task negation's file of 
 method listed first) is registered as ``mergeflow-<suite>``.
 
 Views. The experiment carries a saved view, "Methods ranked by test_avg" (experiment tag
-``mlflow.sharedViewState.methods``, in the runs page's Views menu): merge runs except negation, whose test_avg
-ranks the other way, best test_avg first, headline metrics and hyperparameters as columns. ``ui_path`` in
+``mlflow.sharedViewState.methods``, in the runs page's Views menu): merge runs of every regime (merge and
+regime_merge) except negation, whose test_avg ranks the other way, best test_avg first, the regime and variant
+tags, headline metrics and hyperparameters as columns (one regime: add ``and tags.variant = 'mima_n4'``, or
+``'standard'``, to its search). With regimes or studies, "Regimes: task models and rounds" (key ``regimes``) and
+"Studies: verdicts" (key ``studies``) too. ``ui_path`` in
 metrics/tracking.json opens it. MLflow 3.17's UI picks the classic (not GenAI) pages from its own
 ``workflowType`` (the "Model training" switch, or ``?workflowType=machine_learning``, which ``ui_path`` carries);
 the experiment tag ``mlflow.experimentKind`` = ``custom_model_development`` is set for the versions that read it.
@@ -59,10 +91,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
 import sqlite3
+import statistics
 import subprocess
 import tempfile
 import time
@@ -83,7 +117,8 @@ from mergeflow.summary import percent
 MERGE_METRICS = ("test_avg", "val_avg", "normalized_avg", "gap_recovered", "storage_models", "wall_time_s")  # and test_acc.<task>
 VIEW_KEY = "methods"  # the shared view's key: experiment tag mlflow.sharedViewState.methods
 VIEW_NAME = "Methods ranked by test_avg"  # its name in the UI's Views menu
-ML_EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's value of mlflow.experimentKind for classic ML
+ML_EXPERIMENT_KIND = "custom_model_development"
+STANDARD_TAGS = {"regime": "standard", "variant": "standard"}  # the standard fine-tune's runs (finetune, vectors, merge), beside the training-time regimes'  # MLflow 3's value of mlflow.experimentKind for classic ML
 
 
 def tracking_uri(root: Path) -> str:
@@ -297,6 +332,114 @@ def _val_curve(mm: Mapping) -> dict:
     return {"x": keys, "rows": rows, "per_task": per_task, "chosen": mm["searched"]}
 
 
+def locked_md5s(lock: Mapping[str, dict], root: Path) -> dict[str, str]:
+    """Every output file's md5 as dvc.lock records it, by path from the root: a file output's from its entry, the
+    files of a directory output from the directory's manifest in DVC's cache (``.dvc/cache/files/md5/ab/cd….dir``;
+    a manifest not there is skipped: its files are hashed when needed)."""
+    out: dict[str, str] = {}
+    cache = root / ".dvc" / "cache"
+    for entry in lock.values():
+        for o in (entry or {}).get("outs", []) or []:
+            md5 = o.get("md5")
+            if not md5:
+                continue
+            if not md5.endswith(".dir"):
+                out[o["path"]] = md5
+                continue
+            for manifest in (cache / "files" / "md5" / md5[:2] / md5[2:], cache / md5[:2] / md5[2:]):  # DVC 3, DVC 2
+                if manifest.is_file():
+                    try:
+                        out |= {f"{o['path']}/{f['relpath']}": f["md5"] for f in json.loads(manifest.read_text())}
+                    except (ValueError, KeyError, TypeError):
+                        pass
+                    break
+    return out
+
+
+class _Hashes:
+    """md5s of output files, from dvc.lock (and DVC's cache) where they are current: a regime's weights are not
+    read again on every track."""
+
+    def __init__(self, lock: Mapping[str, dict], root: Path):
+        self.root, self.lock, self._locked = root, lock, None
+
+    def __call__(self, files: list[Path]) -> dict[str, str]:
+        """{path from the root: md5} of those of ``files`` that exist: dvc.lock's when every one of them is
+        recorded there and the JSON files among them match it (the lock is current), else computed."""
+        if self._locked is None:
+            self._locked = locked_md5s(self.lock, self.root)
+        present = {p: p.relative_to(self.root).as_posix() for p in files if p.is_file()}
+        current = all(rel in self._locked for rel in present.values()) and all(self._locked[rel] == _md5(p) for p, rel in present.items() if p.suffix == ".json")
+        return {rel: self._locked[rel] if current else _md5(p) for p, rel in present.items()}
+
+
+def _without_wall_times(obj):
+    """A record without its wall times: a re-run that measures the same in another time is the same result."""
+    if isinstance(obj, Mapping):
+        return {k: _without_wall_times(v) for k, v in obj.items() if k != "wall_time_s"}
+    if isinstance(obj, list):
+        return [_without_wall_times(v) for v in obj]
+    return obj
+
+
+ROUND_METRICS = (  # (metric, the round record's key, how its values are summarised): one point per round, step = round
+    ("update_cosine_median", "update_cosines", statistics.median),
+    ("update_cosine_max", "update_cosines", max),
+    ("task_vector_cosine_median", "task_vector_cosines", statistics.median),
+    ("task_vector_cosine_max", "task_vector_cosines", max),
+    ("update_norm_mean", "update_norms", statistics.fmean),
+    ("task_vector_norm_mean", "task_vector_norms", statistics.fmean),
+)
+
+
+def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individual_avg: float) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
+    """One regime variant's metrics (metrics/regime/<regime>.json's record), percent, and its per-round histories
+    (step = round; pairwise cosines and norms summarised over the task pairs and tasks)."""
+    individual = record["individual"]
+    metrics = {
+        "individual_avg": percent(record["individual_average"]["test"]),
+        "individual_val_avg": percent(record["individual_average"]["val"]),
+        **{f"individual_acc.{t}": percent(individual[t]["test"]) for t in tasks},
+        "wall_time_s": float(record["wall_time_s"]),
+    }
+    if own := record.get("model"):
+        gap = individual_avg - probe_avg
+        test = own["average"]["test"]
+        metrics |= {
+            "model_test_avg": percent(test),
+            "model_val_avg": percent(own["average"]["val"]),
+            "model_gap_recovered": percent((test - probe_avg) / gap) if gap else float("nan"),
+            **{f"model_test_acc.{t}": percent(own["accuracy"]["test"][t]) for t in tasks},
+        }
+    history: dict[str, list[tuple[int, float]]] = {}
+    for r in record.get("rounds", []):
+        for name, key, summary in ROUND_METRICS:
+            if values := [float(v) for v in (r.get(key) or {}).values()]:
+                history.setdefault(name, []).append((int(r["round"]), round(summary(values), 4)))
+        wall = r.get("wall_time_s")
+        if isinstance(wall, (int, float)) and math.isfinite(wall):  # NaN: a round run by a process that was killed
+            history.setdefault("round_wall_time_s", []).append((int(r["round"]), round(float(wall), 3)))
+    return metrics, history
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def study_note(study: Mapping) -> str:
+    """A study run's description (Markdown): its verdicts, one line per claim."""
+    lines = [
+        f"**{study['holds']} hold, {study['fails']} fail, {study['not_measured']} not measured.** {study['paper']}",
+        "",
+        "The report with its figures: artifact `report.md`.",
+        "",
+        "| claim | verdict | measured |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {_cell(c['id'])} {_cell(c['claim'])} | **{c['verdict']}** | {_cell(c.get('detail', ''))} |" for c in study["claims"]]
+    return "\n".join(lines)
+
+
 class _Recorder:
     """Logs stage runs into one experiment, skipping those already logged."""
 
@@ -306,21 +449,30 @@ class _Recorder:
         self.fingerprints: dict[str, str] = {}
         self.new_runs: list[str] = []
 
-    def find(self, tag: str, value: str) -> str | None:
+    def _find_run(self, tag: str, value: str):
         runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{tag}` = '{value}' and attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
-        return runs[0].info.run_id if runs else None
+        return runs[0] if runs else None
+
+    def find(self, tag: str, value: str) -> str | None:
+        run = self._find_run(tag, value)
+        return run.info.run_id if run else None
 
     @contextlib.contextmanager
-    def run(self, name: str, fp: str, times: tuple[float, float], tags: Mapping[str, str]) -> Iterator[str | None]:
-        """A run for stage item ``name`` at the stage's real start and end; yields None (nothing to log) when
-        a FINISHED run with fingerprint ``fp`` is already there."""
+    def run(self, name: str, fp: str, times: tuple[float, float], tags: Mapping[str, str], run_name: str | None = None) -> Iterator[str | None]:
+        """A run for stage item ``name`` (a key unique in the pipeline; the UI shows ``run_name``, default
+        ``name``) at the stage's real start and end; yields None (nothing to log) when a FINISHED run with
+        fingerprint ``fp`` is already there. Such a run gets the tags in ``tags`` it lacks (a run logged by an
+        older track: regime=standard), none it has is changed."""
         self.fingerprints[name] = fp
-        if existing := self.find("mergeflow.fingerprint", fp):
-            self.stage_runs[name] = existing
+        if existing := self._find_run("mergeflow.fingerprint", fp):
+            for key, value in tags.items():
+                if key not in existing.data.tags:
+                    self.client.set_tag(existing.info.run_id, key, value)
+            self.stage_runs[name] = existing.info.run_id
             yield None
             return
         started, ended = times
-        run = self.client.create_run(self.experiment_id, start_time=int(started * 1000), run_name=name, tags={**self.base_tags, **tags, "mergeflow.fingerprint": fp})
+        run = self.client.create_run(self.experiment_id, start_time=int(started * 1000), run_name=run_name or name, tags={**self.base_tags, **tags, "mergeflow.fingerprint": fp})
         run_id = run.info.run_id
         try:
             yield run_id
@@ -425,12 +577,14 @@ def register_best(client, name: str, merge_runs: Mapping[str, str]) -> dict | No
 
 def methods_view(tasks: list[str], hyperparameters: list[str]) -> dict:
     """The experiment's shared view of merge runs (MLflow UI state, stored as the experiment tag
-    mlflow.sharedViewState.<key> and opened by ?viewStateShareKey=<key>): merge runs (negation aside: its test_avg ranks the other way), best test_avg first,
-    the headline metrics and the hyperparameters as columns."""
+    mlflow.sharedViewState.<key> and opened by ?viewStateShareKey=<key>): the merge runs of every regime (stages
+    merge and regime_merge; a regime's own model too; negation aside: its test_avg ranks the other way), best
+    test_avg first, the regime and variant, the headline metrics and the hyperparameters as columns. One regime's
+    runs: add ``and tags.variant = 'mima_n4'`` (``'standard'`` for the standard fine-tune's) to the search."""
     metrics = ["test_avg", "gap_recovered", "normalized_avg", "val_avg", "storage_models", *(f"test_acc.{t}" for t in tasks)]
-    columns = ["attributes.`Run Name`", *(f"metrics.`{m}`" for m in metrics), *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
+    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), "params.`method`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
     return {
-        "searchFilter": "tags.`mergeflow.stage` = 'merge' and params.kind != 'negation'",  # negation's test_avg: lower is better
+        "searchFilter": "tags.`mergeflow.stage` LIKE '%merge' and params.kind != 'negation'",  # merge, regime_merge; negation's test_avg: lower is better
         "orderByKey": "metrics.`test_avg`",
         "orderByAsc": False,
         "startTime": "ALL",
@@ -442,21 +596,55 @@ def methods_view(tasks: list[str], hyperparameters: list[str]) -> dict:
     }
 
 
+def _view(search: str, order_by: str, columns: list[str]) -> dict:
+    return {"searchFilter": search, "orderByKey": order_by, "orderByAsc": False, "startTime": "ALL", "lifecycleFilter": "Active", "modelVersionFilter": "All Runs", "datasetsFilter": [], "selectedColumns": columns, "columnOrder": columns}
+
+
+def regimes_view(tasks: list[str], hyperparameters: list[str]) -> dict:
+    """The shared view of the regime runs (one per variant): their task models' and own model's accuracies and
+    the last round's cosines and norms (each is a history by round: the run's Model metrics tab plots it)."""
+    metrics = ["individual_avg", "model_test_avg", "model_gap_recovered", "task_vector_cosine_median", "update_cosine_median", "task_vector_norm_mean", "wall_time_s", *(f"individual_acc.{t}" for t in tasks)]
+    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
+    return _view("tags.`mergeflow.stage` = 'regime'", "metrics.`individual_avg`", columns)
+
+
+def studies_view(verdicts: list[str]) -> dict:
+    """The shared view of the study runs: verdict counts and each claim's verdict."""
+    columns = ["attributes.`Run Name`", "metrics.`holds`", "metrics.`fails`", "metrics.`not_measured`", *(f"params.`{v}`" for v in verdicts)]
+    return _view("tags.`mergeflow.stage` = 'study'", "metrics.`holds`", columns)
+
+
 def ui_path(experiment_id: str) -> str:
     """The MLflow UI path (after the server's address) of the methods view, in the classic ML view."""
     query = urllib.parse.urlencode({"viewStateShareKey": VIEW_KEY, "workflowType": "machine_learning"})
     return f"/#/experiments/{experiment_id}/runs?{query}"
 
 
-def headline_markdown(client, experiment_id: str, merge_ids: list[str], probe_avg: float, individual_avg: float) -> str:
+def headline_markdown(client, experiment_id: str, merge_ids: list[str], probe_avg: float, individual_avg: float, regime_merges: list[tuple[str, str, str]] = (), studies: list[tuple[str, str]] = ()) -> str:
     """The pipeline run's description (the UI renders it as Markdown): every method, best test_avg first, each
-    linked to its merge run."""
+    linked to its merge run; then each training-time regime's variants and methods, and the studies' verdicts."""
+
+    def chosen(r) -> str:
+        return ", ".join(f"{k}={v}" for k, v in r.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid."))
+
+    def link(text: str, run_id: str) -> str:
+        return f"[{text}](#/experiments/{experiment_id}/runs/{run_id})"
+
     runs = sorted((client.get_run(r) for r in merge_ids), key=lambda r: (r.data.params["kind"] == "negation", -r.data.metrics["test_avg"]))
     lines = [f"Linear probe {percent(probe_avg)}%, individual models {percent(individual_avg)}% (test average).", "", "| method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|"]
     for r in runs:
-        chosen = ", ".join(f"{k}={v}" for k, v in r.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid."))
         note = " (negation: target accuracy, lower is better)" if r.data.params["kind"] == "negation" else ""
-        lines.append(f"| [{r.data.params['method']}](#/experiments/{experiment_id}/runs/{r.info.run_id}){note} | {r.data.metrics['test_avg']:.2f} | {r.data.metrics['gap_recovered']:.1f} | {chosen} |")
+        lines.append(f"| {link(r.data.params['method'], r.info.run_id)}{note} | {r.data.metrics['test_avg']:.2f} | {r.data.metrics['gap_recovered']:.1f} | {chosen(r)} |")
+    if regime_merges:
+        lines += ["", "Training-time regimes (gap_recovered on the standard fine-tune's scale), best test_avg first within each variant:", "", "| variant | method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|---|"]
+        order = list(dict.fromkeys(v for v, _, _ in regime_merges))
+        runs = sorted(((v, client.get_run(r)) for v, _, r in regime_merges), key=lambda vr: (order.index(vr[0]), -vr[1].data.metrics["test_avg"]))
+        lines += [f"| {v} | {link(r.data.params['method'], r.info.run_id)} | {r.data.metrics['test_avg']:.2f} | {r.data.metrics['gap_recovered']:.1f} | {chosen(r)} |" for v, r in runs]
+    if studies:
+        lines += ["", "Studies:", ""]
+        for name, run_id in studies:
+            m = client.get_run(run_id).data.metrics
+            lines.append(f"- {link(name, run_id)}: {m['holds']:.0f} hold, {m['fails']:.0f} fail, {m['not_measured']:.0f} not measured")
     return "\n".join(lines)
 
 
@@ -465,6 +653,107 @@ def _hyperparameter_names(client, run_ids) -> list[str]:
     for run_id in run_ids:
         names |= {k for k in client.get_run(run_id).data.params if k not in ("method", "kind", "paper") and not k.startswith("grid.")}
     return sorted(names)
+
+
+def _notice(text: str) -> None:
+    print(f"MLflow: {text}", flush=True)
+
+
+def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hashes, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float) -> list[tuple[str, str, str]]:
+    """The training-time regimes' runs: per variant of regime@<r> one run (its task models' accuracies, its own
+    model, per-round cosines and norms), and per variant and method of regime_merge@<r> one merge run under the
+    merge convention. A regime whose files are missing (not run yet) is left out with a notice. Returns
+    (variant, method, run id) of the merge runs, in order."""
+    client, log_ckpt = rec.client, params.tracking.log_checkpoints
+    merges: list[tuple[str, str, str]] = []
+    for r in params.regimes.run:
+        metrics_path, timing = layout.metrics("regime", r), layout.timing("regime", r)
+        if not (metrics_path.is_file() and timing.is_file()):
+            _notice(f"regime {r} not tracked: {metrics_path if not metrics_path.is_file() else timing} is missing (regime@{r} has not run)")
+            continue
+        measured, times = read_json(metrics_path), stage_times(timing)
+        variants = [v for v in params.regimes.config(r).variants(r, params.finetune.steps) if v in measured["variants"]]
+        if missing := [v for v in params.regimes.config(r).variants(r, params.finetune.steps) if v not in measured["variants"]]:
+            _notice(f"regime {r}: variants {', '.join(missing)} not tracked: not in {metrics_path} (regime@{r} ran with other settings)")
+        for v in variants:
+            record, model, stats = measured["variants"][v], layout.regime_model(r, v), layout.regime_vectors(r, v) / "stats.json"
+            own_model = record.get("model") is not None and model.is_file()
+            name = f"regime@{r}/{v}"
+            fp = _sha256({"item": name, "record": _without_wall_times(record), "files": hashes([stats, model] if own_model else [stats])})
+            with rec.run(name, fp, times, {"mergeflow.stage": "regime", "mergeflow.item": r, "regime": r, "variant": v}, run_name=f"regime@{v}") as run_id:
+                if run_id:
+                    metrics, history = regime_metrics(record, tasks, probe_avg, individual_avg)
+                    rec.log(run_id, {"regime": r, "variant": v, "paper": measured["paper"]} | _flatten("", record["hyperparameters"]), metrics, times[1], history)
+                    client.log_dict(run_id, record, f"regime/{v}.json")  # every round's norms and pairwise cosines
+                    if stats.is_file():
+                        client.log_artifact(run_id, str(stats), "vectors")
+                    if log_ckpt and own_model:
+                        _log_merged_model(rec, run_id, model, hashes([model])[model.relative_to(layout.root).as_posix()], params)
+
+        merge_timing = layout.timing("regime_merge", r)
+        if not merge_timing.is_file():
+            _notice(f"regime {r}'s merges not tracked: {merge_timing} is missing (regime_merge@{r} has not run)")
+            continue
+        times = stage_times(merge_timing)
+        for v in variants:
+            record = measured["variants"][v]
+            for method in params.regimes.methods_of(r):
+                run = layout.merge_run(method, r, v)
+                own = method == r  # the regime's own model, evaluated (not merged)
+                if not run.evaluation.is_file() or not (own or run.choice.is_file()):
+                    _notice(f"regime {r}: {v} merged with {method} not tracked: {run.evaluation if not run.evaluation.is_file() else run.choice} is missing")
+                    continue
+                ev = read_json(run.evaluation)
+                if own:
+                    weights = layout.regime_model(r, v)
+                    mm = {"method": method, "kind": ev["kind"], "paper": measured["paper"], "hyperparameters": ev["hyperparameters"], "grid": {}, "val_average": record["model"]["average"]["val"]}
+                    files = [run.evaluation, weights]
+                else:
+                    weights, mm = run.merged, read_json(run.choice)
+                    files = [run.choice, run.evaluation, weights]
+                name = f"regime_merge@{r}/{v}/{method}"
+                md5s = hashes(files)
+                fp = _sha256({"item": name, "files": md5s, "val_average": mm["val_average"]})
+                tags = {"mergeflow.stage": "regime_merge", "mergeflow.item": r, "regime": r, "variant": v}
+                with rec.run(name, fp, times, tags, run_name=f"{v}/{method}") as run_id:
+                    if run_id:
+                        rec.log(run_id, merge_params(mm, ev), merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg), times[1])
+                        if not own:
+                            client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
+                            if run.search_plot.is_file():
+                                client.log_artifact(run_id, str(run.search_plot), "plots")
+                        md5 = md5s.get(weights.relative_to(layout.root).as_posix())
+                        if log_ckpt and md5 and mm["kind"] in ("model", "regime_model"):
+                            _log_merged_model(rec, run_id, weights, md5, params)
+                        elif log_ckpt and md5 and mm["kind"] == "per_task":
+                            rec.weights(run_id, {weights: md5}, lambda p: "merged")
+                merges.append((v, method, rec.stage_runs[name]))
+    return merges
+
+
+def _track_studies(params: Params, layout: Layout, rec: _Recorder, lock: Mapping[str, dict]) -> list[tuple[str, str]]:
+    """One run per study@<s>: its verdict counts as metrics, each claim's verdict as parameter verdict.<id>, the
+    report and its figures as artifacts, the verdicts as its description. Returns (study, run id) in order."""
+    out = []
+    for s in params.studies.run:
+        path, timing, folder = layout.metrics("studies", s), layout.timing("study", s), layout.study(s)
+        if not (path.is_file() and timing.is_file()):
+            _notice(f"study {s} not tracked: {path if not path.is_file() else timing} is missing (study@{s} has not run)")
+            continue
+        name = f"study@{s}"
+        files = [path, *sorted(f for f in folder.rglob("*") if f.is_file())]
+        times = stage_times(timing)
+        with rec.run(name, fingerprint(lock.get(name), files, layout.root), times, {"mergeflow.stage": "study", "mergeflow.item": s, "study": s}) as run_id:
+            if run_id:
+                study = read_json(path)
+                verdicts = {f"verdict.{c['id']}": c["verdict"] for c in study["claims"]}
+                rec.log(run_id, {"study": s, "paper": study["paper"]} | verdicts, {k: study[k] for k in ("holds", "fails", "not_measured")} | {"wall_time_s": read_json(timing)["wall_time_s"]}, times[1])
+                if folder.is_dir():
+                    rec.client.log_artifacts(run_id, str(folder))  # report.md and its figures, side by side as it links them
+                rec.client.log_dict(run_id, study, "study.json")  # every claim's numbers
+                rec.client.set_tag(run_id, "mlflow.note.content", study_note(study))
+        out.append((s, rec.stage_runs[name]))
+    return out
 
 
 def track(params: Params, layout: Layout = Layout()) -> dict:
@@ -501,9 +790,9 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     individual = {t: ft[t]["individual"]["test"] for t in tasks}
     probe_avg, individual_avg = mean(ft[t]["probe"]["test"] for t in tasks), mean(individual.values())
 
-    def item(name: str, stage: str, files: list[Path], timing: Path, label: str = "", extra_time: tuple[str, ...] = ()):
+    def item(name: str, stage: str, files: list[Path], timing: Path, label: str = "", extra_time: tuple[str, ...] = (), extra_tags: Mapping[str, str] = {}):
         times = stage_times(timing, extra_time)
-        tags = {"mergeflow.stage": stage} | ({"mergeflow.item": label} if label else {})
+        tags = {"mergeflow.stage": stage} | ({"mergeflow.item": label} if label else {}) | dict(extra_tags)
         return rec.run(name, fingerprint(lock.get(name), files, root), times, tags), times[1]
 
     def weights(run_id: str, entry_name: str, files: Mapping[Path, str]) -> None:
@@ -533,7 +822,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
 
     for t in tasks:
         name = f"finetune@{t}"
-        ctx, end = item(name, "finetune", [layout.metrics("finetune", t), layout.finetuned(t), layout.head(t)], layout.timing("finetune", t), t)
+        ctx, end = item(name, "finetune", [layout.metrics("finetune", t), layout.finetuned(t), layout.head(t)], layout.timing("finetune", t), t, extra_tags=STANDARD_TAGS)
         with ctx as run_id:
             if run_id:
                 m = ft[t]
@@ -547,7 +836,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                 )
                 weights(run_id, name, {layout.finetuned(t): "checkpoints", layout.head(t): "heads"})
 
-    ctx, end = item("vectors", "vectors", [layout.metrics("vectors"), layout.vectors / "stats.json"], layout.timing("vectors"))
+    ctx, end = item("vectors", "vectors", [layout.metrics("vectors"), layout.vectors / "stats.json"], layout.timing("vectors"), extra_tags=STANDARD_TAGS)
     with ctx as run_id:
         if run_id:
             vec = read_json(layout.metrics("vectors"))
@@ -560,7 +849,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     for method in methods:
         name = f"merge@{method}"
         files = [layout.metrics("merge", method), layout.metrics("evaluate", method), layout.merged(method)]
-        ctx, end = item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",))
+        ctx, end = item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",), STANDARD_TAGS)
         with ctx as run_id:
             if run_id:
                 mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
@@ -578,7 +867,12 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
         if read_json(layout.metrics("merge", method))["kind"] == "model":
             single_models[method] = rec.stage_runs[name]
 
+    # the registry stays the standard regime's: its best merged model, comparable from one pipeline run to the next
     registered = register_best(client, registered_model_name(params), single_models) if log_ckpt else None
+
+    hashes = _Hashes(lock, root)
+    regime_merges = _track_regimes(params, layout, rec, hashes, tasks, individual, probe_avg, individual_avg)
+    studies = _track_studies(params, layout, rec, lock)
 
     # the pipeline run: one per state of all its stages (and the report); a track with nothing new logs none
     report_fp = fingerprint(lock.get("report"), sorted(layout.results.glob("*.json")), root)
@@ -588,7 +882,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
         # from the first stage this pipeline run (re)ran, to now
         started = min((client.get_run(r).info.start_time for r in rec.new_runs), default=int(track_started * 1000))
         tags = base | {"mergeflow.stage": "pipeline", "mergeflow.pipeline_fingerprint": pipeline_fp}
-        tags |= {f"stage_run.{n.replace('@', '.')}": r for n, r in rec.stage_runs.items()}
+        tags |= {f"stage_run.{n.replace('@', '.').replace('/', '.')}": r for n, r in rec.stage_runs.items()}
         if (root / "dvc.lock").is_file():
             tags["dvc.lock.sha256"] = hashlib.sha256((root / "dvc.lock").read_bytes()).hexdigest()
         best = {}
@@ -598,11 +892,11 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
             tags |= {"mergeflow.best_method": best_run.data.params["method"], "mergeflow.best_run": best_run.info.run_id}
         if registered:
             tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
-        tags["mlflow.note.content"] = headline_markdown(client, exp_id, [rec.stage_runs[f"merge@{m}"] for m in methods], probe_avg, individual_avg)
+        tags["mlflow.note.content"] = headline_markdown(client, exp_id, [rec.stage_runs[f"merge@{m}"] for m in methods], probe_avg, individual_avg, regime_merges, studies)
         run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
         pipeline_id = run.info.run_id
         try:
-            rec.log(pipeline_id, {"suite": params.suite.name, "tasks": ",".join(tasks), "methods": ",".join(methods), "backbone": params.backbone.model}, {"probe_avg": percent(probe_avg), "individual_avg": percent(individual_avg)} | best)
+            rec.log(pipeline_id, {"suite": params.suite.name, "tasks": ",".join(tasks), "methods": ",".join(methods), "regimes": ",".join(params.regimes.run) or "none", "studies": ",".join(params.studies.run) or "none", "backbone": params.backbone.model}, {"probe_avg": percent(probe_avg), "individual_avg": percent(individual_avg)} | best)
             client.log_artifacts(pipeline_id, str(layout.results), "results")
             if (root / "dvc.lock").is_file():
                 client.log_artifact(pipeline_id, str(root / "dvc.lock"))
@@ -612,15 +906,22 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
         client.set_terminated(pipeline_id, "FINISHED", end_time=int(time.time() * 1000))
         rec.new_runs.append(pipeline_id)
 
-    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in methods]
+    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in methods] + [run_id for _, _, run_id in regime_merges]
     client.set_experiment_tag(exp_id, "mlflow.experimentKind", ML_EXPERIMENT_KIND)
     # the UI's saved-view envelope: listed under Views > Saved views, and opened by ?viewStateShareKey=
     now_ms = int(time.time() * 1000)
-    view = {"name": VIEW_NAME, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(methods_view(tasks, _hyperparameter_names(client, merge_ids)))}
-    client.set_experiment_tag(exp_id, f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(view))
+    views = {VIEW_KEY: (VIEW_NAME, methods_view(tasks, _hyperparameter_names(client, merge_ids)))}
+    regime_ids = [r for n, r in rec.stage_runs.items() if n.startswith("regime@")]
+    if regime_ids:
+        names = sorted({k for r in regime_ids for k in client.get_run(r).data.params if k not in ("regime", "variant", "paper")})
+        views["regimes"] = ("Regimes: task models and rounds", regimes_view(tasks, names))
+    if studies:
+        views["studies"] = ("Studies: verdicts", studies_view(sorted({k for _, r in studies for k in client.get_run(r).data.params if k.startswith("verdict.")})))
+    for key, (name, state) in views.items():
+        client.set_experiment_tag(exp_id, f"mlflow.sharedViewState.{key}", json.dumps({"name": name, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)}))
     path = ui_path(exp_id)
     server = os.environ.get("MERGEFLOW_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")  # where `mergeflow ui` serves
-    print(f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in {experiment.name}; methods ranked by test_avg: {server}{path}")
+    print(f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in {experiment.name}; methods ranked by test_avg (every regime): {server}{path}")
     if registered:
         print(f"best merged model: {registered['method']}, models:/{registered['name']}/{registered['version']}")
     record = {"tracking_uri": mlflow.get_tracking_uri(), "experiment": experiment.name, "experiment_id": exp_id, "run_id": pipeline_id, "ui_path": path, "new_runs": len(rec.new_runs), "registered_model": registered}
