@@ -20,6 +20,9 @@ pytestmark = pytest.mark.e2e
 TASKS = ["digits", "house_numbers", "count"]
 METHODS = ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation"]
 ROWS = [m for m in METHODS if m != "task_negation"]
+REGIME_METHODS = ["weight_averaging", "task_arithmetic", "ties"]
+VARIANTS = {"one_epoch": "one_epoch", "mima_n2": "mima"}  # the tiny profile's regimes: one_epoch, and mima with N = 2
+STUDIES = ["gradients", "mima"]
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +62,20 @@ def test_pipeline_end_to_end(project, prefect_server):
     root, env, out = project
 
     # 1. dvc repro ran everything (the session's reference run)
-    for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", *(f"merge@{m}" for m in METHODS), "report", "track"]:
+    regime_stages = [f"{stage}@{r}" for r in VARIANTS.values() for stage in ("regime", "regime_merge")]
+    for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", *(f"merge@{m}" for m in METHODS), *regime_stages, "report", *(f"study@{s}" for s in STUDIES), "track"]:
         assert f"Running stage '{stage}'" in out
     assert "up to date" in _run("dvc status", root, env)
 
     summary = json.loads((root / "results/summary.json").read_text())
-    rows = {r["method"]: r for r in summary["rows"]}
+    rows = {r["method"]: r for r in summary["rows"] if r["regime"] == "standard"}
     assert set(rows) == {"Pretrained (linear probe)", "Individual", *ROWS}
+    regime_rows = {(r["regime"], r["method"]) for r in summary["rows"] if r["regime"] != "standard"}
+    assert regime_rows == {(v, m) for v in VARIANTS for m in ["Individual", *REGIME_METHODS]}
     for r in rows.values():
         assert all(0.0 <= r[t] <= 1.0 for t in TASKS)
         assert r["average"] == pytest.approx(sum(r[t] for t in TASKS) / len(TASKS))
-    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(ROWS) + 6 + len(TASKS)  # + negation table
+    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(ROWS) + len(VARIANTS) * (1 + len(REGIME_METHODS)) + 6 + len(TASKS)  # + negation table
     assert rows["emr"]["storage_models"] > 1.0 and rows["Individual"]["storage_models"] == len(TASKS)
     consensus = json.loads((root / "metrics/merge/consensus_ta.json").read_text())
     assert set(consensus["searched"]["tall_lambda"]) == set(TASKS) and set(consensus["searched"]["tall_lambda"].values()) <= {0.2, 0.6}
@@ -95,16 +101,49 @@ def test_pipeline_end_to_end(project, prefect_server):
     ev = json.loads((root / "metrics/evaluate/ties.json").read_text())
     assert rows["ties"]["average"] == pytest.approx(ev["average"])
 
+    # the regimes: MIMA's own model is the uniform average of its last round's task models, so theta0 plus the mean
+    # of its task vectors; its weight-averaging merge is that model; TA of a regime is theta0 + lam * sum of its vectors
+    mima = json.loads((root / "metrics/regime/mima.json").read_text())["variants"]["mima_n2"]
+    assert [r["round"] for r in mima["rounds"]] == [1, 2] and mima["hyperparameters"] == {"rounds": 2, "total_steps": 8, "schedule": "one_schedule", "optimizer_state": "reset"}
+    taus = [load_state_dict(root / f"regimes/mima/mima_n2/vectors/{t}.safetensors") for t in TASKS]
+    ua = load_state_dict(root / "regimes/mima/mima_n2/model.safetensors")
+    mima_wa = load_state_dict(root / "merged/regime/mima/mima_n2/weight_averaging.safetensors")
+    one_epoch_taus = [load_state_dict(root / f"regimes/one_epoch/one_epoch/vectors/{t}.safetensors") for t in TASKS]
+    one_epoch_ta = load_state_dict(root / "merged/regime/one_epoch/one_epoch/task_arithmetic.safetensors")
+    one_epoch_lam = json.loads((root / "metrics/regime_merge/one_epoch/one_epoch/merge/task_arithmetic.json").read_text())["hyperparameters"]["lam"]
+    standard_taus = [load_state_dict(root / f"vectors/{t}.safetensors") for t in TASKS]
+    for k in theta0:
+        assert torch.allclose(ua[k], theta0[k] + sum(tau[k] for tau in taus) / len(TASKS), atol=1e-5)
+        assert torch.allclose(mima_wa[k], ua[k], atol=1e-5)
+        assert torch.allclose(one_epoch_ta[k], theta0[k] + one_epoch_lam * sum(tau[k] for tau in one_epoch_taus), atol=1e-5)
+    # one epoch (200 images in batches of 32: 6 steps) is not the standard fine-tune (8 steps)
+    assert not all(torch.equal(a[k], b[k]) for a, b in zip(one_epoch_taus, standard_taus) for k in theta0)
+    headline = json.loads((root / "metrics/summary.json").read_text())
+    for variant in VARIANTS:
+        for m in REGIME_METHODS:
+            ev = json.loads((root / f"metrics/regime_merge/{VARIANTS[variant]}/{variant}/evaluate/{m}.json").read_text())
+            assert headline[variant][m]["test_avg"] == pytest.approx(round(100 * sum(ev["accuracy"].values()) / len(TASKS), 2))
+    for s in STUDIES:
+        verdicts = json.loads((root / f"metrics/studies/{s}.json").read_text())
+        assert verdicts["holds"] + verdicts["fails"] + verdicts["not_measured"] == len(verdicts["claims"]) > 0
+        assert "## Verdicts" in (root / f"studies/{s}/report.md").read_text()
+
     # 2. after dvc repro the Prefect flow has nothing to redo
     assert _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2"], root, env)) == set()
 
     # 3. one merge hyperparameter changed: the flow re-runs that merge, its evaluation, the report and tracking
     # only; this time against a running Prefect server, which records the flow run and its task runs
     params = yaml.safe_load((root / "params.yaml").read_text())
+    # (every regime merges with TIES, on merge.ties's grid), and one MIMA setting: MIMA trains again, its rounds'
+    # fine-tunes through the flow
     params["merge"]["ties"]["k"] = 0.1
+    params["regimes"]["mima"]["optimizer_state"] = "carry"
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     ran = _stages_ran(_run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(root)], root, env | {"PREFECT_API_URL": prefect_server}))
-    assert ran == {"merge@ties", "report", "track"}
+    assert ran == {"merge@ties", "regime@mima", "regime_merge@mima", "regime_merge@one_epoch", "report", *(f"study@{s}" for s in STUDIES), "track"}
+    carried = json.loads((root / "metrics/regime/mima.json").read_text())["variants"]["mima_n2"]
+    assert carried["hyperparameters"]["optimizer_state"] == "carry" and carried["rounds"][1]["update_norms"] != mima["rounds"][1]["update_norms"]
+    assert carried["rounds"][0]["update_norms"] == pytest.approx(mima["rounds"][0]["update_norms"], rel=1e-4)  # round 1 has no state to carry
     flow_runs = _flow_runs_of(prefect_server, root)
     assert [(r["flow_id"] is not None, r["state_type"]) for r in flow_runs] == [(True, "COMPLETED")]
     task_runs = [r for r in _server_records(prefect_server, "task_runs") if r["flow_run_id"] == flow_runs[0]["id"]]
@@ -117,7 +156,7 @@ def test_pipeline_end_to_end(project, prefect_server):
     # 4. dvc exp run -S changes one hyperparameter and re-runs only what depends on it
     _run("git add -A && git commit -qm 'k=0.1'", root, env)
     out = _run("dvc exp run -S merge.ties.k=0.3", root, env)
-    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "report", "track"}
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "regime_merge@mima", "regime_merge@one_epoch", "report", *(f"study@{s}" for s in STUDIES), "track"}
     assert json.loads((root / "metrics/merge/ties.json").read_text())["hyperparameters"]["k"] == 0.3
 
     # 5. MLflow: one run per stage item, logged again only when its stage changed, and one pipeline run per

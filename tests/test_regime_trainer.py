@@ -146,3 +146,24 @@ def test_mima_resumed_after_a_round_is_bit_identical(schedule, optimizer_state):
         equal(resumed.task_states[t], whole.task_states[t])
     equal(resumed.model, whole.model)
     assert [r.round for r in resumed.rounds] == [1, 2, 3]
+
+
+def _adamw_trainer():
+    """Built again in each worker process (module-level, so that it pickles by name)."""
+    return trainer(ADAMW, _anchors())
+
+
+def test_a_pool_runs_each_rounds_finetunes_at_once_with_the_same_results():
+    from mergeflow.regimes._pool import PoolTrainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' count: a fine-tune's floats depend on it
+    try:
+        alone = REGISTRY["mima"](THETA0, TASKS, _adamw_trainer(), rounds=2, total_steps=6, optimizer_state="carry")
+        with PoolTrainer(_adamw_trainer, workers=2, threads=1) as pool:
+            pooled = REGISTRY["mima"](THETA0, TASKS, pool, rounds=2, total_steps=6, optimizer_state="carry")
+    finally:
+        torch.set_num_threads(threads)
+    for t in TASKS:
+        equal(pooled.task_states[t], alone.task_states[t])
+    equal(pooled.model, alone.model)

@@ -203,9 +203,9 @@ class RegimesConfig(_Strict):
             for method in getattr(self.methods, regime):
                 if method not in REGISTRY and method not in own:
                     allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + sorted(own)
-                    raise ValueError(f"regimes.{regime}.methods: unknown method {method!r} (a merge method, or '{regime}' for the regime's own model: {', '.join(allowed)})")
+                    raise ValueError(f"regimes.methods.{regime}: unknown method {method!r} (a merge method, or '{regime}' for the regime's own model: {', '.join(allowed)})")
                 if method in REGISTRY and REGISTRY[method].kind == "negation":
-                    raise ValueError(f"regimes.{regime}.methods: {method!r} is task negation, which does not merge a multi-task model")
+                    raise ValueError(f"regimes.methods.{regime}: {method!r} is task negation, which does not merge a multi-task model")
         return self
 
     def config(self, regime: str) -> _RegimeRunConfig:
@@ -315,7 +315,7 @@ def _one_line(err: ValidationError, source: str) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-    if not loc:  # a check across sections names its own keys
+    if not loc or msg.startswith(f"{key}."):  # a check across keys names its own
         return f"{source}: {msg}"
     return f"{source}: {key}: {msg}{shown}"
 

@@ -4,7 +4,9 @@ Prefect flow runs the same commands read from dvc.yaml. Each stage reads and wri
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import math
 import multiprocessing
@@ -337,6 +339,20 @@ def _resume_from(path: Path, identity: dict):
         return None
 
 
+def regime_trainer(params: Params, layout: Layout, device: str):
+    """The regimes' trainer (regimes._finetune.finetune_trainer) on the pipeline's data: each task's training split,
+    its probe head (frozen) and seed, and the feature-preservation anchor the standard fine-tune uses, so that a
+    one-round regime of finetune.steps is that fine-tune."""
+    from mergeflow.regimes._finetune import finetune_trainer
+
+    tasks = _load_tasks(params, layout)
+    backbone = load_backbone(params.backbone, layout.pretrained)
+    heads = _load_heads(params, layout, backbone.num_features, tasks)
+    seeds = {t: _task_seed(params.seed, t) for t in tasks}
+    anchors = {t: _feature_anchor(params, layout, backbone, seeds[t], torch.device(device)) for t in tasks}
+    return finetune_trainer(params.backbone, heads, {t: (d.train.images, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=torch.device(device), anchors=anchors)
+
+
 def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     """Stage regime@<name>: every variant of one training-time regime (mergeflow.regimes; MIMA and ATM make one per
     round count), through the pipeline's own fine-tune from theta0 under each task's probe head (the standard
@@ -346,21 +362,23 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     After every finished round the run is checkpointed (atomically) under checkpoints/; a run killed mid-regime
     starts again from its last finished round, and a finished one removes its checkpoints."""
     from mergeflow.regimes import REGISTRY as REGIMES, save_checkpoint
-    from mergeflow.regimes._finetune import finetune_trainer
+    from mergeflow.regimes._pool import PoolTrainer
 
     params.check_regime(name)
     cfg = params.regimes.config(name)
     device = _setup(params, params.seed)
     tasks = _load_tasks(params, layout)
     theta0 = load_state_dict(layout.pretrained)
-    backbone = build_backbone(params.backbone, theta0, source=str(layout.pretrained))
-    heads = _load_heads(params, layout, backbone.num_features, tasks)
-    seeds = {t: _task_seed(params.seed, t) for t in tasks}
+    heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
     bs = params.runtime.eval_batch_size
     variants_out: dict[str, dict] = {}
-    with Timer() as timer:
-        anchors = {t: _feature_anchor(params, layout, backbone, seeds[t], device) for t in tasks}
-        train = finetune_trainer(params.backbone, heads, {t: (d.train.images, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=device, anchors=anchors)
+    # a round's fine-tunes run at once, one process each up to the CPU threads this stage has (one thread each);
+    # on a GPU, one after the other in this process
+    threads = params.threads() or torch.get_num_threads()
+    workers = 1 if device.type == "cuda" else min(len(tasks), threads)
+    build = functools.partial(regime_trainer, params, layout, str(device))
+    with Timer() as timer, PoolTrainer(build, workers, max(1, threads // workers)) if workers > 1 else contextlib.nullcontext(build()) as train:
+        print(f"regime {name}: each round's {len(tasks)} fine-tunes on {workers} {'processes' if workers > 1 else 'process'} ({device})", flush=True)
         results = {}
         for variant, kwargs in cfg.variants(name, params.finetune.steps).items():
             checkpoint = layout.regime_checkpoint(name, variant)

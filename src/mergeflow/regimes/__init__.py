@@ -11,7 +11,8 @@ returns the new state with its ``carry``: whatever it wants back on that task's 
 opaque to the regime, None on a first call or a reset. It must be a function of its arguments only (a data order
 seeded from the task and ``budget.round``, not from a global generator), so that a resumed run repeats an
 uninterrupted one bit for bit. The pipeline builds one on training.train_loop; the tests use tiny exact ones
-(``full_batch_gd_trainer``).
+(``full_batch_gd_trainer``). A trainer may also have ``map(calls) -> [(new_state, carry), ...]``, which runs a
+round's independent calls at once (in processes, say) with the same results as calling it on each in turn.
 
 Regimes run in rounds (standard and one_epoch are one round). In round r every task trains from the round's
 start state; the regime then combines the T models into the next start (MIMA: their uniform average; ATM:
@@ -197,11 +198,13 @@ def run_rounds(
             raise ValueError(f"cannot resume from round {resume.round} of tasks {list(resume.task_states)}: this run has {n_rounds} rounds of {tasks}")
         start, carries, records, task_states, first = resume.next_start, dict(resume.carries), list(resume.records), dict(resume.task_states), resume.round + 1
     for r in range(first, n_rounds + 1):
+        # every task starts from its own copy, so a trainer that works in place cannot touch the others' start
+        calls = [(task, {k: v.clone() for k, v in start.items()}, budget(r), carries[task] if carry_optimizer else None) for task in tasks]
+        # the round's fine-tunes are independent: a trainer with a ``map`` runs them at once (stages.regime's pool)
+        trained = train.map(calls) if hasattr(train, "map") else [train(*call) for call in calls]
         task_states = {}
-        for task in tasks:
-            # every task starts from its own copy, so a trainer that works in place cannot touch the others' start
-            state = {k: v.clone() for k, v in start.items()}
-            task_states[task], carry = train(task, state, budget(r), carries[task] if carry_optimizer else None)
+        for task, (state, carry) in zip(tasks, trained):
+            task_states[task] = state
             carries[task] = carry if carry_optimizer else None
         updates = {t: difference(s, start) for t, s in task_states.items()}
         update_norms, update_cosines = _norms_and_cosines(updates)

@@ -1,0 +1,54 @@
+"""A round's fine-tunes at once, in worker processes: a trainer with ``map`` (see mergeflow.regimes).
+
+Each worker builds its own trainer once (``build``, a picklable callable: a module-level function with its
+arguments) and runs with ``threads`` torch threads; states travel to and from it as safetensors bytes. A call's
+result depends only on its arguments and the worker's thread count, so a run with the same number of workers
+repeats itself bit for bit, and a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_bytes, save as save_bytes
+
+from mergeflow.io import StateDict
+from mergeflow.regimes import Budget, Trainer
+
+_worker_trainer: Trainer | None = None
+
+
+def _start_worker(build: Callable[[], Trainer], threads: int) -> None:
+    global _worker_trainer
+    torch.set_num_threads(threads)
+    _worker_trainer = build()
+
+
+def _train_in_worker(task: str, state: bytes, budget: Budget, carry: Any) -> tuple[bytes, Any]:
+    new_state, carry = _worker_trainer(task, load_bytes(state), budget, carry)
+    return save_bytes({k: v.contiguous() for k, v in new_state.items()}), carry
+
+
+class PoolTrainer:
+    """``train(task, state, budget, carry)`` and ``train.map(calls)`` on ``workers`` processes of ``threads``
+    threads each. Use as a context manager: the workers stop when it closes."""
+
+    def __init__(self, build: Callable[[], Trainer], workers: int, threads: int):
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(build, threads))
+
+    def map(self, calls: Sequence[tuple[str, StateDict, Budget, Any]]) -> list[tuple[StateDict, Any]]:
+        futures = [self._pool.submit(_train_in_worker, task, save_bytes({k: v.contiguous() for k, v in state.items()}), budget, carry) for task, state, budget, carry in calls]
+        return [(load_bytes(state), carry) for state, carry in (f.result() for f in futures)]
+
+    def __call__(self, task: str, state: StateDict, budget: Budget, carry: Any) -> tuple[StateDict, Any]:
+        return self.map([(task, state, budget, carry)])[0]
+
+    def __enter__(self) -> PoolTrainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(cancel_futures=True)

@@ -1,0 +1,65 @@
+"""The regime stage on the tiny profile: a run killed between rounds resumes from its last finished round to the
+same task vectors, bit for bit, as an uninterrupted run, and leaves the previous outputs whole meanwhile; a
+round count that does not split the budget is refused in one line."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from mergeflow.config import apply_overrides, parse_params
+from mergeflow.errors import MergeflowError
+from mergeflow.io import load_state_dict
+
+from .conftest import copy_project, run
+from .profiles import TINY
+
+pytestmark = pytest.mark.e2e
+TASKS = TINY["suite"]["tasks"]
+
+
+def _mima_n4(project):
+    apply_overrides(project / "params.yaml", ["regimes.mima.rounds=[4]"])  # 4 rounds of 2 steps
+    return ["mergeflow", "regime", "--regime", "mima"]
+
+
+def test_a_killed_regime_resumes_from_its_last_round(tiny_reference, tiny_env, tmp_path):
+    root, _ = tiny_reference
+    whole = copy_project(root, tmp_path / "whole")
+    run(_mima_n4(whole), whole, tiny_env)
+    assert not (whole / "checkpoints/regime/mima/mima_n4.safetensors").exists()  # a finished run removes its checkpoint
+
+    killed = copy_project(root, tmp_path / "killed")
+    cmd = _mima_n4(killed)
+    checkpoint = killed / "checkpoints/regime/mima/mima_n4.safetensors"
+    proc = subprocess.Popen(cmd, cwd=killed, env=tiny_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.exists(), "the run ended before its first checkpoint could be seen"
+    # the previous outputs (the reference's N = 2) are untouched: nothing half-written
+    assert sorted(p.name for p in (killed / "regimes/mima").iterdir()) == ["mima_n2"]
+
+    out = run(cmd, killed, tiny_env)
+    resumed_after = int(out.split("resuming after round ")[1].split()[0])
+    assert 1 <= resumed_after < 4
+    assert not checkpoint.exists()
+    for t in TASKS:
+        a = load_state_dict(killed / f"regimes/mima/mima_n4/vectors/{t}.safetensors")
+        b = load_state_dict(whole / f"regimes/mima/mima_n4/vectors/{t}.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), t
+    assert torch.equal(load_state_dict(killed / "regimes/mima/mima_n4/model.safetensors")["norm.weight"], load_state_dict(whole / "regimes/mima/mima_n4/model.safetensors")["norm.weight"])
+
+
+def test_round_counts_must_split_the_budget():
+    raw = {"suite": {"tasks": ["digits"]}, "finetune": {"steps": 8}, "regimes": {"run": ["mima"], "mima": {"rounds": [2, 3]}}}
+    with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.mima.rounds: 3 rounds must divide finetune.steps = 8"):
+        parse_params(raw)
+    parse_params(raw | {"regimes": {"run": [], "mima": {"rounds": [3]}}})  # not run: not checked
+    with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.methods.atm: unknown method .mima."):
+        parse_params(raw | {"regimes": {"run": ["atm"], "methods": {"atm": ["mima"]}}})
