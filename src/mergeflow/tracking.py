@@ -703,6 +703,9 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                 if not run.evaluation.is_file() or not (own or run.choice.is_file()):
                     _notice(f"regime {r}: {v} merged with {method} not tracked: {run.evaluation if not run.evaluation.is_file() else run.choice} is missing")
                     continue
+                if own and record.get("model") is None:
+                    _notice(f"regime {r}: {v} has no model of its own to track as method {method}")
+                    continue
                 ev = read_json(run.evaluation)
                 if own:
                     weights = layout.regime_model(r, v)
