@@ -117,8 +117,8 @@ from mergeflow.summary import percent
 MERGE_METRICS = ("test_avg", "val_avg", "normalized_avg", "gap_recovered", "storage_models", "wall_time_s")  # and test_acc.<task>
 VIEW_KEY = "methods"  # the shared view's key: experiment tag mlflow.sharedViewState.methods
 VIEW_NAME = "Methods ranked by test_avg"  # its name in the UI's Views menu
-ML_EXPERIMENT_KIND = "custom_model_development"
-STANDARD_TAGS = {"regime": "standard", "variant": "standard"}  # the standard fine-tune's runs (finetune, vectors, merge), beside the training-time regimes'  # MLflow 3's value of mlflow.experimentKind for classic ML
+ML_EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's value of mlflow.experimentKind for classic ML
+STANDARD_TAGS = {"regime": "standard", "variant": "standard"}  # the standard fine-tune's runs (finetune, vectors, merge), beside the training-time regimes'
 
 
 def tracking_uri(root: Path) -> str:
