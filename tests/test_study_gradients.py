@@ -201,6 +201,8 @@ def test_pipeline_claims_read_the_layout_and_say_what_to_run(tmp_path):
     for t in TASKS:
         write(layout.metrics("finetune", t), FINETUNE[t])
     assert G._pipeline_claim_6(fake_params(["one_epoch"]), layout, 0.03).holds is True
+    assert G.one_epoch_rows(fake_params(["one_epoch"]), layout) == [("task_arithmetic", 0.73, 0.743)]
+    assert G.one_epoch_rows(fake_params([]), layout) == []
 
     assert "add atm to regimes.run" in G._pipeline_claim_7(fake_params(["one_epoch"]), layout).detail
     assert "add to merge.methods" in G._pipeline_claim_7(fake_params(["atm"], merge_methods=("task_arithmetic",)), layout).detail

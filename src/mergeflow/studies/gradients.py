@@ -9,8 +9,9 @@ fixed budget, more rounds of shorter fine-tunes merge better than one-shot task 
 
 Claims 1-5 are measured here, on the suite's own tasks, backbone and heads: the identities through the pipeline's
 own trainer (mergeflow.regimes._finetune.finetune_trainer, under the registered regimes one_epoch and atm) against
-gradients computed by plain autograd; the eta^2 scaling by an exact float64 GD loop; the AdamW and per-epoch
-measurements through the trainer and training.finetune. Claims 6-7 read the pipeline's regime outputs
+gradients computed by plain autograd, both on the CPU in float32 (on CUDA the trainer autocasts to bfloat16); the
+eta^2 scaling by an exact float64 GD loop on the CPU; the AdamW and per-epoch measurements through the trainer and
+training.finetune on ``context.device``. Claims 6-7 read the pipeline's regime outputs
 (metrics/regime/<regime>.json and the regimes' merges), and are "not measured" when those regimes did not run.
 
 The measurements are small pure functions (``loss_gradient``, ``gd_steps``, ``one_epoch_identity``,
@@ -47,7 +48,7 @@ class GradientsSettings(StudySettings):
     alpha: float | None = Field(None, gt=0)  # task-arithmetic / ATM scaling in claims 1-3; empty (null): 1/T
     tasks: list[str] | None = None  # tasks of claims 2-5 (the costly parts); empty (null): the first four of suite.tasks
     atm_rounds: int = Field(3, ge=1)  # R of claim 2: ATM rounds of one full-batch GD step per task
-    identity_ulps: float = Field(4.0, gt=0)  # claims 1-2 hold when each error norm is at most this many float32 floors ||ulp(theta)/2|| (claim 2: per round)
+    identity_ulps: float = Field(4.0, gt=0)  # claims 1-2 hold when each error norm is at most this many float32 floors ‖ulp(theta)/2‖ (claim 2: per round)
     gap_examples: int = Field(256, ge=1)  # examples per task in claim 3 (float64 GD, run twice per step size)
     gap_epochs: int = Field(2, ge=2)  # k of claim 3: full-batch GD epochs per task before comparing TA with MT
     gap_lrs: list[float] = Field(default_factory=lambda: [1e-4, 1e-5, 1e-6], min_length=2)  # eta values of claim 3 (the log-slope is fitted over them)
@@ -91,14 +92,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def float32_floor(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> float:
-    """|| ulp(theta) / 2 ||: the l2 error of merely storing ``state`` (exact) in float32, over ``keys``."""
+    """‖ ulp(theta) / 2 ‖: the l2 error of merely storing ``state`` (exact) in float32, over ``keys``."""
     x = _flat(state, keys).to(torch.float32).abs()
     return float(((torch.nextafter(x, torch.full_like(x, math.inf)) - x).to(torch.float64) / 2).norm())
 
 
 def errors(measured: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], theta0: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
-    """max |measured - expected|, ||measured - expected|| / ||expected|| over the keys of ``expected`` (updates
-    from ``theta0``); with ``theta0``, also ``ulps``: ||measured - expected|| over the float32 floor of theta0 + expected."""
+    """max |measured - expected|, ‖measured - expected‖ / ‖expected‖ over the keys of ``expected`` (updates
+    from ``theta0``); with ``theta0``, also ``ulps``: ‖measured - expected‖ over the float32 floor of theta0 + expected."""
     keys = list(expected)
     m, e = _flat(measured, keys), _flat(expected, keys)
     diff = m - e
@@ -168,7 +169,7 @@ def atm_identity(theta0: State, tasks: Sequence[str], trainer, grad_fns: Mapping
 # ------------------------------------------------------------------------------------------------ claim 3
 def ta_mt_gaps(theta0: State, grad_fns: Mapping[str, GradFn], *, eta: float, alpha: float, epochs: int, grads0: Mapping[str, State] | None = None) -> list[dict[str, float]]:
     """Theorem 1: per task ``epochs`` full-batch GD steps at ``eta``, merged by task arithmetic (alpha), against
-    ``epochs`` multi-task GD steps at alpha * eta; per epoch k, ||theta_TA(k) - theta_MT(k)|| and ||theta_MT(k) - theta0||.
+    ``epochs`` multi-task GD steps at alpha * eta; per epoch k, ‖theta_TA(k) - theta_MT(k)‖ and ‖theta_MT(k) - theta0‖.
     ``grads0``: each task's gradient at theta0, if known (shared by every step size)."""
     g0 = grads0 or {t: f(theta0) for t, f in grad_fns.items()}
     per_task = {t: gd_steps(theta0, [f], eta, epochs, first=[g0[t]]) for t, f in grad_fns.items()}
@@ -181,7 +182,7 @@ def ta_mt_gaps(theta0: State, grad_fns: Mapping[str, GradFn], *, eta: float, alp
 
 
 def directional_curvature(grad_fn: GradFn, state: Mapping[str, torch.Tensor], grad: Mapping[str, torch.Tensor], *, eps: float = 1e-5) -> float:
-    """u' H u along u = grad / ||grad|| (the loss's sharpness in the gradient's direction), by a central-free
+    """u' H u along u = grad / ‖grad‖ (the loss's sharpness in the gradient's direction), by a central-free
     finite difference of the gradient: (grad(state - eps u) - grad(state)) . (-u) / eps."""
     keys = list(grad)
     norm = float(_flat(grad, keys).norm())
@@ -210,8 +211,8 @@ def minibatch_cosines(theta0: State, tasks: Sequence[str], trainers: Mapping[int
 
 
 def epoch_updates(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, list[float]]:
-    """Claim 5 from theta(0), theta(1), ..., theta(K): ||g_k|| with g_k = theta(k) - theta(k-1), cos(g_1, g_k),
-    and ||tau(k)|| = ||theta(k) - theta(0)||, for k = 1..K."""
+    """Claim 5 from theta(0), theta(1), ..., theta(K): ‖g_k‖ with g_k = theta(k) - theta(k-1), cos(g_1, g_k),
+    and ‖tau(k)‖ = ‖theta(k) - theta(0)‖, for k = 1..K."""
     flats = [_flat(s) for s in states]
     g = [flats[k] - flats[k - 1] for k in range(1, len(flats))]
     return {
@@ -223,7 +224,7 @@ def epoch_updates(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, lis
 
 def trajectory_claim(per_task: Mapping[str, Mapping[str, list[float]]], *, threshold: float, cosine_epochs: int) -> tuple[bool, dict[str, dict[str, bool]]]:
     """Claim 5's verdict per task: g_1 has the largest norm; cos(g_1, g_k) > threshold for 2 <= k <= cosine_epochs;
-    ||tau(k)|| increases with k. Holds when all three hold for every task."""
+    ‖tau(k)‖ increases with k. Holds when all three hold for every task."""
     checks = {}
     for t, u in per_task.items():
         n = u["update_norms"]
@@ -318,6 +319,19 @@ def _pipeline_claim_6(params, layout, tolerance: float) -> Claim:
     return claim_one_epoch_merge(found["regime"], found["one_epoch_ta"], found["standard_ta"], finetune, tolerance=tolerance, missing=missing)
 
 
+def one_epoch_rows(params, layout) -> list[tuple[str, float | None, float | None]]:
+    """(method, test average on one-epoch vectors, on the converged ones) for each method the one-epoch vectors
+    went to; None where that evaluation is absent."""
+    if "one_epoch" not in params.regimes.run:
+        return []
+    rows = []
+    for m in _regime_methods(params, "one_epoch"):
+        one = _read(layout.merge_run(m, "one_epoch", "one_epoch").evaluation)
+        full = _read(layout.merge_run(m).evaluation) if m in params.merge.methods else None
+        rows.append((m, _test_average(one) if one else None, _test_average(full) if full else None))
+    return rows
+
+
 def _pipeline_claim_7(params, layout) -> Claim:
     missing, atm_evals = [], {}
     if "atm" not in params.regimes.run:
@@ -384,7 +398,7 @@ def plot_trajectory(per_task: Mapping[str, Mapping[str, list[float]]], threshold
         axes[1].plot(k, u["cos_first"], marker="o", label=t)
         axes[2].plot(k, u["tau_norms"], marker="o", label=t)
     axes[1].axhline(threshold, color="grey", ls="--", lw=1)
-    titles = ("||g_k|| / sum_j ||g_j||", "cos(g_1, g_k)", "||tau(k)|| = ||theta(k) - theta0||")
+    titles = ("‖g_k‖ / sum_j ‖g_j‖", "cos(g_1, g_k)", "‖tau(k)‖ = ‖theta(k) - theta0‖")
     for ax, title in zip(axes, titles):
         ax.set_xlabel("epoch k")
         ax.set_title(title, fontsize=10)
@@ -403,10 +417,10 @@ def plot_gaps(gaps: Mapping[float, list[dict[str, float]]], slope: float, path: 
     k = len(gaps[etas[0]])
     for j in range(1, k):
         ys = [gaps[e][j]["gap"] for e in etas]
-        ax.plot(etas, ys, marker="o", label=f"||theta_TA - theta_MT||, epoch {j + 1}")
+        ax.plot(etas, ys, marker="o", label=f"‖theta_TA - theta_MT‖, epoch {j + 1}")
     ref = [gaps[etas[0]][-1]["gap"] * (e / etas[0]) ** 2 for e in etas]  # through the smallest eta's gap
     ax.plot(etas, ref, color="grey", ls="--", label="slope 2")
-    ax.plot(etas, [gaps[e][-1]["mt_step"] for e in etas], color="black", ls=":", label="||theta_MT - theta0|| (slope 1)")
+    ax.plot(etas, [gaps[e][-1]["mt_step"] for e in etas], color="black", ls=":", label="‖theta_MT - theta0‖ (slope 1)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("step size eta")
@@ -419,6 +433,10 @@ def plot_gaps(gaps: Mapping[float, list[dict[str, float]]], slope: float, path: 
 
 
 # ------------------------------------------------------------------------------------------------ the study
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
 def _sci(x: float) -> str:
     return f"{x:.1e}"
 
@@ -452,7 +470,8 @@ def gradients(context: StudyContext) -> StudyResult:
     gd_cfg = params.finetune.model_copy(update={"optimizer": "gd", "lr": s.gd_lr, "weight_decay": 0.0, "warmup_steps": 0, "epochs": 1, "momentum": 0.0,
                                                 "preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0})})
     sets = {t: train_set(t, s.examples) for t in all_tasks}
-    gd_trainer = finetune_trainer(params.backbone, heads, sets, gd_cfg, seeds=seeds, device=device)
+    # on the CPU whatever runtime.device is: on CUDA the trainer autocasts to bfloat16, and the identities are float32 ones
+    gd_trainer = finetune_trainer(params.backbone, heads, sets, gd_cfg, seeds=seeds, device=torch.device("cpu"))
 
     def grad_fn(t: str, n: int, dtype=torch.float32) -> GradFn:
         x, y = train_set(t, n)
@@ -500,7 +519,7 @@ def gradients(context: StudyContext) -> StudyResult:
     ratios = [{"eta": [hi, lo], "eta_ratio": hi / lo, "gap_ratio": gaps[hi][-1]["gap"] / gaps[lo][-1]["gap"]} for lo, hi in zip(etas, etas[1:])]
     low, high = s.slope_range
     claim3 = Claim(
-        "000.3", f"After k = {s.gap_epochs} GD epochs, ||theta_TA(k) - theta_MT(k)|| scales as eta^2",
+        "000.3", f"After k = {s.gap_epochs} GD epochs, ‖theta_TA(k) - theta_MT(k)‖ scales as eta^2",
         low <= slope <= high, {"etas": etas, "gaps": {str(e): g for e, g in gaps.items()}, "slope": slope, "ratios": ratios, "sharpness": sharpness, "slope_range": [low, high]},
         f"{len(subset)} tasks, {s.gap_examples} examples each, float64: the gap shrinks " + ", ".join(f"{r['gap_ratio']:.0f}x for eta {r['eta'][0]:g} -> {r['eta'][1]:g}" for r in ratios)
         + f"; log-slope {slope:.2f} (holds in [{low}, {high}])",
@@ -549,9 +568,9 @@ def gradients(context: StudyContext) -> StudyResult:
     holds5, checks5 = trajectory_claim(trajectories, threshold=s.cosine_threshold, cosine_epochs=s.cosine_epochs)
     failing = {t: [k for k, ok in c.items() if not ok] for t, c in checks5.items() if not all(c.values())}
     claim5 = Claim(
-        "000.5", f"The first epoch's update has the largest norm, cos(g_1, g_k) > {s.cosine_threshold} for k <= {s.cosine_epochs}, and ||tau_t(k)|| grows with k",
+        "000.5", f"The first epoch's update has the largest norm, cos(g_1, g_k) > {s.cosine_threshold} for k <= {s.cosine_epochs}, and ‖tau_t(k)‖ grows with k",
         holds5, {"epochs": s.trajectory_epochs, "examples": n5, "warmup_steps": warmup, "steps_per_epoch": per_epoch, "tasks": trajectories, "checks": checks5},
-        f"{len(subset)} tasks, {s.trajectory_epochs} epochs of {per_epoch} steps: epoch 1's share of sum ||g_k|| "
+        f"{len(subset)} tasks, {s.trajectory_epochs} epochs of {per_epoch} steps: epoch 1's share of sum ‖g_k‖ "
         f"{min(u['update_norms'][0] / sum(u['update_norms']) for u in trajectories.values()):.2f}-{max(u['update_norms'][0] / sum(u['update_norms']) for u in trajectories.values()):.2f}, "
         f"lowest cos(g_1, g_k<={s.cosine_epochs}) {min(min(u['cos_first'][1:s.cosine_epochs]) for u in trajectories.values()):.2f}; "
         + ("all three hold for every task" if holds5 else "fails: " + "; ".join(f"{t} ({', '.join(v)})" for t, v in failing.items())),
@@ -564,23 +583,24 @@ def gradients(context: StudyContext) -> StudyResult:
 
     # figures and body
     out = Path(context.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     figures = ["minibatch_cosine.png", "epoch_updates.png", "eta_scaling.png"]
     plot_minibatch(cos4, sign_cos, out / figures[0])
     plot_trajectory(trajectories, s.cosine_threshold, out / figures[1])
     plot_gaps(gaps, slope, out / figures[2])
     timings["total"] = time.perf_counter() - started
-    body = _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch)
+    body = _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch, one_epoch_rows(params, layout))
     return StudyResult([claim1, claim2, claim3, claim4, claim5, claim6, claim7], body, figures)
 
 
-def _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch) -> str:
+def _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch, rows6) -> str:
     lines = [
         "## Task vectors as gradients under full-batch GD (claims 1-2)",
         "",
         f"Each task's backbone is trained through the pipeline's trainer (`regimes._finetune.finetune_trainer`, regime `one_epoch`) with "
         f"`optimizer: gd`, lr eta = {s.gd_lr}, no weight decay or warm-up, on the first {s.examples} training examples; the gradient is "
         f"computed apart, by autograd of the mean cross-entropy under the task's frozen head in chunks of {s.chunk}. Float32 throughout, so "
-        "the errors are set against the float32 floor ||ulp(theta)/2||, the error of merely storing the exact result: tau_t(1) is a small "
+        "the errors are set against the float32 floor ‖ulp(theta)/2‖, the error of merely storing the exact result: tau_t(1) is a small "
         "difference of two float32 models (relative floor below).",
         "",
         "| task | max abs error | relative error | relative floor | error / floor | norm of tau_t(1) |",
@@ -617,8 +637,9 @@ def _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4,
     lines += ["", f"![cosine vs steps per epoch]({figures[0]})", "", "## The first epoch dominates the trajectory (claim 5)", "",
               f"The pipeline's fine-tune settings (optimizer, lr, weight decay, batch size, feature anchor) for {s.trajectory_epochs} epochs on the first "
               f"{s.trajectory_examples} training examples ({per_epoch} steps an epoch; warm-up {warmup} steps, the share of the first epoch it has in the "
-              "pipeline's run on the whole split; cosine decay over all epochs). g_k = theta(k) - theta(k-1).", "",
-              "| task | share of sum ||g_k||, k = 1.. | cos(g_1, g_k), k = 2.. | ||tau(k)||, k = 1.. | first largest | aligned | grows |", "|---|---|---|---|---|---|---|"]
+              "pipeline's run on the whole split; cosine decay over all epochs, so later epochs' learning rates are smaller by construction). "
+              "g_k = theta(k) - theta(k-1).", "",
+              "| task | share of sum ‖g_k‖, k = 1.. | cos(g_1, g_k), k = 2.. | ‖tau(k)‖, k = 1.. | first largest | aligned | grows |", "|---|---|---|---|---|---|---|"]
     for t, u in trajectories.items():
         total = sum(u["update_norms"])
         c = checks5[t]
@@ -627,5 +648,12 @@ def _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4,
     lines += ["", f"![per-epoch updates]({figures[1]})", "", "## From the pipeline's regimes (claims 6-7)", "", "| claim | verdict | measured |", "|---|---|---|"]
     for c in (claim6, claim7):
         lines.append(f"| {c.id} | {c.verdict} | {c.detail} |")
+    if rows6:
+        lines += ["", "Each merge of the one-epoch task vectors (regime `one_epoch`: one epoch of the pipeline's fine-tune per task) against the same "
+                  "method on the converged ones (test average, %, hyperparameters chosen on validation for each):", "",
+                  "| method | one epoch | converged | difference |", "|---|---|---|---|"]
+        for m, one, full in rows6:
+            diff = f"{100 * (one - full):+.1f}" if one is not None and full is not None else "-"
+            lines.append(f"| {m} | {_pct(one) if one is not None else '-'} | {_pct(full) if full is not None else '-'} | {diff} |")
     lines += ["", "Study wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + "."]
     return "\n".join(lines) + "\n"
