@@ -223,3 +223,7 @@ def test_registered_with_its_settings():
         study.settings({"slope_range": [2.3, 1.7]}, where="studies.gradients")
     with pytest.raises(ValueError, match="studies.gradients.examples"):
         study.settings({"examples": 0}, where="studies.gradients")
+    with pytest.raises(ValueError, match="studies.gradients.batch_sizes"):
+        study.settings({"batch_sizes": [64, 0]}, where="studies.gradients")
+    with pytest.raises(ValueError, match="studies.gradients.nonsense"):
+        study.settings({"nonsense": 1}, where="studies.gradients")
