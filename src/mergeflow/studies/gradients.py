@@ -49,7 +49,7 @@ class GradientsSettings(StudySettings):
     tasks: list[str] | None = Field(None, min_length=1)  # tasks of claims 2-5 (the costly parts); empty (null): the first four of suite.tasks
     atm_rounds: int = Field(3, ge=1)  # R of claim 2: ATM rounds of one full-batch GD step per task
     identity_ulps: float = Field(4.0, gt=0)  # claims 1-2 hold when each error norm is at most this many float32 floors ‖ulp(theta)/2‖ (claim 2: per round)
-    gap_examples: int = Field(256, ge=1)  # examples per task in claim 3 (float64 GD, run twice per step size)
+    gap_examples: int = Field(256, ge=1)  # examples per task in claim 3 (float64 GD: each step size costs (k - 1) x 2T gradients)
     gap_epochs: int = Field(2, ge=2)  # k of claim 3: full-batch GD epochs per task before comparing TA with MT
     gap_lrs: list[float] = Field(default_factory=lambda: [1e-4, 1e-5, 1e-6], min_length=2)  # eta values of claim 3 (the log-slope is fitted over them)
     slope_range: tuple[float, float] = (1.7, 2.3)  # claim 3 holds when the fitted log-slope of the gap in eta is inside
@@ -589,11 +589,11 @@ def gradients(context: StudyContext) -> StudyResult:
     plot_trajectory(trajectories, s.cosine_threshold, out / figures[1])
     plot_gaps(gaps, slope, out / figures[2])
     timings["total"] = time.perf_counter() - started
-    body = _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch, one_epoch_rows(params, layout))
+    body = _body(s, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch, one_epoch_rows(params, layout))
     return StudyResult([claim1, claim2, claim3, claim4, claim5, claim6, claim7], body, figures)
 
 
-def _body(s, all_tasks, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch, rows6) -> str:
+def _body(s, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, timings, warmup, per_epoch, rows6) -> str:
     lines = [
         "## Task vectors as gradients under full-batch GD (claims 1-2)",
         "",
