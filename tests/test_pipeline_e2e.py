@@ -181,6 +181,20 @@ def test_pipeline_end_to_end(project, prefect_server):
     assert first.data.tags["stage_run.merge.ties"] == ties_runs[0].info.run_id
     assert ties_runs[0].data.tags["mergeflow.model_uri"].startswith("models:/")
 
+    # the regimes in MLflow: a run per variant (its task models' accuracy as in metrics/regime), a run per variant and
+    # method of each regime merge, logged again only when it changed (MIMA's merges: after optimizer_state=carry;
+    # TIES: after each k), and a run per study holding its verdict counts
+    regime_runs = {(r.data.tags["variant"], r.data.params.get("optimizer_state")): r for r in by_stage["regime"]}
+    assert set(regime_runs) == {("one_epoch", None), ("mima_n2", "reset"), ("mima_n2", "carry")}
+    assert regime_runs[("mima_n2", "reset")].data.metrics["individual_avg"] == pytest.approx(round(100 * mima["individual_average"]["test"], 2))
+    merges = [(r.data.tags["variant"], r.data.params["method"]) for r in by_stage["regime_merge"]]
+    assert sorted(merges) == sorted([("one_epoch", m) for m in REGIME_METHODS] + [("one_epoch", "ties")] * 2 + [("mima_n2", m) for m in REGIME_METHODS] * 2 + [("mima_n2", "ties")])
+    assert all(r.data.tags["regime"] == VARIANTS[r.data.tags["variant"]] and "test_avg" in r.data.metrics for r in by_stage["regime_merge"])
+    for s in STUDIES:
+        latest = max((r for r in by_stage["study"] if r.data.tags["study"] == s), key=lambda r: r.info.start_time)
+        verdicts = json.loads((root / f"metrics/studies/{s}.json").read_text())
+        assert {k: latest.data.metrics[k] for k in ("holds", "fails", "not_measured")} == {k: verdicts[k] for k in ("holds", "fails", "not_measured")}
+
     # 6. MLFLOW_TRACKING_URI sends the record elsewhere, and mlflow.db is left alone
     other = root.parent / "elsewhere.db"
     before = len(runs)

@@ -63,3 +63,12 @@ def test_round_counts_must_split_the_budget():
     parse_params(raw | {"regimes": {"run": [], "mima": {"rounds": [3]}}})  # not run: not checked
     with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.methods.atm: unknown method .mima."):
         parse_params(raw | {"regimes": {"run": ["atm"], "methods": {"atm": ["mima"]}}})
+
+
+def test_studies_are_checked_by_name_and_settings():
+    raw = {"suite": {"tasks": ["digits"]}}
+    with pytest.raises(MergeflowError, match=r"^params.yaml: studies: unknown study 'nope' \(registered: gradients, mima\)"):
+        parse_params(raw | {"studies": {"run": ["nope"]}})
+    with pytest.raises(MergeflowError, match=r"^params.yaml: studies.mima.individual_tolerance: Input should be a valid number"):
+        parse_params(raw | {"studies": {"run": ["mima"], "mima": {"individual_tolerance": "wide"}}})
+    assert parse_params(raw | {"studies": {"run": ["mima"], "mima": {"individual_tolerance": 0.05}}}).studies.settings("mima").individual_tolerance == 0.05

@@ -24,8 +24,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mergeflow.errors import MergeflowError
-
 
 class StudySettings(BaseModel):
     """Base of a study's settings: unknown keys are refused, values are frozen."""
@@ -81,8 +79,8 @@ class Study:
             return self.settings_model.model_validate(dict(overrides))
         except ValidationError as err:
             first = err.errors()[0]
-            key = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"{where}.{key}: {first['msg'].removeprefix('Value error, ')}") from None
+            key = "".join(f".{p}" for p in first["loc"])  # empty for a check across the settings
+            raise ValueError(f"{where}{key}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 REGISTRY: dict[str, Study] = {}
@@ -113,4 +111,4 @@ def _discover() -> None:
 
 _discover()
 
-__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "MergeflowError", "register", "verdict_table"]
+__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "register", "verdict_table"]

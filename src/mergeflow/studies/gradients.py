@@ -291,17 +291,11 @@ def _read(path: Path):
     return read_json(path) if Path(path).is_file() else None
 
 
-def _regime_methods(params, regime: str) -> list[str]:
-    """The merge methods a regime's task vectors go to (params.yaml regimes.methods.<regime>)."""
-    methods = getattr(params.regimes, "methods", None)
-    return list(getattr(methods, regime)) if methods is not None else list(params.regimes.config(regime).methods)
-
-
 def _pipeline_claim_6(params, layout, tolerance: float) -> Claim:
     missing = []
     if "one_epoch" not in params.regimes.run:
         missing.append("regime one_epoch did not run (add one_epoch to regimes.run)")
-    elif "task_arithmetic" not in _regime_methods(params, "one_epoch"):
+    elif "task_arithmetic" not in params.regimes.methods_of("one_epoch"):
         missing.append("the one-epoch vectors are not merged by task_arithmetic (add it to regimes.methods.one_epoch)")
     if "task_arithmetic" not in params.merge.methods:
         missing.append("task_arithmetic not in merge.methods")
@@ -325,7 +319,7 @@ def one_epoch_rows(params, layout) -> list[tuple[str, float | None, float | None
     if "one_epoch" not in params.regimes.run:
         return []
     rows = []
-    for m in _regime_methods(params, "one_epoch"):
+    for m in params.regimes.methods_of("one_epoch"):
         one = _read(layout.merge_run(m, "one_epoch", "one_epoch").evaluation)
         full = _read(layout.merge_run(m).evaluation) if m in params.merge.methods else None
         rows.append((m, _test_average(one) if one else None, _test_average(full) if full else None))
@@ -336,7 +330,7 @@ def _pipeline_claim_7(params, layout) -> Claim:
     missing, atm_evals = [], {}
     if "atm" not in params.regimes.run:
         missing.append("regime atm did not run (add atm to regimes.run)")
-    elif "atm" not in _regime_methods(params, "atm"):
+    elif "atm" not in params.regimes.methods_of("atm"):
         missing.append("ATM's own model is not evaluated (add atm to regimes.methods.atm)")
     else:
         at_budget = {v: kw for v, kw in params.regimes.config("atm").variants("atm", params.finetune.steps).items()
