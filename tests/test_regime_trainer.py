@@ -166,4 +166,7 @@ def test_a_pool_runs_each_rounds_finetunes_at_once_with_the_same_results():
         torch.set_num_threads(threads)
     for t in TASKS:
         equal(pooled.task_states[t], alone.task_states[t])
+        assert list(pooled.task_states[t]) == list(THETA0)  # in the caller's key order
     equal(pooled.model, alone.model)
+    for a, b in zip(pooled.rounds, alone.rounds):
+        assert (a.update_norms, a.update_cosines, a.task_vector_cosines) == (b.update_norms, b.update_cosines, b.task_vector_cosines)

@@ -156,12 +156,14 @@ def uniform_average(states: Sequence[Mapping[str, torch.Tensor]]) -> StateDict:
     return out
 
 
-def _flat(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([v.detach().reshape(-1).to(torch.float64) for v in state.values() if v.is_floating_point()])
+def _flat(state: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    return torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
 
 
 def _norms_and_cosines(vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    flats = {t: _flat(v) for t, v in vectors.items()}
+    first = next(iter(vectors.values()))
+    keys = [k for k, v in first.items() if v.is_floating_point()]  # one order for every vector, whatever each dict's
+    flats = {t: _flat(v, keys) for t, v in vectors.items()}
     norms = {t: float(f.norm()) for t, f in flats.items()}
     tasks = list(flats)
     cosines = {}

@@ -28,8 +28,12 @@ def _start_worker(build: Callable[[], Trainer], threads: int) -> None:
     _worker_trainer = build()
 
 
+def _in_order(state: StateDict, like: StateDict) -> StateDict:
+    return {k: state[k] for k in like} | {k: v for k, v in state.items() if k not in like}
+
+
 def _train_in_worker(task: str, state: bytes, budget: Budget, carry: Any) -> tuple[bytes, Any]:
-    new_state, carry = _worker_trainer(task, load_bytes(state), budget, carry)
+    new_state, carry = _worker_trainer(task, load_bytes(state), budget, carry)  # keyed: the order does not matter
     return save_bytes({k: v.contiguous() for k, v in new_state.items()}), carry
 
 
@@ -42,7 +46,9 @@ class PoolTrainer:
 
     def map(self, calls: Sequence[tuple[str, StateDict, Budget, Any]]) -> list[tuple[StateDict, Any]]:
         futures = [self._pool.submit(_train_in_worker, task, save_bytes({k: v.contiguous() for k, v in state.items()}), budget, carry) for task, state, budget, carry in calls]
-        return [(load_bytes(state), carry) for state, carry in (f.result() for f in futures)]
+        results = [f.result() for f in futures]
+        # safetensors gives the tensors back in an order of its own: restore the caller's
+        return [(_in_order(load_bytes(new), state), carry) for (new, carry), (_, state, _, _) in zip(results, calls)]
 
     def __call__(self, task: str, state: StateDict, budget: Budget, carry: Any) -> tuple[StateDict, Any]:
         return self.map([(task, state, budget, carry)])[0]
