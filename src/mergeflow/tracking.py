@@ -101,6 +101,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -538,6 +539,9 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
             backbone = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mergeflow-track-"))) / mlflow_model.BACKBONE
             backbone.write_text(json.dumps(params.backbone.model_dump(mode="json"), indent=2))
             stack.enter_context(mlflow.start_run(run_id=run_id))
+            stack.enter_context(warnings.catch_warnings())
+            # predict takes and gives numpy arrays, which MLflow's type-hint validation does not cover: no hints
+            warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method", category=UserWarning)
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=mlflow_model.__file__,
