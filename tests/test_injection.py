@@ -99,12 +99,12 @@ def test_hostile_overrides_leave_params_untouched(tmp_path, repo_root, override)
 def test_overrides_keep_the_file_and_its_comments(tmp_path, repo_root):
     params = tmp_path / "params.yaml"
     params.write_text((repo_root / "params.yaml").read_text())
-    new = apply_overrides(params, ["merge.ties.k=0.1", "finetune.steps=5"])
-    assert new.merge.overrides("ties")["k"] == 0.1 and new.finetune.steps == 5
+    new = apply_overrides(params, ["merge.ties.k=0.1", "finetune.steps=400"])
+    assert new.merge.overrides("ties")["k"] == 0.1 and new.finetune.steps == 400
     original, text = (repo_root / "params.yaml").read_text().splitlines(), params.read_text().splitlines()
     assert [l for l in original if l.strip().startswith("#")] == [l for l in text if l.strip().startswith("#")]
     changed = [(a, b) for a, b in zip(original, text) if a != b]
-    assert len(original) == len(text) and [b.strip() for _, b in changed] == ["steps: 5", "ties: {k: 0.1, trim_scope: global, lam: [0.8, 1.0, 1.2, 1.5, 2.0, 2.5]}"]
+    assert len(original) == len(text) and [b.strip() for _, b in changed] == ["steps: 400", "ties: {k: 0.1, trim_scope: global, lam: [0.8, 1.0, 1.2, 1.5, 2.0, 2.5]}"]
 
 
 @pytest.mark.parametrize("override", ["merge.ties.k=0.1", "suite.tasks=[digits,signs]", "backbone.pretrained=weights.safetensors", "merge.cart.lam=[1.0,2.0]", "runtime.threads=2"])
