@@ -93,11 +93,12 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
 
 
 def test_concurrent_stages_share_the_cores_and_lone_stages_get_them_all(repo_root):
-    nodes = stage_graph(repo_root)  # the real dvc.yaml: 8 fine-tunes, 19 merges
+    nodes = stage_graph(repo_root)  # the real dvc.yaml: 8 fine-tunes, 19 merges, 2 regimes, 2 studies
     every = {n.address for n in nodes}
     threads = stage_threads(nodes, every, workers=2, cores=2)
-    assert threads["prepare"] == threads["pretrain"] == threads["vectors"] == threads["report"] == 2
-    assert threads["finetune@digits"] == threads["merge@ties"] == 1
+    assert threads["prepare"] == threads["pretrain"] == threads["vectors"] == threads["track"] == 2
+    assert threads["finetune@digits"] == threads["merge@ties"] == threads["regime@mima"] == 1
+    assert threads["report"] == threads["study@mima"] == 1  # the report and the studies read the same stages: siblings
     assert stage_threads(nodes, every, workers=4, cores=16)["finetune@digits"] == 4
     # only one merge left to run: it has no sibling to share with
     assert stage_threads(nodes, {"merge@ties", "report", "track"}, workers=2, cores=2) == {"merge@ties": 2, "report": 2, "track": 2}

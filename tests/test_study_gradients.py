@@ -179,9 +179,13 @@ def test_claim_atm_budget():
 
 
 def fake_params(run, one_epoch_methods=("task_arithmetic",), atm_methods=("atm", "task_arithmetic"), merge_methods=("task_arithmetic", "ties", "breadcrumbs"), atm_rounds=(2, 4)):
-    atm = SimpleNamespace(variants=lambda regime, steps: {f"atm_r{r}": {"rounds": r, "steps": steps // r, "alpha": None} for r in atm_rounds})
-    regimes = SimpleNamespace(run=list(run), methods=SimpleNamespace(one_epoch=list(one_epoch_methods), atm=list(atm_methods)), config=lambda name: {"atm": atm}[name])
-    return SimpleNamespace(regimes=regimes, merge=SimpleNamespace(methods=list(merge_methods)), suite=SimpleNamespace(tasks=TASKS), finetune=SimpleNamespace(steps=200))
+    """Real, validated Params with these regimes and methods (finetune.steps 200)."""
+    from mergeflow.config import parse_params
+
+    return parse_params({
+        "suite": {"tasks": TASKS}, "finetune": {"steps": 200}, "merge": {"methods": list(merge_methods)},
+        "regimes": {"run": list(run), "methods": {"one_epoch": list(one_epoch_methods), "atm": list(atm_methods)}, "atm": {"rounds": list(atm_rounds)}},
+    })
 
 
 def write(path, obj):

@@ -372,6 +372,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
     bs = params.runtime.eval_batch_size
     variants_out: dict[str, dict] = {}
+    variant_times: dict[str, dict] = {}
     # a round's fine-tunes run at once, one process each up to the CPU threads this stage has (one thread each);
     # on a GPU, one after the other in this process
     threads = params.threads() or torch.get_num_threads()
@@ -414,11 +415,12 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
                 "individual_average": {s: mean(individual[t][s] for t in tasks) for s in ("val", "test")},
                 "model": own,
                 "rounds": [
-                    {"round": r.round, "update_norms": r.update_norms, "update_cosines": _pairs(r.update_cosines), "task_vector_norms": r.task_vector_norms, "task_vector_cosines": _pairs(r.task_vector_cosines), "wall_time_s": t}
-                    for r, t in zip(result.rounds, round_times)
+                    {"round": r.round, "update_norms": r.update_norms, "update_cosines": _pairs(r.update_cosines), "task_vector_norms": r.task_vector_norms, "task_vector_cosines": _pairs(r.task_vector_cosines)}
+                    for r in result.rounds
                 ],
-                "wall_time_s": variant_timer.seconds,
             }
+            # apart from the metrics, whose bytes must not change with the machine's load (logs/timing)
+            variant_times[variant] = {"wall_time_s": variant_timer.seconds, "rounds_wall_time_s": round_times}
             results[variant] = result
     with atomic_path(layout.regime(name), directory=True) as tmp:
         for variant, result in results.items():
@@ -434,7 +436,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
                     save_state_dict(tmp / variant / "updates" / f"round{record.round}" / f"{t}.safetensors", update, meta | {"task": t, "round": str(record.round)})
     metrics = {"regime": name, "paper": REGIMES[name].paper, "variants": variants_out}
     write_json(layout.metrics("regime", name), metrics)
-    write_json(layout.timing("regime", name), timer.record())
+    write_json(layout.timing("regime", name), timer.record() | {"variants": variant_times})
     for variant in results:
         layout.regime_checkpoint(name, variant).unlink(missing_ok=True)
     return metrics

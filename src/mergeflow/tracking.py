@@ -374,35 +374,19 @@ class _Hashes:
         return {rel: self._locked[rel] if current else _md5(p) for p, rel in present.items()}
 
 
-def _without_wall_times(obj):
-    """A record without its wall times: a re-run that measures the same in another time is the same result."""
-    if isinstance(obj, Mapping):
-        return {k: _without_wall_times(v) for k, v in obj.items() if k != "wall_time_s"}
-    if isinstance(obj, list):
-        return [_without_wall_times(v) for v in obj]
-    return obj
-
-
-ROUND_METRICS = (  # (metric, the round record's key, how its values are summarised): one point per round, step = round
-    ("update_cosine_median", "update_cosines", statistics.median),
-    ("update_cosine_max", "update_cosines", max),
-    ("task_vector_cosine_median", "task_vector_cosines", statistics.median),
-    ("task_vector_cosine_max", "task_vector_cosines", max),
-    ("update_norm_mean", "update_norms", statistics.fmean),
-    ("task_vector_norm_mean", "task_vector_norms", statistics.fmean),
-)
-
-
-def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individual_avg: float) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
+def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individual_avg: float, times: Mapping | None = None) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
     """One regime variant's metrics (metrics/regime/<regime>.json's record), percent, and its per-round histories
-    (step = round; pairwise cosines and norms summarised over the task pairs and tasks)."""
+    (step = round; pairwise cosines and norms summarised over the task pairs and tasks); ``times``: the variant's
+    entry of logs/timing/regime/<regime>.json (wall_time_s, rounds_wall_time_s)."""
+    times = times or {}
     individual = record["individual"]
     metrics = {
         "individual_avg": percent(record["individual_average"]["test"]),
         "individual_val_avg": percent(record["individual_average"]["val"]),
         **{f"individual_acc.{t}": percent(individual[t]["test"]) for t in tasks},
-        "wall_time_s": float(record["wall_time_s"]),
     }
+    if "wall_time_s" in times:
+        metrics["wall_time_s"] = float(times["wall_time_s"])
     if own := record.get("model"):
         gap = individual_avg - probe_avg
         test = own["average"]["test"]
@@ -413,11 +397,12 @@ def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individu
             **{f"model_test_acc.{t}": percent(own["accuracy"]["test"][t]) for t in tasks},
         }
     history: dict[str, list[tuple[int, float]]] = {}
-    for r in record.get("rounds", []):
+    walls = list(times.get("rounds_wall_time_s") or [])
+    for i, r in enumerate(record.get("rounds", [])):
         for name, key, summary in ROUND_METRICS:
             if values := [float(v) for v in (r.get(key) or {}).values()]:
                 history.setdefault(name, []).append((int(r["round"]), round(summary(values), 4)))
-        wall = r.get("wall_time_s")
+        wall = walls[i] if i < len(walls) else None
         if isinstance(wall, (int, float)) and math.isfinite(wall):  # NaN: a round run by a process that was killed
             history.setdefault("round_wall_time_s", []).append((int(r["round"]), round(float(wall), 3)))
     return metrics, history
@@ -683,10 +668,10 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
             record, model, stats = measured["variants"][v], layout.regime_model(r, v), layout.regime_vectors(r, v) / "stats.json"
             own_model = record.get("model") is not None and model.is_file()
             name = f"regime@{r}/{v}"
-            fp = _sha256({"item": name, "record": _without_wall_times(record), "files": hashes([stats, model] if own_model else [stats])})
+            fp = _sha256({"item": name, "record": record, "files": hashes([stats, model] if own_model else [stats])})
             with rec.run(name, fp, times, {"mergeflow.stage": "regime", "mergeflow.item": r, "regime": r, "variant": v}, run_name=f"regime@{v}") as run_id:
                 if run_id:
-                    metrics, history = regime_metrics(record, tasks, probe_avg, individual_avg)
+                    metrics, history = regime_metrics(record, tasks, probe_avg, individual_avg, read_json(timing).get("variants", {}).get(v))
                     rec.log(run_id, {"regime": r, "variant": v, "paper": measured["paper"]} | _flatten("", record["hyperparameters"]), metrics, times[1], history)
                     client.log_dict(run_id, record, f"regime/{v}.json")  # every round's norms and pairwise cosines
                     if stats.is_file():
