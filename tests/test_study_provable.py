@@ -148,3 +148,12 @@ def test_whole_study_on_tiny_settings(tmp_path):
     # every loss "small": contradictory pairs then make both small, so claim 2 fails; nothing is ever "large", so claim 3 fails
     loose = s.model_copy(update={"small_loss": 100.0, "large_loss": 200.0})
     assert not P.claim_addition(m, loose).holds and not P.claim_negation(m, loose).holds
+
+
+def test_claims_not_measured_without_the_cases_they_need(tmp_path):
+    s = settings(alphas=[0.0, 0.3], ood_targets=[(0.8, -0.5)], steps=20)
+    m = P.measure(s, 1)
+    assert P.claim_addition(m, s).holds is None  # no contradictory alpha
+    assert P.claim_negation(m, s).holds is None  # no alpha >= negation_aligned_min
+    assert P.claim_ood(m, s).holds is None  # no impossible target
+    assert P.claim_finetune(m, s).holds is not None and P.claim_low_rank(m, s).holds is not None

@@ -479,6 +479,8 @@ def claim_addition(m: Measurements, s: ProvableSettings) -> Claim:
     text = (f"Addition: for irrelevant and aligned tasks both losses are small (≤ {s.small_loss:g}) once λ is above about 1 − α "
             f"(within {s.lambda_tolerance:g}) and not below; for contradictory tasks no λ in [{s.lambda_min:g}, {s.lambda_max:g}] makes both small (Theorem 1)")
     rows = addition_rows(m, s)
+    if not any(r["alpha"] < 0 for r in rows):
+        return Claim("004.2", text, None, {"rows": rows}, "no contradictory α (< 0) in alphas: add one, e.g. -0.5")
     ok = all(r["ok"] for r in rows)
     bad = [r for r in rows if not r["ok"]]
     pos = ", ".join(f"α={r['alpha']:g}: λ*={_g(r['onset'])} (1−α={r['bound']:g})" for r in rows if r["alpha"] >= 0)
@@ -505,6 +507,8 @@ def claim_negation(m: Measurements, s: ProvableSettings) -> Claim:
             f"and fails for aligned tasks (α ≥ {s.negation_aligned_min:g}) (Theorem 2)")
     rows = negation_rows(m, s)
     judged = [r for r in rows if r["judged"]]
+    if not any(r["alpha"] >= s.negation_aligned_min - 1e-9 for r in rows):
+        return Claim("004.3", text, None, {"rows": rows}, f"no aligned α ≥ {s.negation_aligned_min:g} in alphas")
     ok = all(r["ok"] for r in judged)
     parts = []
     for r in rows:
@@ -540,7 +544,9 @@ def claim_ood(m: Measurements, s: ProvableSettings) -> Claim:
     text = (f"Out of domain: condition (7) (c = {s.ood_c:g}, β = {s.ood_beta:g}) predicts a small target loss over the (λ1, λ2) grid (precision ≥ {s.ood_precision:g}), "
             "the closed-form λ of (75)-(76) succeeds, and all γ_i equal and negative fails everywhere (Theorem 3)")
     rows = ood_rows(m, s)
-    ok = all(r["ok"] for r in rows) and any(r["impossible"] for r in rows) and any(not r["impossible"] for r in rows)
+    if not any(r["impossible"] for r in rows) or all(r["impossible"] for r in rows):
+        return Claim("004.4", text, None, {"rows": rows}, "ood_targets needs a target with both γ equal and negative and one without")
+    ok = all(r["ok"] for r in rows)
     parts = []
     for r in rows:
         g = f"γ=({r['gammas'][0]:g}, {r['gammas'][1]:g})"
@@ -656,7 +662,7 @@ def plot_ood(m: Measurements, s: ProvableSettings, path: Path) -> None:
     axes[0].set_ylabel("λ1")
     fig.colorbar(mesh, ax=list(axes), label=f"target hinge loss (clipped at {vmax:g})", shrink=0.9)
     fig.suptitle(f"Out of domain: Ψ0 + λ1 ΔΨ1 + λ2 ΔΨ2 on μ' = γ1 μ1 + γ2 μ2 + κ μ⊥ (seed 004, Theorem 3, its Fig. 2)\n"
-                 f"Red hatched: (7) holds; white: loss ≤ {s.small_loss:g}; ×: closed form (75)", fontsize=10)
+                 f"Red hatched: (7) holds; white: loss ≤ {s.small_loss:g}; ×: closed form (75); ●: Ψ0", fontsize=10)
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
@@ -724,6 +730,9 @@ def _body(m: Measurements, s: ProvableSettings, seed: int, figures: list[str]) -
     if "spectra.png" in figures:
         lines += ["![spectra of the updates](spectra.png)", ""]
     lines += ["## Addition and negation over (α, λ) (claims 2 and 3)", "",
+              "Why 1 − α (as in the seed's proofs, e.g. its bound (65) on task 2's loss): a fine-tune stops moving once its hinge margin reaches 1, and ΔΨ2 acts on task 1's "
+              "pattern through μ1ᵀμ2 = α, so on task 2 the merged model's margin is about α + λ and on task 1 about 1 + λα, each in units of one "
+              "fine-tune's margin. Both small needs λ ≳ 1 − α (task 2) and, for α < 0, λ|α| small (task 1): the two meet only when |α| is small.", "",
               "Ψ = Ψ0 + ΔΨ1 + λ ΔΨ2, λ from "
               f"{s.lambda_min:g} to {s.lambda_max:g} by {s.lambda_step:g}. λ*: the smallest λ from which both losses are small at every larger λ of the grid. "
               "Negation: the λ < 0 with task 1's loss small and task 2's large.", "",
