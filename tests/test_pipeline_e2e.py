@@ -22,7 +22,7 @@ METHODS = ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr",
 ROWS = [m for m in METHODS if m != "task_negation"]
 REGIME_METHODS = ["weight_averaging", "task_arithmetic", "ties"]
 VARIANTS = {"one_epoch": "one_epoch", "mima_n2": "mima"}  # the tiny profile's regimes: one_epoch, and mima with N = 2
-STUDIES = ["gradients", "mima"]
+STUDIES = ["gradients", "mima", "provable"]
 
 
 @pytest.fixture(scope="module")
