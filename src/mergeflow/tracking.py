@@ -374,6 +374,16 @@ class _Hashes:
         return {rel: self._locked[rel] if current else _md5(p) for p, rel in present.items()}
 
 
+ROUND_METRICS = (  # (metric, the round record's key, how its values are summarised): one point per round, step = round
+    ("update_cosine_median", "update_cosines", statistics.median),
+    ("update_cosine_max", "update_cosines", max),
+    ("task_vector_cosine_median", "task_vector_cosines", statistics.median),
+    ("task_vector_cosine_max", "task_vector_cosines", max),
+    ("update_norm_mean", "update_norms", statistics.fmean),
+    ("task_vector_norm_mean", "task_vector_norms", statistics.fmean),
+)
+
+
 def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individual_avg: float, times: Mapping | None = None) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
     """One regime variant's metrics (metrics/regime/<regime>.json's record), percent, and its per-round histories
     (step = round; pairwise cosines and norms summarised over the task pairs and tasks); ``times``: the variant's
