@@ -47,8 +47,14 @@ def test_disjoint_row_spaces_have_no_interference():
     s, vh = svd_stack(torch.stack([a, b]))
     for k in range(1, 5):
         assert interference(s, vh, k) == pytest.approx(0.0, abs=1e-12)
+        assert interference(s, vh, k, top_only=True) == pytest.approx(0.0, abs=1e-12)
     same, vh2 = svd_stack(torch.stack([a, a]))
-    assert interference(same, vh2, 1) == pytest.approx(2.0)  # two ordered pairs, unit-norm top-1 values, same vector
+    assert interference(same, vh2, 1, top_only=True) == pytest.approx(2.0)  # two ordered pairs, unit-norm top-1 values, one vector
+    frac = float(same[0, 0] ** 2 / (same[0] ** 2).sum())
+    assert interference(same, vh2, 1) == pytest.approx(2 * frac)  # top value over the whole spectrum's norm
+    p = same[0] ** 2 / (same[0] ** 2).sum()
+    full = 2 * float(p.pow(2).sum().sqrt())  # ||S~^2||_F for each ordered pair
+    assert interference(same, vh2, 4) == pytest.approx(full) and interference(same, vh2, 4, top_only=True) == pytest.approx(full)  # full rank: one reading
     assert interference(s, vh, 0) == 0.0
 
 
@@ -71,6 +77,8 @@ def test_centring_identical_vectors_gives_zero():
     assert all(v == pytest.approx(0.0, abs=1e-9) for v in layer.i_centred)
     assert all(v == 0.0 for v in layer.r_centred)  # R(0) = 0: nothing to reconstruct
     assert all(v > 0 for v in layer.i_original[1:])  # the original vectors are all the same: maximal overlap
+    assert all(b >= a for a, b in zip(layer.i_original, layer.i_original[1:]))  # partial sums: I(k) grows with k
+    assert layer.norm_ratio == pytest.approx(0.0, abs=1e-9)
 
 
 def _spectra(i_centred, i_original, r_centred) -> LayerSpectra:
@@ -133,6 +141,7 @@ def test_ranking_verdict():
     seed_like = {"cart": 0.85, "consensus_ta": 0.75, "ties": 0.72, "task_arithmetic": 0.69, "weight_averaging": 0.66}
     c = claim_ranking(seed_like, layers, S)
     assert c.holds and c.numbers["median_energy_top_ratio"]["centred"] == 0.5
+    assert c.numbers["orthogonal_norm_ratio"] == pytest.approx(math.sqrt(7 / 8), abs=1e-6)
     ours = {"cart": 0.731, "consensus_ta": 0.739, "ties": 0.726, "task_arithmetic": 0.743, "weight_averaging": 0.71}
     c = claim_ranking(ours, layers, S)
     assert not c.holds and c.numbers["ranking"] == ["task_arithmetic", "consensus_ta", "cart", "ties", "weight_averaging"]
