@@ -134,6 +134,20 @@ def test_scaling_verdict():
     assert c.holds and c.numbers["drop"]["cart"] == pytest.approx(0.04)
     assert not claim_scaling([2, 8], {**norm, "ties": [0.97, 0.94]}).holds
     assert claim_scaling([8], {m: v[:1] for m, v in norm.items()}).holds is None
+    three = claim_scaling([2, 4, 8], {m: [v[0], v[0], v[1]] for m, v in norm.items()})
+    assert three.holds and three.numbers["drop_from_second_size"]["cart"] == pytest.approx(0.04)
+
+
+def test_cart_is_weight_averaging_for_two_tasks():
+    from mergeflow.merging import REGISTRY as METHODS
+
+    g = torch.Generator().manual_seed(3)
+    pretrained = {"blocks.0.mlp.fc1.weight": torch.randn(6, 5, generator=g), "blocks.0.norm.bias": torch.zeros(5)}
+    vectors = {t: {k: torch.randn(v.shape, generator=g) for k, v in pretrained.items()} for t in "ab"}
+    wa = METHODS["weight_averaging"](pretrained, vectors)
+    for ratio in (0.2, 0.6):
+        merged = METHODS["cart"](pretrained, vectors, rank_ratio=ratio, lam=2.0)
+        assert all(torch.allclose(merged[k], wa[k], atol=1e-5) for k in wa)
 
 
 def test_ranking_verdict():
