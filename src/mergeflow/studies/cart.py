@@ -2,7 +2,8 @@
 measurements hold on our suite? It reads the standard fine-tune's outputs (vectors/, models/, data/tasks,
 metrics/finetune, metrics/evaluate) and makes its own merges and evaluations; it trains nothing.
 
-It is costly (about 100 merges and 200 evaluations), so it is not in the default ``studies.run``. Run it with:
+It is costly (about 60 merges and 260 evaluations: 443 s on the default suite, 2 CPU cores shared with a test
+suite, MERGEFLOW_THREADS=1; 774 s under heavier load), so it is not in the default ``studies.run``. Run it with:
 
     dvc exp run -S 'studies.run=[gradients,mima,cart]'
 
@@ -723,8 +724,9 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
           f"τ_t of equal norm give √(1 − 1/T) = {math.sqrt(1 - 1 / T):.3f}"
           + (f", and the median pairwise cosine of the whole task vectors is {cosine:.3f}" if cosine is not None else "")
           + ": " + ("the τ_t share almost no common component, so centring only subtracts each vector's own 1/T share and "
-                    "cannot lower the interference (I(k) centred / original: the table above). "
+                    "does not lower their row-space interference (claim 2a; I(k) centred and original: the table above). "
                     if abs(median(nr) - math.sqrt(1 - 1 / T)) < 0.03 else "the τ_t share a common component that centring removes. ")
+          + "(The ratio counts as near the orthogonal value within 0.03 of it.) "
           + f"CART − WA at its best ratio here: {100 * (max(sweep['cart']) - sweep['weight_averaging']):+.1f} points; "
           f"TA − WA: {100 * ((evaluated.get('task_arithmetic') or float('nan')) - sweep['weight_averaging']):+.1f} (the seed, Table 1: +18.8 and +3.2).", ""]
     return "\n".join(b)
