@@ -2,8 +2,8 @@
 measurements hold on our suite? It reads the standard fine-tune's outputs (vectors/, models/, data/tasks,
 metrics/finetune, metrics/evaluate) and makes its own merges and evaluations; it trains nothing.
 
-It is costly (about 60 merges and 260 evaluations: 443 s on the default suite, 2 CPU cores shared with a test
-suite, MERGEFLOW_THREADS=1; 774 s under heavier load), so it is not in the default ``studies.run``. Run it with:
+It is costly (about 60 merges and 260 evaluations: on the default suite, 2 CPU cores, MERGEFLOW_THREADS=1, 174 s
+alone and 443-774 s beside a running test suite), so it is not in the default ``studies.run``. Run it with:
 
     dvc exp run -S 'studies.run=[gradients,mima,cart]'
 
