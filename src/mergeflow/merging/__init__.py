@@ -9,6 +9,11 @@ Kinds of method:
 - ``per_task``: it returns a shared store (a flat state dict) from which ``reconstruct(store, pretrained, task)``
   rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
+What a method reads besides the weights (``reads``, see ``DATA``): nothing (data-free), per-task statistics of the
+labelled training split (Fisher diagonals, layer-input Grams; the stage ``statistics`` computes them once), or
+unlabelled test inputs (test-time adaptation, not comparable with data-free merging). A data-aware method's function
+takes ``data`` (a ``MergeData``) as well; the merge stage binds it (``MergeMethod.with_data``), so that the search
+calls every method alike.
 Every hyperparameter declares its allowed values in ``ranges`` (a ``Range`` of numbers or a ``Choice`` of names),
 checked on every value of a grid when params.yaml is loaded (``validate_overrides``) and on every call through the
 registry (``REGISTRY[name](...)``, ``task_models``), so a bad value fails before any merge with
@@ -21,6 +26,7 @@ shares once, and returns ``(task, {name: value}) -> that task's model``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -33,6 +39,29 @@ from typing import Any
 from mergeflow.io import StateDict
 
 MergeFn = Callable[..., StateDict]
+
+# what a method reads besides the weights: reads -> how the summary's "data" column shows it
+DATA = {
+    None: "none",
+    "train_statistics": "train stats",  # per-task Fisher diagonals and layer-input Grams on labelled train examples
+    "test_inputs": "test inputs (TTA)",  # unlabelled inputs of each task's test split: test-time adaptation
+}
+
+
+@dataclass
+class MergeData:
+    """The data a data-aware method reads, supplied by the merge stage.
+
+    ``statistics``: {task: {"fisher_sampled" | "fisher_empirical" | "gram": state dict}} (mergeflow.statistics);
+    ``objective``: AdaMerging's entropy objective (merging._adaptive.EntropyObjective);
+    ``learned``: where a method that learns its coefficients records them, one record per call, in the order the
+    search calls it (the stage writes the chosen candidate's with its choice); ``timing``: its wall times, kept
+    apart from its outputs (they differ from run to run)."""
+
+    statistics: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None
+    objective: Any = None
+    learned: list[dict] = field(default_factory=list)
+    timing: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -100,11 +129,21 @@ class MergeMethod:
     ranges: Mapping[str, Constraint] = field(default_factory=dict)  # every hyperparameter's allowed values
     # a rule across hyperparameters: (all hyperparameters) -> what is wrong with them, or None
     joint: Callable[[Mapping[str, Any]], str | None] | None = None
+    reads: str | None = None  # a key of DATA: what the method reads besides the weights
+    data: MergeData | None = None  # bound by with_data
+
+    def with_data(self, data: MergeData) -> MergeMethod:
+        """This method with its data bound: called as every other method is, (pretrained, task_vectors, **hp)."""
+        return dataclasses.replace(self, data=data)
 
     def __call__(self, pretrained: StateDict, task_vectors: Mapping[str, StateDict], **hyperparameters) -> StateDict:
         hyperparameters = {**self.defaults, **hyperparameters}
         self.check(hyperparameters)
-        return self.fn(pretrained, task_vectors, **hyperparameters)
+        if self.reads is None:
+            return self.fn(pretrained, task_vectors, **hyperparameters)
+        if self.data is None:
+            raise ValueError(f"merge method '{self.name}' reads {DATA[self.reads]}: call it through with_data")
+        return self.fn(pretrained, task_vectors, data=self.data, **hyperparameters)
 
     def check(self, hyperparameters: Mapping[str, Any], where: str | None = None, *, joint: bool = True) -> None:
         """ValueError naming the key (``where.key``) for a value outside its range, or (``joint``: ``hyperparameters``
@@ -161,7 +200,8 @@ class MergeMethod:
 
         hp = ", ".join(one(k, v) for k, v in self.defaults.items())
         kind = "" if self.kind == "model" else f" ({self.kind})"
-        return f"{self.name:<22}{kind} {hp or '(no hyperparameters)'}  [{self.paper}]"
+        reads = f" (reads {DATA[self.reads]})" if self.reads else ""
+        return f"{self.name:<22}{kind}{reads} {hp or '(no hyperparameters)'}  [{self.paper}]"
 
 
 REGISTRY: dict[str, MergeMethod] = {}
@@ -180,6 +220,7 @@ def register(
     task_models: Callable[..., Callable[[str, Mapping[str, Any]], StateDict]] | None = None,
     ranges: Mapping[str, Constraint] | None = None,
     joint: Callable[[Mapping[str, Any]], str | None] | None = None,
+    reads: str | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
@@ -192,7 +233,9 @@ def register(
             raise RuntimeError(f"merge method '{name}': per_task_grid needs task_models, and names hyperparameters")
         if set(ranges or {}) != set(defaults or {}):
             raise RuntimeError(f"merge method '{name}': ranges must name every hyperparameter, and only those")
-        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint)
+        if reads not in DATA or (reads is not None and kind != "model"):
+            raise RuntimeError(f"merge method '{name}': reads must be one of {list(DATA)[1:]} (model methods only)")
+        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads)
         method.check(method.defaults)  # a default outside its own range is a bug of the method's module
         REGISTRY[name] = method
         return fn

@@ -1,0 +1,23 @@
+"""AdaMerging, layer-wise: theta = theta0 + sum_t sum_l lam_t,l tau_t,l, lam learned at test time.
+
+Yang et al., "AdaMerging: Adaptive model merging for multi-task learning", ICLR 2024 (arXiv:2310.02575). One
+coefficient per task and tensor ("layer"), initialised at ``init`` (0.3, the paper's), learned with Adam (lr 1e-3,
+batch 16 per task) by minimising the Shannon entropy of each task's head on unlabelled inputs of that task's test
+split (``split``: "val" to adapt on the validation inputs instead). It reads the test inputs: test-time adaptation,
+not comparable with data-free merging (the summary's "data" column). With lr 0 it is task arithmetic at lam = init.
+The engine is merging._adaptive; the learned coefficients and the entropy per step are written with the choice.
+"""
+
+from mergeflow.merging import register
+from mergeflow.merging._adaptive import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES, adapt
+
+
+@register(
+    "adamerging",
+    paper="Yang et al. 2024, AdaMerging: Adaptive model merging for multi-task learning (arXiv:2310.02575)",
+    defaults=ADAPTIVE_DEFAULTS,
+    ranges=ADAPTIVE_RANGES,
+    reads="test_inputs",
+)
+def adamerging(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed):
+    return adapt(pretrained, task_vectors, data.objective, layer_wise=True, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data)
