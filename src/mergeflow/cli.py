@@ -62,6 +62,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     finetune = sub.add_parser("finetune", help="stage: linear probe, then fine-tune the backbone on one task", description="Linear probe, then fine-tune the backbone on one task.")
     finetune.add_argument("--task", metavar="TASK", help=f"the task: {tasks}; default: from DVC_STAGE=finetune@<task>, as DVC and the flow set it")
     sub.add_parser("vectors", help="stage: task vectors (fine-tuned minus pretrained) and their statistics", description="Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities.")
+    sub.add_parser("statistics", help="stage: per-task Fisher diagonals and layer-input Grams, for data-aware merging (fisher, regmean)", description="Per task, the diagonal Fisher of the fine-tuned model with its head and the Gram of every linear layer's inputs, on statistics.examples training examples.")
     merge = sub.add_parser("merge", help="stage: merge with one method (hyperparameters chosen on validation), then test on every task", description="Merge the task vectors with one method, its hyperparameters chosen on the validation splits, then test it on every task.")
     merge.add_argument("--method", metavar="METHOD", help=f"the method: {methods_help}; default: from DVC_STAGE=merge@<method>, as DVC and the flow set it")
     regime = sub.add_parser("regime", help="stage: a training-time regime's task vectors (one_epoch, mima, atm; regimes in params.yaml)", description="Make the task vectors of one training-time regime (every variant: MIMA and ATM one per round count), checkpointed after every round.")
@@ -178,7 +179,7 @@ def methods_table(params, source: str = "params.yaml"):
     (Params.merge.overrides through the method's search_space) and the paper's defaults and grids."""
     from rich.table import Table
 
-    from mergeflow.merging import REGISTRY
+    from mergeflow.merging import DATA, REGISTRY
 
     table = Table(title=f"merging methods (* = in merge.methods of {source})" if params else "merging methods: the papers' defaults", show_lines=True, title_justify="left")
     table.add_column("method", no_wrap=True)
@@ -190,6 +191,7 @@ def methods_table(params, source: str = "params.yaml"):
         fixed, grid = method.search_space()
         paper = _space(fixed, grid, method.per_task_space(), method)
         kind = "" if method.kind == "model" else f"\n({method.kind.replace('_', '-')})"
+        kind += f"\n(reads {DATA[method.reads]})" if method.reads else ""
         if not params:
             table.add_row(f"{name}{kind}", f"{paper}\n[dim]{method.paper}[/dim]")
             continue

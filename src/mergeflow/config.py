@@ -204,6 +204,8 @@ class RegimesConfig(_Strict):
                 if method not in REGISTRY and method not in own:
                     allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + sorted(own)
                     raise ValueError(f"regimes.methods.{regime}: unknown method {method!r} (a merge method, or '{regime}' for the regime's own model: {', '.join(allowed)})")
+                if method in REGISTRY and REGISTRY[method].reads == "train_statistics":
+                    raise ValueError(f"regimes.methods.{regime}: {method!r} reads the standard fine-tunes' statistics (stage statistics), which a regime's task models do not have")
                 if method in REGISTRY and REGISTRY[method].kind == "negation":
                     raise ValueError(f"regimes.methods.{regime}: {method!r} is task negation, which does not merge a multi-task model")
         return self
@@ -239,6 +241,13 @@ class StudiesConfig(BaseModel):
         return REGISTRY[study].settings((self.model_extra or {}).get(study) or {}, where=f"studies.{study}")
 
 
+class StatisticsConfig(_Strict):
+    """The per-task statistics data-aware methods read (stage ``statistics``): Fisher diagonals and layer-input
+    Grams of each fine-tuned model on the first ``examples`` of its task's training split."""
+
+    examples: int = Field(256, ge=1)
+
+
 class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1)  # torch CPU threads; MERGEFLOW_THREADS overrides (the Prefect flow sets it)
@@ -257,6 +266,7 @@ class Params(_Strict):
     probe: ProbeConfig = ProbeConfig()
     finetune: FinetuneConfig = FinetuneConfig(steps=250, batch_size=64, lr=3e-4, weight_decay=0.1, warmup_steps=25)
     merge: MergeConfig = MergeConfig(methods=["weight_averaging", "task_arithmetic", "ties"])
+    statistics: StatisticsConfig = StatisticsConfig()
     regimes: RegimesConfig = RegimesConfig()
     studies: StudiesConfig = StudiesConfig()
     runtime: RuntimeConfig = RuntimeConfig()

@@ -15,7 +15,7 @@ from torch import nn
 from mergeflow.config import BackboneConfig
 from mergeflow.data import TaskData
 from mergeflow.io import StateDict
-from mergeflow.merging import MergeMethod
+from mergeflow.merging import DATA, REGISTRY, MergeMethod
 from mergeflow.models import build_backbone
 from mergeflow.training import extract_features, head_accuracy
 
@@ -143,6 +143,8 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
     """Rows Pretrained (linear probe), Individual and one per method: accuracy per task, average, normalized
     accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
 
+    ``data``: what a method reads besides the weights (merging.DATA): "none", train statistics, or test inputs
+    (test-time adaptation, not comparable with data-free merging).
     A training-time regime's rows (``regime``: its variant, e.g. mima_n4) are its own task models' test accuracies
     (``individual_models``) in place of Pretrained and Individual, then its methods; they are normalized by the
     standard fine-tune's individual models and its probe-to-individual gap, so that every row compares on one scale."""
@@ -150,11 +152,12 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
     probe = {t: finetune[t]["probe"]["test"] for t in tasks}
     gap = mean(individual.values()) - mean(probe.values())
 
-    def row(name: str, acc: Mapping[str, float], chosen: str = "", storage: float = 1.0) -> dict:
+    def row(name: str, acc: Mapping[str, float], chosen: str = "", storage: float = 1.0, data: str = "") -> dict:
         avg = mean(acc[t] for t in tasks)
         return {
             "regime": regime,
             "method": name,
+            "data": data,
             **{t: acc[t] for t in tasks},
             "average": avg,
             "normalized": mean(acc[t] / individual[t] for t in tasks),
@@ -172,22 +175,23 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
         rows = [row("Individual", individual_models, storage=float(len(tasks)))]
     for name, ev in evaluations.items():
         chosen = ", ".join(f"{k}={shown(v)}" for k, v in ev["searched"].items())
-        rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0)))
+        reads = REGISTRY[name].reads if name in REGISTRY else None  # a regime's own model reads no data
+        rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0), DATA[reads]))
     return rows
 
 
 def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
-    head = ["regime", "method", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
+    head = ["regime", "method", "data", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["regime"], r["method"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", f"{100 * r['gap_recovered']:.0f}%", f"{r['storage_models']:.2f}", r["chosen"]]
+        cells = [r["regime"], r["method"], r["data"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", f"{100 * r['gap_recovered']:.0f}%", f"{r['storage_models']:.2f}", r["chosen"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def summary_csv(rows: list[dict], tasks: list[str]) -> str:
     buf = _io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["regime", "method", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
+    writer = csv.DictWriter(buf, fieldnames=["regime", "method", "data", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()

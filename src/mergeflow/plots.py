@@ -455,3 +455,56 @@ def plot_cosine_heatmap(stats: dict, path) -> None:
     ax.set_title("Task-vector cosine similarity (whole vectors)")
     fig.colorbar(image, ax=ax, fraction=0.046, label="cosine similarity (off-diagonal range)")
     _save(fig, path)
+
+
+# ---------------------------------------------------------------- learned coefficients (AdaMerging)
+def _block_ticks(names: list[str]) -> tuple[list[float], list[str]]:
+    """One tick per group of tensors sharing their first two name parts (blocks.3, patch_embed.proj, ...)."""
+    groups: list[tuple[str, list[int]]] = []
+    for i, name in enumerate(names):
+        parts = name.split(".")
+        group = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+        if not groups or groups[-1][0] != group:
+            groups.append((group, []))
+        groups[-1][1].append(i)
+    return [(idx[0] + idx[-1]) / 2 for _, idx in groups], [g for g, _ in groups]
+
+
+def plot_learned_coefficients(merge_metrics: dict, path) -> None:
+    """A learned merge (``merge_metrics["learned"]``): its coefficients lambda per task (and tensor, layer-wise) and
+    the mean prediction entropy per task over the adaptation steps."""
+    plt = _pyplot()
+    import numpy as np
+
+    learned = merge_metrics["learned"]
+    coefficients = learned["coefficients"]
+    tasks = list(coefficients)
+    names = list(coefficients[tasks[0]])
+    values = np.array([[coefficients[t][n] for n in names] for t in tasks])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.8), layout="constrained", width_ratios=[2.2, 1])
+    if learned["layer_wise"]:
+        image = left.imshow(values, aspect="auto", cmap="viridis", interpolation="nearest")
+        ticks, labels = _block_ticks(names)
+        left.set_xticks(ticks, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
+        left.set_yticks(range(len(tasks)), tasks)
+        left.set_xlabel(f"tensor ({len(names)}, by name)")
+        fig.colorbar(image, ax=left, fraction=0.04, label="λ (task, tensor)")
+        left.set_title("learned λ per task and tensor")
+    else:
+        left.barh(range(len(tasks)), values[:, 0], color="#4c72b0")
+        left.set_yticks(range(len(tasks)), tasks)
+        left.invert_yaxis()
+        left.set_xlabel("λ (task)")
+        left.set_title("learned λ per task")
+    entropy = learned["entropy"]
+    right.plot(range(1, len(entropy) + 1), entropy, color="#999999", lw=0.8, label="per step")
+    window = max(1, len(entropy) // 20)
+    if len(entropy) >= window:
+        smooth = np.convolve(entropy, np.ones(window) / window, mode="valid")
+        right.plot(range(window, len(entropy) + 1), smooth, color="#c44e52", lw=2, label=f"mean of {window} steps")
+    right.set_xlabel("adaptation step")
+    right.set_ylabel(f"mean entropy per task ({learned['split']} inputs, nats)")
+    right.set_title("entropy minimised")
+    right.legend(frameon=False)
+    fig.suptitle(f"{merge_metrics['method']}: validation average {_pct(merge_metrics['val_average']):.1f}%")
+    _save(fig, path)

@@ -27,9 +27,9 @@ from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_stat
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
-from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_merge_search
+from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
-from mergeflow.task_vectors import statistics, task_vector
+from mergeflow.task_vectors import statistics as vector_statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
 
@@ -45,7 +45,7 @@ class Layout:
     @property
     def output_roots(self) -> list[Path]:
         """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints")]
+        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints")]
 
     @property
     def pretrain_corpus(self) -> Path:
@@ -70,6 +70,10 @@ class Layout:
     @property
     def vectors(self) -> Path:
         return self._p("vectors")
+
+    def statistics(self, task: str) -> Path:
+        """Fisher diagonals and layer-input Grams of task's fine-tuned model (keys <kind>/<tensor>)."""
+        return self._p("statistics", f"{task}.safetensors")
 
     def merged(self, method: str) -> Path:
         return self._p("merged", f"{method}.safetensors")
@@ -296,7 +300,7 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
     with Timer() as timer:
         pretrained = load_state_dict(layout.pretrained)
         tvs = {t: task_vector(pretrained, load_state_dict(layout.finetuned(t)), pretrained_name=str(layout.pretrained), finetuned_name=str(layout.finetuned(t))) for t in params.suite.tasks}
-        stats = statistics(pretrained, tvs)
+        stats = vector_statistics(pretrained, tvs)
         with atomic_path(layout.vectors, directory=True) as tmp:
             for t, tv in tvs.items():
                 save_state_dict(tmp / f"{t}.safetensors", tv, {"task": t})
@@ -306,6 +310,57 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
     write_json(layout.metrics("vectors"), summary)
     write_json(layout.timing("vectors"), timer.record())
     return summary
+
+
+# ---------------------------------------------------------------- statistics
+def statistics(params: Params, layout: Layout = Layout()) -> dict:
+    """Per task, what data-aware methods read (mergeflow.statistics): the diagonal Fisher of the fine-tuned model
+    with its head (labels sampled from the model, and the true labels) and the Gram of every linear layer's inputs,
+    on the first statistics.examples training examples. Once per task here, so that a merge hyperparameter change
+    does not recompute them."""
+    from mergeflow.statistics import fisher_diagonal, input_grams
+
+    device = _setup(params, params.seed)
+    tasks = _load_tasks(params, layout)
+    heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
+    sizes, times = {}, {}
+    with Timer() as timer, atomic_path(layout.statistics(params.suite.tasks[0]).parent, directory=True) as tmp:
+        for t, data in tasks.items():
+            with Timer() as task_timer:
+                model = load_backbone(params.backbone, layout.finetuned(t))
+                images, labels = data.train.images[: params.statistics.examples], data.train.labels[: params.statistics.examples]
+                generator = torch.Generator().manual_seed(_task_seed(params.seed, t))
+                out = {}
+                for kind, given in (("fisher_sampled", None), ("fisher_empirical", labels)):
+                    out |= {f"{kind}/{k}": v for k, v in fisher_diagonal(model, heads[t], images, given, generator=generator, device=device).items()}
+                out |= {f"gram/{k}": v for k, v in input_grams(model, images, batch_size=params.runtime.eval_batch_size, device=device).items()}
+                save_state_dict(tmp / layout.statistics(t).name, out, {"task": t, "examples": str(len(images))})
+            sizes[t], times[t] = len(images), task_timer.seconds
+    metrics = {"examples": sizes}
+    write_json(layout.metrics("statistics"), metrics)
+    write_json(layout.timing("statistics"), timer.record() | {"tasks": times})
+    return metrics
+
+
+def _merge_data(params: Params, spec, layout: Layout, tasks, heads, device):
+    """What a data-aware method reads (merging.MergeData): the statistics stage's outputs, or AdaMerging's entropy
+    objective on each task's unlabelled validation and test inputs."""
+    from mergeflow.merging import MergeData
+    from mergeflow.merging._adaptive import EntropyObjective
+    from mergeflow.statistics import KINDS
+
+    if spec.reads == "train_statistics":
+        stats = {}
+        for t in params.suite.tasks:
+            path = layout.statistics(t)
+            if not path.is_file():
+                raise MergeflowError(f"{path}: no statistics for task '{t}' (run the stage statistics)")
+            state = load_state_dict(path)
+            stats[t] = {kind: {k.removeprefix(f"{kind}/"): v for k, v in state.items() if k.startswith(f"{kind}/")} for kind in KINDS}
+        return MergeData(statistics=stats)
+    inputs = {s: {t: d.split(s).images for t, d in tasks.items()} for s in ("val", "test")}
+    objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
+    return MergeData(objective=objective)
 
 
 # ---------------------------------------------------------------- regime
@@ -428,7 +483,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
             meta = {"regime": name, "variant": variant}
             for t, tv in tvs.items():
                 save_state_dict(tmp / variant / "vectors" / f"{t}.safetensors", tv, meta | {"task": t})
-            write_json(tmp / variant / "vectors" / "stats.json", statistics(theta0, tvs))
+            write_json(tmp / variant / "vectors" / "stats.json", vector_statistics(theta0, tvs))
             if result.model is not None:
                 save_state_dict(tmp / variant / "model.safetensors", result.model, backbone_metadata(params.backbone) | meta)
             for record in result.rounds:
@@ -497,7 +552,8 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         tasks = _load_tasks(params, layout)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         metrics, evaluated = merge_and_evaluate(params, layout.merge_run(method), layout, tasks, heads, device)
-    write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()})
+    learning = {"learning": evaluated["learning"]} if "learning" in evaluated else {}
+    write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()} | learning)
     return metrics
 
 
@@ -513,6 +569,10 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
     spec = REGISTRY[method]
     overrides = params.merge.overrides(method)
     pretrained, tvs = _load_task_vectors(params, layout, run.vectors)
+    data = None
+    if spec.reads:
+        data = _merge_data(params, spec, layout, tasks, heads, device)
+        spec = spec.with_data(data)
     on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
     try:
         if spec.kind == "negation":
@@ -540,12 +600,19 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
             uses_theta0 = not any(k.startswith(BASE_PREFIX) for k in output)
             model_bytes = _bytes(pretrained)
             metrics |= {"storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0), "model_bytes": model_bytes}
+    if data is not None:
+        metrics["reads"] = spec.reads
+    if data is not None and data.learned:  # the chosen candidate's coefficients (one record per candidate, in order)
+        metrics["learned"] = data.learned[curve.index(best)]
     save_state_dict(run.merged, output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
     with atomic_path(run.search_plot) as tmp:
-        plot_merge_search(metrics, tmp)
+        (plot_learned_coefficients if "learned" in metrics else plot_merge_search)(metrics, tmp)
     write_json(run.choice, metrics)
     write_json(run.search_log, validation_records(metrics, spec.coefficient))
-    return metrics, evaluate(params, method, layout, tasks=tasks, heads=heads, run=run)
+    evaluation = evaluate(params, method, layout, tasks=tasks, heads=heads, run=run)
+    if data is not None and data.timing:
+        evaluation["learning"] = data.timing
+    return metrics, evaluation
 
 
 # ---------------------------------------------------------------- evaluate

@@ -319,7 +319,9 @@ def merge_params(mm: Mapping, ev: Mapping) -> dict[str, str]:
     chosen = dict(mm["hyperparameters"])
     if ev["kind"] == "negation":
         chosen["lam"] = {t: r["lam"] for t, r in ev["per_task"].items()}
-    return {"method": mm["method"], "kind": mm["kind"], "paper": mm["paper"]} | _flatten("", chosen) | {f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()}  # not JSON: the UI spreads a JSON list over lines
+    from mergeflow.merging import DATA
+
+    return {"method": mm["method"], "kind": mm["kind"], "paper": mm["paper"], "data": DATA[mm.get("reads")]} | _flatten("", chosen) | {f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()}  # not JSON: the UI spreads a JSON list over lines
 
 
 def _val_curve(mm: Mapping) -> dict:
@@ -581,7 +583,7 @@ def methods_view(tasks: list[str], hyperparameters: list[str]) -> dict:
     test_avg first, the regime and variant, the headline metrics and the hyperparameters as columns. One regime's
     runs: add ``and tags.variant = 'mima_n4'`` (``'standard'`` for the standard fine-tune's) to the search."""
     metrics = ["test_avg", "gap_recovered", "normalized_avg", "val_avg", "storage_models", *(f"test_acc.{t}" for t in tasks)]
-    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), "params.`method`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
+    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), "params.`method`", "params.`data`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
     return {
         "searchFilter": "tags.`mergeflow.stage` LIKE '%merge' and params.kind != 'negation'",  # merge, regime_merge; negation's test_avg: lower is better
         "orderByKey": "metrics.`test_avg`",
@@ -650,7 +652,7 @@ def headline_markdown(client, experiment_id: str, merge_ids: list[str], probe_av
 def _hyperparameter_names(client, run_ids) -> list[str]:
     names: set[str] = set()
     for run_id in run_ids:
-        names |= {k for k in client.get_run(run_id).data.params if k not in ("method", "kind", "paper") and not k.startswith("grid.")}
+        names |= {k for k in client.get_run(run_id).data.params if k not in ("method", "kind", "paper", "data") and not k.startswith("grid.")}
     return sorted(names)
 
 
@@ -722,6 +724,8 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                         rec.log(run_id, merge_params(mm, ev), merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg), times[1])
                         if not own:
                             client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
+                            if "learned" in mm:
+                                client.log_dict(run_id, mm["learned"], "learned/coefficients.json")
                             if run.search_plot.is_file():
                                 client.log_artifact(run_id, str(run.search_plot), "plots")
                         md5 = md5s.get(weights.relative_to(layout.root).as_posix())
@@ -859,6 +863,8 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                 metrics = merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | {"wall_time_s": timing["wall_time_s"] + timing.get("evaluate_wall_time_s", 0.0)}
                 rec.log(run_id, merge_params(mm, ev), metrics, end)
                 client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
+                if "learned" in mm:  # AdaMerging's coefficients and entropy per step (the plot draws them)
+                    client.log_dict(run_id, mm["learned"], "learned/coefficients.json")
                 plot = layout.log("merge", method, ".png")
                 if plot.is_file():
                     client.log_artifact(run_id, str(plot), "plots")
