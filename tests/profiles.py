@@ -14,13 +14,16 @@ TINY = {
     "probe": {"c_grid": [0.1, 1.0]},
     "finetune": {"steps": 8, "batch_size": 32, "lr": 0.001, "warmup_steps": 2},
     "merge": {
-        "methods": ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation"],
+        "methods": ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation", "fisher", "regmean", "adamerging_cart"],
         "task_arithmetic": {"lam": [0.1, 0.3, 0.5]},
         "ties": {"k": 0.2, "trim_scope": "global", "lam": [0.8, 1.0]},
         "consensus_ta": {"tall_lambda": [0.2, 0.6], "alpha": [0.3, 0.6]},
         "emr": {},
         "task_negation": {"lam": [0.5, 1.0]},
+        "regmean": {"alpha": [0.5, 0.95]},
+        "adamerging_cart": {"steps": 10},
     },
+    "statistics": {"examples": 32},
     "regimes": {"mima": {"rounds": [2]}},  # run: one_epoch and mima, as params.yaml
 }
 

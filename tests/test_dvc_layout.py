@@ -12,7 +12,7 @@ def test_dvc_stages_match_layout(repo_root):
     with Repo(str(repo_root)) as repo:
         stages = {s.addressing: s for s in repo.index.stages}
     outs = {a: {str(o.def_path) for o in s.outs} for a, s in stages.items()}
-    expected = {"prepare", "pretrain", "vectors", "report", "track"} | {f"finetune@{t}" for t in params.suite.tasks}
+    expected = {"prepare", "pretrain", "vectors", "statistics", "report", "track"} | {f"finetune@{t}" for t in params.suite.tasks}
     expected |= {f"merge@{m}" for m in params.merge.methods}
     expected |= {f"{stage}@{r}" for stage in ("regime", "regime_merge") for r in params.regimes.run} | {f"study@{s}" for s in params.studies.run}
     assert set(stages) == expected
@@ -37,6 +37,8 @@ def test_dvc_stages_match_layout(repo_root):
         assert outs[f"study@{s}"] == {str(layout.study(s)), str(layout.metrics("studies", s)), str(layout.timing("study", s))}
         assert stages[f"study@{s}"].cmd == "mergeflow study"
     assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors")), str(layout.timing("vectors"))}
+    assert outs["statistics"] == {str(layout.statistics(params.suite.tasks[0]).parent), str(layout.metrics("statistics")), str(layout.timing("statistics"))}
+    assert stages["statistics"].cmd == "mergeflow statistics"
     assert outs["report"] == {str(layout.results), str(layout.metrics("summary"))}
     # the headline is the one metrics file (what `dvc exp show` compares); no stage depends on a wall time
     assert {str(o.def_path) for s in stages.values() for o in s.outs if o.metric} == {str(layout.metrics("summary"))}

@@ -104,12 +104,62 @@ IDENTITY_SETTINGS = {
     "iso_cts": None,
     "tsv_c": None,
     "task_negation": None,
+    "fisher": {},
+    "regmean": {},
+    "adamerging": {"lr": 0.0, "init": 0.25},  # lam = 1/T
+    "adamerging_task": {"lr": 0.0, "init": 0.25},
+    "adamerging_cart": {},  # copies: the centred vectors are zero, theta_avg is the model
 }
+
+
+class _ToyNet(torch.nn.Module):
+    """A network whose parameters carry _random_models' names: the data-aware methods' forward on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Module()])
+        self.blocks[0].attn = torch.nn.Module()
+        self.blocks[0].attn.qkv = torch.nn.Linear(4, 12, bias=False)
+        self.blocks[0].norm1 = torch.nn.LayerNorm(4)
+        self.pos_embed = torch.nn.Parameter(torch.zeros(1, 3, 4))
+
+    def forward(self, x):
+        return self.blocks[0].attn.qkv(self.blocks[0].norm1(x + self.pos_embed)).mean(1)
+
+
+class _ToyBackbone(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _ToyNet()
+
+    def normalise(self, x):
+        return x
+
+
+def _toy_data(tasks):
+    """Statistics and an entropy objective for _random_models' keys: Fishers and Grams from a fixed generator."""
+    from mergeflow.merging import MergeData
+    from mergeflow.merging._adaptive import EntropyObjective
+
+    g = torch.Generator().manual_seed(7)
+    theta0, _ = _random_models()
+    stats = {}
+    for t in tasks:
+        fisher = {k: torch.rand(v.shape, generator=g) for k, v in theta0.items()}
+        x = torch.randn(20, 4, generator=g)
+        stats[t] = {"fisher_sampled": fisher, "fisher_empirical": fisher, "gram": {"blocks.0.attn.qkv.weight": x.T @ x}}
+    torch.manual_seed(0)
+    heads = {t: torch.nn.Linear(12, 3) for t in tasks}
+    inputs = {t: torch.randn(32, 3, 4, generator=g) for t in tasks}
+    return MergeData(statistics=stats, objective=EntropyObjective(_ToyBackbone(), heads, {"test": inputs, "val": inputs}, torch.device("cpu")))
 
 
 def models_of(name, theta0, tvs, **hp):
     """{task: that task's merged model} for any kind of method."""
     method = REGISTRY[name]
+    if method.reads:
+        method = method.with_data(_toy_data(list(tvs)))
+        hp = {"steps": 5} | hp if "steps" in method.defaults else hp
     if method.kind == "negation":
         return {t: method(theta0, {t: tv}, **hp) for t, tv in tvs.items()}
     out = method(theta0, tvs, **hp)

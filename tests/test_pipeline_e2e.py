@@ -15,10 +15,11 @@ from mlflow import MlflowClient
 from mergeflow.io import load_state_dict
 
 from .conftest import copy_project, run as _run
+from .profiles import TINY
 
 pytestmark = pytest.mark.e2e
 TASKS = ["digits", "house_numbers", "count"]
-METHODS = ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation"]
+METHODS = TINY["merge"]["methods"]  # data-free ones, task negation, and fisher, regmean, adamerging_cart
 ROWS = [m for m in METHODS if m != "task_negation"]
 REGIME_METHODS = ["weight_averaging", "task_arithmetic", "ties"]
 VARIANTS = {"one_epoch": "one_epoch", "mima_n2": "mima"}  # the tiny profile's regimes: one_epoch, and mima with N = 2
@@ -63,7 +64,7 @@ def test_pipeline_end_to_end(project, prefect_server):
 
     # 1. dvc repro ran everything (the session's reference run)
     regime_stages = [f"{stage}@{r}" for r in VARIANTS.values() for stage in ("regime", "regime_merge")]
-    for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", *(f"merge@{m}" for m in METHODS), *regime_stages, "report", *(f"study@{s}" for s in STUDIES), "track"]:
+    for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", "statistics", *(f"merge@{m}" for m in METHODS), *regime_stages, "report", *(f"study@{s}" for s in STUDIES), "track"]:
         assert f"Running stage '{stage}'" in out
     assert "up to date" in _run("dvc status", root, env)
 
@@ -180,6 +181,11 @@ def test_pipeline_end_to_end(project, prefect_server):
     assert all(float(r.data.params["lam"]) in (0.8, 1.0) and "test_avg" in r.data.metrics for r in ties_runs)
     assert first.data.tags["stage_run.merge.ties"] == ties_runs[0].info.run_id
     assert ties_runs[0].data.tags["mergeflow.model_uri"].startswith("models:/")
+    (ada,) = (r for r in by_stage["merge"] if r.data.tags["mergeflow.item"] == "adamerging_cart")
+    assert ada.data.params["data"] == "test inputs (TTA)" and ties_runs[0].data.params["data"] == "none"
+    learned = json.loads((root / "metrics/merge/adamerging_cart.json").read_text())["learned"]
+    logged = json.loads(Path(client.download_artifacts(ada.info.run_id, "learned/coefficients.json", str(root.parent))).read_text())
+    assert logged == learned
 
     # the regimes in MLflow: a run per variant (its task models' accuracy as in metrics/regime), a run per variant and
     # method of each regime merge, logged again only when it changed (MIMA's merges: after optimizer_state=carry;

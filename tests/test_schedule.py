@@ -283,7 +283,7 @@ def test_dask_runner_reruns_only_what_changed(tmp_path, tiny_reference, tiny_env
     root = copy_project(tiny_reference[0], tmp_path / "dask")
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": "7,9"}  # no such devices: stages run on the CPU
     out = _run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600)
-    assert "3 of 14 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
+    assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
     assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `distributed.deploy.local.LocalCluster`" in out
     assert "Data and pipelines are up to date." in _run(["dvc", "status"], root, env)
     lock = yaml.safe_load((root / "dvc.lock").read_text())

@@ -21,6 +21,7 @@ from mergeflow.mlflow_model import load_model
 from mergeflow.tracking import MERGE_METRICS, stage_times
 
 from .conftest import copy_project, run
+from .profiles import TINY
 
 pytestmark = pytest.mark.e2e
 TASKS = ["digits", "house_numbers", "count"]
@@ -62,7 +63,7 @@ def _read(root: Path, path: str):
 def test_merge_runs_share_one_metric_convention(tracked):
     root, _, client, exp_id = tracked
     merges = {r.data.tags["mergeflow.item"]: r for r in _runs(client, exp_id, "merge").values()}
-    assert set(merges) == {"weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation"}
+    assert set(merges) == set(TINY["merge"]["methods"])
     names = set(MERGE_METRICS) | {f"test_acc.{t}" for t in TASKS}
     for method, r in merges.items():
         extra = {f"control_acc.{t}" for t in TASKS} | {"control_avg"} if method == "task_negation" else set()
