@@ -25,6 +25,7 @@ TINY = {
     },
     "statistics": {"examples": 32},
     "regimes": {"mima": {"rounds": [2]}},  # run: one_epoch and mima, as params.yaml
+    "studies": {"run": ["gradients", "mima", "provable", "cart", "ctl"], "provable": {"real": True}},  # every study and part: seconds here
 }
 
 

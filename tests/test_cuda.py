@@ -35,7 +35,35 @@ def test_svd_methods_list_is_complete():
 
     helpers = {"svd", "low_rank", "polar"}
     uses_svd = {n for n, m in REGISTRY.items() if helpers & set(vars(importlib.import_module(m.fn.__module__)))}
-    assert uses_svd == set(SVD_METHODS)
+    assert uses_svd == set(SVD_METHODS) | {"adamerging_cart"}  # that one: test_data_aware_methods_on_the_gpu_match_the_cpu
+
+
+@needs_cuda
+def test_data_aware_methods_on_the_gpu_match_the_cpu():
+    """AdaMerging's adaptation (its forward through the merge on the GPU) and the Fisher diagonal, against the CPU's."""
+    from mergeflow.merging import MergeData
+    from mergeflow.statistics import fisher_diagonal
+    from tests.test_data_aware import _tiny_setup
+
+    learned = {}
+    for device in ("cpu", "cuda"):
+        for method in ("adamerging", "adamerging_cart"):
+            theta0, taus, objective = _tiny_setup()
+            objective.device = torch.device(device)
+            data = MergeData(objective=objective)
+            REGISTRY[method].with_data(data)(theta0, taus, steps=5, lr=0.01)
+            learned[device, method] = data.learned[0]
+    for method in ("adamerging", "adamerging_cart"):
+        cpu, gpu = learned["cpu", method], learned["cuda", method]
+        assert gpu["entropy"] == pytest.approx(cpu["entropy"], rel=1e-3)
+        for t in cpu["coefficients"]:
+            assert gpu["coefficients"][t] == pytest.approx(cpu["coefficients"][t], abs=1e-4)
+    _, _, objective = _tiny_setup()
+    images, head = objective.inputs["test"]["a"][:6], objective.heads["a"]
+    labels = torch.arange(6) % 3
+    on = {d: fisher_diagonal(copy.deepcopy(objective.backbone), copy.deepcopy(head), images, labels, generator=torch.Generator(), device=torch.device(d)) for d in ("cpu", "cuda")}
+    for k, v in on["cpu"].items():
+        assert (on["cuda"][k] - v).norm() <= 1e-3 * v.norm() + 1e-12, k
 
 
 @needs_cuda

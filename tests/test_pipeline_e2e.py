@@ -23,7 +23,7 @@ METHODS = TINY["merge"]["methods"]  # data-free ones, task negation, and fisher,
 ROWS = [m for m in METHODS if m != "task_negation"]
 REGIME_METHODS = ["weight_averaging", "task_arithmetic", "ties"]
 VARIANTS = {"one_epoch": "one_epoch", "mima_n2": "mima"}  # the tiny profile's regimes: one_epoch, and mima with N = 2
-STUDIES = ["gradients", "mima", "provable"]
+STUDIES = TINY["studies"]["run"]
 
 
 @pytest.fixture(scope="module")

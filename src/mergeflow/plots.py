@@ -131,7 +131,15 @@ def plot_averages(rows: list[dict], path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(8.5, 1.6 + 0.32 * max(len(order), 1)), layout="constrained")
     positions = list(range(len(order)))[::-1]  # best on top
-    ax.barh(positions, values, height=0.7, color="#4c72b0")
+    from mergeflow.merging import DATA
+
+    # test-time adaptation (reads the test inputs) in its own colour: not comparable with the others
+    adapted = [by_name[m].get("data") == DATA["test_inputs"] for m in order]
+    ax.barh(positions, values, height=0.7, color=["#dd8452" if a else "#4c72b0" for a in adapted])
+    if any(adapted):
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color="#dd8452", label=f"reads {DATA['test_inputs']}")], loc="lower center", frameon=False)
     # values inside the bars' ends, where no reference line crosses them
     for y, v in zip(positions, values):
         ax.text(v - 0.2, y, f"{v:.1f}", ha="right", va="center", color="white", fontsize=9, fontweight="bold")
