@@ -20,7 +20,6 @@ TINY = {
         "consensus_ta": {"tall_lambda": [0.2, 0.6], "alpha": [0.3, 0.6]},
         "emr": {},
         "task_negation": {"lam": [0.5, 1.0]},
-        "regmean": {"alpha": [0.5, 0.95]},
         "adamerging_cart": {"steps": 10},
     },
     "statistics": {"examples": 32},

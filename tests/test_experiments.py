@@ -60,7 +60,7 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     # the headline is compact: a few numbers per method, not the per-task detail
     entries = [e for e in first.values() if not any(isinstance(v, dict) for v in e.values())]
     entries += [e for variant in ("one_epoch", "mima_n2") for e in first[variant].values()]  # a regime variant: a block of entries
-    assert {k for entry in entries for k in entry} <= {"test_avg", "gap_recovered", "control_avg", "lam", "alpha", "tall_lambda", "k"}
+    assert {k for entry in entries for k in entry} <= {"test_avg", "gap_recovered", "control_avg", "lam", "alpha", "tall_lambda", "k", "labels"}
 
     diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
     assert diff["metrics/summary.json"]["ties.test_avg"]["old"] == baseline["ties"]["test_avg"]

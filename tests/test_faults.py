@@ -159,13 +159,13 @@ def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
     assert not [r for r in runs if r.info.status == "RUNNING"]
     last = client.get_run(json.loads((root / "metrics/tracking.json").read_text())["run_id"])
     covered = {k: v for k, v in last.data.tags.items() if k.startswith("stage_run.")}
-    # prepare, pretrain, 3 fine-tunes, vectors, 6 merges, a run per regime variant, per variant and method of its
+    # prepare, pretrain, the fine-tunes, vectors, the merges, a run per regime variant, per variant and method of its
     # merges, and per study: each a finished run, whichever track logged it
     from mergeflow.config import load_params
 
     p = load_params(root / "params.yaml")
     variants = [(r, v) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps)]
-    assert last.info.status == "FINISHED" and len(covered) == 2 + 3 + 1 + 6 + len(variants) + sum(len(p.regimes.methods_of(r)) for r, _ in variants) + len(p.studies.run)
+    assert last.info.status == "FINISHED" and len(covered) == 2 + len(p.suite.tasks) + 1 + len(p.merge.methods) + len(variants) + sum(len(p.regimes.methods_of(r)) for r, _ in variants) + len(p.studies.run)
     assert all(client.get_run(r).info.status == "FINISHED" for r in covered.values())
 
 

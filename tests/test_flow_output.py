@@ -69,11 +69,11 @@ def test_a_run_publishes_the_summary_and_the_mlflow_link(project, tiny_env, pref
     assert f"[{tracking['run_id']}]({link})" in markdown and "`mergeflow ui --port 8080`" in markdown
 
     out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project)], project, env, timeout=600)
-    assert "0 of 14 stages to run: none" in out
+    assert "0 of 18 stages to run: none" in out
     again = _last_flow_run(prefect_server, project)
     assert again["id"] != flow_run["id"]
     markdown = _summary_artifact(prefect_server, again["id"])
-    assert "**Nothing ran in this flow run**: all 14 stages were up to date" in markdown
+    assert "**Nothing ran in this flow run**: all 18 stages were up to date" in markdown
     assert summary_rows[2] in markdown and link in markdown
 
 

@@ -583,7 +583,8 @@ def methods_view(tasks: list[str], hyperparameters: list[str]) -> dict:
     test_avg first, the regime and variant, the headline metrics and the hyperparameters as columns. One regime's
     runs: add ``and tags.variant = 'mima_n4'`` (``'standard'`` for the standard fine-tune's) to the search."""
     metrics = ["test_avg", "gap_recovered", "normalized_avg", "val_avg", "storage_models", *(f"test_acc.{t}" for t in tasks)]
-    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), "params.`method`", "params.`data`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
+    # data: what the method reads (test-time adaptation is not comparable with the others), beside the run's name
+    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", "params.`data`", *(f"metrics.`{m}`" for m in metrics), "params.`method`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
     return {
         "searchFilter": "tags.`mergeflow.stage` LIKE '%merge' and params.kind != 'negation'",  # merge, regime_merge; negation's test_avg: lower is better
         "orderByKey": "metrics.`test_avg`",
