@@ -52,3 +52,35 @@ def test_cli_unknown_task_is_one_line(repo_root, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: params.yaml: suite.tasks has no task 'cars' (tasks: {', '.join(load_params(tmp_path / 'params.yaml').suite.tasks)})"
     assert not (tmp_path / "models").exists()
+
+
+def test_suite_name_is_the_suite_that_runs(repo_root, tmp_path):
+    # params.yaml leaves suite.name empty: the embedded suite is "embedded"; pointed at other data, the MLflow
+    # experiment takes the data's folder name, never "embedded"; a name given is kept
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    assert raw["suite"]["name"] is None and parse_params(raw).suite.name == "embedded"
+    raw["suite"] |= {"source": "imagefolder", "root": str(tmp_path / "my lab's photos")}
+    assert parse_params(raw).suite.name == "my-lab-s-photos"
+    raw["suite"]["name"] = "photos2026"
+    assert parse_params(raw).suite.name == "photos2026"
+    from mergeflow.tracking import experiment_name
+
+    assert experiment_name(parse_params(raw)) == "mergeflow/photos2026"
+
+
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (lambda raw: raw["finetune"].update(head="zeroshot"), r"finetune.head: zeroshot needs CLIP's image embedding and text tower"),
+        (lambda raw: raw["finetune"].update(checkpoints={"cars": "hf:someone/cars"}), r"finetune.checkpoints: 'cars' is not in suite.tasks"),
+        (lambda raw: raw["backbone"].update(embedding="clip"), None),  # only a stage builds the model: its error is models'
+    ],
+)
+def test_clip_settings_are_checked_together(repo_root, edit, pattern):
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    edit(raw)
+    if pattern is None:
+        parse_params(raw)
+        return
+    with pytest.raises(MergeflowError, match=pattern):
+        parse_params(raw)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mergeflow.evaluation import summary_rows
+from mergeflow.evaluation import summary_markdown, summary_rows
 from mergeflow.summary import headline_metrics, validation_records
 
 TASKS = ["a", "b"]
@@ -25,6 +25,20 @@ def test_headline_metrics_by_hand():
     assert headline["tall"] == {"test_avg": 85.0, "gap_recovered": pytest.approx(83.33)}
     # negation by the same formula: (0.3 - 0.6) / 0.3 = -100%
     assert headline["task_negation"] == {"test_avg": 30.0, "gap_recovered": -100.0, "control_avg": 55.0}
+
+
+def test_gap_recovered_is_not_a_number_when_the_fine_tunes_do_not_beat_the_probe():
+    # the probe (average 0.9) beats the individual models (0.88): no gap to recover, so "n/a", never a ratio of noise
+    finetune = {"a": {"probe": {"test": 0.9}, "individual": {"test": 0.86}}, "b": {"probe": {"test": 0.9}, "individual": {"test": 0.9}}}
+    evaluations = {"task_arithmetic": {"kind": "single", "accuracy": {"a": 0.8, "b": 0.9}, "searched": {"lam": 0.3}}}
+    rows = summary_rows(TASKS, finetune, evaluations)
+    assert [r["gap_recovered"] for r in rows] == [None, None, None]
+    assert headline_metrics(rows, evaluations)["task_arithmetic"] == {"test_avg": 85.0, "gap_recovered": None, "lam": 0.3}
+    table = summary_markdown(rows, TASKS)
+    assert table.count("| n/a |") == 3 and "%" not in table.split("\n", 2)[2]
+    # a gap of 0.4 points (under evaluation.MIN_GAP) is noise too; 0.6 points is a gap
+    assert summary_rows(TASKS, {t: {"probe": {"test": 0.9}, "individual": {"test": 0.904}} for t in TASKS}, {})[0]["gap_recovered"] is None
+    assert summary_rows(TASKS, {t: {"probe": {"test": 0.9}, "individual": {"test": 0.906}} for t in TASKS}, {})[1]["gap_recovered"] == pytest.approx(1.0)
 
 
 def _row(hp, average):

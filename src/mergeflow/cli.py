@@ -56,6 +56,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mergeflow", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mergeflow {__version__}", help="print the version and exit")
     parser.add_argument("--params", default="params.yaml", metavar="FILE", help="the configuration file (default: params.yaml)")
+    parser.add_argument("--download", action="store_true", help="download missing datasets and weights (torchvision, the Hugging Face hub); anywhere on the line, e.g. `mergeflow repro --download`")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("prepare", help="stage: generate or convert every task's data and the pretraining corpus", description="Generate or convert every task's data (data/tasks) and the pretraining corpus.")
     sub.add_parser("pretrain", help="stage: pretrain the backbone on the corpus, or load real pretrained weights", description="Pretrain the backbone on the corpus, or load the weights backbone.pretrained names.")
@@ -257,7 +258,21 @@ def mlflow_ui(port: int, host: str) -> int:
         return 130
 
 
+def _allow_downloads(argv: list[str] | None) -> list[str]:
+    """--download anywhere on the line (also after `repro`, whose other options are DVC's): the stages this
+    process runs, or DVC runs, may download what is missing. Set before anything reads the hub's settings."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--download" in argv:
+        from mergeflow.config import DOWNLOAD_ENV
+
+        argv = [a for a in argv if a != "--download"]
+        os.environ[DOWNLOAD_ENV] = "1"
+        os.environ["HF_HUB_OFFLINE"] = "0"  # the Makefile's default forbids the hub
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _allow_downloads(argv)
     parser = _parser(argv)
     args, args.dvc_args = parser.parse_known_args(argv)
     if args.command == "serve":  # its options are flows.serve's (the Prefect flow lives in the repository, not in the package)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mergeflow.errors import MergeflowError
 
 DEFAULT_PARAMS = "params.yaml"
+DOWNLOAD_ENV = "MERGEFLOW_DOWNLOAD"  # set by --download
 
 # A name that can reach a file path, a DVC stage name or a command line (a task, a backbone, a suite) is a plain
 # word: letters, digits, '_', '.' and '-', starting with a letter or digit. Nothing a shell or a path treats specially.
@@ -36,15 +37,28 @@ class _Strict(BaseModel):
 
 
 class SuiteConfig(_Strict):
-    name: str = Field("embedded", pattern=NAME_PATTERN)  # names the MLflow experiment: mergeflow/<name>
+    # names the MLflow experiment (mergeflow/<name>) and registered model; empty (null): "embedded" for the
+    # embedded suite, else the last folder of root
+    name: str = Field("embedded", pattern=NAME_PATTERN)
     source: Literal["embedded", "imagefolder", "torchvision"] = "embedded"
-    root: str | None = None  # imagefolder: <root>/<task>/{train,val,test}/<class>/*; torchvision: dataset root (no download)
+    root: str | None = None  # imagefolder: <root>/<task>/{train,val,test}/<class>/*; torchvision: the datasets' root
+    download: bool = False  # torchvision: download what is missing under root (also `mergeflow prepare --download`)
     tasks: list[str] = Field(min_length=1)  # downstream tasks, in report order
     image_size: int = Field(32, ge=8, le=1024)  # images are stored square, uint8, at this size
     n_train: int = Field(3000, ge=8)  # per task; embedded suite generates exactly this many, real data is capped by it
     n_val: int = Field(300, ge=4)
     n_test: int = Field(800, ge=4)
     pretrain_images: int = Field(50000, ge=0)  # size of the formula-driven pretraining corpus (embedded source)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, raw: Any) -> Any:
+        """An empty name: the suite's own (a copied params.yaml pointed at other data must not log as 'embedded')."""
+        if isinstance(raw, dict) and raw.get("name") is None:
+            root = raw.get("root")
+            name = Path(str(root)).resolve().name if raw.get("source", "embedded") != "embedded" and root else "embedded"
+            raw = dict(raw, name=re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("_.-") or "suite")
+        return raw
 
     @field_validator("tasks")
     @classmethod
@@ -69,6 +83,11 @@ class BackboneConfig(_Strict):
     global_pool: str = "avg"
     input_norm: Literal["center", "per_image", "pretrained_cfg", "none"] = "center"  # per-image normalisation, or the weights' own mean/std
     pretrained: str | None = None  # None: pretrain on the corpus; "hub": timm's weights; a path: a local weights file
+    # pooled: the pooled features; clip: CLIP's image embedding (timm's head is CLIP's projection, L2-normalised)
+    embedding: Literal["pooled", "clip"] = "pooled"
+    # the CLIP text tower that builds zero-shot heads (finetune.head: zeroshot), in open_clip: "hub" (the image
+    # tower's hub repository), a local open_clip weights file, or "random" (a seeded init: tests)
+    text: str | None = None
 
 
 class ScheduleConfig(_Strict):
@@ -99,6 +118,11 @@ class PreserveFeaturesConfig(_Strict):
 
 class FinetuneConfig(ScheduleConfig):
     optimizer: Literal["adamw", "sgd", "gd"] = "adamw"  # gd = full-batch gradient descent (batch = whole split)
+    # the frozen classification head: a linear probe fitted on theta0's features, or CLIP's zero-shot head from
+    # the class names and prompt templates (backbone.embedding: clip and backbone.text)
+    head: Literal["probe", "zeroshot"] = "probe"
+    # per task, a published fine-tuned checkpoint imported instead of fine-tuning: a local file or hf:<owner>/<repo>
+    checkpoints: dict[str, str] = Field(default_factory=dict)
     momentum: float = Field(0.0, ge=0, lt=1)  # sgd only
     checkpoint_every_epoch: bool = False  # also keep models/finetuned/<task>.epoch<k>.safetensors
     preserve_features: PreserveFeaturesConfig = PreserveFeaturesConfig()
@@ -272,9 +296,23 @@ class Params(_Strict):
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    def downloads(self) -> bool:
+        """Whether missing datasets and weights may be downloaded: suite.download, or --download on the command
+        line (MERGEFLOW_DOWNLOAD=1, which changes no output and so is no DVC parameter)."""
+        return self.suite.download or os.environ.get(DOWNLOAD_ENV) == "1"
+
     def threads(self) -> int | None:
         env = os.environ.get("MERGEFLOW_THREADS")
         return int(env) if env else self.runtime.threads
+
+    @model_validator(mode="after")
+    def _zeroshot_heads(self) -> Params:
+        if self.finetune.head == "zeroshot" and (self.backbone.embedding != "clip" or self.backbone.text is None):
+            raise ValueError("finetune.head: zeroshot needs CLIP's image embedding and text tower (backbone.embedding: clip, backbone.text: hub, a file or random)")
+        for task in self.finetune.checkpoints:
+            if task not in self.suite.tasks:
+                raise ValueError(f"finetune.checkpoints: '{task}' is not in suite.tasks ({', '.join(self.suite.tasks)})")
+        return self
 
     def check_task(self, task: str) -> None:
         if task not in self.suite.tasks:

@@ -29,7 +29,7 @@ class Backbone(nn.Module):
         for fixed in ("num_classes", "global_pool", "pretrained_cfg_overlay"):
             if fixed in cfg.kwargs:
                 raise MergeflowError(f"backbone.kwargs: '{fixed}' is mergeflow's to set (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it")
-        create_kwargs = dict(cfg.kwargs, num_classes=0, global_pool=cfg.global_pool)
+        create_kwargs = dict(cfg.kwargs, num_classes=embedding_dim(cfg), global_pool=cfg.global_pool)
         if pretrained and cfg.pretrained == "hub":
             self.net = _from_hub(cfg, create_kwargs)
         elif pretrained and cfg.pretrained is not None:
@@ -37,13 +37,17 @@ class Backbone(nn.Module):
         else:
             self.net = _create(cfg, pretrained=False, **create_kwargs)
         self.input_norm = cfg.input_norm
+        self.embedding = cfg.embedding
+        if cfg.embedding == "clip":
+            # CLIP's projection has no bias: timm's head keeps one at zero (its CLIP converter writes zeros)
+            self.net.head.bias.requires_grad_(False)
         mean, std = self.net.pretrained_cfg.get("mean", (0.5,) * 3), self.net.pretrained_cfg.get("std", (0.5,) * 3)
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
 
     @property
     def num_features(self) -> int:
-        return self.net.num_features
+        return self.net.num_classes if self.embedding == "clip" else self.net.num_features
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         x = images.permute(0, 3, 1, 2).float().div_(255.0)
@@ -62,7 +66,21 @@ class Backbone(nn.Module):
         return x
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net(self.normalise(images))
+        features = self.net(self.normalise(images))
+        # CLIP's image embedding is compared with text embeddings on the unit sphere (the papers' heads normalise)
+        return nn.functional.normalize(features, dim=-1) if self.embedding == "clip" else features
+
+
+def embedding_dim(cfg: BackboneConfig) -> int:
+    """The classifier timm builds: none (0) for pooled features; CLIP's projection to its joint embedding (the
+    size timm's CLIP configurations give their head, e.g. 512 for ViT-B, 768 for ViT-L) for clip."""
+    if cfg.embedding == "pooled":
+        return 0
+    clip = "clip" in cfg.model and timm.models.is_model(cfg.model)
+    dim = getattr(timm.models.get_pretrained_cfg(cfg.model), "num_classes", None) if clip else None
+    if not dim:
+        raise MergeflowError(f"backbone.embedding: clip needs a timm CLIP model (e.g. vit_base_patch32_clip_quickgelu_224.openai); '{cfg.model}' has no CLIP projection")
+    return int(dim)
 
 
 def _create(cfg: BackboneConfig, **kwargs) -> nn.Module:
@@ -163,13 +181,14 @@ def _from_file(cfg: BackboneConfig, path: Path, create_kwargs: dict) -> nn.Modul
     classifier is dropped from the file's tensors first, and every other tensor must fit.
     """
     state = read_weights(path)
-    classifier = getattr(timm.models.get_pretrained_cfg(cfg.model), "classifier", None) or ()
-    for name in (classifier,) if isinstance(classifier, str) else classifier:
-        state.pop(f"{name}.weight", None)
-        state.pop(f"{name}.bias", None)
+    if cfg.embedding == "pooled":  # CLIP's head is its projection, part of the model
+        classifier = getattr(timm.models.get_pretrained_cfg(cfg.model), "classifier", None) or ()
+        for name in (classifier,) if isinstance(classifier, str) else classifier:
+            state.pop(f"{name}.weight", None)
+            state.pop(f"{name}.bias", None)
     try:
-        # num_classes=0 in the overlay: timm then sees no classifier to adapt and keeps its load strict
-        net = timm.create_model(cfg.model, pretrained=True, pretrained_cfg_overlay=dict(state_dict=state, num_classes=0), **create_kwargs)
+        # the model's own num_classes in the overlay: timm then sees no classifier to adapt and keeps its load strict
+        net = timm.create_model(cfg.model, pretrained=True, pretrained_cfg_overlay=dict(state_dict=state, num_classes=create_kwargs["num_classes"]), **create_kwargs)
     except Exception as err:  # noqa: BLE001  timm's checkpoint filters raise anything on a foreign file
         raise _load_failure(cfg, str(path), err, create_kwargs) from None
     net.pretrained_cfg.pop("state_dict", None)  # the overlay would keep a second copy of the weights alive
@@ -189,7 +208,7 @@ def _from_hub(cfg: BackboneConfig, create_kwargs: dict) -> nn.Module:
             raise MergeflowError(
                 f"backbone.pretrained: hub: the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub) are not in the local cache, "
                 f"and HF_HUB_OFFLINE=1 forbids downloading them; download them once with network access "
-                f"(`HF_HUB_OFFLINE=0 mergeflow pretrain`, or `hf download {hub_id}`), or set backbone.pretrained to a local weights file"
+                f"(`mergeflow pretrain --download`, or `hf download {hub_id}`), or set backbone.pretrained to a local weights file"
             ) from None
         raise MergeflowError(f"backbone.pretrained: hub: could not get the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub): {type(err).__name__}: {_first_line(err)}") from None
     except Exception as err:  # noqa: BLE001  as for a file: the hub's weights do not fit backbone.kwargs' model

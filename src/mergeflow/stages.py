@@ -253,8 +253,34 @@ def _feature_anchor(params: Params, layout: Layout, backbone: Backbone, seed: in
     return FeatureAnchor.build(backbone, corpus, cfg, seed=seed, device=device, eval_batch_size=params.runtime.eval_batch_size)
 
 
+def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict[str, torch.Tensor], seed: int, device: torch.device):
+    """The task's frozen head and its record: a linear probe fitted on theta0's features (C chosen on val), or
+    CLIP's zero-shot head from the task's class names and prompt templates."""
+    if params.finetune.head == "zeroshot":
+        from mergeflow import zeroshot
+        from mergeflow.data.benchmark import templates
+
+        text = zeroshot.text_model(params.backbone, seed=seed)
+        head = zeroshot.zeroshot_head(text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates(task), device=device)
+        return head, {"head": "zeroshot", "templates": len(templates(task))}
+    probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))
+    return probe.head, {"head": "probe", "C": probe.c}
+
+
+def _imported(params: Params, task: str, backbone: Backbone) -> Backbone:
+    """The published fine-tune finetune.checkpoints names for ``task``, in the backbone's naming and checked
+    against it (mergeflow.checkpoints)."""
+    from mergeflow import checkpoints
+
+    spec = params.finetune.checkpoints[task]
+    path = checkpoints.resolve_source(spec, download=params.downloads(), where=f"finetune.checkpoints.{task}")
+    state = checkpoints.read_checkpoint(path, reference=backbone_state(backbone), source=f"finetune.checkpoints.{task}: {spec}")
+    return build_backbone(params.backbone, state, source=spec)
+
+
 def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
-    """Linear probe on frozen pretrained features, then fine-tune the backbone with that head frozen."""
+    """The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head), then fine-tune the
+    backbone under it, or import a published fine-tune (finetune.checkpoints)."""
     params.check_task(task)
     seed = _task_seed(params.seed, task)
     device = _setup(params, seed)
@@ -263,29 +289,33 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     bs = params.runtime.eval_batch_size
     with Timer() as timer:
         feats = {s: extract_features(backbone, data.split(s).images, batch_size=bs, device=device) for s in data_mod.SPLITS}
-        probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))
-        probe_acc = {s: float((probe.head(feats[s]).argmax(1) == data.split(s).labels).float().mean()) for s in ("val", "test")}
-        model = copy.deepcopy(backbone)
+        head, head_record = _frozen_head(params, task, data, feats, seed, device)
+        probe_acc = {s: float((head(feats[s]).argmax(1) == data.split(s).labels).float().mean()) for s in ("val", "test")}
         epoch_states: dict[int, dict] = {}
+        if task in params.finetune.checkpoints:
+            model, curve = _imported(params, task, backbone), None
+        else:
+            model = copy.deepcopy(backbone)
 
-        def keep_epoch(epoch: int) -> None:
-            if params.finetune.checkpoint_every_epoch:
-                epoch_states[epoch] = backbone_state(model)
+            def keep_epoch(epoch: int) -> None:
+                if params.finetune.checkpoint_every_epoch:
+                    epoch_states[epoch] = backbone_state(model)
 
-        anchor = _feature_anchor(params, layout, backbone, seed, device)
-        curve = finetune_loop(model, probe.head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor)
-        individual = {s: accuracy(model, probe.head, data.split(s).images, data.split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+            anchor = _feature_anchor(params, layout, backbone, seed, device)
+            curve = finetune_loop(model, head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor)
+        individual = {s: accuracy(model, head, data.split(s).images, data.split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
     meta = backbone_metadata(params.backbone) | {"task": task}
     save_state_dict(layout.finetuned(task), backbone_state(model.cpu()), meta)
-    save_state_dict(layout.head(task), {"weight": probe.head.weight.cpu(), "bias": probe.head.bias.cpu()}, {"task": task, "classes": json.dumps(data.classes)})
+    save_state_dict(layout.head(task), {"weight": head.weight.detach().cpu(), "bias": head.bias.detach().cpu()}, {"task": task, "classes": json.dumps(data.classes)})
     with atomic_path(layout.epochs(task), directory=True) as tmp:
         for epoch, state in epoch_states.items():
             save_state_dict(tmp / f"epoch{epoch:03d}.safetensors", state, meta | {"epoch": str(epoch)})
-    write_json(layout.log("finetune", task), curve.records())
+    write_json(layout.log("finetune", task), curve.records() if curve else [])
     metrics = {
         "task": task,
-        "steps": len(curve.step),
-        "probe": {"C": probe.c, **probe_acc},
+        "steps": len(curve.step) if curve else 0,
+        "imported": params.finetune.checkpoints.get(task),
+        "probe": head_record | probe_acc,  # the head on theta0: the linear probe's or the zero-shot accuracy
         "individual": individual,
         "gain_over_probe": {s: individual[s] - probe_acc[s] for s in ("val", "test")},
     }

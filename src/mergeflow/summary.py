@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mergeflow.evaluation import mean
+from mergeflow.evaluation import gap_recovered, mean
 
 
-def percent(fraction: float) -> float:
-    """Two decimals: MLflow's UI shows every digit, and a test split of N images scores in steps of 100/N."""
-    return round(100 * float(fraction), 2)
+def percent(fraction: float | None) -> float | None:
+    """Two decimals: MLflow's UI shows every digit, and a test split of N images scores in steps of 100/N.
+    None (a gap recovered that is not defined) stays None."""
+    return None if fraction is None else round(100 * float(fraction), 2)
 
 
 def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
@@ -18,15 +19,15 @@ def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
     on validation; the probe's and the individual models' averages beside them. ``rows`` are
     evaluation.summary_rows (Pretrained, Individual, then one per merge method); task negation's average is over
     its targets (each task's accuracy with that task negated), and its gap recovered, by the same formula, is
-    negative when it forgets."""
+    negative when it forgets. A gap recovered is None when the individual models do not beat the probe
+    (evaluation.MIN_GAP)."""
     probe, individual = rows[0]["average"], rows[1]["average"]
-    gap = individual - probe
     by_method = {r["method"]: r for r in rows[2:]}
     headline = {"probe": {"test_avg": percent(probe)}, "individual": {"test_avg": percent(individual)}}
     for method, ev in evaluations.items():
         if ev["kind"] == "negation":
             target = ev["average"]["target"]
-            entry = {"test_avg": percent(target), "gap_recovered": percent((target - probe) / gap), "control_avg": percent(ev["average"]["control"])}
+            entry = {"test_avg": percent(target), "gap_recovered": percent(gap_recovered(target, probe, individual)), "control_avg": percent(ev["average"]["control"])}
         else:
             row = by_method[method]
             entry = {"test_avg": percent(row["average"]), "gap_recovered": percent(row["gap_recovered"])}

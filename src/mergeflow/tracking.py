@@ -49,7 +49,8 @@ Metric convention, the same for every merge run (a new method follows it), accur
     val_avg           mean validation accuracy of the chosen setting
     normalized_avg    mean of test accuracy / the individual fine-tuned model's, per task
     gap_recovered     (test_avg - probe_avg) / (individual_avg - probe_avg): the share of the gap between the
-                      linear probe on the pretrained backbone and the individual models that the merge closes
+                      linear probe on the pretrained backbone and the individual models that the merge closes;
+                      not logged when the individual models do not beat the probe (evaluation.MIN_GAP)
     storage_models    what is stored, in models (1 for one merged model; per-task stores more)
     wall_time_s       the merge stage: search on validation plus the test evaluation
 
@@ -109,7 +110,7 @@ import yaml
 
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError, TransientError
-from mergeflow.evaluation import mean
+from mergeflow.evaluation import gap_recovered, mean
 from mergeflow.io import atomic_path, read_json, write_json
 from mergeflow.orchestration import process_alive
 from mergeflow.stages import Layout
@@ -292,7 +293,6 @@ def curve_records(log, source: Path) -> list[dict]:
 def merge_metrics(mm: Mapping, ev: Mapping, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float) -> dict[str, float]:
     """The convention's metrics (module docstring) of one merge, from metrics/merge/<m>.json and
     metrics/evaluate/<m>.json; fractions become percent."""
-    gap = individual_avg - probe_avg
     if ev["kind"] == "negation":
         per_task = ev["per_task"]
         target = {t: per_task[t]["target"] for t in tasks}
@@ -306,7 +306,7 @@ def merge_metrics(mm: Mapping, ev: Mapping, tasks: list[str], individual: Mappin
         "test_avg": percent(test_avg),
         "val_avg": percent(val_avg),
         "normalized_avg": percent(normalized),
-        "gap_recovered": percent((test_avg - probe_avg) / gap) if gap else float("nan"),
+        "gap_recovered": percent(gap_recovered(test_avg, probe_avg, individual_avg)),
         "storage_models": round(float(storage), 2),
         **{f"test_acc.{t}": percent(target[t]) for t in tasks},
         **extra,
@@ -400,12 +400,11 @@ def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individu
     if "wall_time_s" in times:
         metrics["wall_time_s"] = float(times["wall_time_s"])
     if own := record.get("model"):
-        gap = individual_avg - probe_avg
         test = own["average"]["test"]
         metrics |= {
             "model_test_avg": percent(test),
             "model_val_avg": percent(own["average"]["val"]),
-            "model_gap_recovered": percent((test - probe_avg) / gap) if gap else float("nan"),
+            "model_gap_recovered": percent(gap_recovered(test, probe_avg, individual_avg)),
             **{f"model_test_acc.{t}": percent(own["accuracy"]["test"][t]) for t in tasks},
         }
     history: dict[str, list[tuple[int, float]]] = {}
@@ -488,7 +487,8 @@ class _Recorder:
 
         ts = int((at or time.time()) * 1000)
         metrics = {k: round(float(v), 3) if k == "wall_time_s" else v for k, v in metrics.items()}  # ms: the UI shows every digit
-        entries = [Metric(k, float(v), ts, 0) for k, v in metrics.items()] + [Metric(k, float(v), ts, int(step)) for k, points in history.items() for step, v in points]
+        # a metric that is not defined (gap_recovered when the fine-tunes do not beat the probe) is not logged
+        entries = [Metric(k, float(v), ts, 0) for k, v in metrics.items() if v is not None] + [Metric(k, float(v), ts, int(step)) for k, points in history.items() for step, v in points]
         params = [Param(k, str(v)) for k, v in params.items()]
         for i in range(0, len(params), 100):  # MLflow's limits per batch: 100 params, 1000 metrics
             self.client.log_batch(run_id, params=params[i : i + 100], synchronous=True)
@@ -512,6 +512,10 @@ class _Recorder:
             copied.append(md5)
         if copied:
             self.client.set_tag(run_id, "mergeflow.weights_md5", " ".join(copied))  # what the next track searches
+
+
+def _shown(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str, params: Params) -> str:
@@ -636,12 +640,12 @@ def headline_markdown(client, experiment_id: str, merge_ids: list[str], probe_av
     lines = [f"Linear probe {percent(probe_avg)}%, individual models {percent(individual_avg)}% (test average).", "", "| method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|"]
     for r in runs:
         note = " (negation: target accuracy, lower is better)" if r.data.params["kind"] == "negation" else ""
-        lines.append(f"| {link(r.data.params['method'], r.info.run_id)}{note} | {r.data.metrics['test_avg']:.2f} | {r.data.metrics['gap_recovered']:.1f} | {chosen(r)} |")
+        lines.append(f"| {link(r.data.params['method'], r.info.run_id)}{note} | {r.data.metrics['test_avg']:.2f} | {_shown(r.data.metrics.get('gap_recovered'))} | {chosen(r)} |")
     if regime_merges:
         lines += ["", "Training-time regimes (gap_recovered on the standard fine-tune's scale), best test_avg first within each variant:", "", "| variant | method | test_avg | gap_recovered | hyperparameters |", "|---|---|---|---|---|"]
         order = list(dict.fromkeys(v for v, _, _ in regime_merges))
         runs = sorted(((v, client.get_run(r)) for v, _, r in regime_merges), key=lambda vr: (order.index(vr[0]), -vr[1].data.metrics["test_avg"]))
-        lines += [f"| {v} | {link(r.data.params['method'], r.info.run_id)} | {r.data.metrics['test_avg']:.2f} | {r.data.metrics['gap_recovered']:.1f} | {chosen(r)} |" for v, r in runs]
+        lines += [f"| {v} | {link(r.data.params['method'], r.info.run_id)} | {r.data.metrics['test_avg']:.2f} | {_shown(r.data.metrics.get('gap_recovered'))} | {chosen(r)} |" for v, r in runs]
     if studies:
         lines += ["", "Studies:", ""]
         for name, run_id in studies:
@@ -836,7 +840,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                 curve = curve_records(read_json(layout.log("finetune", t)), layout.log("finetune", t))
                 rec.log(
                     run_id,
-                    {"task": t, "steps": m["steps"], "probe.C": m["probe"]["C"]} | _flatten("finetune", params.finetune.model_dump(mode="json")),
+                    {"task": t, "steps": m["steps"], "head": m["probe"].get("head", "probe")} | ({"probe.C": m["probe"]["C"]} if m["probe"].get("C") is not None else {}) | ({"imported": m["imported"]} if m.get("imported") else {}) | _flatten("finetune", params.finetune.model_dump(mode="json")),
                     {"wall_time_s": read_json(layout.timing("finetune", t))["wall_time_s"], "probe_acc": percent(m["probe"]["test"]), "individual_acc": percent(m["individual"]["test"]), "individual_val_acc": percent(m["individual"]["val"]), "gain": percent(m["gain_over_probe"]["test"])},
                     end,
                     {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
