@@ -131,12 +131,12 @@ def load_task(path: str | Path, image_size: int | None = None) -> TaskData:
     )
 
 
-def _resize_uint8(images: list[np.ndarray], size: int) -> np.ndarray:
+def _resize_uint8(images: list, size: int) -> np.ndarray:
     from PIL import Image
 
     out = np.empty((len(images), size, size, 3), dtype=np.uint8)
     for i, img in enumerate(images):
-        pil = Image.fromarray(img).convert("RGB")
+        pil = (img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img))).convert("RGB")  # grayscale too
         out[i] = np.asarray(pil.resize((size, size), Image.BILINEAR))
     return out
 
@@ -193,33 +193,41 @@ def _imagefolder_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str,
     return arrays, classes
 
 
-def _torchvision_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """A torchvision dataset class by name (MNIST, SVHN, CIFAR10, ...), read from suite.root, never downloaded."""
-    import torchvision.datasets as tvd
+def _torchvision_task(cfg: SuiteConfig, task: str, seed: int, download: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A benchmark dataset by the papers' name (``benchmark.BENCHMARK``: SUN397, Cars, ..., KMNIST) or any other
+    torchvision dataset class by name, read from suite.root; downloaded only when ``download``. Only the picked
+    images are decoded: n_train + n_val of train (val split off it), n_test of test."""
+    from mergeflow.data import benchmark
 
-    cls = getattr(tvd, task, None)
-    if cls is None:
-        raise MergeflowError(f"suite.tasks: '{task}' is not a torchvision dataset class")
+    def load(split: str, n: int, rng: np.random.Generator):
+        pool = benchmark.open_split(task, cfg.root, split, download)
+        pick = np.sort(rng.choice(len(pool), min(n, len(pool)), replace=False))
+        images, labels = pool.read(pick)
+        return _resize_uint8(images, cfg.image_size), labels, pool
 
-    def load(train: bool):
-        kwargs = {"split": "train" if train else "test"} if task in ("SVHN", "STL10", "DTD", "GTSRB", "EuroSAT") else {"train": train}
-        try:
-            ds = cls(root=cfg.root, download=False, **kwargs)
-        except (RuntimeError, FileNotFoundError, TypeError) as err:
-            raise MergeflowError(f"suite.root: torchvision {task} not readable under '{cfg.root}' ({str(err).splitlines()[0]})") from None
-        rng = np.random.default_rng(seed + int(train))
-        n = cfg.n_train + cfg.n_val if train else cfg.n_test
-        pick = np.sort(rng.choice(len(ds), min(n, len(ds)), replace=False))
-        images, labels = zip(*(ds[int(i)] for i in pick))
-        x, y = _resize_uint8([np.asarray(im) for im in images], cfg.image_size), np.asarray(labels, dtype=np.int64)
-        return x, y, [str(c) for c in getattr(ds, "classes", [])]
+    x, y, pool = load("train", cfg.n_train + cfg.n_val, np.random.default_rng(seed + 1))
+    train, val = _split_off(x, y, cfg.n_val, np.random.default_rng(seed))
+    test_x, test_y, _ = load("test", cfg.n_test, np.random.default_rng(seed))
+    entry = benchmark.entry(task)
+    if entry.classes is not None:
+        classes = list(entry.classes)
+    else:
+        classes = [str(c) for c in getattr(pool.parts[0][0], "classes", [])] or [str(i) for i in range(int(max(y.max(), test_y.max())) + 1)]
+    return {"train_x": train[0], "train_y": train[1], "val_x": val[0], "val_y": val[1], "test_x": test_x, "test_y": test_y}, classes
 
-    rng = np.random.default_rng(seed)
-    *train, classes = load(True)
-    train, val = _split_off(*train, cfg.n_val, rng)
-    *test, _ = load(False)
-    classes = classes or [str(i) for i in range(int(train[1].max()) + 1)]
-    return {"train_x": train[0], "train_y": train[1], "val_x": val[0], "val_y": val[1], "test_x": test[0], "test_y": test[1]}, classes
+
+def class_names(task: str, root: str | None = None, download: bool = False) -> list[str]:
+    """Clean class names for a zero-shot head (see ``benchmark.class_names``)."""
+    from mergeflow.data import benchmark
+
+    return benchmark.class_names(task, root, download)
+
+
+def templates(task: str) -> list[str]:
+    """Zero-shot prompt templates, each with one '{}' (see ``benchmark.templates``)."""
+    from mergeflow.data import benchmark
+
+    return benchmark.templates(task)
 
 
 def build_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -232,7 +240,7 @@ def build_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.nda
         return arrays, [str(i) for i in range(embedded.TASKS[task])]
     if cfg.source == "imagefolder":
         return _imagefolder_task(cfg, task, seed)
-    return _torchvision_task(cfg, task, seed)
+    return _torchvision_task(cfg, task, seed, download=getattr(cfg, "download", False))
 
 
 def build_pretraining_corpus(cfg: SuiteConfig, seed: int) -> dict[str, np.ndarray]:
