@@ -258,11 +258,13 @@ def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict
     CLIP's zero-shot head from the task's class names and prompt templates."""
     if params.finetune.head == "zeroshot":
         from mergeflow import zeroshot
-        from mergeflow.data.benchmark import templates
+        from mergeflow.data import benchmark
 
+        # the papers' templates for a benchmark dataset; your own data: CLIP's generic one
+        templates = benchmark.templates(task) if params.suite.source == "torchvision" else list(benchmark.GENERIC_TEMPLATES)
         text = zeroshot.text_model(params.backbone, seed=seed)
-        head = zeroshot.zeroshot_head(text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates(task), device=device)
-        return head, {"head": "zeroshot", "templates": len(templates(task))}
+        head = zeroshot.zeroshot_head(text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates, device=device)
+        return head, {"head": "zeroshot", "templates": len(templates)}
     probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))
     return probe.head, {"head": "probe", "C": probe.c}
 

@@ -28,7 +28,6 @@ OPEN_CLIP_ARCHITECTURES = {
     "vit_large_patch14_clip_224": "ViT-L-14",
     "vit_large_patch14_clip_quickgelu_224": "ViT-L-14",
 }
-GENERIC_TEMPLATES = ["a photo of a {}."]  # a suite with no templates of its own (your ImageFolder data)
 
 
 def open_clip_architecture(model: str) -> str:

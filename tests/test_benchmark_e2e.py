@@ -1,0 +1,142 @@
+"""The papers' benchmark path, offline: profiles/ta8.yaml made tiny, through every stage function DVC's commands
+call (prepare, pretrain, finetune@<task>, vectors, statistics, merge@<method>, report).
+
+- the eight datasets are stand-ins written in each one's real on-disk layout (tests/standins.py);
+- the backbone is CLIP ViT-B/32's image tower in the hub's architecture (timm's names and shapes, one block
+  instead of twelve), random weights in a local file, as the hub's would be read;
+- the zero-shot heads come from the real prompt templates through a random CLIP text tower (one narrow layer:
+  the full one takes a minute on 2 cores for SUN397's 397 classes; tests/test_zeroshot.py covers the full one);
+- MNIST is not fine-tuned but imported from a FusionBench-format checkpoint (Hugging Face's CLIPVisionModel,
+  safetensors, without the projection).
+"""
+
+import pytest
+import timm
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from mergeflow import stages
+from mergeflow.config import parse_params
+from mergeflow.data import benchmark, load_task
+from mergeflow.evaluation import MIN_GAP
+from mergeflow.io import load_state_dict, read_json
+from mergeflow.stages import Layout
+from tests.standins import PER_CLASS, USED, write_standins
+
+open_clip = pytest.importorskip("open_clip")
+transformers = pytest.importorskip("transformers")
+
+TA8 = benchmark.SUITES["ta8"]
+METHODS = ["weight_averaging", "task_arithmetic", "ties", "tsv_m", "cart", "fisher", "regmean", "adamerging"]
+
+
+def _hub_architecture_weights(path):
+    """CLIP ViT-B/32's image tower in timm's names and shapes (the hub's model.safetensors), one block deep."""
+    net = timm.create_model("vit_base_patch32_clip_quickgelu_224", pretrained=False, num_classes=512, global_pool="token", depth=1)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+
+
+def _fusionbench_checkpoint(path):
+    """A FusionBench-style fine-tune: transformers' CLIPVisionModel (no projection), ViT-B/32 widths, one layer."""
+    config = transformers.CLIPVisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=1, num_attention_heads=12, image_size=224, patch_size=32, hidden_act="quick_gelu")
+    torch.manual_seed(1)
+    model = transformers.CLIPVisionModel(config)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def ta8_run(repo_root, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ta8")
+    write_standins(tmp / "datasets", TA8)
+    _hub_architecture_weights(tmp / "clip_b32.safetensors")
+    _fusionbench_checkpoint(tmp / "mnist_finetuned.safetensors")
+    raw = yaml.safe_load((repo_root / "profiles" / "ta8.yaml").read_text())
+    raw["suite"] |= {"root": str(tmp / "datasets"), "n_train": 20, "n_val": 4, "n_test": 12}
+    raw["backbone"] |= {"kwargs": {"depth": 1}, "pretrained": str(tmp / "clip_b32.safetensors"), "text": "random"}
+    raw["finetune"] |= {"steps": 2, "batch_size": 8, "warmup_steps": 0, "lr": 1e-4, "checkpoints": {"MNIST": str(tmp / "mnist_finetuned.safetensors")}}
+    raw["merge"] |= {"methods": METHODS, "task_arithmetic": {"lam": [0.3, 1.0]}, "ties": {"k": 0.2, "lam": [1.0]}, "tsv_m": {"alpha": [1.0]}, "cart": {"rank_ratio": 0.08, "lam": [1.0]}, "adamerging": {"steps": 3, "batch_size": 4}}
+    raw["statistics"] = {"examples": 4}
+    raw["runtime"]["eval_batch_size"] = 64
+    params = parse_params(raw, "profiles/ta8.yaml (tiny)")
+    layout = Layout(tmp / "repo")
+
+    mp = pytest.MonkeyPatch()
+    create = open_clip.create_model
+
+    def narrow_text_tower(name, *args, **kwargs):
+        text = dict(open_clip.get_model_config(name)["text_cfg"], width=64, heads=2, layers=1)
+        return create(name, *args, text_cfg=text, **kwargs)
+
+    mp.setattr(open_clip, "create_model", narrow_text_tower)
+    try:
+        stages.prepare(params, layout)
+        stages.pretrain(params, layout)
+        finetune = {t: stages.finetune(params, t, layout) for t in TA8}
+        stages.vectors(params, layout)
+        stages.statistics(params, layout)
+        merged = {m: stages.merge(params, m, layout) for m in METHODS}
+        report = stages.report(params, layout)
+    finally:
+        mp.undo()
+    return params, layout, finetune, report
+
+
+def test_every_dataset_arrives_with_its_real_class_names(ta8_run):
+    params, layout, _, _ = ta8_run
+    real = {"SUN397": 397, "Cars": 196, "RESISC45": 45, "EuroSAT": 10, "SVHN": 10, "GTSRB": 43, "MNIST": 10, "DTD": 47}
+    for task in TA8:
+        data = load_task(layout.task_data(task), params.suite.image_size)
+        assert len(data.classes) == real[task] and data.classes == benchmark.class_names(task)
+        assert data.train.images.shape[1:] == (224, 224, 3)
+        n = len(USED[task]) * PER_CLASS["train"]
+        assert len(data.train.labels) + len(data.val.labels) == n and len(data.val.labels) == 4 and len(data.test.labels) == len(USED[task]) * PER_CLASS["test"]
+        assert set(data.test.labels.tolist()) == set(USED[task])  # the labels index the real class list
+
+
+def test_heads_are_zero_shot_and_stay_frozen(ta8_run):
+    params, layout, finetune, _ = ta8_run
+    for task in TA8:
+        head = load_state_dict(layout.head(task))
+        # logit scale x unit rows (a random tower's scale is CLIP's init, 1/0.07), zero bias
+        norms = head["weight"].norm(dim=1)
+        torch.testing.assert_close(norms, torch.full_like(norms, 1 / 0.07), rtol=1e-4, atol=1e-4)
+        assert head["weight"].shape == (len(benchmark.class_names(task)), 512) and not head["bias"].any()
+        assert finetune[task]["probe"]["head"] == "zeroshot" and finetune[task]["probe"]["templates"] == len(benchmark.templates(task))
+    # fine-tuned backbones differ from theta0, except CLIP's projection bias, frozen at zero
+    theta0 = load_state_dict(layout.pretrained)
+    tuned = load_state_dict(layout.finetuned("DTD"))
+    assert not torch.equal(tuned["blocks.0.attn.qkv.weight"], theta0["blocks.0.attn.qkv.weight"])
+    assert not tuned["head.bias"].any() and finetune["DTD"]["steps"] == 2
+
+
+def test_the_imported_fine_tune_is_the_published_one_with_theta0s_projection(ta8_run):
+    params, layout, finetune, _ = ta8_run
+    assert finetune["MNIST"]["steps"] == 0 and finetune["MNIST"]["imported"].endswith("mnist_finetuned.safetensors")
+    published = load_state_dict(params.finetune.checkpoints["MNIST"])
+    imported, theta0 = load_state_dict(layout.finetuned("MNIST")), load_state_dict(layout.pretrained)
+    q, k, v = (published[f"vision_model.encoder.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(imported["blocks.0.attn.qkv.weight"], torch.cat([q, k, v]))
+    assert torch.equal(imported["cls_token"].flatten(), published["vision_model.embeddings.class_embedding"])
+    # FusionBench's fine-tunes leave CLIP's projection as it was: its task vector is zero
+    assert torch.equal(imported["head.weight"], theta0["head.weight"])
+    assert torch.count_nonzero(load_state_dict(layout.vectors / "MNIST.safetensors")["head.weight"]) == 0
+
+
+def test_every_method_lands_in_the_summary_under_the_suites_name(ta8_run):
+    params, layout, finetune, report = ta8_run
+    rows = {r["method"]: r for r in report["rows"]}
+    assert read_json(layout.results / "summary.json")["rows"] == report["rows"]
+    assert set(METHODS) <= set(rows)
+    for method in METHODS:
+        accuracy = rows[method]
+        assert all(0.0 <= accuracy[t] <= 1.0 for t in TA8)
+    # the gap is "n/a" exactly when the individual models do not beat the zero-shot heads by MIN_GAP
+    probe = sum(finetune[t]["probe"]["test"] for t in TA8) / 8
+    individual = sum(finetune[t]["individual"]["test"] for t in TA8) / 8
+    assert (rows["task_arithmetic"]["gap_recovered"] is None) == (individual - probe < MIN_GAP)
+    assert ("| n/a |" in (layout.results / "summary.md").read_text()) == (individual - probe < MIN_GAP)
+    from mergeflow.tracking import experiment_name
+
+    assert experiment_name(params) == "mergeflow/ta8"

@@ -1,0 +1,61 @@
+"""CLIP's zero-shot heads and image embedding, against open_clip's own zero-shot classifier and CLIP model, on
+random weights in the hub's architecture (nothing is downloaded)."""
+
+import pytest
+import timm
+import torch
+
+from mergeflow.config import BackboneConfig
+from mergeflow.errors import MergeflowError
+from mergeflow.models import Backbone
+from mergeflow.zeroshot import open_clip_architecture, text_model, zeroshot_head
+
+open_clip = pytest.importorskip("open_clip")
+
+CLIP_B32 = BackboneConfig(model="vit_base_patch32_clip_quickgelu_224.openai", global_pool="token", input_norm="pretrained_cfg", embedding="clip", text="random")
+CLASSES = ["annual crop land", "forest", "highway or road"]
+TEMPLATES = ["a centered satellite photo of {}.", "a centered satellite photo of a {}.", "a centered satellite photo of the {}."]
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return text_model(CLIP_B32, seed=0)
+
+
+def test_the_head_is_open_clips_zero_shot_classifier_times_the_logit_scale(clip):
+    head = zeroshot_head(clip, "ViT-B-32", CLASSES, TEMPLATES)
+    from open_clip.zero_shot_classifier import build_zero_shot_classifier
+
+    with torch.no_grad():
+        reference = build_zero_shot_classifier(clip, open_clip.get_tokenizer("ViT-B-32"), CLASSES, TEMPLATES)  # [E, C], unit columns
+    scale = clip.logit_scale.exp().item()
+    assert head.weight.shape == (3, 512) and not head.weight.requires_grad
+    torch.testing.assert_close(head.weight / scale, reference.T, atol=1e-5, rtol=1e-5)
+    assert torch.equal(head.bias, torch.zeros(3))
+    # seeded: the same random text tower twice
+    torch.testing.assert_close(zeroshot_head(text_model(CLIP_B32, seed=0), "ViT-B-32", CLASSES, TEMPLATES).weight, head.weight)
+
+
+def test_backbone_embedding_and_head_give_clips_own_logits(clip):
+    """timm's image tower with CLIP's weights (timm's converter) and the zero-shot head give the logits open_clip's
+    CLIP gives for the same images and class texts."""
+    backbone = Backbone(CLIP_B32)
+    backbone.net.load_state_dict(timm.models.vision_transformer.checkpoint_filter_fn(clip.state_dict(), backbone.net))
+    images = torch.randint(0, 256, (2, 224, 224, 3), dtype=torch.uint8)
+    head = zeroshot_head(clip, "ViT-B-32", CLASSES, TEMPLATES[:1])
+    with torch.no_grad():
+        ours = head(backbone(images))
+        pixels = backbone.normalise(images)  # CLIP's mean and std (input_norm: pretrained_cfg)
+        tokens = open_clip.get_tokenizer("ViT-B-32")([TEMPLATES[0].format(c) for c in CLASSES])
+        image_features, text_features, scale = clip(pixels, tokens)
+        reference = scale * image_features @ text_features.T
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_clip_settings_fail_in_one_line():
+    with pytest.raises(MergeflowError, match="backbone.embedding: clip needs a timm CLIP model .* 'vit_tiny_patch16_224' has no CLIP projection"):
+        Backbone(BackboneConfig(model="vit_tiny_patch16_224", embedding="clip"))
+    with pytest.raises(MergeflowError, match="backbone.text: no open_clip text tower is known for 'resnet50'"):
+        open_clip_architecture("resnet50")
+    with pytest.raises(MergeflowError, match=r"backbone.text: hub: CLIP's text tower \(timm/vit_base_patch32_clip_224.openai on the Hugging Face hub\) is not in the local cache.*--download"):
+        text_model(CLIP_B32.model_copy(update={"text": "hub"}))
