@@ -151,6 +151,16 @@ def gap_recovered(average: float, probe_average: float, individual_average: floa
     return (average - probe_average) / gap if gap >= MIN_GAP else None
 
 
+def normalized(accuracy: Mapping[str, float], individual: Mapping[str, float]) -> dict[str, float | None]:
+    """Per task, accuracy / the individual model's; None where that model scores 0 (a broken import)."""
+    return {t: accuracy[t] / individual[t] if individual[t] > 0 else None for t in accuracy}
+
+
+def normalized_average(accuracy: Mapping[str, float], individual: Mapping[str, float]) -> float | None:
+    ratios = list(normalized(accuracy, individual).values())
+    return None if None in ratios else mean(ratios)
+
+
 def gap_cell(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f}%"
 
@@ -175,7 +185,7 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
             "data": data,
             **{t: acc[t] for t in tasks},
             "average": avg,
-            "normalized": mean(acc[t] / individual[t] for t in tasks),
+            "normalized": normalized_average({t: acc[t] for t in tasks}, individual),
             "gap_recovered": gap_recovered(avg, mean(probe.values()), mean(individual.values())),
             "storage_models": storage,
             "chosen": chosen,
@@ -199,7 +209,7 @@ def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
     head = ["regime", "method", "data", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["regime"], r["method"], r["data"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", f"{100 * r['normalized']:.1f}", gap_cell(r["gap_recovered"]), f"{r['storage_models']:.2f}", r["chosen"]]
+        cells = [r["regime"], r["method"], r["data"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", "n/a" if r["normalized"] is None else f"{100 * r['normalized']:.1f}", gap_cell(r["gap_recovered"]), f"{r['storage_models']:.2f}", r["chosen"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

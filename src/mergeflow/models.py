@@ -180,7 +180,15 @@ def _from_file(cfg: BackboneConfig, path: Path, create_kwargs: dict) -> nn.Modul
     so a checkpoint of another depth or model would leave layers at their random init without a word. Here the
     classifier is dropped from the file's tensors first, and every other tensor must fit.
     """
-    state = read_weights(path)
+    if cfg.embedding == "clip":
+        from mergeflow.checkpoints import read_checkpoint
+
+        # CLIP's image tower in any naming (timm, open_clip, Hugging Face), pickled modules read without unpickling
+        if not path.is_file():
+            raise MergeflowError(f"backbone.pretrained: weights file '{path}' not found")
+        state = read_checkpoint(path, source=f"backbone.pretrained: {path}")
+    else:
+        state = read_weights(path)
     if cfg.embedding == "pooled":  # CLIP's head is its projection, part of the model
         classifier = getattr(timm.models.get_pretrained_cfg(cfg.model), "classifier", None) or ()
         for name in (classifier,) if isinstance(classifier, str) else classifier:

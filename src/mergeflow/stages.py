@@ -22,7 +22,7 @@ import torch
 from mergeflow import data as data_mod
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, search, summary_csv, summary_markdown, summary_rows
+from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, normalized, normalized_average, search, summary_csv, summary_markdown, summary_rows
 from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
@@ -275,8 +275,13 @@ def _imported(params: Params, task: str, backbone: Backbone) -> Backbone:
     from mergeflow import checkpoints
 
     spec = params.finetune.checkpoints[task]
-    path = checkpoints.resolve_source(spec, download=params.downloads(), where=f"finetune.checkpoints.{task}")
-    state = checkpoints.read_checkpoint(path, reference=backbone_state(backbone), source=f"finetune.checkpoints.{task}: {spec}")
+    try:
+        path = checkpoints.resolve_source(spec, download=params.downloads())
+    except MergeflowError as err:
+        raise MergeflowError(f"finetune.checkpoints.{task}: {err}") from None
+    theta0 = backbone_state(backbone)
+    # a checkpoint without CLIP's projection (FusionBench's) keeps theta0's: its task vector there is zero
+    state = checkpoints.read_checkpoint(path, reference=theta0, projection_from=theta0 if params.backbone.embedding == "clip" else None, source=f"finetune.checkpoints.{task}: {spec}")
     return build_backbone(params.backbone, state, source=spec)
 
 
@@ -555,8 +560,8 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
                     individual = {t: ft[t]["individual"]["test"] for t in params.suite.tasks}
                     evaluation = {
                         "method": method, "kind": "regime_model", "hyperparameters": regime_metrics["variants"][variant]["hyperparameters"], "searched": {},
-                        "accuracy": acc, "average": mean(acc.values()), "normalized": {t: acc[t] / individual[t] for t in acc},
-                        "normalized_average": mean(acc[t] / individual[t] for t in acc), "storage_models": 1.0,
+                        "accuracy": acc, "average": mean(acc.values()), "normalized": normalized(acc, individual),
+                        "normalized_average": normalized_average(acc, individual), "storage_models": 1.0,
                     }
                     write_json(run.evaluation, evaluation)
                 else:
@@ -689,8 +694,8 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
         metrics |= {
             "accuracy": acc,
             "average": mean(acc.values()),
-            "normalized": {t: acc[t] / individual[t] for t in acc},
-            "normalized_average": mean(acc[t] / individual[t] for t in acc),
+            "normalized": normalized(acc, individual),
+            "normalized_average": normalized_average(acc, individual),
             "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if spec.kind == "per_task" else 1.0,
         }
     write_json(run.evaluation, metrics)

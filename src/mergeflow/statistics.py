@@ -24,8 +24,9 @@ def fisher_diagonal(backbone: Backbone, head: nn.Linear, images: torch.Tensor, l
     ``labels`` None: y ~ p(.|x), drawn with ``generator``."""
     backbone.eval().to(device)
     head = head.to(device).eval()
-    names = [k for k, _ in backbone.net.named_parameters()]
-    params = [p for _, p in backbone.net.named_parameters()]
+    # trainable tensors only: a frozen one (CLIP's zero projection bias) never moves, its Fisher is zero below
+    names = [k for k, p in backbone.net.named_parameters() if p.requires_grad]
+    params = [p for _, p in backbone.net.named_parameters() if p.requires_grad]
     total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     for i in range(len(images)):
         log_probs = torch.log_softmax(head(backbone(images[i : i + 1].to(device))).float(), -1)[0]
@@ -37,7 +38,7 @@ def fisher_diagonal(backbone: Backbone, head: nn.Linear, images: torch.Tensor, l
         for acc, g in zip(total, grads):
             acc += g.float().square()
     state = {k: (acc / max(len(images), 1)).cpu() for k, acc in zip(names, total)}
-    # buffers (none in a ViT) carry no gradient: zero Fisher, so the floor weights them equally
+    # buffers (none in a ViT) and frozen tensors carry no gradient: zero Fisher, so the floor weights them equally
     return {k: state.get(k, torch.zeros(v.shape)) for k, v in backbone.net.state_dict().items()}
 
 

@@ -110,7 +110,7 @@ import yaml
 
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError, TransientError
-from mergeflow.evaluation import gap_recovered, mean
+from mergeflow.evaluation import gap_recovered, mean, normalized_average
 from mergeflow.io import atomic_path, read_json, write_json
 from mergeflow.orchestration import process_alive
 from mergeflow.stages import Layout
@@ -298,7 +298,7 @@ def merge_metrics(mm: Mapping, ev: Mapping, tasks: list[str], individual: Mappin
         target = {t: per_task[t]["target"] for t in tasks}
         extra = {f"control_acc.{t}": percent(per_task[t]["control"]) for t in tasks} | {"control_avg": percent(ev["average"]["control"])}
         test_avg, val_avg = ev["average"]["target"], mean(mm["per_task"][t]["chosen"]["target"] for t in tasks)
-        normalized, storage = mean(target[t] / individual[t] for t in tasks), float(len(tasks))
+        normalized, storage = normalized_average(target, individual), float(len(tasks))
     else:
         target, extra = ev["accuracy"], {}
         test_avg, val_avg, normalized, storage = ev["average"], mm["val_average"], ev["normalized_average"], ev["storage_models"]

@@ -62,10 +62,14 @@ def text_model(cfg: BackboneConfig, *, seed: int = 0) -> nn.Module:
             if constants.HF_HUB_OFFLINE:
                 raise MergeflowError(f"backbone.text: hub: CLIP's text tower ({hub_id} on the Hugging Face hub) is not in the local cache and HF_HUB_OFFLINE=1 forbids downloading it; run with --download once, or `hf download {hub_id}`") from None
             raise MergeflowError(f"backbone.text: hub: could not get CLIP's text tower from {hub_id}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
-    from mergeflow.checkpoints import read_state
+    from mergeflow.checkpoints import read_tensors
+    from mergeflow.io import load_state_dict
 
     path = Path(cfg.text or "")
-    state = read_state(path, source=f"backbone.text: {path}")
+    if not path.is_file():
+        raise MergeflowError(f"backbone.text: '{path}' is neither hub, random nor a weights file")
+    # open_clip's checkpoint, or task arithmetic's pickled ImageEncoder (read without unpickling it)
+    state = load_state_dict(path) if path.suffix == ".safetensors" else read_tensors(path)
     state = {re.sub(r"^(module\.|model\.)+", "", k): v for k, v in state.items()}  # task_vectors' ImageEncoder keeps CLIP as .model
     model = open_clip.create_model(arch, pretrained=None, force_quick_gelu=quick_gelu)
     text_keys = {k for k in model.state_dict() if not k.startswith("visual.")}
