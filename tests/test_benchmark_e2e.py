@@ -1,5 +1,5 @@
 """The papers' benchmark path, offline: profiles/ta8.yaml made tiny, through every stage function DVC's commands
-call (prepare, pretrain, finetune@<task>, vectors, statistics, merge@<method>, report).
+call (prepare, pretrain, finetune@<task>, vectors, merge@<method>, report).
 
 - the eight datasets are stand-ins written in each one's real on-disk layout (tests/standins.py);
 - the backbone is CLIP ViT-B/32's image tower in the hub's architecture (timm's names and shapes, one block
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from mergeflow import stages
 from mergeflow.config import parse_params
 from mergeflow.data import benchmark, load_task
-from mergeflow.evaluation import MIN_GAP
+from mergeflow.evaluation import MIN_GAP, gap_cell
 from mergeflow.io import load_state_dict, read_json
 from mergeflow.stages import Layout
 from tests.standins import PER_CLASS, USED, write_standins
@@ -28,7 +28,9 @@ open_clip = pytest.importorskip("open_clip")
 transformers = pytest.importorskip("transformers")
 
 TA8 = benchmark.SUITES["ta8"]
-METHODS = ["weight_averaging", "task_arithmetic", "ties", "tsv_m", "cart", "fisher", "regmean", "adamerging"]
+# a data-free method of each family and one that learns on test inputs; at ViT-B widths the SVD methods and the
+# statistics stage take half a minute each on 2 cores, and the embedded suite's end-to-end test runs them
+METHODS = ["weight_averaging", "task_arithmetic", "ties", "adamerging"]
 
 
 def _hub_architecture_weights(path):
@@ -56,8 +58,7 @@ def ta8_run(repo_root, tmp_path_factory):
     raw["suite"] |= {"root": str(tmp / "datasets"), "n_train": 20, "n_val": 4, "n_test": 12}
     raw["backbone"] |= {"kwargs": {"depth": 1}, "pretrained": str(tmp / "clip_b32.safetensors"), "text": "random"}
     raw["finetune"] |= {"steps": 2, "batch_size": 8, "warmup_steps": 0, "lr": 1e-4, "checkpoints": {"MNIST": str(tmp / "mnist_finetuned.safetensors")}}
-    raw["merge"] |= {"methods": METHODS, "task_arithmetic": {"lam": [0.3, 1.0]}, "ties": {"k": 0.2, "lam": [1.0]}, "tsv_m": {"alpha": [1.0]}, "cart": {"rank_ratio": 0.08, "lam": [1.0]}, "adamerging": {"steps": 3, "batch_size": 4}}
-    raw["statistics"] = {"examples": 4}
+    raw["merge"] |= {"methods": METHODS, "task_arithmetic": {"lam": [0.3, 1.0]}, "ties": {"k": 0.2, "lam": [1.0]}, "adamerging": {"steps": 3, "batch_size": 4}}
     raw["runtime"]["eval_batch_size"] = 64
     params = parse_params(raw, "profiles/ta8.yaml (tiny)")
     layout = Layout(tmp / "repo")
@@ -75,7 +76,6 @@ def ta8_run(repo_root, tmp_path_factory):
         stages.pretrain(params, layout)
         finetune = {t: stages.finetune(params, t, layout) for t in TA8}
         stages.vectors(params, layout)
-        stages.statistics(params, layout)
         merged = {m: stages.merge(params, m, layout) for m in METHODS}
         report = stages.report(params, layout)
     finally:
@@ -90,9 +90,14 @@ def test_every_dataset_arrives_with_its_real_class_names(ta8_run):
         data = load_task(layout.task_data(task), params.suite.image_size)
         assert len(data.classes) == real[task] and data.classes == benchmark.class_names(task)
         assert data.train.images.shape[1:] == (224, 224, 3)
-        n = len(USED[task]) * PER_CLASS["train"]
-        assert len(data.train.labels) + len(data.val.labels) == n and len(data.val.labels) == 4 and len(data.test.labels) == len(USED[task]) * PER_CLASS["test"]
-        assert set(data.test.labels.tolist()) == set(USED[task])  # the labels index the real class list
+        # every stand-in image lands in one split (SUN397 and EuroSAT have no test split: a seeded one is made)
+        total = len(USED[task]) * sum(PER_CLASS.values())
+        sizes = [len(data.split(s).labels) for s in ("train", "val", "test")]
+        assert sizes[1] == 4 and sizes[2] <= 12 and sum(sizes) <= total
+        if benchmark.entry(task).test is not None:
+            assert sizes[0] + sizes[1] == len(USED[task]) * PER_CLASS["train"]
+        for split in ("train", "val", "test"):  # the labels index the real class list
+            assert set(data.split(split).labels.tolist()) <= set(USED[task])
 
 
 def test_heads_are_zero_shot_and_stay_frozen(ta8_run):
@@ -114,11 +119,12 @@ def test_heads_are_zero_shot_and_stay_frozen(ta8_run):
 def test_the_imported_fine_tune_is_the_published_one_with_theta0s_projection(ta8_run):
     params, layout, finetune, _ = ta8_run
     assert finetune["MNIST"]["steps"] == 0 and finetune["MNIST"]["imported"].endswith("mnist_finetuned.safetensors")
-    published = load_state_dict(params.finetune.checkpoints["MNIST"])
+    # transformers 5 writes CLIPVisionModel's names without FusionBench's 'vision_model.' prefix: both are read
+    published = {k.removeprefix("vision_model."): v for k, v in load_state_dict(params.finetune.checkpoints["MNIST"]).items()}
     imported, theta0 = load_state_dict(layout.finetuned("MNIST")), load_state_dict(layout.pretrained)
-    q, k, v = (published[f"vision_model.encoder.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    q, k, v = (published[f"encoder.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert torch.equal(imported["blocks.0.attn.qkv.weight"], torch.cat([q, k, v]))
-    assert torch.equal(imported["cls_token"].flatten(), published["vision_model.embeddings.class_embedding"])
+    assert torch.equal(imported["cls_token"].flatten(), published["embeddings.class_embedding"])
     # FusionBench's fine-tunes leave CLIP's projection as it was: its task vector is zero
     assert torch.equal(imported["head.weight"], theta0["head.weight"])
     assert torch.count_nonzero(load_state_dict(layout.vectors / "MNIST.safetensors")["head.weight"]) == 0
@@ -136,7 +142,8 @@ def test_every_method_lands_in_the_summary_under_the_suites_name(ta8_run):
     probe = sum(finetune[t]["probe"]["test"] for t in TA8) / 8
     individual = sum(finetune[t]["individual"]["test"] for t in TA8) / 8
     assert (rows["task_arithmetic"]["gap_recovered"] is None) == (individual - probe < MIN_GAP)
-    assert ("| n/a |" in (layout.results / "summary.md").read_text()) == (individual - probe < MIN_GAP)
+    row = next(line for line in (layout.results / "summary.md").read_text().splitlines() if "| task_arithmetic |" in line)
+    assert f"| {gap_cell(rows['task_arithmetic']['gap_recovered'])} |" in row
     from mergeflow.tracking import experiment_name
 
     assert experiment_name(params) == "mergeflow/ta8"
