@@ -116,3 +116,16 @@ def test_checkpoints_are_byte_identical_across_processes(tmp_path):
     from mergeflow.io import load_metadata
 
     assert load_metadata(paths[0])["global_pool"] == "GLOBAL_POOL"
+
+
+def test_a_merge_reads_only_the_splits_it_evaluates(tmp_path):
+    # at 224 pixels a train split is gigabytes: merges read val and test only, equal to the full read
+    arrays = embedded.make_task("digits", 40, 10, 12, 32, seed=3)
+    from mergeflow.data import save_task
+
+    save_task(tmp_path / "digits.safetensors", "digits", arrays, [str(i) for i in range(10)], 32)
+    full = load_task(tmp_path / "digits.safetensors", 32)
+    some = load_task(tmp_path / "digits.safetensors", 32, ("val", "test"))
+    assert some.train is None and some.classes == full.classes
+    for split in ("val", "test"):
+        assert torch.equal(some.split(split).images, full.split(split).images) and torch.equal(some.split(split).labels, full.split(split).labels)

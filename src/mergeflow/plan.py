@@ -201,7 +201,7 @@ def measure_throughput(params: Params, *, budget_s: float = 1.0) -> Throughput:
     train_s = timed(step)
     train_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else max(process.memory_info().rss - rss0, n_params * 16)
     model.eval()
-    weights = [p for p in model.parameters()]
+    weights = [p for p in model.parameters() if p.requires_grad]  # CLIP's projection bias is frozen
     x1 = images(1)
     example_s = timed(lambda: torch.autograd.grad(model(x1).sum(), weights))
     detached = [p.detach() for p in weights]
@@ -256,9 +256,10 @@ class Work:
         return self
 
 
-def _task_bytes(params: Params) -> float:
+def _task_bytes(params: Params, splits: tuple[str, ...] = ("train", "val", "test")) -> float:
+    """The task files' images (uint8, at most n_<split> a task): what a stage reads. Merges read val and test."""
     s = params.suite
-    return len(s.tasks) * (s.n_train + s.n_val + s.n_test) * s.image_size**2 * 3
+    return len(s.tasks) * sum(getattr(s, f"n_{split}") for split in splits) * s.image_size**2 * 3
 
 
 def _finetune_steps(params: Params) -> tuple[int, int]:
@@ -306,7 +307,8 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
     val, test = tasks * s.n_val, tasks * s.n_test
     merge_passes = PASSES_PER_TASK * tasks
     svd_units = SVDS_PER_MATRIX.get(method, lambda t: 0)(tasks) * model_shape(params).svd_units()
-    w = Work(load_bytes=_task_bytes(params), held_models=tasks + 3, held_bytes=_task_bytes(params))
+    evaluated = _task_bytes(params, ("val", "test"))
+    w = Work(load_bytes=evaluated, held_models=tasks + 3, held_bytes=evaluated)
     if spec.kind == "negation":
         candidates = math.prod(len(v) for v in grid.values())
         w.forward_images = val + tasks * candidates * val + tasks * test
@@ -376,7 +378,7 @@ def regime_merge_work(params: Params, regime: str) -> Work:
         for method in params.regimes.methods_of(regime):
             if method != regime:
                 w.add(merge_work(params, method))
-    w.load_bytes = _task_bytes(params)  # the tasks are read once for every merge of the stage
+    w.load_bytes = _task_bytes(params, ("val", "test"))  # the tasks are read once for every merge of the stage
     return w
 
 

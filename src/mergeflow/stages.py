@@ -157,8 +157,11 @@ def _setup(params: Params, seed: int) -> torch.device:
     return select_device(params.runtime.device)
 
 
-def _load_tasks(params: Params, layout: Layout) -> dict[str, data_mod.TaskData]:
-    return {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in params.suite.tasks}
+def _load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = data_mod.SPLITS) -> dict[str, data_mod.TaskData]:
+    return {t: data_mod.load_task(layout.task_data(t), params.suite.image_size, splits) for t in params.suite.tasks}
+
+
+EVALUATED = ("val", "test")  # what merges read: hyperparameters chosen on val, tested on test
 
 
 def _load_heads(params: Params, layout: Layout, num_features: int, tasks: dict[str, data_mod.TaskData]):
@@ -544,7 +547,7 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
     regime_metrics = read_json(layout.metrics("regime", name))
     out: dict[str, dict] = {}
     with Timer() as timer:
-        tasks = _load_tasks(params, layout)
+        tasks = _load_tasks(params, layout, EVALUATED)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         ft = {t: read_json(layout.metrics("finetune", t)) for t in params.suite.tasks}
         for variant in cfg.variants(name, params.finetune.steps):
@@ -586,7 +589,7 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
     params.check_method(method)
     device = _setup(params, params.seed)
     with Timer() as timer:
-        tasks = _load_tasks(params, layout)
+        tasks = _load_tasks(params, layout, EVALUATED)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         metrics, evaluated = merge_and_evaluate(params, layout.merge_run(method), layout, tasks, heads, device)
     learning = {"learning": evaluated["learning"]} if "learning" in evaluated else {}
@@ -664,7 +667,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
     ft = {t: read_json(layout.metrics("finetune", t)) for t in params.suite.tasks}
     with Timer() as timer:
         output = load_state_dict(run.merged)
-        tasks = tasks or _load_tasks(params, layout)
+        tasks = tasks or _load_tasks(params, layout, EVALUATED)
         heads = heads or _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)
         if spec.kind == "negation":

@@ -29,9 +29,9 @@ class Split:
 class TaskData:
     name: str
     classes: list[str]
-    train: Split
-    val: Split
-    test: Split
+    train: Split | None  # None: not read (load_task's splits)
+    val: Split | None
+    test: Split | None
 
     def split(self, name: str) -> Split:
         return getattr(self, name)
@@ -45,22 +45,22 @@ def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.shape)
 
 
-def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size: int | None = None) -> None:
+def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size: int | None = None, splits: tuple[str, ...] = SPLITS) -> None:
     """Raise one line naming ``source`` (the task file), the array at fault and what was expected, unless
     ``arrays`` holds exactly ARRAYS: uint8 images [N, S, S, 3] (S = image_size, or the same square size in every
     split when None), integer labels [N] in 0 .. len(classes) - 1, at least one image per split."""
     if not isinstance(classes, list) or len(classes) < 2 or not all(isinstance(c, str) for c in classes):
         raise MergeflowError(f"{source}: metadata 'classes' is {json.dumps(classes)[:60]}, expected a JSON list of at least two class names")
     for name in ARRAYS:
-        if name not in arrays:
+        if name not in arrays and name.split("_")[0] in splits:
             raise MergeflowError(f"{source}: array '{name}' is missing (a task file holds {', '.join(ARRAYS)})")
     unexpected = sorted(set(arrays) - set(ARRAYS))
     if unexpected:
         raise MergeflowError(f"{source}: unexpected array '{unexpected[0]}' (a task file holds only {', '.join(ARRAYS)})")
     size = image_size
-    if size is None and arrays["train_x"].ndim == 4:
-        size = arrays["train_x"].shape[1]  # no size given: every split must have train's square size
-    for split in SPLITS:
+    if size is None and arrays[f"{splits[0]}_x"].ndim == 4:
+        size = arrays[f"{splits[0]}_x"].shape[1]  # no size given: every split must have the first's square size
+    for split in splits:
         x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
         expected_x = f"uint8 images [N, {size}, {size}, 3]" if size else "uint8 images [N, H, H, 3]"
         if x.dtype != torch.uint8:
@@ -109,13 +109,20 @@ def save_task(path: Path, task: str, arrays: dict[str, np.ndarray], classes: lis
     save_state_dict(path, tensors, {"task": task, "classes": json.dumps(classes)})
 
 
-def load_task(path: str | Path, image_size: int | None = None) -> TaskData:
+def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str, ...] = SPLITS) -> TaskData:
     """Read a task file and check it (``check_task``): images of ``image_size`` when given, labels within the
-    declared classes; labels come back as int64."""
+    declared classes; labels come back as int64. Only ``splits`` are read (a merge reads val and test: at 224
+    pixels a train split is gigabytes); the others are None."""
     path = Path(path)
     if not path.is_file():
         raise MergeflowError(f"{path}: task data not found (the prepare stage writes it)")
-    tensors = load_state_dict(path, check=False)
+    if splits == SPLITS:
+        tensors = load_state_dict(path, check=False)
+    else:
+        from mergeflow.io import LazyStateDict
+
+        lazy = LazyStateDict(path, check=False)
+        tensors = {k: lazy[k] for k in lazy.keys() if k.split("_")[0] in splits or k not in ARRAYS}
     meta = load_metadata(path)
     if "classes" not in meta:
         raise MergeflowError(f"{path}: metadata 'classes' is missing (a task file declares its class names, a JSON list)")
@@ -123,11 +130,11 @@ def load_task(path: str | Path, image_size: int | None = None) -> TaskData:
         classes = json.loads(meta["classes"])
     except json.JSONDecodeError:
         raise MergeflowError(f"{path}: metadata 'classes' is not JSON, expected a JSON list of class names") from None
-    check_task(tensors, classes, str(path), image_size)
+    check_task(tensors, classes, str(path), image_size, splits)
     return TaskData(
         name=meta.get("task", path.stem),
         classes=classes,
-        **{s: Split(tensors[f"{s}_x"], tensors[f"{s}_y"].long()) for s in SPLITS},
+        **{s: Split(tensors[f"{s}_x"], tensors[f"{s}_y"].long()) if s in splits else None for s in SPLITS},
     )
 
 
