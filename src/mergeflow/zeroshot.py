@@ -56,8 +56,12 @@ def text_model(cfg: BackboneConfig, *, seed: int = 0) -> nn.Module:
             raise MergeflowError(f"backbone.text: hub: '{cfg.model}' names no hub weights (give a tag, e.g. '{cfg.model.split('.')[0]}.openai')")
         from huggingface_hub import constants
 
+        tag = cfg.model.partition(".")[2]
+        # open_clip's own configuration and weights for a tag it knows (openai: the same hub repository as
+        # timm's image tower); else the repository's open_clip_config.json
+        source = dict(model_name=arch, pretrained=tag) if tag in open_clip.list_pretrained_tags_by_model(arch) else dict(model_name=f"hf-hub:{hub_id}")
         try:
-            return open_clip.create_model(f"hf-hub:{hub_id}", force_quick_gelu=quick_gelu).eval()
+            return open_clip.create_model(**source, force_quick_gelu=quick_gelu).eval()
         except Exception as err:  # noqa: BLE001  the hub's errors, and open_clip's on a repository without its model
             if constants.HF_HUB_OFFLINE:
                 raise MergeflowError(f"backbone.text: hub: CLIP's text tower ({hub_id} on the Hugging Face hub) is not in the local cache and HF_HUB_OFFLINE=1 forbids downloading it; run with --download once, or `hf download {hub_id}`") from None
