@@ -2,6 +2,7 @@
 choices, also when params.yaml is broken), --version, `mergeflow methods` showing the grids params.yaml makes
 effective beside the papers' defaults, `mergeflow ui`, and an unknown method as one line."""
 
+import os
 import subprocess
 
 import pytest
@@ -135,3 +136,19 @@ def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys)
     assert flow_main(["--root", str(project)]) == 2
     out, err = capsys.readouterr()
     assert not out and len(err.splitlines()) == 1 and "unknown merge method 'fisher_merging'" in err
+
+
+def test_download_anywhere_on_the_line_lets_the_stages_download(monkeypatch, repo_root):
+    # `mergeflow repro --download`: the flag is mergeflow's, not DVC's; the stages DVC starts inherit the permission
+    from mergeflow.cli import _allow_downloads
+    from mergeflow.config import DOWNLOAD_ENV, parse_params
+
+    monkeypatch.delenv(DOWNLOAD_ENV, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _allow_downloads(["repro", "-f"]) == ["repro", "-f"] and DOWNLOAD_ENV not in os.environ
+    assert _allow_downloads(["repro", "--download", "-f"]) == ["repro", "-f"]
+    assert os.environ[DOWNLOAD_ENV] == "1" and os.environ["HF_HUB_OFFLINE"] == "0"
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    assert parse_params(raw).downloads()  # suite.download is false; the flag's environment allows it
+    monkeypatch.delenv(DOWNLOAD_ENV)
+    assert not parse_params(raw).downloads()
