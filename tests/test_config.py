@@ -73,7 +73,9 @@ def test_suite_name_is_the_suite_that_runs(repo_root, tmp_path):
     [
         (lambda raw: raw["finetune"].update(head="zeroshot"), r"finetune.head: zeroshot needs CLIP's image embedding and text tower"),
         (lambda raw: raw["finetune"].update(checkpoints={"cars": "hf:someone/cars"}), r"finetune.checkpoints: 'cars' is not in suite.tasks"),
-        (lambda raw: raw["backbone"].update(embedding="clip"), None),  # only a stage builds the model: its error is models'
+        (lambda raw: raw["backbone"].update(embedding="clip"), r"backbone.embedding: clip embeds CLIP's class token .* set backbone.global_pool: token and backbone.input_norm: pretrained_cfg \(not 'avg', 'center'\)"),
+        (lambda raw: raw["backbone"].update(embedding="clip", global_pool="token", input_norm="pretrained_cfg"), None),  # only a stage builds the model: models' error
+        (lambda raw: raw["finetune"].update(checkpoints={"digits": "hf:no-owner"}), r"finetune.checkpoints.digits: 'hf:no-owner' is not hf:<owner>/<repo>\[@<revision>\]"),
     ],
 )
 def test_clip_settings_are_checked_together(repo_root, edit, pattern):
@@ -84,3 +86,16 @@ def test_clip_settings_are_checked_together(repo_root, edit, pattern):
         return
     with pytest.raises(MergeflowError, match=pattern):
         parse_params(raw)
+
+
+def test_check_finds_missing_weights_files_before_any_stage(repo_root, tmp_path):
+    from mergeflow.checks import check_project
+
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["finetune"]["checkpoints"] = {"digits": "published/digits.safetensors", "signs": "hf:someone/signs"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(MergeflowError, match=r"params.yaml: finetune.checkpoints.digits: weights file 'published/digits.safetensors' not found$"):
+        check_project(tmp_path)
+    (tmp_path / "published").mkdir()
+    (tmp_path / "published" / "digits.safetensors").write_bytes(b"")  # found; its reading is the stage's
+    check_project(tmp_path)

@@ -110,3 +110,16 @@ def test_cli_outside_a_project_is_one_line(tmp_path, monkeypatch, capsys):
     assert main(["plan"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "dvc.yaml" in err[0]
+
+
+def test_an_imported_fine_tune_is_not_trained_and_a_zero_shot_head_fits_no_probe(repo_root):
+    from mergeflow.config import load_params
+    from mergeflow.plan import finetune_work
+
+    published = load_params(repo_root / "profiles" / "ta8_fusionbench.yaml")
+    trained = load_params(repo_root / "profiles" / "ta8.yaml")
+    s = trained.suite
+    # zero-shot heads: features of val and test (the head on theta0), then val and test again after training
+    assert finetune_work(trained, "SUN397").forward_images == 2 * (s.n_val + s.n_test)
+    assert finetune_work(trained, "SUN397").train_images == 2000 * 128 and finetune_work(trained, "SUN397").fixed_s == 0
+    assert finetune_work(published, "SUN397").train_images == 0

@@ -52,10 +52,39 @@ def test_backbone_embedding_and_head_give_clips_own_logits(clip):
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_clip_settings_fail_in_one_line():
+def test_clip_settings_fail_in_one_line(monkeypatch):
     with pytest.raises(MergeflowError, match="backbone.embedding: clip needs a timm CLIP model .* 'vit_tiny_patch16_224' has no CLIP projection"):
         Backbone(BackboneConfig(model="vit_tiny_patch16_224", embedding="clip"))
     with pytest.raises(MergeflowError, match="backbone.text: no open_clip text tower is known for 'resnet50'"):
         open_clip_architecture("resnet50")
-    with pytest.raises(MergeflowError, match=r"backbone.text: hub: CLIP's text tower \(timm/vit_base_patch32_clip_224.openai on the Hugging Face hub\) is not in the local cache.*--download"):
+    # the hub's not-cached error whatever this machine's cache holds (and nothing downloaded)
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def not_cached(*args, **kwargs):
+        raise LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
+
+    monkeypatch.setattr(open_clip, "create_model", not_cached)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(MergeflowError, match=r"^backbone.text: hub: CLIP's text tower \(timm/vit_base_patch32_clip_224.openai on the Hugging Face hub\) is not in the local cache.*--download"):
         text_model(CLIP_B32.model_copy(update={"text": "hub"}))
+
+
+def test_adamergings_objective_reads_the_embedding_the_heads_read():
+    """AdaMerging calls the backbone's net through torch.func: its entropy must be that of head(backbone(x)), the
+    normalised CLIP embedding (un-normalised features would sharpen the x100 heads' logits tenfold)."""
+    from mergeflow.merging._adaptive import EntropyObjective
+
+    cfg = CLIP_B32.model_copy(update={"kwargs": {"depth": 1}})
+    backbone = Backbone(cfg).eval()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(512, 3, bias=False)
+    torch.nn.init.normal_(head.weight)
+    head.weight.data = 100 * torch.nn.functional.normalize(head.weight.data, dim=1)
+    images = torch.randint(0, 256, (4, 224, 224, 3), dtype=torch.uint8)
+    objective = EntropyObjective(backbone, {"t": head}, {"test": {"t": images}}, torch.device("cpu"))
+    with torch.no_grad():
+        loss = objective.loss(dict(backbone.net.named_parameters()), {"t": images})
+        log_p = torch.log_softmax(head(backbone(images)), -1)
+        by_hand = -(log_p.exp() * log_p).sum(-1).mean()
+    torch.testing.assert_close(loss, by_hand)

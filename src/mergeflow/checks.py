@@ -80,4 +80,15 @@ def check_project(root: str | Path = ".", params_path: str | Path | None = None)
         except yaml.YAMLError as err:
             raise MergeflowError(f"{dvc_path}: not valid YAML ({str(err).splitlines()[0]})") from None
         check_interpolations(dvc_yaml, yaml.safe_load(params_path.read_text()) or {}, str(params_path))
+    check_local_files(params, root, str(params_path))
     return params, notices
+
+
+def check_local_files(params: Params, root: Path, source: str) -> None:
+    """The weights files params names exist (relative paths from the repository root): found now, not in a stage
+    after the data is prepared."""
+    named = [("backbone.pretrained", params.backbone.pretrained), ("backbone.text", params.backbone.text)]
+    named += [(f"finetune.checkpoints.{task}", spec) for task, spec in params.finetune.checkpoints.items() if not spec.startswith("hf:")]
+    for key, value in named:
+        if value not in (None, "hub", "random") and not (root / value).is_file():
+            raise MergeflowError(f"{source}: {key}: weights file '{value}' not found")

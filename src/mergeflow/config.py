@@ -306,12 +306,19 @@ class Params(_Strict):
         return int(env) if env else self.runtime.threads
 
     @model_validator(mode="after")
-    def _zeroshot_heads(self) -> Params:
+    def _clip(self) -> Params:
+        """CLIP's settings checked together, before any stage runs (a mistake would otherwise surface after hours
+        of data preparation, or not at all: another pooling or normalisation is still a model)."""
         if self.finetune.head == "zeroshot" and (self.backbone.embedding != "clip" or self.backbone.text is None):
             raise ValueError("finetune.head: zeroshot needs CLIP's image embedding and text tower (backbone.embedding: clip, backbone.text: hub, a file or random)")
-        for task in self.finetune.checkpoints:
+        if self.backbone.embedding == "clip" and (self.backbone.global_pool != "token" or self.backbone.input_norm != "pretrained_cfg"):
+            raise ValueError(f"backbone.embedding: clip embeds CLIP's class token of images normalised by CLIP's mean and std: set backbone.global_pool: token and backbone.input_norm: pretrained_cfg (not '{self.backbone.global_pool}', '{self.backbone.input_norm}')")
+        for task, spec in self.finetune.checkpoints.items():
             if task not in self.suite.tasks:
                 raise ValueError(f"finetune.checkpoints: '{task}' is not in suite.tasks ({', '.join(self.suite.tasks)})")
+            repo = spec.removeprefix("hf:").partition("@")[0]
+            if spec.startswith("hf:") and not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", repo):
+                raise ValueError(f"finetune.checkpoints.{task}: {spec!r} is not hf:<owner>/<repo>[@<revision>]")
         return self
 
     def check_task(self, task: str) -> None:

@@ -65,10 +65,14 @@ class Backbone(nn.Module):
             return (x - self.mean) / self.std
         return x
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        features = self.net(self.normalise(images))
-        # CLIP's image embedding is compared with text embeddings on the unit sphere (the papers' heads normalise)
+    def embed(self, features: torch.Tensor) -> torch.Tensor:
+        """The net's output as the heads read it: CLIP's image embedding is compared with text embeddings on the
+        unit sphere (the papers' heads normalise); pooled features as they are. Every route that calls ``net``
+        itself (torch.func.functional_call) ends with this."""
         return nn.functional.normalize(features, dim=-1) if self.embedding == "clip" else features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.embed(self.net(self.normalise(images)))
 
 
 def embedding_dim(cfg: BackboneConfig) -> int:

@@ -273,14 +273,16 @@ def _finetune_steps(params: Params) -> tuple[int, int]:
     return total_steps(cfg, n, full), batch + anchor
 
 
-def finetune_work(params: Params) -> Work:
-    """One task: features of every split and of the anchor images, the probe, the steps, the accuracies."""
+def finetune_work(params: Params, task: str | None = None) -> Work:
+    """One task: the features its head needs (a probe: every split's; a zero-shot head: val's and test's) and the
+    anchor images', the probe, the steps (none for a task finetune.checkpoints imports), the accuracies."""
     s, cfg = params.suite, params.finetune
-    steps, per_step = _finetune_steps(params)
-    anchor = cfg.preserve_features.images if cfg.preserve_features.weight > 0 else 0
-    features = s.n_train + s.n_val + s.n_test + anchor
-    probe = len(params.probe.c_grid) * params.probe.max_iter * s.n_train * _feature_dim(params)
-    return Work(forward_images=features + s.n_val + s.n_test, train_images=steps * per_step, fixed_s=probe * PROBE_S_PER_UNIT, trains=True,
+    steps, per_step = (0, 0) if task in cfg.checkpoints else _finetune_steps(params)
+    anchor = cfg.preserve_features.images if cfg.preserve_features.weight > 0 and steps else 0
+    probe = cfg.head == "probe"
+    features = (s.n_train if probe else 0) + s.n_val + s.n_test + anchor
+    fit = len(params.probe.c_grid) * params.probe.max_iter * s.n_train * _feature_dim(params) if probe else 0
+    return Work(forward_images=features + s.n_val + s.n_test, train_images=steps * per_step, fixed_s=fit * PROBE_S_PER_UNIT, trains=bool(steps),
                 held_bytes=_task_bytes(params) / len(s.tasks))
 
 
@@ -411,7 +413,7 @@ def _stage_work(params: Params, address: str) -> Work | None:
         steps = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, s.pretrain_images // cfg.batch_size)
         return Work(train_images=steps * cfg.batch_size, forward_images=min(2000, s.pretrain_images), trains=True, held_bytes=s.pretrain_images * s.image_size**2 * 3)
     if kind == "finetune":
-        return finetune_work(params)
+        return finetune_work(params, address.partition("@")[2])
     if kind == "vectors":
         return vectors_work(params)
     if kind == "statistics":

@@ -298,7 +298,9 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     backbone = load_backbone(params.backbone, layout.pretrained)
     bs = params.runtime.eval_batch_size
     with Timer() as timer:
-        feats = {s: extract_features(backbone, data.split(s).images, batch_size=bs, device=device) for s in data_mod.SPLITS}
+        # the probe fits on train's features; a zero-shot head needs only val's and test's (its accuracy on theta0)
+        featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED
+        feats = {s: extract_features(backbone, data.split(s).images, batch_size=bs, device=device) for s in featured}
         head, head_record = _frozen_head(params, task, data, feats, seed, device)
         probe_acc = {s: float((head(feats[s]).argmax(1) == data.split(s).labels).float().mean()) for s in ("val", "test")}
         epoch_states: dict[int, dict] = {}
@@ -361,7 +363,7 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
     from mergeflow.statistics import fisher_diagonal, input_grams
 
     device = _setup(params, params.seed)
-    tasks = _load_tasks(params, layout)
+    tasks = _load_tasks(params, layout, ("train",))  # the statistics are of training examples
     heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
     sizes, times = {}, {}
     with Timer() as timer, atomic_path(layout.statistics(params.suite.tasks[0]).parent, directory=True) as tmp:

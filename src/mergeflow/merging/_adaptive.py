@@ -36,7 +36,7 @@ class EntropyObjective:
         tasks = list(batches)
         images = torch.cat([batches[t] for t in tasks]).to(self.device)
         dtype = next(iter(params.values())).dtype
-        features = functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),))
+        features = self.backbone.embed(functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),)))
         total = features.new_zeros(())
         for t, f in zip(tasks, features.split([len(batches[t]) for t in tasks])):
             log_p = torch.log_softmax(self.heads[t](f), -1)

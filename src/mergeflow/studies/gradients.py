@@ -117,16 +117,18 @@ def loss_gradient(backbone, head: nn.Linear, images: torch.Tensor, labels: torch
     ``head`` (frozen) on ``backbone.net`` holding ``state`` (cast to ``dtype``), summed over chunks of examples and
     divided by their number. ``backbone`` is a mergeflow Backbone (its input normalisation is used, then cast)."""
     net = backbone.net.eval()
-    params = {k: v.detach().to(dtype).requires_grad_(True) for k, v in state.items() if v.is_floating_point()}
+    # the trainable tensors: CLIP's projection bias is frozen, so it has no gradient (and no task-vector share)
+    trainable = {k for k, p in net.named_parameters() if p.requires_grad}
+    params = {k: v.detach().to(dtype).requires_grad_(k in trainable) for k, v in state.items() if v.is_floating_point()}
     weight, bias = head.weight.detach().to(dtype), head.bias.detach().to(dtype)
     total = {k: torch.zeros_like(v) for k, v in params.items()}
     n = len(images)
     for i in range(0, n, chunk):
         x = backbone.normalise(images[i : i + chunk]).to(dtype)
-        logits = torch.func.functional_call(net, params, (x,)) @ weight.T + bias
+        logits = backbone.embed(torch.func.functional_call(net, params, (x,))) @ weight.T + bias
         loss = nn.functional.cross_entropy(logits, labels[i : i + chunk], reduction="sum")
-        for (k, acc), g in zip(total.items(), torch.autograd.grad(loss, list(params.values()))):
-            acc += g
+        for k, g in zip(trainable & set(params), torch.autograd.grad(loss, [params[k] for k in trainable & set(params)])):
+            total[k] += g
     return {k: g / n for k, g in total.items()}
 
 
