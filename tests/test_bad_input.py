@@ -337,7 +337,7 @@ def _files(root) -> dict[str, tuple[int, bytes]]:
 
 HUB_OFFLINE = (
     "backbone.pretrained: hub: the weights of 'vit_tiny_patch16_224' (timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k on the Hugging Face hub) "
-    "are not in the local cache, and HF_HUB_OFFLINE=1 forbids downloading them; download them once with network access "
+    "are not in the local cache, and downloads are off; download them once with network access "
     "(`mergeflow pretrain --download`, or `hf download timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k`), or set backbone.pretrained to a local weights file"
 )
 

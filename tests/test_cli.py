@@ -152,3 +152,16 @@ def test_download_anywhere_on_the_line_lets_the_stages_download(monkeypatch, rep
     assert parse_params(raw).downloads()  # suite.download is false; the flag's environment allows it
     monkeypatch.delenv(DOWNLOAD_ENV)
     assert not parse_params(raw).downloads()
+
+
+def test_the_hub_downloads_only_when_downloads_are_on(monkeypatch):
+    from huggingface_hub import constants
+
+    from mergeflow.models import hub_access
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as outside the Makefile
+    with hub_access(False):
+        assert constants.HF_HUB_OFFLINE  # the local cache only, and the one-line error when it misses
+    with hub_access(True):
+        assert not constants.HF_HUB_OFFLINE
+    assert constants.HF_HUB_OFFLINE is False

@@ -522,7 +522,7 @@ def resolve_source(spec: str, *, download: bool) -> Path:
     except LocalEntryNotFoundError:
         if not download:
             raise MergeflowError(f"{spec}: not in the local Hugging Face cache; run with --download to fetch it (or `hf download {repo_id}`)") from None
-        why = "HF_HUB_OFFLINE=1 forbids downloading" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        why = "HF_HUB_OFFLINE=1 forbids downloading (run with --download)" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise MergeflowError(f"{spec}: could not download it: {why} (fetch it once with network access: `hf download {repo_id}`)") from None
     except RevisionNotFoundError:
         raise MergeflowError(f"{spec}: the hub repository has no revision '{revision}'") from None

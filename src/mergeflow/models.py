@@ -6,6 +6,7 @@ stage feeds it the same way. The normalisation has no parameters: the backbone's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import re
@@ -219,12 +220,26 @@ def _from_hub(cfg: BackboneConfig, create_kwargs: dict) -> nn.Module:
         if isinstance(err, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
             raise MergeflowError(
                 f"backbone.pretrained: hub: the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub) are not in the local cache, "
-                f"and HF_HUB_OFFLINE=1 forbids downloading them; download them once with network access "
+                f"and downloads are off; download them once with network access "
                 f"(`mergeflow pretrain --download`, or `hf download {hub_id}`), or set backbone.pretrained to a local weights file"
             ) from None
         raise MergeflowError(f"backbone.pretrained: hub: could not get the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub): {type(err).__name__}: {_first_line(err)}") from None
     except Exception as err:  # noqa: BLE001  as for a file: the hub's weights do not fit backbone.kwargs' model
         raise _load_failure(cfg, "hub", err, create_kwargs) from None
+
+
+@contextlib.contextmanager
+def hub_access(allowed: bool):
+    """Downloads are opt-in (--download, suite.download): without them the Hugging Face hub is read from the local
+    cache only, whatever HF_HUB_OFFLINE says; with them it may download, even under the Makefile's HF_HUB_OFFLINE=1."""
+    from huggingface_hub import constants
+
+    previous = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = not allowed
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = previous
 
 
 def build_backbone(cfg: BackboneConfig, state: StateDict | None = None, *, source: str = "backbone") -> Backbone:

@@ -26,7 +26,7 @@ from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, nega
 from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
-from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, load_backbone, load_head, select_device
+from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_head, select_device
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
 from mergeflow.task_vectors import statistics as vector_statistics, task_vector
@@ -216,7 +216,8 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
     device = _setup(params, params.seed)
     with Timer() as timer:
         if params.backbone.pretrained is not None:
-            backbone = Backbone(params.backbone, pretrained=True)
+            with hub_access(params.downloads()):
+                backbone = Backbone(params.backbone, pretrained=True)
             curve, head_acc = [], {}
         else:
             corpus = load_state_dict(layout.pretrain_corpus, check=False)
@@ -265,7 +266,8 @@ def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict
 
         # the papers' templates for a benchmark dataset; your own data: CLIP's generic one
         templates = benchmark.templates(task) if params.suite.source == "torchvision" else list(benchmark.GENERIC_TEMPLATES)
-        text = zeroshot.text_model(params.backbone, seed=seed)
+        with hub_access(params.downloads()):
+            text = zeroshot.text_model(params.backbone, seed=seed)
         head = zeroshot.zeroshot_head(text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates, device=device)
         return head, {"head": "zeroshot", "templates": len(templates)}
     probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))

@@ -64,7 +64,7 @@ def text_model(cfg: BackboneConfig, *, seed: int = 0) -> nn.Module:
             return open_clip.create_model(**source, force_quick_gelu=quick_gelu).eval()
         except Exception as err:  # noqa: BLE001  the hub's errors, and open_clip's on a repository without its model
             if constants.HF_HUB_OFFLINE:
-                raise MergeflowError(f"backbone.text: hub: CLIP's text tower ({hub_id} on the Hugging Face hub) is not in the local cache and HF_HUB_OFFLINE=1 forbids downloading it; run with --download once, or `hf download {hub_id}`") from None
+                raise MergeflowError(f"backbone.text: hub: CLIP's text tower ({hub_id} on the Hugging Face hub) is not in the local cache and downloads are off; run with --download once, or `hf download {hub_id}`") from None
             raise MergeflowError(f"backbone.text: hub: could not get CLIP's text tower from {hub_id}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
     from mergeflow.checkpoints import read_tensors
     from mergeflow.io import load_state_dict
