@@ -86,3 +86,136 @@ def test_unknown_torchvision_class_keeps_working_and_unknown_name_is_one_line(tm
     assert templates("Omniglot") == ["a photo of a {}."]
     with pytest.raises(MergeflowError, match="Nonsense"):
         build_task(_cfg(tmp_path), "Nonsense", seed=0)
+
+
+# ---------------------------------------------------------------- resizing: suite.resize
+
+
+@pytest.mark.parametrize("shape", [(23, 37), (41, 19), (30, 30)])  # landscape, portrait (odd margins), square
+def test_resize_modes_match_pil_and_torchvision_by_hand(shape):
+    from PIL import Image
+    from torchvision import transforms
+
+    from mergeflow.data import resize_image
+
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    size = 16
+    # squash: the whole image to size x size, bilinear (the embedded suite's and your data's default)
+    squash = resize_image(Image.fromarray(array), size, "squash")
+    assert squash.dtype == np.uint8 and squash.shape == (size, size, 3)
+    assert np.array_equal(squash, np.asarray(Image.fromarray(array).resize((size, size), Image.BILINEAR)))
+    # crop: CLIP's eval transform, torchvision's Resize(S, bicubic) + CenterCrop(S) on the same PIL image
+    clip = transforms.Compose([transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(size)])
+    crop = resize_image(Image.fromarray(array), size, "crop")
+    assert crop.shape == (size, size, 3) and np.array_equal(crop, np.asarray(clip(Image.fromarray(array))))
+    assert np.array_equal(resize_image(array, size, "crop"), crop)  # an array as well as a PIL image
+    if shape[0] != shape[1]:
+        assert not np.array_equal(crop, squash)
+    gray = rng.integers(0, 256, shape, dtype=np.uint8)  # grayscale: three equal channels
+    assert np.array_equal(resize_image(Image.fromarray(gray), size, "crop"), np.asarray(clip(Image.fromarray(gray).convert("RGB"))))
+
+
+def test_crop_mode_through_build_task(standins):
+    squash, classes = build_task(_cfg(standins, resize="squash"), "EuroSAT", seed=3)
+    crop, same_classes = build_task(_cfg(standins, resize="crop"), "EuroSAT", seed=3)
+    assert classes == same_classes
+    for split in ("train", "val", "test"):
+        assert np.array_equal(squash[f"{split}_y"], crop[f"{split}_y"])  # the same images picked, resized otherwise
+        assert crop[f"{split}_x"].shape == squash[f"{split}_x"].shape and not np.array_equal(crop[f"{split}_x"], squash[f"{split}_x"])
+
+
+# ---------------------------------------------------------------- missing against unreadable files
+
+
+def test_a_damaged_file_is_named_not_reported_missing(tmp_path):
+    write_standins(tmp_path, ["SVHN", "Cars"], seed=0)
+    for task, damaged in (("SVHN", tmp_path / "svhn" / "train_32x32.mat"), ("Cars", tmp_path / "stanford_cars" / "devkit" / "cars_meta.mat")):
+        damaged.write_bytes(b"MATLAB 5.0 MAT-file, this is not one" + bytes(range(256)) * 4)
+        with pytest.raises(MergeflowError) as err:
+            build_task(_cfg(tmp_path), task, seed=0)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(f"suite.root: {task}: {damaged}: not readable (")
+        assert "not found" not in message and "--download" not in message and "Kaggle" not in message
+    (tmp_path / "svhn" / "train_32x32.mat").unlink()
+    with pytest.raises(MergeflowError, match=r"^suite.root: SVHN not found under '[^']*' \(expected .*train,test}_32x32.mat\); run with --download"):
+        build_task(_cfg(tmp_path), "SVHN", seed=0)
+
+
+def test_an_undecodable_image_names_the_task_and_the_file(tmp_path):
+    write_standins(tmp_path, ["SUN397"], seed=0)
+    files = sorted((tmp_path / "SUN397").rglob("*.jpg"))
+    for f in files:  # a truncated JPEG: its header opens, its pixels do not decode
+        f.write_bytes(f.read_bytes()[:200])
+    with pytest.raises(MergeflowError) as err:
+        build_task(_cfg(tmp_path), "SUN397", seed=0)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("suite.root: SUN397: ") and ": not readable (" in message
+    assert any(str(f) in message for f in files)
+
+
+# ---------------------------------------------------------------- --download reaches the prepare stage's readers
+
+
+class _InProcess:
+    """ProcessPoolExecutor's interface, running each job at once in this process (monkeypatched torchvision classes
+    do not reach spawned workers)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller through the future, as a pool would
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
+
+def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, tmp_path, monkeypatch):
+    import yaml
+
+    from mergeflow import stages
+    from mergeflow.config import DOWNLOAD_ENV, parse_params
+
+    seen = []
+
+    class FakeMNIST:
+        classes = [str(i) for i in range(10)]
+
+        def __init__(self, root, train, download):
+            seen.append(download)
+            raise RuntimeError("Dataset not found. You can use download=True to download it")
+
+    monkeypatch.setattr(tvd, "MNIST", FakeMNIST)
+    monkeypatch.setattr(stages, "ProcessPoolExecutor", _InProcess)
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["suite"] = {"source": "torchvision", "root": str(tmp_path / "data"), "download": False, "tasks": ["MNIST"],
+                    "image_size": 16, "n_train": 12, "n_val": 4, "n_test": 6, "pretrain_images": 0}
+    params = parse_params(raw)
+    monkeypatch.setenv(DOWNLOAD_ENV, "1")  # what `mergeflow prepare --download` sets
+    assert params.downloads() and not params.suite.download
+    with pytest.raises(MergeflowError, match="could not be downloaded"):
+        stages.prepare(params, stages.Layout(tmp_path / "repo"))
+    monkeypatch.delenv(DOWNLOAD_ENV)
+    with pytest.raises(MergeflowError, match="--download"):
+        stages.prepare(params, stages.Layout(tmp_path / "repo"))
+    # build_task's own argument: download=None is suite.download, an explicit value wins
+    with pytest.raises(MergeflowError):
+        build_task(_cfg(tmp_path, download=False), "MNIST", seed=0, download=True)
+    with pytest.raises(MergeflowError):
+        build_task(_cfg(tmp_path, download=True), "MNIST", seed=0)
+    assert seen == [True, False, True, True]
+    assert not (tmp_path / "repo" / "data" / "tasks" / "MNIST.safetensors").exists()

@@ -45,6 +45,10 @@ class SuiteConfig(_Strict):
     download: bool = False  # torchvision: download what is missing under root (also `mergeflow prepare --download`)
     tasks: list[str] = Field(min_length=1)  # downstream tasks, in report order
     image_size: int = Field(32, ge=8, le=1024)  # images are stored square, uint8, at this size
+    # how imagefolder and torchvision images become image_size squares (the embedded suite is generated at it):
+    # squash: the whole image, aspect lost (the embedded suite, your data); crop: CLIP's eval transform, short side
+    # to image_size (bicubic) then the centre
+    resize: Literal["squash", "crop"] = "squash"
     n_train: int = Field(3000, ge=8)  # per task; embedded suite generates exactly this many, real data is capped by it
     n_val: int = Field(300, ge=4)
     n_test: int = Field(800, ge=4)

@@ -190,21 +190,29 @@ def _load_task_vectors(params: Params, layout: Layout, directory: Path | None = 
 # ---------------------------------------------------------------- prepare
 def prepare(params: Params, layout: Layout = Layout()) -> dict:
     """Generate (embedded) or convert (imagefolder, torchvision) every task, and the pretraining corpus."""
+    suite = params.suite
     with Timer() as timer:
         # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each
-        # from its own seed, so the result does not depend on the number of workers)
-        workers = min(len(params.suite.tasks) + 1, params.threads() or os.cpu_count() or 1)
+        # from its own seed, so the result does not depend on the number of workers). Each worker saves its own
+        # file and returns only the sizes: this process never holds a task's arrays. At 224 pixels a task is
+        # gigabytes: no more workers than half the memory holds.
+        workers = min(len(suite.tasks) + 1, params.threads() or os.cpu_count() or 1)
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            workers = max(1, min(workers, memory // 2 // max(1, data_mod.task_bytes(suite))))
+        build_corpus = params.backbone.pretrained is None
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            corpus_job = pool.submit(data_mod.build_pretraining_corpus, params.suite, params.seed) if params.backbone.pretrained is None else None
-            jobs = {t: pool.submit(data_mod.build_task, params.suite, t, _task_seed(params.seed, t)) for t in params.suite.tasks}
-            built = {t: job.result() for t, job in jobs.items()}
-            corpus = corpus_job.result() if corpus_job else None
-        for t, (arrays, classes) in built.items():
-            data_mod.save_task(layout.task_data(t), t, arrays, classes, params.suite.image_size)
-        tensors = {k: torch.from_numpy(v) for k, v in (corpus or {}).items()}
-        save_state_dict(layout.pretrain_corpus, tensors or {"images": torch.zeros(0, params.suite.image_size, params.suite.image_size, 3, dtype=torch.uint8)}, {"heads": json.dumps(sorted(k for k in tensors if k != "images"))})
-    sizes = {t: {s: int(len(arrays[f"{s}_y"])) for s in data_mod.SPLITS} for t, (arrays, _) in built.items()}
-    metrics = {"tasks": sizes, "pretrain_images": int(len(tensors.get("images", [])))}
+            try:
+                corpus_job = pool.submit(data_mod.write_pretraining_corpus, layout.pretrain_corpus, suite, params.seed) if build_corpus else None
+                jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads()) for t in suite.tasks}
+                sizes = {t: job.result() for t, job in jobs.items()}
+                pretrain_images = corpus_job.result() if corpus_job else 0
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # one task failed: start no other
+                raise
+        if not build_corpus:  # a pretrained backbone: an empty corpus
+            data_mod.write_pretraining_corpus(layout.pretrain_corpus, suite, params.seed, build=False)
+    metrics = {"tasks": sizes, "pretrain_images": pretrain_images}
     write_json(layout.metrics("prepare"), metrics)
     write_json(layout.timing("prepare"), timer.record())
     return metrics

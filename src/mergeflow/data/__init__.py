@@ -138,14 +138,52 @@ def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str
     )
 
 
-def _resize_uint8(images: list, size: int) -> np.ndarray:
+def resize_image(image, size: int, mode: str = "squash") -> np.ndarray:
+    """One image (PIL or array, grayscale or palette too) as uint8 [size, size, 3]. ``squash``: the whole image to
+    size x size (bilinear; the aspect is lost). ``crop``: CLIP's eval transform, the short side to ``size``
+    (bicubic), then the centre size x size (torchvision's Resize(size, BICUBIC) + CenterCrop(size), by hand).
+    Only the result is kept: the intermediate images are closed (the caller closes ``image``)."""
     from PIL import Image
 
-    out = np.empty((len(images), size, size, 3), dtype=np.uint8)
-    for i, img in enumerate(images):
-        pil = (img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img))).convert("RGB")  # grayscale too
-        out[i] = np.asarray(pil.resize((size, size), Image.BILINEAR))
+    rgb = (image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image))).convert("RGB")
+    try:
+        if mode == "squash":
+            out = rgb.resize((size, size), Image.BILINEAR)
+        elif mode == "crop":
+            w, h = rgb.size
+            short, long = (w, h) if w <= h else (h, w)
+            new_long = int(size * long / short)  # torchvision's rounding, towards zero
+            new_w, new_h = (size, new_long) if w <= h else (new_long, size)
+            resized = rgb.resize((new_w, new_h), Image.BICUBIC)
+            top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+            out = resized.crop((left, top, left + size, top + size))
+            resized.close()
+        else:
+            raise MergeflowError(f"suite.resize: '{mode}' is not one of squash, crop")
+        try:
+            return np.asarray(out, dtype=np.uint8)
+        finally:
+            out.close()
+    finally:
+        rgb.close()
+
+
+def _decode_files(files, size: int, mode: str) -> np.ndarray:
+    """Image files decoded one at a time, each resized at once into a preallocated uint8 [n, size, size, 3]."""
+    from PIL import Image
+
+    out = np.empty((len(files), size, size, 3), dtype=np.uint8)
+    for i, f in enumerate(files):
+        try:
+            with Image.open(f) as img:
+                out[i] = resize_image(img, size, mode)
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+            raise MergeflowError(f"{f}: not a readable image ({_first_line(err)})") from None
     return out
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0] or type(err).__name__
 
 
 def _split_off(x: np.ndarray, y: np.ndarray, n: int, rng: np.random.Generator):
@@ -161,9 +199,8 @@ def _cap(x: np.ndarray, y: np.ndarray, n: int, rng: np.random.Generator):
 
 
 def _imagefolder_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """<root>/<task>/{train,val,test}/<class>/<image>; without val/, validation is split off train."""
-    from PIL import Image
-
+    """<root>/<task>/{train,val,test}/<class>/<image>; without val/, validation is split off train. The splits and
+    caps are drawn over the file lists; only the files kept are decoded, each resized as it is read."""
     base = Path(cfg.root) / task
     if not (base / "train").is_dir() or not (base / "test").is_dir():
         raise MergeflowError(f"suite.root: '{base}' needs train/ and test/ subdirectories of class folders")
@@ -172,55 +209,57 @@ def _imagefolder_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str,
         raise MergeflowError(f"suite.root: '{base / 'train'}' has no class folders")
     index = {c: i for i, c in enumerate(classes)}
 
-    def read(split: str) -> tuple[np.ndarray, np.ndarray]:
-        images, labels = [], []
+    def listing(split: str) -> tuple[np.ndarray, np.ndarray]:
+        files, labels = [], []
         for cls_dir in sorted(p for p in (base / split).iterdir() if p.is_dir()):
             if cls_dir.name not in index:
                 raise MergeflowError(f"{cls_dir}: class '{cls_dir.name}' is not among the train classes")
             for f in sorted(cls_dir.iterdir()):
-                try:
-                    images.append(np.asarray(Image.open(f).convert("RGB")))
-                except OSError:
-                    raise MergeflowError(f"{f}: not a readable image") from None
+                files.append(str(f))
                 labels.append(index[cls_dir.name])
-        if not images:
+        if not files:
             raise MergeflowError(f"{base / split}: no images")
-        return _resize_uint8(images, cfg.image_size), np.asarray(labels, dtype=np.int64)
+        return np.asarray(files, dtype=object), np.asarray(labels, dtype=np.int64)
 
     rng = np.random.default_rng(seed)
-    train = read("train")
+    train = listing("train")
     if (base / "val").is_dir():
-        val = read("val")
+        val = listing("val")
     else:
         train, val = _split_off(*train, min(cfg.n_val, len(train[0]) // 5), rng)
-    test = read("test")
+    test = listing("test")
     arrays = {}
-    for split, (x, y), n in (("train", train, cfg.n_train), ("val", val, cfg.n_val), ("test", test, cfg.n_test)):
-        arrays[f"{split}_x"], arrays[f"{split}_y"] = _cap(x, y, n, rng)
+    for split, (files, y), n in (("train", train, cfg.n_train), ("val", val, cfg.n_val), ("test", test, cfg.n_test)):
+        files, arrays[f"{split}_y"] = _cap(files, y, n, rng)
+        arrays[f"{split}_x"] = _decode_files(files, cfg.image_size, getattr(cfg, "resize", "squash"))
     return arrays, classes
 
 
 def _torchvision_task(cfg: SuiteConfig, task: str, seed: int, download: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
     """A benchmark dataset by the papers' name (``benchmark.BENCHMARK``: SUN397, Cars, ..., KMNIST) or any other
     torchvision dataset class by name, read from suite.root; downloaded only when ``download``. Only the picked
-    images are decoded: n_train + n_val of train (val split off it), n_test of test."""
+    images are decoded: n_train + n_val of train (val split off it), n_test of test, each resized as it is decoded
+    into its place in a preallocated array (train and val are views of one array: no copy)."""
     from mergeflow.data import benchmark
 
-    def load(split: str, n: int, rng: np.random.Generator):
-        pool = benchmark.open_split(task, cfg.root, split, download)
-        pick = np.sort(rng.choice(len(pool), min(n, len(pool)), replace=False))
-        images, labels = pool.read(pick)
-        return _resize_uint8(images, cfg.image_size), labels, pool
-
-    x, y, pool = load("train", cfg.n_train + cfg.n_val, np.random.default_rng(seed + 1))
-    train, val = _split_off(x, y, cfg.n_val, np.random.default_rng(seed))
-    test_x, test_y, _ = load("test", cfg.n_test, np.random.default_rng(seed))
+    size, mode = cfg.image_size, getattr(cfg, "resize", "squash")
+    pool = benchmark.open_split(task, cfg.root, "train", download)
+    pick = np.sort(np.random.default_rng(seed + 1).choice(len(pool), min(cfg.n_train + cfg.n_val, len(pool)), replace=False))
+    # the val split off the picks (as _split_off): row k holds pick order[k], val the first n_val rows, train the rest
+    order = np.random.default_rng(seed).permutation(len(pick))
+    rows = np.empty_like(order)
+    rows[order] = np.arange(len(order))
+    x, y = pool.read(pick, size, mode, rows)
+    n_val = min(cfg.n_val, len(x))
+    test_pool = benchmark.open_split(task, cfg.root, "test", download)
+    test_pick = np.sort(np.random.default_rng(seed).choice(len(test_pool), min(cfg.n_test, len(test_pool)), replace=False))
+    test_x, test_y = test_pool.read(test_pick, size, mode)
     entry = benchmark.entry(task)
     if entry.classes is not None:
         classes = list(entry.classes)
     else:
         classes = [str(c) for c in getattr(pool.parts[0][0], "classes", [])] or [str(i) for i in range(int(max(y.max(), test_y.max())) + 1)]
-    return {"train_x": train[0], "train_y": train[1], "val_x": val[0], "val_y": val[1], "test_x": test_x, "test_y": test_y}, classes
+    return {"train_x": x[n_val:], "train_y": y[n_val:], "val_x": x[:n_val], "val_y": y[:n_val], "test_x": test_x, "test_y": test_y}, classes
 
 
 def class_names(task: str, root: str | None = None, download: bool = False) -> list[str]:
@@ -237,7 +276,9 @@ def templates(task: str) -> list[str]:
     return benchmark.templates(task)
 
 
-def build_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
+def build_task(cfg: SuiteConfig, task: str, seed: int, download: bool | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The task's arrays and class names. ``download`` (torchvision): may missing datasets be fetched; None:
+    suite.download (the prepare stage passes ``Params.downloads()``, which --download also sets)."""
     if cfg.source == "embedded":
         from mergeflow.data import embedded
 
@@ -247,10 +288,32 @@ def build_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.nda
         return arrays, [str(i) for i in range(embedded.TASKS[task])]
     if cfg.source == "imagefolder":
         return _imagefolder_task(cfg, task, seed)
-    return _torchvision_task(cfg, task, seed, download=getattr(cfg, "download", False))
+    return _torchvision_task(cfg, task, seed, download=getattr(cfg, "download", False) if download is None else download)
+
+
+def write_task(path: Path, cfg: SuiteConfig, task: str, seed: int, download: bool | None = None) -> dict[str, int]:
+    """Build the task and save it (atomically, checked: ``save_task``) in this process: the prepare stage's worker,
+    so that the stage's parent never holds any task's arrays. Returns the split sizes."""
+    arrays, classes = build_task(cfg, task, seed, download=download)
+    save_task(Path(path), task, arrays, classes, cfg.image_size)
+    return {s: int(len(arrays[f"{s}_y"])) for s in SPLITS}
+
+
+def task_bytes(cfg: SuiteConfig) -> int:
+    """About the most memory one task's worker holds: its images, and safetensors' copy of them while saving."""
+    return 2 * (cfg.n_train + cfg.n_val + cfg.n_test) * cfg.image_size ** 2 * 3
 
 
 def build_pretraining_corpus(cfg: SuiteConfig, seed: int) -> dict[str, np.ndarray]:
     from mergeflow.data import embedded
 
     return embedded.make_pretraining_corpus(cfg.pretrain_images, cfg.image_size, seed)
+
+
+def write_pretraining_corpus(path: Path, cfg: SuiteConfig, seed: int, build: bool = True) -> int:
+    """Build (``build``; else an empty one: a pretrained backbone needs none) and save the pretraining corpus in this
+    process. Returns its number of images."""
+    tensors = {k: torch.from_numpy(v) for k, v in (build_pretraining_corpus(cfg, seed) if build else {}).items()}
+    empty = {"images": torch.zeros(0, cfg.image_size, cfg.image_size, 3, dtype=torch.uint8)}
+    save_state_dict(path, tensors or empty, {"heads": json.dumps(sorted(k for k in tensors if k != "images"))})
+    return int(len(tensors.get("images", [])))

@@ -169,22 +169,79 @@ def class_names(task: str, root: str | None = None, download: bool = False) -> l
 class Pool:
     """One split: parts of (dataset, label table or None, indices into the dataset); decodes only what ``read`` picks."""
 
-    def __init__(self, parts: list[tuple[Any, np.ndarray | None, np.ndarray]]):
+    def __init__(self, parts: list[tuple[Any, np.ndarray | None, np.ndarray]], name: str = "", root: str = ""):
         self.parts = parts
+        self.name, self.root = name, root
         self.offsets = np.cumsum([0] + [len(ix) for _, _, ix in parts])
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def read(self, picks: np.ndarray) -> tuple[list, np.ndarray]:
-        images, labels = [], []
-        for p in picks:
+    def read(self, picks: np.ndarray, size: int, mode: str = "squash", rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The picked images as uint8 [len(picks), size, size, 3] and their labels; each image is resized
+        (``mergeflow.data.resize_image``) as it is decoded, and closed: one full-size image at a time. Pick j
+        goes to row ``rows[j]`` (default j). An image that cannot be decoded is one line naming the task and file."""
+        from mergeflow.data import resize_image
+
+        images = np.empty((len(picks), size, size, 3), dtype=np.uint8)
+        labels = np.empty(len(picks), dtype=np.int64)
+        for j, p in enumerate(picks):
             part = int(np.searchsorted(self.offsets, p, side="right")) - 1
             ds, table, ix = self.parts[part]
-            image, label = ds[int(ix[p - self.offsets[part]])]
-            images.append(image)
-            labels.append(int(label) if table is None else int(table[int(label)]))
-        return images, np.asarray(labels, dtype=np.int64)
+            i = int(ix[p - self.offsets[part]])
+            row = j if rows is None else int(rows[j])
+            try:
+                image, label = ds[i]
+                try:
+                    images[row] = resize_image(image, size, mode)
+                finally:
+                    if hasattr(image, "close"):
+                        image.close()
+            except MergeflowError:
+                raise
+            except Exception as err:  # PIL's and the readers' errors for a damaged file are of many kinds
+                where = _file_of(ds, i) or _culprit(err, self.root) or f"image {i} of {type(ds).__name__} under '{self.root}'"
+                raise MergeflowError(f"suite.root: {self.name}: {where}: not readable ({_first_line(err)})") from None
+            labels[row] = int(label) if table is None else int(table[int(label)])
+        return images, labels
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0] or type(err).__name__
+
+
+def _file_of(ds, i: int) -> str | None:
+    """The file image ``i`` of a torchvision dataset (or _Resisc45) is read from, where the dataset lists files."""
+    for attr in ("samples", "_samples", "_image_files", "_images", "imgs"):
+        files = getattr(ds, attr, None)
+        if isinstance(files, (list, tuple)) and 0 <= i < len(files):
+            item = files[i]
+            item = item[0] if isinstance(item, tuple) else item
+            if isinstance(item, (str, os.PathLike)):
+                return str(item)
+    return None
+
+
+def _culprit(err: BaseException, root: str) -> str | None:
+    """The file under ``root`` a reader was parsing when ``err`` was raised: the innermost frame of its traceback with
+    a local naming an existing file there (a path, or an open file's name); None when there is none."""
+    import traceback
+
+    base = os.path.realpath(root) if root else None
+    if base is None:
+        return None
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    for frame in reversed(frames):
+        for value in list(frame.f_locals.values()):
+            name = getattr(value, "name", None) if hasattr(value, "read") else value
+            if isinstance(name, (str, os.PathLike)):
+                try:
+                    path = os.path.realpath(name)
+                    if os.path.isfile(path) and os.path.commonpath([path, base]) == base:
+                        return str(name)
+                except (TypeError, ValueError, OSError):
+                    continue
+    return None
 
 
 def _without_md5(cls):
@@ -202,30 +259,48 @@ def _without_md5(cls):
     return WithoutMD5
 
 
-def _missing(e: Benchmark, root: str) -> str:
+def _missing(e: Benchmark, root: str, detail: str = "") -> str:
     how = e.manual or DOWNLOAD_HINT
-    return f"suite.root: {e.name} not found or not readable under '{root}' (expected {e.layout}); {how}"
+    return f"suite.root: {e.name} not found under '{root}'{detail} (expected {e.layout}); {how}"
+
+
+def _is_missing(err: BaseException) -> bool:
+    """An absent file or folder (torchvision's own existence checks say 'Dataset not found'), not a damaged one."""
+    return isinstance(err, (FileNotFoundError, NotADirectoryError)) or (isinstance(err, RuntimeError) and "not found" in str(err).lower())
 
 
 def _open(e: Benchmark, root: str, kwargs: dict, download: bool):
-    if e.reader == "RESISC45":
-        return read_resisc45(e, root, kwargs["split"])
-    import torchvision.datasets as tvd
-
-    cls = getattr(tvd, e.reader)
-    if e.md5_free and not download:
-        cls = _without_md5(cls)
-    where = os.path.join(root, e.subdir) if e.subdir else root
-    args = dict(kwargs)
-    if e.downloadable:
-        args["download"] = download  # FER2013 and StanfordCars have no (working) download
+    """The reader of one split: a missing dataset is one line with how to fetch it; a file that is there but cannot
+    be parsed (a damaged .mat, a truncated archive) is one line naming that file."""
     try:
+        if e.reader == "RESISC45":
+            return read_resisc45(e, root, kwargs["split"])
+        import torchvision.datasets as tvd
+
+        cls = getattr(tvd, e.reader)
+        if e.md5_free and not download:
+            cls = _without_md5(cls)
+        where = os.path.join(root, e.subdir) if e.subdir else root
+        args = dict(kwargs)
+        if e.downloadable:
+            args["download"] = download  # FER2013 and StanfordCars have no (working) download
         return cls(root=where, **args)
-    except (RuntimeError, FileNotFoundError, NotADirectoryError, ValueError, OSError) as err:
-        if not download or not e.downloadable:
-            raise MergeflowError(_missing(e, root)) from None
-        reason = str(err).splitlines()[0].split(" You can use download=True")[0] if str(err) else type(err).__name__
-        raise MergeflowError(f"suite.root: {e.name} could not be downloaded to '{root}' ({reason})") from None
+    except MergeflowError:
+        raise
+    except Exception as err:  # the readers' parse errors are of many kinds (ValueError, KeyError, MatReadError, ...)
+        reason = _first_line(err).split(" You can use download=True")[0]
+        if _is_missing(err):
+            if download and e.downloadable:
+                raise MergeflowError(f"suite.root: {e.name} could not be downloaded to '{root}' ({reason})") from None
+            absent = getattr(err, "filename", None)
+            # torchvision says 'not found or corrupted' when its md5 check fails (md5-free readers check existence only)
+            checked = "corrupt" in reason and not (e.md5_free and not download)
+            detail = f" ({absent} is missing)" if absent else (" or failing torchvision's md5 check" if checked else "")
+            raise MergeflowError(_missing(e, root, detail)) from None
+        culprit = _culprit(err, root)
+        if culprit is None and download and e.downloadable:
+            raise MergeflowError(f"suite.root: {e.name} could not be downloaded to '{root}' ({reason})") from None
+        raise MergeflowError(f"suite.root: {e.name}: {culprit or f'its files under {root!r}'}: not readable ({reason})") from None
 
 
 def _raw_classes(e: Benchmark, ds) -> list[str] | None:
@@ -278,7 +353,7 @@ def open_split(task: str, root: str, split: str, download: bool = False) -> Pool
         parts = [(ds, table, np.sort(order[:n_test] if split == "test" else order[n_test:]))]
     if sum(len(ix) for _, _, ix in parts) == 0:
         raise MergeflowError(f"suite.root: {e.name} under '{root}' has no {split} images (expected {e.layout})")
-    return Pool(parts)
+    return Pool(parts, e.name, root)
 
 
 class _Resisc45:
@@ -299,7 +374,8 @@ class _Resisc45:
 
     def __getitem__(self, i: int):
         path, label = self.samples[i]
-        return self._open(path).convert("RGB"), label
+        with self._open(path) as image:
+            return image.convert("RGB"), label
 
 
 def read_resisc45(e: Benchmark, root: str, split: str) -> _Resisc45:
