@@ -3,10 +3,12 @@ library that made the checkpoint, on small random models, and the restricted unp
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
+from mergeflow import checkpoints
 from mergeflow.checkpoints import read_checkpoint, read_tensors, resolve_source
 from mergeflow.errors import MergeflowError
 
@@ -225,6 +228,149 @@ def test_crafted_pickle_runs_nothing(tmp_path, attack, container):
     torch.save({"weight": torch.ones(2), "extra": exploit}, path)
     assert set(read_tensors(path)) == {"weight"}
     assert not marker.exists()
+
+
+class _Reduce:
+    """Pickles as ``__reduce__`` returning ``reduced``: (callable, args[, state for a BUILD])."""
+
+    def __init__(self, *reduced):
+        self.reduced = reduced
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def one_line_error(call, *match):
+    with pytest.raises(MergeflowError, match=match[0] if match else None) as err:
+        call()
+    message = str(err.value)
+    assert message.isascii() and message.isprintable(), repr(message)  # one line, no terminal escapes
+    return message
+
+
+@pytest.mark.parametrize("form", ["slot-state", "dict-state"])
+@pytest.mark.parametrize("target", ["torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_parameter", "copyreg _reconstructor"])
+def test_build_on_an_allowed_function_is_refused(tmp_path, target, form):
+    """pickle's BUILD on a global the reader allows (``(None, {'__defaults__': ...})`` sets the function's
+    attributes) is refused in one line, and the reader's function is the same for the next file."""
+    module, name = target.split()
+    func = checkpoints._ALLOWED[(module, name)]
+    defaults, attributes = func.__defaults__, dict(vars(func))
+    state = b"}V__defaults__\n\x88NN\x87s"  # {'__defaults__': (True, None, None)}
+    path = tmp_path / "build.pkl"
+    path.write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode() + (b"N" + state + b"\x86" if form == "slot-state" else state) + b"b.")
+    try:
+        assert "BUILD" in one_line_error(lambda: read_tensors(path), str(path))
+        assert func.__defaults__ == defaults and vars(func) == attributes
+    finally:
+        func.__defaults__ = defaults
+        vars(func).clear()
+        vars(func).update(attributes)
+
+
+def strided(storage: torch.Tensor, offset, size, stride, state=None) -> _Reduce:
+    """A tensor that torch.save pickles as this view of ``storage``'s elements (then a BUILD of ``state``)."""
+    return _Reduce(torch._utils._rebuild_tensor_v2, (storage._typed_storage(), offset, size, stride, False, collections.OrderedDict()), state)
+
+
+def test_build_on_a_tensor_reference_is_refused(tmp_path):
+    """A BUILD on a rebuilt tensor would set its size and stride past the rebuild's checks."""
+    rebuilt = strided(torch.ones(4), 0, (4,), (1,), state=(None, {"size": (2**40,), "stride": (0,)}))
+    torch.save({"weight": rebuilt}, tmp_path / "build.pt")
+    one_line_error(lambda: read_tensors(tmp_path / "build.pt"), r"BUILD")
+
+
+@pytest.mark.parametrize(("offset", "size", "stride", "expected"), [
+    (0, (2**40,), (0,), "larger than its storage of 3 elements"),  # stride 0: one element read, 4 TiB to copy
+    (0, (2, 2), (1, 1), "larger than its storage of 3 elements"),  # every index within the storage, 4 elements of 3
+    (1, (3,), (1,), "runs past its storage of 3 elements"),
+    (0, (2, 3), (2**62, 1), "runs past its storage of 3 elements"),
+])
+def test_tensor_views_stay_within_their_storage(tmp_path, offset, size, stride, expected):
+    """A tensor must reach only its storage's elements, and no more of them than it holds: else one line, before
+    anything is allocated."""
+    path = tmp_path / "view.pt"
+    torch.save({"weight": strided(torch.arange(3.0), offset, size, stride)}, path)
+    one_line_error(lambda: read_tensors(path), rf"{path.name}: not a checkpoint mergeflow reads: .*{expected}")
+    torch.save({"weight": strided(torch.arange(4.0), 1, (2,), (2,))}, path)  # a view within it: copied out
+    assert torch.equal(read_tensors(path)["weight"], torch.tensor([1.0, 3.0]))
+
+
+def test_tensor_that_torch_cannot_build(tmp_path, monkeypatch):
+    """torch refusing to build a tensor (an allocation that fails) is one line naming the file and the tensor."""
+    path = tmp_path / "view.pt"
+    torch.save({"weight": strided(torch.arange(4.0), 0, (2,), (2,))}, path)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.\nError code 12")
+
+    monkeypatch.setattr(torch.Tensor, "clone", fail)
+    one_line_error(lambda: read_tensors(path), rf"{path.name}: .*tensor 'weight' could not be built \(RuntimeError: DefaultCPUAllocator")
+
+
+def test_untyped_storage(tmp_path):
+    """dtypes without a storage type of their own (float8) are saved over torch.storage.UntypedStorage."""
+    weight = torch.tensor([0.5, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    torch.save({"weight": weight}, tmp_path / "fp8.pt")
+    state = read_tensors(tmp_path / "fp8.pt")
+    assert state["weight"].dtype == torch.float8_e4m3fn and torch.equal(state["weight"].float(), weight.float())
+
+
+def shared_chain(depth: int) -> list[torch.nn.Module]:
+    """Modules 0..depth, each holding the next under two names: a tree of 2**depth paths to the last."""
+    modules = [torch.nn.Module() for _ in range(depth + 1)]
+    for parent, child in zip(modules, modules[1:]):
+        parent.a = child
+        parent.b = child
+    return modules
+
+
+def test_shared_submodules_are_listed_under_each_name(tmp_path):
+    """A submodule registered under several names: its tensors under each, as module.state_dict() gives them."""
+    modules = shared_chain(3)
+    for i, module in enumerate(modules):
+        module.weight = torch.nn.Parameter(torch.full((2,), float(i)))
+    torch.save(modules[0], tmp_path / "shared.pt")
+    state = read_tensors(tmp_path / "shared.pt")
+    expected = modules[0].state_dict()
+    assert list(state) == list(expected) and len(state) == 1 + 2 + 4 + 8
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+@pytest.mark.timeout(60, method="signal")
+def test_shared_submodules_are_walked_once(tmp_path):
+    """40 levels of submodules shared under two names (2**40 paths, no tensors below the root) read at once."""
+    modules = shared_chain(40)
+    modules[0].weight = torch.nn.Parameter(torch.ones(2))
+    torch.save(modules[0], tmp_path / "shared.pt")
+    assert set(read_tensors(tmp_path / "shared.pt")) == {"weight"}
+
+
+@pytest.mark.timeout(60, method="signal")
+def test_shared_submodules_naming_too_many_tensors(tmp_path):
+    """The same with a tensor at the bottom: state_dict() would name it 2**40 times; refused in one line."""
+    modules = shared_chain(40)
+    modules[-1].weight = torch.nn.Parameter(torch.ones(2))
+    torch.save(modules[0], tmp_path / "shared.pt")
+    one_line_error(lambda: read_tensors(tmp_path / "shared.pt"), r"shared.pt: .*a module tree naming more than")
+
+
+def test_names_in_errors_are_printable(tmp_path, monkeypatch):
+    """Globals and attribute names the pickle chose (a newline, a terminal escape) are escaped in the one line."""
+    module_name = "src.modeling\n\x1b[31mred"
+    encoder = type("Encoder", (), {"__module__": module_name, "__qualname__": "Encoder\r\x1b[2K"})
+    fake = types.ModuleType(module_name)
+    setattr(fake, encoder.__qualname__, encoder)
+    monkeypatch.setitem(sys.modules, module_name, fake)  # for pickle to find the class by its names
+    (tmp_path / "root.pkl").write_bytes(pickle.dumps(encoder(), protocol=4))
+    net = torch.nn.Module()
+    net._parameters["weight\n\x1b[0m"] = encoder()
+    (tmp_path / "module.pkl").write_bytes(pickle.dumps(net, protocol=4))
+    monkeypatch.delitem(sys.modules, module_name)
+    message = one_line_error(lambda: read_tensors(tmp_path / "root.pkl"), "holds no tensors")
+    assert r"src.modeling\n\x1b[31mred.Encoder\r\x1b[2K" in message
+    message = one_line_error(lambda: read_tensors(tmp_path / "module.pkl"), "not a tensor")
+    assert r"'weight\n\x1b[0m' is Encoder\r\x1b[2K" in message
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -23,8 +23,10 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import io
+import math
 import pickle
 import sys
+import types
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -41,6 +43,45 @@ from mergeflow.io import StateDict, check_compatible, check_finite, load_state_d
 
 class _Refused(Exception):
     """A pickle that is not a checkpoint this reader accepts; the message becomes the one-line error."""
+
+
+def _printable(text, limit: int = 120) -> str:
+    """``text`` (a name the pickle chose: a global, a module attribute, a tensor's) fit for a one-line message:
+    printable ASCII, anything else (a newline, a terminal escape) as a Python escape; cut at ``limit``."""
+    text = str(text)
+    if not (text.isascii() and text.isprintable()):
+        text = ascii(text)[1:-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _why(err: BaseException) -> str:
+    """An exception as one printable line: its type and its message's first line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {_printable(lines[0])}" if lines else type(err).__name__
+
+
+class _NoBuild:
+    """This reader's own objects that a pickle can reach (allowed functions, storage types, tensor and storage
+    references): pickle's BUILD, which sets attributes on whatever it is applied to, is refused on them. Only
+    :class:`_Pickled` records (and the dicts the pickle makes itself) take a state."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise _Refused(f"a pickle BUILD (setting attributes) on {type(self).__name__.strip('_')}, not on a recorded object")
+
+
+class _Call(_NoBuild):
+    """An allowed function as one pickle gets it. The function itself never reaches the pickle: a BUILD on it
+    would set its ``__defaults__`` or ``__code__`` for the rest of the process."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func):
+        self.func = func
+
+    def __call__(self, *args, **kwargs):
+        return self.func(*args, **kwargs)
 
 
 class _Pickled:
@@ -76,32 +117,34 @@ class _Pickled:
         return f"<pickled {self.qualname}>"
 
 
-class _StorageRef:
+class _StorageRef(_NoBuild):
     """A storage the pickle points at: in the zip by key (read only when a kept tensor needs it), or already read
     (``data``: plain pickles carry their storages inline)."""
 
-    __slots__ = ("key", "dtype", "numel", "data")  # no __dict__: a pickle's BUILD on it fails
+    __slots__ = ("key", "dtype", "numel", "data")
 
     def __init__(self, key, dtype, numel, data=None):
         self.key, self.dtype, self.numel, self.data = key, dtype, numel, data
 
 
-class _TensorRef:
+class _TensorRef(_NoBuild):
     """A tensor as the pickle describes it (a strided view of a storage); materialised by :meth:`_Reader.tensor`."""
 
     __slots__ = ("storage", "offset", "size", "stride", "dtype")
 
     def __init__(self, storage, offset, size, stride, dtype=None):
         if not isinstance(storage, _StorageRef):
-            raise _Refused(f"a tensor rebuilt from {type(storage).__name__}, not from a storage")
+            raise _Refused(f"a tensor rebuilt from {_printable(type(storage).__name__)}, not from a storage")
         if not all(isinstance(n, int) and n >= 0 for n in (offset, *size, *stride)) or len(size) != len(stride):
             raise _Refused("a tensor with an invalid offset, size or stride")
         self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
         self.dtype = dtype or storage.dtype
 
 
-class _StorageType:
+class _StorageType(_NoBuild):
     """``torch.FloatStorage`` and its kin, as the pickle names them: only their dtype matters."""
+
+    __slots__ = ("dtype",)
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -124,14 +167,14 @@ def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, bac
 
 def _rebuild_parameter(data, requires_grad=True, backward_hooks=None, state=None):
     if not isinstance(data, _TensorRef):
-        raise _Refused(f"a parameter holding {type(data).__name__}, not a tensor")
+        raise _Refused(f"a parameter holding {_printable(type(data).__name__)}, not a tensor")
     return data
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):  # tensor subclasses: the plain tensor is enough
-    if not any(func is f for f in _REBUILDERS) or not isinstance(args, tuple):
+    if not (isinstance(func, _Call) and func.func in _REBUILDERS) or not isinstance(args, tuple):
         raise _Refused("a tensor subclass rebuilt by an unknown function")
-    return func(*args)
+    return func.func(*args)
 
 
 def _load_from_bytes(data):
@@ -146,7 +189,7 @@ def _load_from_bytes(data):
         except Exception as err:  # noqa: BLE001  torch's loader raises anything on a crafted payload
             raise _Refused(f"an embedded storage torch refused ({type(err).__name__})") from None
     if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        raise _Refused(f"an embedded storage holding {type(storage).__name__}")
+        raise _Refused(f"an embedded storage holding {_printable(type(storage).__name__)}")
     dtype = storage.dtype if isinstance(storage, torch.storage.TypedStorage) else torch.uint8
     flat = torch.empty(0, dtype=dtype).set_(storage) if isinstance(storage, torch.storage.TypedStorage) else torch.frombuffer(bytearray(bytes(storage)), dtype=torch.uint8)
     return _StorageRef(None, dtype, flat.numel(), flat)
@@ -206,13 +249,16 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) in _compat_pickle.NAME_MAPPING:
             module, name = _compat_pickle.NAME_MAPPING[(module, name)]
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
-        if module in ("torch", "torch.cuda") and name in _STORAGE_DTYPES:
+        if (module, name) in _ALLOWED:  # functions wrapped (see _Call); the types and dtypes are immutable
+            found = _ALLOWED[(module, name)]
+            return _Call(found) if isinstance(found, types.FunctionType) else found
+        # torch.save names UntypedStorage (float8's and other dtypes without a storage type) by its torch.storage
+        if (module in ("torch", "torch.cuda") and name in _STORAGE_DTYPES) or (module, name) == ("torch.storage", "UntypedStorage"):
             return _StorageType(_STORAGE_DTYPES[name])
         # anything else: a class named after the global, that records and runs nothing
         if (module, name) not in self.records:
-            self.records[(module, name)] = type(str(name), (_Pickled,), {"qualname": f"{module}.{name}", "__module__": "mergeflow.checkpoints.pickled"})
+            qualname = _printable(f"{module}.{name}")  # what error messages show of it
+            self.records[(module, name)] = type(_printable(name), (_Pickled,), {"qualname": qualname, "__module__": "mergeflow.checkpoints.pickled"})
         return self.records[(module, name)]
 
     def persistent_load(self, pid):
@@ -245,7 +291,7 @@ class _Reader:
             names = set(self.zip.namelist())
             order = self.zip.read(f"{self.archive}/byteorder").decode() if f"{self.archive}/byteorder" in names else "little"
             if order not in ("little", "big"):
-                raise _Refused(f"an unknown byte order '{order[:20]}'")
+                raise _Refused(f"an unknown byte order '{_printable(order, 20)}'")
             self.byteorder = order
             file = io.BytesIO(self.zip.read(pickles[0]))
         else:
@@ -273,10 +319,17 @@ class _Reader:
             if flat.dtype != torch.uint8 or flat.numel() % torch.empty(0, dtype=ref.dtype).element_size():
                 raise _Refused(f"a {ref.dtype} tensor over a {flat.dtype} storage")
             flat = flat.view(ref.dtype)
+        # as_strided checks the last element only: a stride-0 view of any size passes, and its copy below would
+        # allocate all of it. Every element must lie in the storage, and there must be no more than it holds.
+        count, numel = math.prod(ref.size), flat.numel()
+        if count and ref.offset + sum((n - 1) * s for n, s in zip(ref.size, ref.stride)) >= numel:
+            raise _Refused(f"a tensor of shape {_printable(ref.size, 60)} that runs past its storage of {numel} elements")
+        if count > numel:
+            raise _Refused(f"a tensor of shape {_printable(ref.size, 60)} larger than its storage of {numel} elements")
         try:
-            tensor = flat.as_strided(ref.size, ref.stride, ref.offset)  # checks the view against the storage
+            tensor = flat.as_strided(ref.size, ref.stride, ref.offset)
         except RuntimeError:
-            raise _Refused(f"a tensor of shape {ref.size} that runs past its storage of {flat.numel()} elements") from None
+            raise _Refused(f"a tensor of shape {_printable(ref.size, 60)} that runs past its storage of {numel} elements") from None
         return tensor if tensor.numel() == flat.numel() and tensor.is_contiguous() else tensor.clone()
 
     def _storage(self, ref: _StorageRef) -> torch.Tensor:
@@ -287,10 +340,10 @@ class _Reader:
             try:
                 data = bytearray(self.zip.read(name))
             except KeyError:
-                raise _Refused(f"a tensor whose storage '{name}' is not in the file") from None
+                raise _Refused(f"a tensor whose storage '{_printable(name)}' is not in the file") from None
             itemsize = torch.empty(0, dtype=ref.dtype).element_size()
             if len(data) != ref.numel * itemsize:
-                raise _Refused(f"storage '{name}' holds {len(data)} bytes, not the {ref.numel * itemsize} its {ref.numel} {ref.dtype} elements need")
+                raise _Refused(f"storage '{_printable(name)}' holds {len(data)} bytes, not the {ref.numel * itemsize} its {ref.numel} {ref.dtype} elements need")
             flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
             if self.byteorder != sys.byteorder and itemsize > 1:
                 flat = flat.view(-1, itemsize).flip(-1).reshape(-1)
@@ -303,34 +356,54 @@ def _is_module(obj) -> bool:
     return isinstance(obj, _Pickled) and isinstance(obj.state, dict) and all(isinstance(obj.state.get(k), dict) for k in ("_parameters", "_buffers", "_modules"))
 
 
-def _module_tensors(module: _Pickled, prefix: str, out: dict, seen: tuple = ()) -> None:
+# a module tree naming more tensors is refused (shared submodules, listed under each of their names, can name
+# exponentially many in the tree's depth)
+_MAX_NAMES = 1_000_000
+
+
+def _module_tensors(root: _Pickled) -> dict[str, _TensorRef]:
     """``module.state_dict()``'s entries, from the pickled state: parameters, persistent buffers, then submodules
-    in their registration order, with dotted names."""
-    if any(module is s for s in seen):
-        raise _Refused(f"a module that contains itself at '{prefix[:-1]}'")
-    state = module.state
-    non_persistent = state.get("_non_persistent_buffers_set") or ()
-    entries = [*state["_parameters"].items(), *((k, v) for k, v in state["_buffers"].items() if k not in non_persistent)]
-    for name, value in entries:
-        if value is None:
-            continue
-        if not isinstance(value, _TensorRef):
-            raise _Refused(f"'{prefix}{name}' is {type(value).__name__}, not a tensor")
-        out[f"{prefix}{name}"] = value
-    for name, child in state["_modules"].items():
-        if child is None:
-            continue
-        if not _is_module(child):
-            raise _Refused(f"submodule '{prefix}{name}' is not a module")
-        _module_tensors(child, f"{prefix}{name}.", out, (*seen, module))
+    in their registration order, with dotted names. A submodule registered under several names is listed under
+    each, as state_dict() does, but walked once (its entries kept by id: the pickle's tree keeps it alive)."""
+    done: dict[int, list[tuple[str, _TensorRef]]] = {}
+    walking: set[int] = set()
+
+    def entries(module: _Pickled, path: str) -> list[tuple[str, _TensorRef]]:
+        if id(module) in done:
+            return done[id(module)]
+        if id(module) in walking:
+            raise _Refused(f"a module that contains itself at '{_printable(path)}'")
+        walking.add(id(module))
+        state = module.state
+        prefix = f"{path}." if path else ""
+        non_persistent = state.get("_non_persistent_buffers_set") or ()
+        out = []
+        for name, value in [*state["_parameters"].items(), *((k, v) for k, v in state["_buffers"].items() if k not in non_persistent)]:
+            if value is None:
+                continue
+            if not isinstance(value, _TensorRef):
+                raise _Refused(f"'{_printable(f'{prefix}{name}')}' is {_printable(type(value).__name__)}, not a tensor")
+            out.append((f"{name}", value))
+        for name, child in state["_modules"].items():
+            if child is None:
+                continue
+            if not _is_module(child):
+                raise _Refused(f"submodule '{_printable(f'{prefix}{name}')}' is not a module")
+            below = entries(child, f"{prefix}{name}")
+            if len(out) + len(below) > _MAX_NAMES:
+                raise _Refused(f"a module tree naming more than {_MAX_NAMES} tensors (submodules shared under many names)")
+            out.extend((f"{name}.{sub}", value) for sub, value in below)
+        walking.discard(id(module))
+        done[id(module)] = out
+        return out
+
+    return dict(entries(root, ""))
 
 
 def _tensor_refs(root) -> dict[str, _TensorRef]:
     """A module's state dict, a state dict, or one inside the wrappers training scripts save."""
     if _is_module(root):
-        out: dict[str, _TensorRef] = {}
-        _module_tensors(root, "", out)
-        return out
+        return _module_tensors(root)
     if isinstance(root, dict):
         for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
             if _is_module(root.get(key)) or isinstance(root.get(key), dict):
@@ -357,13 +430,18 @@ def read_tensors(path: str | Path, *, keep=None) -> StateDict:
         if not refs:
             found = reader.root.qualname if isinstance(reader.root, _Pickled) else type(reader.root).__name__
             raise _Refused(f"holds no tensors (its pickle makes {found}, neither a torch module nor a state dict)")
-        state = {name: reader.tensor(ref) for name, ref in refs.items() if keep is None or keep(name)}
+        state = {}
+        for name, ref in refs.items():
+            if keep is None or keep(name):
+                try:
+                    state[name] = reader.tensor(ref)
+                except (RuntimeError, MemoryError) as err:  # torch's own refusal, or an allocation that failed
+                    raise _Refused(f"tensor '{_printable(name)}' could not be built ({_why(err)})") from None
     except _Refused as err:
         raise MergeflowError(f"{path}: not a checkpoint mergeflow reads: {err}") from None
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError, MemoryError) as err:
         # a corrupt or crafted pickle trips the unpickler somewhere: always a bad file
-        first = str(err).splitlines()[0] if str(err).strip() else ""
-        raise MergeflowError(f"{path}: not a readable PyTorch checkpoint ({type(err).__name__}{': ' + first[:120] if first else ''})") from None
+        raise MergeflowError(f"{path}: not a readable PyTorch checkpoint ({_why(err)})") from None
     finally:
         if reader is not None:
             reader.close()
@@ -416,7 +494,7 @@ def _from_hugging_face(state: StateDict, vm: str, projection: str) -> StateDict:
                 used.add(key)
     left = sorted(k for k in state if k.startswith(vm) and k not in used and not k.startswith(("text_model.", "text_projection.", "logit_scale")))
     if left:  # a tensor this conversion does not know would otherwise vanish without a word
-        raise MergeflowError(f"tensor '{left[0]}' has no place in timm's CLIP image tower ({len(left)} such)")
+        raise MergeflowError(f"tensor '{_printable(left[0])}' has no place in timm's CLIP image tower ({len(left)} such)")
     if projection in state:
         out["head.weight"] = state[projection]
         out["head.bias"] = torch.zeros(state[projection].shape[0], dtype=state[projection].dtype)
@@ -451,7 +529,7 @@ def to_timm_clip(state: StateDict, *, source: str) -> StateDict:
         return dict(state)
     if "module.cls_token" in state:  # DistributedDataParallel's prefix on timm's names
         return {k.removeprefix("module."): v for k, v in state.items()}
-    first = ", ".join(f"'{k}'" for k in list(state)[:3])
+    first = ", ".join(f"'{_printable(k)}'" for k in list(state)[:3])
     raise MergeflowError(
         f"{source}: not a CLIP image tower: found neither open_clip's 'visual.class_embedding', Hugging Face's "
         f"'[vision_model.]embeddings.class_embedding' nor timm's 'cls_token' (first tensors: {first})"
