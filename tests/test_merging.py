@@ -135,6 +135,9 @@ class _ToyBackbone(torch.nn.Module):
     def normalise(self, x):
         return x
 
+    def embed(self, features):  # mergeflow.models.Backbone's interface: pooled features as they are
+        return features
+
 
 def _toy_data(tasks):
     """Statistics and an entropy objective for _random_models' keys: Fishers and Grams from a fixed generator."""
