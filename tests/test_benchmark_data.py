@@ -49,8 +49,8 @@ def test_missing_dataset_is_one_line_with_how_to_fetch(tmp_path):
         assert "download=True" not in message
 
 
-def test_download_reaches_torchvision_only_when_asked(tmp_path, monkeypatch):
-    seen = []
+def _fake_mnist(seen: list):
+    """torchvision's MNIST as it fails without data, recording the download argument it was given."""
 
     class FakeMNIST:
         classes = [str(i) for i in range(10)]
@@ -59,7 +59,12 @@ def test_download_reaches_torchvision_only_when_asked(tmp_path, monkeypatch):
             seen.append(download)
             raise RuntimeError("Dataset not found. You can use download=True to download it")
 
-    monkeypatch.setattr(tvd, "MNIST", FakeMNIST)
+    return FakeMNIST
+
+
+def test_download_reaches_torchvision_only_when_asked(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(tvd, "MNIST", _fake_mnist(seen))
     with pytest.raises(MergeflowError, match="could not be downloaded") as err:
         build_task(_cfg(tmp_path, download=True), "MNIST", seed=0)
     assert "download=True" not in str(err.value)
@@ -191,15 +196,7 @@ def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, 
     from mergeflow.config import DOWNLOAD_ENV, parse_params
 
     seen = []
-
-    class FakeMNIST:
-        classes = [str(i) for i in range(10)]
-
-        def __init__(self, root, train, download):
-            seen.append(download)
-            raise RuntimeError("Dataset not found. You can use download=True to download it")
-
-    monkeypatch.setattr(tvd, "MNIST", FakeMNIST)
+    monkeypatch.setattr(tvd, "MNIST", _fake_mnist(seen))
     monkeypatch.setattr(stages, "ProcessPoolExecutor", _InProcess)
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
     raw["suite"] = {"source": "torchvision", "root": str(tmp_path / "data"), "download": False, "tasks": ["MNIST"],

@@ -38,26 +38,7 @@ CIFAR10_TEMPLATE = [
     'a photo of the small {}.',
     'a photo of the big {}.',
 ]
-CIFAR100_TEMPLATE = [
-    'a photo of a {}.',
-    'a blurry photo of a {}.',
-    'a black and white photo of a {}.',
-    'a low contrast photo of a {}.',
-    'a high contrast photo of a {}.',
-    'a bad photo of a {}.',
-    'a good photo of a {}.',
-    'a photo of a small {}.',
-    'a photo of a big {}.',
-    'a photo of the {}.',
-    'a blurry photo of the {}.',
-    'a black and white photo of the {}.',
-    'a low contrast photo of the {}.',
-    'a high contrast photo of the {}.',
-    'a bad photo of the {}.',
-    'a good photo of the {}.',
-    'a photo of the small {}.',
-    'a photo of the big {}.',
-]
+CIFAR100_TEMPLATE = CIFAR10_TEMPLATE  # the papers' code gives both the same list
 DTD_TEMPLATE = [
     'a photo of a {} texture.',
     'a photo of a {} pattern.',
