@@ -41,6 +41,7 @@ from mergeflow.checks import check_project
 from mergeflow.config import apply_overrides
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import PipelineFailed, StageFailed, StageNode, check_repo, commit_stage, locked_repo, quiet_failure_tracebacks, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus
+from mergeflow.stage_server import SERVER_ENV, running_server
 from tasks.stages import run_stage_task, stop_worker_stages
 
 quiet_failure_tracebacks()  # a failed stage or bad input is its one line in the logs, not a traceback
@@ -233,9 +234,11 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
             logger.info("runner: %s, %d stages at once%s", runner if not dask_address else f"dask at {dask_address}", workers, f", GPUs {', '.join(gpus)}" if gpus else "")
 
             def parameters(node: StageNode) -> dict:
-                return {"node": node, "root": root, "env": env | {"MERGEFLOW_THREADS": str(threads[node.address])}, "gpus": gpus, "gpu_workers": gpu_workers}
+                return {"node": node, "root": root, "env": env | {"MERGEFLOW_THREADS": str(threads[node.address])} | served, "gpus": gpus, "gpu_workers": gpu_workers}
 
-            with make_task_runner(runner, workers, dask_address) as task_runner:
+            # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)
+            with running_server() if runner == "thread" else contextlib.nullcontext() as address, make_task_runner(runner, workers, dask_address) as task_runner:
+                served = {SERVER_ENV: address} if address else {}
                 outcome = _run_stages(task_runner, to_run, parameters, repo, _stop_on_dask if runner == "dask" else None)
     if outcome.failed or outcome.not_run:
         for address in outcome.failed:

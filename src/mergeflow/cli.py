@@ -31,7 +31,18 @@ Bad input or configuration prints one line, "error: <what, where>", and exits wi
 transient failure exits with status 75. `mergeflow COMMAND --help` describes each command."""
 
 
-def _configured(argv: list[str] | None) -> tuple[str, object | None]:
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand on the line (the first word that is not an option or --params' value), without parsing."""
+    words = iter(argv)
+    for word in words:
+        if word == "--params":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _configured(argv: list[str]) -> tuple[str, object | None]:
     """The params file the command line names, and its Params, or None when it does not load: help must work
     with a broken or missing params.yaml (then it lists no tasks and marks no methods)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -45,14 +56,28 @@ def _configured(argv: list[str] | None) -> tuple[str, object | None]:
         return path, None
 
 
-def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+def _choices(argv: list[str]) -> tuple[str, str, str]:
+    """Help for finetune's --task, merge's --method and study's NAME: the names params.yaml and the registries
+    give. Only those three commands' help pays for reading them: running a stage, `--help` and `--version` read nothing."""
+    if _command_of(argv) not in ("finetune", "merge", "study") or not {"-h", "--help"} & set(argv):
+        return "a task of suite.tasks", "a method of merge.methods (`mergeflow methods` lists them)", "a study of studies.run (`mergeflow regimes` lists them)"
     from mergeflow.merging import REGISTRY
+    from mergeflow.studies import REGISTRY as STUDIES
 
     path, params = _configured(argv)
     tasks = f"one of {', '.join(params.suite.tasks)} (suite.tasks in {path})" if params else f"a task of suite.tasks in {path} ({path} did not load: none listed)"
     running = set(params.merge.methods) if params else set()
     methods = ", ".join(f"{m}*" if m in running else m for m in sorted(REGISTRY))
     methods_help = f"one of {methods}" + (f" (* = in merge.methods of {path})" if running else f" ({path} did not load: merge.methods not marked)")
+    studying = set(params.studies.run) if params else set()
+    studies = ", ".join(f"{s}*" if s in studying else s for s in sorted(STUDIES))
+    studies_help = f"one of {studies}" + (f" (* = in studies.run of {path})" if studying else "")
+    return tasks, methods_help, studies_help
+
+
+def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tasks, methods_help, studies_help = _choices(argv)
 
     parser = argparse.ArgumentParser(prog="mergeflow", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mergeflow {__version__}", help="print the version and exit")
@@ -72,7 +97,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     regime_merge = sub.add_parser("regime_merge", help="stage: merge a regime's task vectors with its methods, then test them", description="Merge each variant of one regime with the methods regimes.<regime>.methods lists (chosen on validation), then test them.")
     regime_merge.add_argument("--regime", metavar="REGIME", help="the regime: one of regimes.run; default: from DVC_STAGE=regime_merge@<regime>")
     study = sub.add_parser("study", help="stage: one of the papers' studies, a report with a verdict per claim (studies/<name>/report.md)", description="Run one study (studies.run in params.yaml): studies/<name>/report.md with a verdict per claim, computed from the measurements.")
-    study.add_argument("name", nargs="?", metavar="NAME", help="the study; default: from DVC_STAGE=study@<name>")
+    study.add_argument("name", nargs="?", metavar="NAME", help=f"the study: {studies_help}; default: from DVC_STAGE=study@<name>")
     sub.add_parser("report", help="stage: the summary table (results/summary.md) and plots", description="The summary table of every method (results/summary.md, .csv, .json) and its plots.")
     sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
     sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
@@ -124,7 +149,12 @@ def run_command(args: argparse.Namespace) -> int:
 
         from mergeflow.lockfile import atomic_dvc_writes
 
-        with atomic_dvc_writes():
+        from mergeflow.stage_server import SERVER_ENV, running_server
+
+        # the stages DVC starts fork from one process that has imported torch and timm (seconds saved a stage)
+        with atomic_dvc_writes(), running_server() as address:
+            if address:
+                os.environ[SERVER_ENV] = address
             return dvc_main(["repro", *args.dvc_args])
 
     from mergeflow import stages
@@ -279,7 +309,23 @@ def _allow_downloads(argv: list[str] | None) -> list[str]:
     return argv
 
 
+def _forwarded(argv: list[str]) -> int | None:
+    """A stage command's exit status when the run's stage server ran it (mergeflow.stage_server), else None."""
+    from mergeflow.stage_server import SERVER_ENV, STAGE_COMMANDS, forward
+
+    if not os.environ.get(SERVER_ENV) or _command_of(argv) not in STAGE_COMMANDS or {"-h", "--help", "--download"} & set(argv):
+        return None
+    if os.environ.get("MERGEFLOW_DIE_WITH_PARENT"):
+        from mergeflow.orchestration import die_with_parent
+
+        die_with_parent()
+    return forward(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (status := _forwarded(argv)) is not None:
+        return status
     argv = _allow_downloads(argv)
     parser = _parser(argv)
     args, args.dvc_args = parser.parse_known_args(argv)
