@@ -279,6 +279,7 @@ def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict
         head = zeroshot.zeroshot_head(text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates, device=device)
         return head, {"head": "zeroshot", "templates": len(templates)}
     probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))
+    print(probe.convergence_line(task))
     return probe.head, {"head": "probe", "C": probe.c}
 
 
@@ -332,6 +333,8 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     with atomic_path(layout.epochs(task), directory=True) as tmp:
         for epoch, state in epoch_states.items():
             save_state_dict(tmp / f"epoch{epoch:03d}.safetensors", state, meta | {"epoch": str(epoch)})
+        # what the folder holds, also when finetune.checkpoint_every_epoch is off (DVC warns on an empty output)
+        write_json(tmp / "epochs.json", {"task": task, "checkpoint_every_epoch": params.finetune.checkpoint_every_epoch, "epochs": sorted(epoch_states)})
     write_json(layout.log("finetune", task), curve.records() if curve else [])
     metrics = {
         "task": task,
