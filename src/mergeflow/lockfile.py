@@ -17,7 +17,6 @@ from pathlib import Path
 import yaml
 
 from mergeflow.errors import MergeflowError
-from mergeflow.io import atomic_path
 
 LOCKFILE = "dvc.lock"
 _patch_lock = threading.Lock()
@@ -51,6 +50,8 @@ def _git_head_lock(root: Path) -> str | None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    from mergeflow.io import atomic_path  # here: mergeflow.io imports torch, which `mergeflow check` does not need
+
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
@@ -87,6 +88,8 @@ def atomic_dvc_writes() -> Iterator[None]:
     and a rename, so a kill leaves either the old file or the new one. Re-entrant and thread-safe."""
     global _patch_depth
     from dvc.utils.serialize import _common, _yaml
+
+    from mergeflow.io import atomic_path
 
     modules = (_common, _yaml)  # _yaml imported _dump_data by name: both bindings are replaced
     with _patch_lock:

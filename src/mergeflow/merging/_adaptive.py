@@ -17,7 +17,6 @@ from torch import nn
 from torch.func import functional_call
 
 from mergeflow.io import StateDict
-from mergeflow.merging import ANY_NUMBER, SEED, Choice, Range
 from mergeflow.merging._tensors import as_compute
 
 
@@ -118,16 +117,3 @@ def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: Entro
     data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
     with torch.no_grad():
         return {k: v.detach().cpu().to(dtypes[k]) for k, v in merged().items()}
-
-
-# AdaMerging's settings, shared by its three modules: the paper's (init 0.3, Adam lr 1e-3, batch 16 per task,
-# 500 steps) on each task's test inputs
-ADAPTIVE_DEFAULTS = {"init": 0.3, "lr": 1e-3, "steps": 500, "batch_size": 16, "split": "test", "seed": 0}
-ADAPTIVE_RANGES = {
-    "init": ANY_NUMBER,
-    "lr": Range("a learning rate", 0),
-    "steps": Range("a number of steps", 0),
-    "batch_size": Range("a batch size", 1),
-    "split": Choice(("test", "val")),
-    "seed": SEED,
-}

@@ -8,8 +8,19 @@ not comparable with data-free merging (the summary's "data" column). With lr 0 i
 The engine is merging._adaptive; the learned coefficients and the entropy per step are written with the choice.
 """
 
-from mergeflow.merging import register
-from mergeflow.merging._adaptive import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES, adapt
+from mergeflow.merging import ANY_NUMBER, SEED, Choice, Range, register
+
+# AdaMerging's settings, shared by its three modules: the paper's (init 0.3, Adam lr 1e-3, batch 16 per task,
+# 500 steps) on each task's test inputs
+ADAPTIVE_DEFAULTS = {"init": 0.3, "lr": 1e-3, "steps": 500, "batch_size": 16, "split": "test", "seed": 0}
+ADAPTIVE_RANGES = {
+    "init": ANY_NUMBER,
+    "lr": Range("a learning rate", 0),
+    "steps": Range("a number of steps", 0),
+    "batch_size": Range("a batch size", 1),
+    "split": Choice(("test", "val")),
+    "seed": SEED,
+}
 
 
 @register(
@@ -20,4 +31,6 @@ from mergeflow.merging._adaptive import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES, adap
     reads="test_inputs",
 )
 def adamerging(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed):
+    from mergeflow.merging._adaptive import adapt
+
     return adapt(pretrained, task_vectors, data.objective, layer_wise=True, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data)

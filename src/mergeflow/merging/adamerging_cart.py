@@ -8,11 +8,8 @@ tensors at theta_avg) with AdaMerging's layer-wise coefficients learned on the e
 ``rank_ratio``: a fixed value, 0.08 (the seed's ~8%) by default.
 """
 
-import torch
-
 from mergeflow.merging import FRACTION, register
-from mergeflow.merging._adaptive import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES, adapt
-from mergeflow.merging._tensors import as_compute, is_matrix, low_rank, rank_of_ratio
+from mergeflow.merging.adamerging import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES
 from mergeflow.merging.cart import centred
 
 
@@ -24,6 +21,11 @@ from mergeflow.merging.cart import centred
     reads="test_inputs",
 )
 def adamerging_cart(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed, rank_ratio):
+    import torch
+
+    from mergeflow.merging._adaptive import adapt
+    from mergeflow.merging._tensors import as_compute, is_matrix, low_rank, rank_of_ratio
+
     tasks = list(task_vectors)
     theta_avg, directions = {}, {t: {} for t in tasks}
     for key, theta0 in pretrained.items():

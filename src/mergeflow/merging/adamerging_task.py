@@ -6,7 +6,7 @@ entropy of each task's predictions on its unlabelled test inputs (test-time adap
 """
 
 from mergeflow.merging import register
-from mergeflow.merging._adaptive import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES, adapt
+from mergeflow.merging.adamerging import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES
 
 
 @register(
@@ -17,4 +17,6 @@ from mergeflow.merging._adaptive import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES, adap
     reads="test_inputs",
 )
 def adamerging_task(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed):
+    from mergeflow.merging._adaptive import adapt
+
     return adapt(pretrained, task_vectors, data.objective, layer_wise=False, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data)

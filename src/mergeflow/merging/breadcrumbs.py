@@ -11,12 +11,15 @@ code and mergekit, [floor(gamma n), floor(gamma n) + floor(beta n))) or ``'round
 [round(gamma n), round((gamma + beta) n))). Entries tied with a cut fall on the same side of it.
 """
 
-import numpy as np
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import ANY_NUMBER, Choice, Range, register
-from mergeflow.merging._kernels import banded_sum
 from mergeflow.merging._rounding import BAND, band_ranks
-from mergeflow.merging._tensors import kernel_vector, magnitudes_of, map_stacked, partition_magnitudes, plus_scaled
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def gamma_plus_beta_at_most_one(hp) -> str | None:
@@ -33,6 +36,10 @@ def rank_cuts(mags: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarra
     By introselect (_tensors.partition_magnitudes): partition at the lower cut, then only the
     part above it for the upper one.
     """
+    import numpy as np
+
+    from mergeflow.merging._tensors import partition_magnitudes
+
     rows, n = mags.shape
     upper, lower = np.full(rows, np.inf, mags.dtype), np.full(rows, -1, mags.dtype)
     above, offset = mags, 0
@@ -53,6 +60,8 @@ def rank_cuts(mags: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarra
 def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str, rounding: str = "floor") -> tuple[np.ndarray, np.ndarray]:
     """One task's rank_cuts of a tensor: one per row of its last dim, or one for the whole tensor. (``rounding``'s
     default, the method's, is for callers outside the registry: bench/select_floor.py.)"""
+    from mergeflow.merging._tensors import magnitudes_of
+
     mags = magnitudes_of(tau)
     rows = mags.reshape(1, -1) if scope == "tensor" or tau.ndim <= 1 else mags.reshape(-1, tau.shape[-1])
     return rank_cuts(rows, *band_ranks(rows.shape[1], gamma, beta, rounding))
@@ -74,6 +83,11 @@ def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str, rounding: s
     joint=gamma_plus_beta_at_most_one,
 )
 def breadcrumbs(pretrained, task_vectors, *, gamma, beta, scope, rounding, alpha):
+    import numpy as np
+
+    from mergeflow.merging._kernels import banded_sum
+    from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+
     def merge(theta0, taus, cuts):
         uppers, lowers = (np.stack(side) for side in zip(*cuts))
         return plus_scaled(theta0, alpha, kernel_vector(banded_sum, taus, uppers, lowers))

@@ -8,10 +8,14 @@ Defaults: rank_ratio 0.08 from {0.04, 0.08, 0.16, 0.32}, lam from {0.2, 0.4, ...
 config: 0.12 / 2.0).
 """
 
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import ANY_NUMBER, FRACTION, register
-from mergeflow.merging._tensors import is_matrix, low_rank, map_tensors, rank_of_ratio
+
+if TYPE_CHECKING:
+    import torch
 
 RANK_GRID = [0.04, 0.08, 0.16, 0.32]
 LAMBDA_GRID = [round(0.2 * i, 1) for i in range(1, 16)]
@@ -31,6 +35,10 @@ def centred(taus: torch.Tensor) -> torch.Tensor:
     ranges={"rank_ratio": FRACTION, "lam": ANY_NUMBER},
 )
 def cart(pretrained, task_vectors, *, rank_ratio, lam):
+    import torch
+
+    from mergeflow.merging._tensors import is_matrix, low_rank, map_tensors, rank_of_ratio
+
     def merge(key, theta0, taus):
         theta_avg = theta0 + taus.mean(0)
         if not is_matrix(key, theta0):

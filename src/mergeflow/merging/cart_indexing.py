@@ -6,10 +6,11 @@ theta_avg (kept in the store, so theta0 is not needed) plus k (m + n) numbers pe
 """
 
 from mergeflow.merging import FRACTION, register
-from mergeflow.merging._tensors import BASE_PREFIX, as_compute, is_matrix, rank_of_ratio, stack, svd
 
 
 def reconstruct(store, pretrained, task):
+    from mergeflow.merging._tensors import BASE_PREFIX
+
     out = {}
     for k, p in pretrained.items():
         base = store[f"{BASE_PREFIX}{k}"]
@@ -21,6 +22,8 @@ def reconstruct(store, pretrained, task):
 
 @register("cart_indexing", paper="Choi et al. 2024, CART-Indexing (arXiv:2411.12153)", defaults={"rank_ratio": 0.08}, kind="per_task", reconstruct=reconstruct, ranges={"rank_ratio": FRACTION})
 def cart_indexing(pretrained, task_vectors, *, rank_ratio):
+    from mergeflow.merging._tensors import BASE_PREFIX, as_compute, is_matrix, rank_of_ratio, stack, svd
+
     tasks = list(task_vectors)
     store = {}
     for key in pretrained:

@@ -12,16 +12,18 @@ per-task models used to choose lambda_t, is the method's default alpha. ``consen
 masks authors build on).
 """
 
+from __future__ import annotations
+
 from collections.abc import Mapping
 from functools import lru_cache
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import ANY_NUMBER, POSITIVE_FRACTION, Range, register
-from mergeflow.merging._kernels import consensus_of_sum, consensus_of_ties, tall_masks, task_sum
-from mergeflow.merging._tensors import as_compute, kernel_vector, map_stacked, plus_scaled
 from mergeflow.merging.ties import TRIM_RANGES, cuts_array, ties_vector, trim_cuts
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 PAPER = "Wang et al. 2024, TALL masks / Consensus merging (arXiv:2405.07813)"
 TALL_GRID = [0.2, 0.3, 0.4, 0.5, 0.6]
@@ -33,6 +35,8 @@ MIN_TASKS = Range("a task count", 0)
 def lambdas_of(tall_lambda, tasks: list[str]) -> np.ndarray:
     """One float64 lambda_t per task: a dict chosen per task, or one value for all (the kernels take them in the
     taus' dtype: astype)."""
+    import numpy as np
+
     if isinstance(tall_lambda, Mapping):
         return np.array([float(tall_lambda[t]) for t in tasks])
     return np.full(len(tasks), float(tall_lambda))
@@ -40,11 +44,18 @@ def lambdas_of(tall_lambda, tasks: list[str]) -> np.ndarray:
 
 def mtl_vector(taus: tuple[np.ndarray, ...], base: str, cuts) -> torch.Tensor:
     """tau_MTL of T flat tensors: the sum, or TIES with the trim's cuts (ties.trim_cuts)."""
+    from mergeflow.merging._kernels import task_sum
+    from mergeflow.merging._tensors import kernel_vector
+
     return kernel_vector(task_sum, taus) if base == "ta" else ties_vector(taus, cuts)
 
 
 def task_masks(taus: tuple[np.ndarray, ...], mtl: torch.Tensor, lambdas: np.ndarray) -> np.ndarray:
     """[T, n] boolean TALL masks m_t = |tau_t| >= lambda_t |tau_MTL - tau_t| of T flat tensors."""
+    import numpy as np
+
+    from mergeflow.merging._kernels import tall_masks
+
     masks = np.empty((len(taus), mtl.numel()), bool)
     tall_masks(taus, mtl.numpy(), lambdas, tuple(masks))
     return masks
@@ -55,6 +66,9 @@ def _prepare(task_vectors, base: str, ties_k: float, trim_scope: str, rounding: 
 
 
 def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha, ties_k=None, trim_scope=None, rounding=None):
+    from mergeflow.merging._kernels import consensus_of_sum, consensus_of_ties
+    from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+
     lambdas = lambdas_of(tall_lambda, list(task_vectors))
 
     def merge(theta0, taus, cuts):
@@ -73,6 +87,11 @@ def tall_task_models(pretrained, task_vectors, *, base: str, scale: float, ties_
     """(task, {"tall_lambda": lambda_t}) -> theta0 + scale (m_t * tau_MTL), m_t = 1{|tau_t| >= lambda_t |tau_MTL - tau_t|}:
     the per-task models lambda_t is chosen on. tau_MTL (the sum, or TIES' vector) is merged once here for the whole
     search, so each of the T x |grid| models costs one element-wise pass, not a merge."""
+    import numpy as np
+    import torch
+
+    from mergeflow.merging._tensors import as_compute, map_stacked
+
     mtl = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: mtl_vector(taus, base, cuts), prepare=_prepare(task_vectors, base, ties_k, trim_scope, rounding), cast=False)
 
     @lru_cache(maxsize=1)  # the search asks for one task's models in a row: its vector is read once, not per lambda_t

@@ -12,11 +12,7 @@ the same pass that drops: a stored array of random words (numpy's SFC64) made DA
 
 import math
 
-import numpy as np
-
 from mergeflow.merging import ANY_NUMBER, SEED, Range, register
-from mergeflow.merging._kernels import disjoint_mean, drop_and_rescale, task_sum
-from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled, seed_of
 from mergeflow.merging.task_arithmetic import LAMBDA_GRID as TA_GRID
 from mergeflow.merging.ties import LAMBDA_GRID as TIES_GRID
 
@@ -27,6 +23,8 @@ RANGES = {"p": Range("a drop probability", 0, 1, high_open=True), "seed": SEED, 
 def keep_cut(p: float) -> int:
     """The 32-bit word cut of the keep rule u >= p, the law of torch.rand(shape) >= p: u = m / 2^24 for m
     uniform on 24 bits, and m >= cut <=> the word m * 2^8 + (8 more bits) >= cut * 2^8 (2^32: keep nothing)."""
+    import numpy as np
+
     cut = math.ceil(float(np.float32(p)) * 2**24)  # u >= p (p as float32, as torch compares) <=> m >= cut
     return min(cut, 2**24) << 8
 
@@ -34,6 +32,9 @@ def keep_cut(p: float) -> int:
 def prepare_drop(task_vectors, p: float, seed: int):
     """map_stacked's prepare: drop and rescale task t's tensor in place, tau~ = tau * keep / (1 - p), 1 - p in
     tau's dtype."""
+    from mergeflow.merging._kernels import drop_and_rescale
+    from mergeflow.merging._tensors import seed_of
+
     tasks = list(task_vectors)
 
     def drop(key, t, tau):
@@ -45,11 +46,19 @@ def prepare_drop(task_vectors, p: float, seed: int):
 
 @register("dare_linear", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 0.4}, grid={"lam": TA_GRID}, coefficient="lam", ranges=RANGES)
 def dare_linear(pretrained, task_vectors, *, p, seed, lam):
+    from mergeflow.merging._kernels import task_sum
+    from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+
     return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)), prepare=prepare_drop(task_vectors, p, seed))
 
 
 @register("dare_ties", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 1.0}, grid={"lam": TIES_GRID}, coefficient="lam", ranges=RANGES)
 def dare_ties(pretrained, task_vectors, *, p, seed, lam):
+    import numpy as np
+
+    from mergeflow.merging._kernels import disjoint_mean
+    from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+
     # the random drop replaces TIES' trim (no top-k, so no rounding): cuts of 0 keep every surviving entry
     def merge(theta0, taus, _):
         return plus_scaled(theta0, lam, kernel_vector(disjoint_mean, taus, np.zeros(len(taus), taus[0].dtype)))

@@ -7,14 +7,20 @@ Huang et al., "EMR-Merging: tuning-free high-performance model merging", NeurIPS
 No hyperparameters. Storage: one model-sized vector, one bit per weight and task, one scalar per task, beside theta0.
 """
 
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import register
-from mergeflow.merging._tensors import as_compute, map_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tau_uni, masks [T, ...])."""
+    import torch
+
     gamma = torch.sign(taus.sum(0))
     agree = taus * gamma > 0
     tau_uni = gamma * (taus.abs() * agree).amax(0)
@@ -23,6 +29,8 @@ def elect(taus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reconstruct(store, pretrained, task):
     """theta0 + lambda_t (M_t * tau_uni) in each tensor's compute dtype (lambda_t is stored in float64)."""
+    from mergeflow.merging._tensors import as_compute
+
     scale = store[f"scale/{task}"]
     out = {}
     for k, p in pretrained.items():
@@ -33,6 +41,10 @@ def reconstruct(store, pretrained, task):
 
 @register("emr", paper="Huang et al. 2024, EMR-Merging (arXiv:2405.17461)", kind="per_task", reconstruct=reconstruct)
 def emr(pretrained, task_vectors):
+    import torch
+
+    from mergeflow.merging._tensors import map_tensors
+
     tasks = list(task_vectors)
     total = torch.zeros(len(tasks), dtype=torch.float64)  # sum |tau_t|
     kept = torch.zeros(len(tasks), dtype=torch.float64)  # sum |M_t * tau_uni|

@@ -8,10 +8,7 @@ With theta_t = theta0 + tau_t this is theta0 + sum_t F_t tau_t / sum_t F_t: equa
 true labels); both are searched on validation.
 """
 
-import torch
-
 from mergeflow.merging import Choice, Range, register
-from mergeflow.merging._tensors import map_tensors
 
 
 @register(
@@ -23,6 +20,10 @@ from mergeflow.merging._tensors import map_tensors
     reads="train_statistics",
 )
 def fisher(pretrained, task_vectors, *, data, labels, floor):
+    import torch
+
+    from mergeflow.merging._tensors import map_tensors
+
     fishers = [data.statistics[t][f"fisher_{labels}"] for t in task_vectors]
 
     def merge(key, theta0, taus):

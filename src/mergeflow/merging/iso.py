@@ -19,16 +19,22 @@ Two choices of Iso-CTS are left open by "c = common_space_fraction r, s = (r - c
   projected residual (not the mean of all of M's).
 """
 
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import ANY_NUMBER, POSITIVE_FRACTION, register
-from mergeflow.merging._tensors import is_matrix, map_tensors, polar, svd
 from mergeflow.merging.tsv_m import ALPHA_GRID
+
+if TYPE_CHECKING:
+    import torch
 
 PAPER = "Marczak et al. 2025, Isotropic merging (arXiv:2502.04959)"
 
 
 def iso_c_matrix(taus: torch.Tensor) -> torch.Tensor:
+    from mergeflow.merging._tensors import svd
+
     u, s, vh = svd(taus.sum(0))
     return (s.mean() * (u @ vh)).to(taus.device)
 
@@ -42,6 +48,10 @@ def subspace_sizes(r: int, n_tasks: int, common_space_fraction: float) -> tuple[
 
 
 def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Tensor:
+    import torch
+
+    from mergeflow.merging._tensors import polar, svd
+
     n_tasks, r = taus.shape[0], min(taus.shape[1:])
     u, s, vh = svd(taus.sum(0))
     c, per_task = subspace_sizes(r, n_tasks, common_space_fraction)
@@ -58,6 +68,8 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
 
 @register("iso_c", paper=PAPER, defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
 def iso_c(pretrained, task_vectors, *, alpha):
+    from mergeflow.merging._tensors import is_matrix, map_tensors
+
     def merge(key, theta0, taus):
         return theta0 + alpha * (iso_c_matrix(taus) if is_matrix(key, theta0) else taus.mean(0))
 
@@ -73,6 +85,8 @@ def iso_c(pretrained, task_vectors, *, alpha):
     ranges={"common_space_fraction": POSITIVE_FRACTION, "alpha": ANY_NUMBER},
 )
 def iso_cts(pretrained, task_vectors, *, common_space_fraction, alpha):
+    from mergeflow.merging._tensors import is_matrix, map_tensors
+
     def merge(key, theta0, taus):
         return theta0 + alpha * (iso_cts_matrix(taus, common_space_fraction) if is_matrix(key, theta0) else taus.mean(0))
 

@@ -5,10 +5,7 @@ k = ceil(rank_ratio x min(m, n)) (_tensors.rank_of_ratio, as seed 002's Algorith
 and the patch-embedding conv keep their full task vectors. rank_ratio = 1 is task arithmetic.
 """
 
-import torch
-
 from mergeflow.merging import ANY_NUMBER, FRACTION, register
-from mergeflow.merging._tensors import is_matrix, low_rank, map_tensors, rank_of_ratio
 from mergeflow.merging.task_arithmetic import LAMBDA_GRID
 
 
@@ -21,6 +18,10 @@ from mergeflow.merging.task_arithmetic import LAMBDA_GRID
     ranges={"rank_ratio": FRACTION, "lam": ANY_NUMBER},
 )
 def low_rank_ta(pretrained, task_vectors, *, rank_ratio, lam):
+    import torch
+
+    from mergeflow.merging._tensors import is_matrix, low_rank, map_tensors, rank_of_ratio
+
     def merge(key, theta0, taus):
         if not is_matrix(key, theta0):
             return theta0 + lam * taus.sum(0)

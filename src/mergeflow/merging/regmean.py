@@ -9,10 +9,7 @@ x W^T: with W [out, in], W = (sum_t W_t G~_t) (sum_t G~_t)^-1 (the Grams are sym
 and convolutions: weight averaging. Defaults: alpha 0.95 (the paper's), searched on validation.
 """
 
-import torch
-
 from mergeflow.merging import FRACTION, register
-from mergeflow.merging._tensors import map_tensors
 
 ALPHA_GRID = [0.1, 0.5, 0.8, 0.9, 0.95, 1.0]
 
@@ -26,6 +23,10 @@ ALPHA_GRID = [0.1, 0.5, 0.8, 0.9, 0.95, 1.0]
     reads="train_statistics",
 )
 def regmean(pretrained, task_vectors, *, data, alpha):
+    import torch
+
+    from mergeflow.merging._tensors import map_tensors
+
     grams = [data.statistics[t]["gram"] for t in task_vectors]
 
     def merge(key, theta0, taus):

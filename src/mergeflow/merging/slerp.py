@@ -5,13 +5,19 @@ Shoemake 1985; as used for model merging by mergekit. For tau_1, tau_2 with angl
 theta = theta0 + slerp. Defined for exactly two models; t = 0.5 by default.
 """
 
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import FRACTION, register
-from mergeflow.merging._tensors import map_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) -> torch.Tensor:
+    import torch
+
     na, nb = a.norm(), b.norm()
     if na < eps or nb < eps:
         return (1 - t) * a + t * b
@@ -24,6 +30,8 @@ def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) ->
 
 @register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION})
 def slerp(pretrained, task_vectors, *, t):
+    from mergeflow.merging._tensors import map_tensors
+
     if len(task_vectors) != 2:
         raise ValueError(f"merge.slerp: SLERP merges exactly two models, got {len(task_vectors)} tasks")
     return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + slerp_pair(taus[0], taus[1], t))

@@ -7,15 +7,16 @@ Storage: one model-sized vector plus one bit per weight and task, beside theta0.
 ``trim_scope``, ``rounding``: see ties; default 'ties_original', the rule of the TIES code the authors build on).
 """
 
-import torch
-
 from mergeflow.merging import ANY_NUMBER, POSITIVE_FRACTION, register
-from mergeflow.merging._tensors import as_compute, map_stacked
 from mergeflow.merging.consensus import TALL_GRID, TALL_LAMBDA, lambdas_of, tall_task_models, task_masks
 from mergeflow.merging.ties import TRIM_RANGES, ties_vector, trim_cuts
 
 
 def _ties_and_masks(pretrained, task_vectors, tall_lambda, ties_k, trim_scope, rounding):
+    import torch
+
+    from mergeflow.merging._tensors import map_stacked
+
     tasks = list(task_vectors)
     lambdas = lambdas_of(tall_lambda, tasks)
     masks = []  # one [T, n] array per key, in key order
@@ -32,6 +33,8 @@ def _ties_and_masks(pretrained, task_vectors, tall_lambda, ties_k, trim_scope, r
 
 def reconstruct(store, pretrained, task):
     """theta0 + lam (m_t * tau_TIES) in each tensor's compute dtype (lam is stored in float64)."""
+    from mergeflow.merging._tensors import as_compute
+
     out = {}
     for k, p in pretrained.items():
         shared = store[f"shared/{k}"]
@@ -54,6 +57,8 @@ def task_models(pretrained, task_vectors, *, ties_k, trim_scope, rounding, lam, 
     ranges={"tall_lambda": TALL_LAMBDA, "ties_k": POSITIVE_FRACTION, **TRIM_RANGES, "lam": ANY_NUMBER},
 )
 def tall_ties(pretrained, task_vectors, *, tall_lambda, ties_k, trim_scope, rounding, lam):
+    import torch
+
     store = _ties_and_masks(pretrained, task_vectors, tall_lambda, ties_k, trim_scope, rounding)
     store["lam"] = torch.tensor(float(lam), dtype=torch.float64)
     return store

@@ -5,8 +5,6 @@ Ilharco et al., "Editing models with task arithmetic", ICLR 2023. lam = 1/T give
 """
 
 from mergeflow.merging import ANY_NUMBER, register
-from mergeflow.merging._kernels import task_sum
-from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
 LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
 
@@ -20,4 +18,7 @@ LAMBDA_GRID = [round(0.05 * i, 2) for i in range(1, 21)]  # 0.05, 0.10, ..., 1.0
     ranges={"lam": ANY_NUMBER},
 )
 def task_arithmetic(pretrained, task_vectors, *, lam):
+    from mergeflow.merging._kernels import task_sum
+    from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+
     return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)))

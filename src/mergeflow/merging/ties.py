@@ -15,17 +15,18 @@ first pass over the model, done one task vector at a time (peak: one task vector
 (mergeflow's earlier rule: round(k n), at least 1). Entries tied with the cut are all kept.
 """
 
+from __future__ import annotations
+
 from collections.abc import Mapping
 from math import prod
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from mergeflow.io import tensor_specs
 from mergeflow.merging import ANY_NUMBER, POSITIVE_FRACTION, Choice, register
-from mergeflow.merging._kernels import disjoint_mean
 from mergeflow.merging._rounding import TOP_K, top_k_count
-from mergeflow.merging._tensors import compute_dtype, kernel_vector, magnitudes_of, map_stacked, partition_magnitudes, plus_scaled, read_stack
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 LAMBDA_GRID = [round(0.8 + 0.1 * i, 2) for i in range(18)]  # 0.8, 0.9, ..., 2.5
 TRIM_SCOPE = Choice(("global", "tensor"))
@@ -36,6 +37,10 @@ TRIM_RANGES = {"trim_scope": TRIM_SCOPE, "rounding": TOP_K}
 def cut_in_place(mags: np.ndarray, k: float, rounding: str):
     """The smallest of the top-k fraction of 1-D magnitudes ``mags`` (inf when it keeps none), exactly, reordering
     them in place: by introselect on their bit patterns (_tensors.partition_magnitudes), in linear time."""
+    import numpy as np
+
+    from mergeflow.merging._tensors import partition_magnitudes
+
     count = top_k_count(mags.size, k, rounding)
     if count == 0:
         return mags.dtype.type(np.inf)
@@ -46,11 +51,17 @@ def cut_in_place(mags: np.ndarray, k: float, rounding: str):
 
 def magnitude_cut(values: np.ndarray, k: float, rounding: str):
     """cut_in_place of |values| (values unchanged; the magnitudes go to the thread's scratch buffer)."""
+    from mergeflow.merging._tensors import magnitudes_of
+
     return cut_in_place(magnitudes_of(values), k, rounding)
 
 
 def topk_threshold(magnitudes: torch.Tensor, k: float, rounding: str) -> torch.Tensor:
     """magnitude_cut of a tensor's magnitudes (flattened), in their compute dtype."""
+    import torch
+
+    from mergeflow.merging._tensors import compute_dtype
+
     flat = magnitudes.detach().to(compute_dtype(magnitudes.dtype)).reshape(-1).numpy()
     return torch.tensor(magnitude_cut(flat, k, rounding))
 
@@ -58,6 +69,12 @@ def topk_threshold(magnitudes: torch.Tensor, k: float, rounding: str) -> torch.T
 def global_thresholds(task_vectors: Mapping[str, Mapping[str, torch.Tensor]], k: float, rounding: str) -> list[float]:
     """Pass 1 of a global trim: each task's cut over its whole flattened vector, one task at a time (float64 when
     any tensor is)."""
+    import numpy as np
+    import torch
+
+    from mergeflow.io import tensor_specs
+    from mergeflow.merging._tensors import compute_dtype, read_stack
+
     cuts = []
     for tv in task_vectors.values():
         specs = tensor_specs(tv)
@@ -82,6 +99,8 @@ def trim_cuts(task_vectors, k: float, trim_scope: str, rounding: str):
 def cuts_array(cuts: list[float], dtype: np.dtype) -> np.ndarray:
     """The cuts in the taus' dtype. A cut that dtype cannot hold (a float64 global cut met by a float32 tensor) is
     rounded up, so |tau| >= cut keeps the same entries."""
+    import numpy as np
+
     out = np.array(cuts, dtype)
     low = out < np.array(cuts, np.float64)
     out[low] = np.nextafter(out[low], dtype.type(np.inf))
@@ -90,6 +109,9 @@ def cuts_array(cuts: list[float], dtype: np.dtype) -> np.ndarray:
 
 def ties_vector(taus: tuple[np.ndarray, ...], cuts: list[float]) -> torch.Tensor:
     """The TIES-merged task vector (before scaling) of T flat tensors, trimming task t at |tau_t| >= cuts[t]."""
+    from mergeflow.merging._kernels import disjoint_mean
+    from mergeflow.merging._tensors import kernel_vector
+
     return kernel_vector(disjoint_mean, taus, cuts_array(cuts, taus[0].dtype))
 
 
@@ -102,4 +124,6 @@ def ties_vector(taus: tuple[np.ndarray, ...], cuts: list[float]) -> torch.Tensor
     ranges={"k": POSITIVE_FRACTION, **TRIM_RANGES, "lam": ANY_NUMBER},
 )
 def ties(pretrained, task_vectors, *, k, trim_scope, rounding, lam):
+    from mergeflow.merging._tensors import map_stacked, plus_scaled
+
     return map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: plus_scaled(theta0, lam, ties_vector(taus, cuts)), prepare=trim_cuts(task_vectors, k, trim_scope, rounding))

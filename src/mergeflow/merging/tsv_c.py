@@ -5,12 +5,12 @@ Gargiulo et al., "Task singular vectors: reducing task interference in model mer
 take the space of one matrix) and theta0 + tau_t elsewhere (non-matrix tensors are small and kept whole).
 """
 
-
 from mergeflow.merging import register
-from mergeflow.merging._tensors import as_compute, is_matrix, svd
 
 
 def reconstruct(store, pretrained, task):
+    from mergeflow.merging._tensors import as_compute
+
     out = {}
     for k, p in pretrained.items():
         piece = store[f"u/{task}/{k}"] @ store[f"vh/{task}/{k}"] if f"u/{task}/{k}" in store else store[f"full/{task}/{k}"]
@@ -20,6 +20,8 @@ def reconstruct(store, pretrained, task):
 
 @register("tsv_c", paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)", kind="per_task", reconstruct=reconstruct)
 def tsv_c(pretrained, task_vectors):
+    from mergeflow.merging._tensors import as_compute, is_matrix, svd
+
     store = {}
     n_tasks = len(task_vectors)
     for key in pretrained:

@@ -7,16 +7,24 @@ factors (U^ = P Sigma Q^T -> P Q^T); merged = U^_perp S^ V^_perp^T. Non-matrix t
 theta = theta0 + alpha merged, alpha in linspace(0, 3, 21)[1:], 1.0 by default.
 """
 
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mergeflow.merging import ANY_NUMBER, register
-from mergeflow.merging._tensors import is_matrix, map_tensors, polar, svd
+
+if TYPE_CHECKING:
+    import torch
 
 ALPHA_GRID = [round(0.15 * i, 2) for i in range(1, 21)]  # linspace(0, 3, 21)[1:]
 
 
 def task_singular_vectors(taus: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenated top-k triplets of each task, on the SVD device: U^ [m, T k], S^ [T k], Vh^ [T k, n]."""
+    import torch
+
+    from mergeflow.merging._tensors import svd
+
     us, ss, vhs = [], [], []
     for tau in taus:
         u, s, vh = svd(tau)
@@ -25,6 +33,8 @@ def task_singular_vectors(taus: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
 
 
 def tsv_merge_matrix(taus: torch.Tensor) -> torch.Tensor:
+    from mergeflow.merging._tensors import polar
+
     k = max(1, min(taus.shape[1:]) // taus.shape[0])
     u, s, vh = task_singular_vectors(taus, k)
     return ((polar(u) * s) @ polar(vh.T).T).to(taus.device)
@@ -32,6 +42,8 @@ def tsv_merge_matrix(taus: torch.Tensor) -> torch.Tensor:
 
 @register("tsv_m", paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)", defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
 def tsv_m(pretrained, task_vectors, *, alpha):
+    from mergeflow.merging._tensors import is_matrix, map_tensors
+
     def merge(key, theta0, taus):
         return theta0 + alpha * (tsv_merge_matrix(taus) if is_matrix(key, theta0) else taus.mean(0))
 

@@ -4,10 +4,11 @@ Wortsman et al., "Model soups", ICML 2022; the 'weight averaging' baseline of Il
 """
 
 from mergeflow.merging import register
-from mergeflow.merging._kernels import task_sum
-from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
 
 @register("weight_averaging", paper="Wortsman et al. 2022, Model soups (arXiv:2203.05482)")
 def weight_averaging(pretrained, task_vectors):
+    from mergeflow.merging._kernels import task_sum
+    from mergeflow.merging._tensors import kernel_vector, map_stacked, plus_scaled
+
     return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, 1 / len(taus), kernel_vector(task_sum, taus)))

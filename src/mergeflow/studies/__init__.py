@@ -8,6 +8,8 @@ and regimes are, so adding a study means adding one file. A study reads the pipe
 ``context.layout`` (mergeflow.stages.Layout) and may compute its own measurements; it writes its figures into
 ``context.out_dir`` and returns its claims and the report's body. ``mergeflow.stages.study`` writes
 ``studies/<name>/report.md`` (title, verdict table, body) and ``metrics/studies/<name>.json`` atomically.
+As the merge methods do, study modules import torch inside their functions (``no_grad`` below for a decorator),
+so that params.yaml's ``studies`` are validated without it.
 
 A claim's verdict is ``holds`` or ``fails`` from the numbers beside it, or ``not measured`` when what it needs was
 not run (a regime or round count not in params.yaml): never written by hand.
@@ -15,6 +17,7 @@ not run (a regime or round count not in params.yaml): never written by hand.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -96,6 +99,19 @@ def register(name: str, *, paper: str, title: str, settings: type[StudySettings]
     return wrap
 
 
+def no_grad(fn: Callable) -> Callable:
+    """``@torch.no_grad()`` with torch imported when ``fn`` is called, not when its module is."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def verdict_table(claims: list[Claim]) -> str:
     lines = ["| claim | verdict | measured |", "|---|---|---|"]
     for c in claims:
@@ -111,4 +127,4 @@ def _discover() -> None:
 
 _discover()
 
-__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "register", "verdict_table"]
+__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "no_grad", "register", "verdict_table"]

@@ -40,13 +40,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median, stdev
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import Field, model_validator
 
-from mergeflow.io import read_json
 from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
+
+if TYPE_CHECKING:
+    import torch
 
 # Seed 002, Table 1 (ViT-B/32, 8 tasks, average absolute accuracy %) and Table 3 (CART-Indexing at 8%, EMR)
 PAPER_8 = {"weight_averaging": 65.9, "task_arithmetic": 69.1, "ties": 72.4, "consensus_ta": 75.2, "cart": 84.7, "individual": 90.5}
@@ -113,6 +114,8 @@ class CartSettings(StudySettings):
 # ---------------------------------------------------------------- spectral measurements (claims 2 and 5)
 def svd_stack(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Singular values [T, r] and right singular vectors [T, r, n] (rows) of T matrices [T, m, n], in float64."""
+    import torch
+
     _, s, vh = torch.linalg.svd(vectors.double(), full_matrices=False)
     return s, vh
 
@@ -120,6 +123,8 @@ def svd_stack(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def interference(s: torch.Tensor, vh: torch.Tensor, k: int, *, top_only: bool = False) -> float:
     """I(k) = sum_{i != j} ||S_i V_i^T V_j S_j||_F (seed eq. 5): the top-k singular values divided by the l2 norm of
     all of them (top_only: of the top k alone)."""
+    import torch
+
     if k <= 0:
         return 0.0
     sk = s[:, :k] / (s[:, :k] if top_only else s).norm(dim=1, keepdim=True).clamp_min(1e-300)
@@ -164,6 +169,8 @@ class LayerSpectra:
 
 
 def spectra(pretrained, task_vectors, tasks: list[str], ratios: list[float], rank_ratio: float, seed: int = 0) -> list[LayerSpectra]:
+    import torch
+
     from mergeflow.merging._tensors import is_matrix
 
     gen = torch.Generator().manual_seed(seed)
@@ -386,6 +393,8 @@ class Bench:
 
 
 def _json(path: Path):
+    from mergeflow.io import read_json
+
     return read_json(path) if Path(path).is_file() else None
 
 
@@ -586,6 +595,8 @@ def _evaluated(context: StudyContext) -> dict[str, float]:
 @register("cart", paper="Seed 002: Choi et al. 2024, CART: Revisiting weight averaging for model merging (arXiv:2411.12153)",
           title="CART: centred, low-rank task vectors against weight averaging and task arithmetic", settings=CartSettings)
 def cart_study(context: StudyContext) -> StudyResult:
+    import torch
+
     s: CartSettings = context.settings
     started = time.perf_counter()
     individual = _individual(context)

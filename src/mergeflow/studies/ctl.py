@@ -47,20 +47,22 @@ import math
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import Field, model_validator
-from torch import nn
 
 from mergeflow.errors import MergeflowError
-from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
+from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, no_grad, register
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 PAPER = "Seed 003: Zhou, Chen, Chen, Zhang, Yan 2024, Cross-Task Linearity Emerges in the Pretraining-Finetuning Paradigm (arXiv:2402.03660)"
-State = dict[str, torch.Tensor]
+State = dict[str, "torch.Tensor"]
 
 
 class CtlSettings(StudySettings):
@@ -103,6 +105,8 @@ class CtlSettings(StudySettings):
 # ---------------------------------------------------------------- the metric (pure functions on features)
 def combine(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
     """sum_k w_k F_k, in float64."""
+    import torch
+
     out = None
     for w, f in parts:
         term = w * f.to(torch.float64)
@@ -112,6 +116,8 @@ def combine(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
 
 def cosine_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row cosine of [N, ...] features (flattened per row), float64; two zero rows have cosine 1."""
+    import torch
+
     a, b = a.reshape(len(a), -1).to(torch.float64), b.reshape(len(b), -1).to(torch.float64)
     na, nb = a.norm(dim=1), b.norm(dim=1)
     cos = (a * b).sum(1) / (na * nb).clamp_min(1e-300)
@@ -121,6 +127,8 @@ def cosine_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def linearity(model: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d, coef) per example: d = 1 - cos(F, G), coef = ||F|| cos(F, G) / ||G||."""
+    import torch
+
     f, g = model.reshape(len(model), -1).to(torch.float64), target.reshape(len(target), -1).to(torch.float64)
     cos = cosine_rows(f, g)
     gn = g.norm(dim=1)
@@ -137,6 +145,8 @@ def ctl_terms(f_mix: torch.Tensor, f_i: torch.Tensor, f_j: torch.Tensor, alpha: 
 
 def average_terms(f_avg: torch.Tensor, fs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Claim 3 (seed eq. 1): f(mean theta) against mean f(theta_t); baseline mean_t (1 - cos(f(mean theta), f(theta_t)))."""
+    import torch
+
     k = len(fs)
     d, coef = linearity(f_avg, combine([(1 / k, f) for f in fs]))
     return {"d": d, "coef": coef, "baseline": torch.stack([1.0 - cosine_rows(f_avg, f) for f in fs]).mean(0)}
@@ -168,6 +178,8 @@ def recovery(avg: Sequence[float], own: Sequence[float], other: Sequence[float])
 
 def mix(states: Sequence[tuple[float, Mapping[str, torch.Tensor]]]) -> State:
     """sum_k w_k theta_k over floating tensors (the first state's other tensors kept), in the first state's dtype."""
+    import torch
+
     first = states[0][1]
     out = {}
     for k, v in first.items():
@@ -182,7 +194,15 @@ def mix(states: Sequence[tuple[float, Mapping[str, torch.Tensor]]]) -> State:
 # ---------------------------------------------------------------- features by forward hooks
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """Detached, in float32 or wider (a float64 model keeps float64: the exactness tests need it)."""
+    import torch
+
     return t.detach().to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _cpu() -> torch.device:
+    import torch
+
+    return torch.device("cpu")
 
 
 @dataclass
@@ -194,17 +214,19 @@ class Probe:
     target: nn.Module
     layers: list[nn.Module]
     batch_size: int = 512
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=_cpu)
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         self.target.load_state_dict(dict(state))
 
-    @torch.no_grad()
+    @no_grad
     def run(self, state: Mapping[str, torch.Tensor] | None, x: torch.Tensor, *, replace: tuple[int, torch.Tensor] | None = None,
             keep: Sequence[int] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(f_l for l in ``keep`` (default all), each [N, tokens x width] in the model's dtype (at least float32), and
         the model's output) on ``x``;
         ``replace`` = (l, F): layer l's output is replaced by F (stitching)."""
+        import torch
+
         if state is not None:
             self.load(state)
         self.model.eval()
@@ -240,12 +262,16 @@ def _r(v: float) -> float:
 
 
 def quartiles(v: torch.Tensor) -> tuple[float, float, float]:
+    import torch
+
     q = torch.quantile(v.to(torch.float64), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
     return float(q[0]), float(q[1]), float(q[2])
 
 
 def summarise(terms: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
     """Pooled over pairs (their examples concatenated): mean and quartiles of d and baseline, median and quartiles of coef."""
+    import torch
+
     d = torch.cat([t["d"] for t in terms])
     b = torch.cat([t["baseline"] for t in terms])
     c = torch.cat([t["coef"] for t in terms])
@@ -393,11 +419,16 @@ def pipeline_lam(layout, default: float) -> tuple[float, str]:
 
 
 def _head_loss(out: torch.Tensor, head: nn.Linear, y: torch.Tensor) -> float:
+    import torch
+    from torch import nn
+
     with torch.no_grad():
         return float(nn.functional.cross_entropy(head(out), y))
 
 
 def _head_acc(out: torch.Tensor, head: nn.Linear, y: torch.Tensor) -> float:
+    import torch
+
     with torch.no_grad():
         return float((head(out).argmax(1) == y).float().mean())
 
@@ -413,6 +444,8 @@ class Suite:
 
     def x(self, tasks: Sequence[str], n: int) -> tuple[torch.Tensor, list[tuple[str, slice]]]:
         """The first n test images of each task, concatenated, and each task's rows."""
+        import torch
+
         xs, rows, at = [], [], 0
         for t in tasks:
             x = self.test[t][0][:n]
@@ -427,10 +460,14 @@ class Suite:
         return total / sum(sl.stop - sl.start for _, sl in rows)
 
     def tau(self, t: str) -> State:
+        import torch
+
         return {k: self.thetas[t][k].to(torch.float64) - self.theta0[k].to(torch.float64) for k in self.theta0 if self.theta0[k].is_floating_point()}
 
     def edit(self, parts: Sequence[tuple[float, str]]) -> State:
         """theta0 + sum_k w_k tau_k."""
+        import torch
+
         out = {}
         for k, v in self.theta0.items():
             if v.is_floating_point():
@@ -660,11 +697,15 @@ def _by_layer(items: Sequence[Sequence[Mapping[str, torch.Tensor]]]) -> list[dic
 
 
 def _coefs(items: Sequence[Sequence[Mapping[str, torch.Tensor]]]) -> list[torch.Tensor]:
+    import torch
+
     return [torch.cat([p[L]["coef"] for p in items]) for L in range(len(items[0]))]
 
 
 @register("ctl", paper=PAPER, title="Cross-task linearity: interpolated weights give interpolated features, layer by layer", settings=CtlSettings)
 def ctl_study(context: StudyContext) -> StudyResult:
+    import torch
+
     from mergeflow import data as data_mod
     from mergeflow.io import load_state_dict
     from mergeflow.models import build_backbone, load_head
@@ -767,10 +808,14 @@ def ctl_study(context: StudyContext) -> StudyResult:
 
 
 def _norm(state: Mapping[str, torch.Tensor]) -> float:
+    import torch
+
     return math.sqrt(sum(float(v.to(torch.float64).pow(2).sum()) for v in state.values() if v.is_floating_point()))
 
 
 def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    import torch
+
     return math.sqrt(sum(float((a[k].to(torch.float64) - b[k].to(torch.float64)).pow(2).sum()) for k in a if a[k].is_floating_point()))
 
 

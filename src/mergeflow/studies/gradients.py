@@ -26,18 +26,20 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import Field, PositiveInt, field_validator
-from torch import nn
 
 from mergeflow.errors import MergeflowError
 from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
 PAPER = "Zhou, Solombrino, Crisostomi, Bucarelli, Silvestri, Rodolà: On Task Vectors and Gradients (seed 000)"
-State = dict[str, torch.Tensor]
-GradFn = Callable[[Mapping[str, torch.Tensor]], State]  # state -> grad of the task's mean loss at that state
+State = dict[str, "torch.Tensor"]
+GradFn = Callable[[Mapping[str, "torch.Tensor"]], State]  # state -> grad of the task's mean loss at that state
 
 
 class GradientsSettings(StudySettings):
@@ -78,6 +80,8 @@ class GradientsSettings(StudySettings):
 
 # ------------------------------------------------------------------------------------------------ vectors
 def _flat(state: Mapping[str, torch.Tensor], keys: Sequence[str] | None = None) -> torch.Tensor:
+    import torch
+
     keys = [k for k in state if state[k].is_floating_point()] if keys is None else keys
     return torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
 
@@ -93,6 +97,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def float32_floor(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> float:
     """‖ ulp(theta) / 2 ‖: the l2 error of merely storing ``state`` (exact) in float32, over ``keys``."""
+    import torch
+
     x = _flat(state, keys).to(torch.float32).abs()
     return float(((torch.nextafter(x, torch.full_like(x, math.inf)) - x).to(torch.float64) / 2).norm())
 
@@ -100,6 +106,8 @@ def float32_floor(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> flo
 def errors(measured: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], theta0: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
     """max |measured - expected|, ‖measured - expected‖ / ‖expected‖ over the keys of ``expected`` (updates
     from ``theta0``); with ``theta0``, also ``ulps``: ‖measured - expected‖ over the float32 floor of theta0 + expected."""
+    import torch
+
     keys = list(expected)
     m, e = _flat(measured, keys), _flat(expected, keys)
     diff = m - e
@@ -112,10 +120,14 @@ def errors(measured: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Te
 
 
 # ------------------------------------------------------------------------------------------------ gradients
-def loss_gradient(backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor, state: Mapping[str, torch.Tensor], *, chunk: int = 256, dtype: torch.dtype = torch.float32) -> State:
+def loss_gradient(backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor, state: Mapping[str, torch.Tensor], *, chunk: int = 256, dtype: torch.dtype | None = None) -> State:
     """grad Lbar_t(state) by plain autograd, independently of the training loop: the mean cross-entropy of
-    ``head`` (frozen) on ``backbone.net`` holding ``state`` (cast to ``dtype``), summed over chunks of examples and
+    ``head`` (frozen) on ``backbone.net`` holding ``state`` (cast to ``dtype``, float32 by default), summed over chunks of examples and
     divided by their number. ``backbone`` is a mergeflow Backbone (its input normalisation is used, then cast)."""
+    import torch
+    from torch import nn
+
+    dtype = torch.float32 if dtype is None else dtype
     net = backbone.net.eval()
     # the trainable tensors: CLIP's projection bias is frozen, so it has no gradient (and no task-vector share)
     trainable = {k for k, p in net.named_parameters() if p.requires_grad}
@@ -439,6 +451,8 @@ def _sci(x: float) -> str:
 
 @register("gradients", paper=PAPER, title="On Task Vectors and Gradients: task vectors as (approximate) gradients", settings=GradientsSettings)
 def gradients(context: StudyContext) -> StudyResult:
+    import torch
+
     from mergeflow import data as data_mod
     from mergeflow.io import LazyStateDict, load_state_dict
     from mergeflow.models import backbone_state, build_backbone, load_head

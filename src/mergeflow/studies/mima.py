@@ -28,7 +28,6 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from mergeflow.io import read_json
 from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
 
 REGIME = "mima"
@@ -102,6 +101,8 @@ class Point:
 
 
 def _json(path: Path) -> Any | None:
+    from mergeflow.io import read_json
+
     return read_json(path) if Path(path).is_file() else None
 
 

@@ -52,18 +52,21 @@ The measurements are small pure functions (``make_data``, ``init_model``, ``forw
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import Field, PositiveInt, model_validator
 
 from mergeflow.errors import MergeflowError
-from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
+from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, no_grad, register
+
+if TYPE_CHECKING:
+    import torch
 
 PAPER = "Seed 004: Li, Zhang, Zhang, Chen, Liu, Wang: When is task vector provably effective for model editing? A generalization analysis of nonlinear Transformers (ICLR 2025)"
 RESERVED = 3  # e0, e1, e2: the patterns' span (mu1, mu2 and the out-of-domain target's mu_perp); irrelevant tokens use the rest
@@ -196,6 +199,8 @@ def grid(lo: float, hi: float, step: float) -> list[float]:
 
 def patterns(alpha: float, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mu1 = e0 and mu2 = alpha e0 + sqrt(1 - alpha^2) e1: unit vectors with mu1^T mu2 = alpha."""
+    import torch
+
     mu1, mu2 = torch.zeros(d), torch.zeros(d)
     mu1[0] = 1.0
     mu2[0], mu2[1] = alpha, math.sqrt(max(0.0, 1.0 - alpha * alpha))
@@ -204,6 +209,8 @@ def patterns(alpha: float, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def target_pattern(gamma1: float, gamma2: float, d: int) -> torch.Tensor:
     """mu' = gamma1 e0 + gamma2 e1 + kappa e2, kappa = sqrt(1 - gamma1^2 - gamma2^2) >= 0 (e2 is mu_perp)."""
+    import torch
+
     mu = torch.zeros(d)
     mu[0], mu[1], mu[2] = gamma1, gamma2, math.sqrt(max(0.0, 1.0 - gamma1 * gamma1 - gamma2 * gamma2))
     return mu
@@ -211,12 +218,16 @@ def target_pattern(gamma1: float, gamma2: float, d: int) -> torch.Tensor:
 
 def irrelevant_directions(d: int) -> torch.Tensor:
     """The v_j: e3, ..., e_{d-1} (M = d - 3 rows), orthonormal and orthogonal to every pattern used here."""
+    import torch
+
     return torch.eye(d)[RESERVED:]
 
 
 def make_data(mu: torch.Tensor, irrelevant: torch.Tensor, n: int, *, tokens: int, relevant: int, confusion: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """n samples (X: n x P x d, y: n) of Definition 2: y = +-1 equally likely; ``relevant`` tokens y mu,
     ``confusion`` tokens -y mu, the rest drawn uniformly from the rows of ``irrelevant``; positions shuffled."""
+    import torch
+
     y = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
     rest = tokens - relevant - confusion
     sign = torch.cat([torch.ones(n, relevant), -torch.ones(n, confusion), torch.zeros(n, rest)], dim=1) * y[:, None]  # n x P
@@ -229,17 +240,21 @@ def make_data(mu: torch.Tensor, irrelevant: torch.Tensor, n: int, *, tokens: int
 
 def majority_sign(X: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     """The sign of the sum over tokens of x_s^T mu counting only the tokens that carry +-mu (the label's rule)."""
+    import torch
+
     proj = X @ mu
     carrying = (proj.abs() > 1 - 1e-6).float()
     return torch.sign((torch.sign(proj) * carrying).sum(1))
 
 
 # ------------------------------------------------------------------------------------------------ model
-Params = dict[str, torch.Tensor]  # {"W": d x d, "V": m x d}
+Params = dict[str, "torch.Tensor"]  # {"W": d x d, "V": m x d}
 
 
 def init_model(d: int, m: int, init_std: float, gen: torch.Generator) -> tuple[Params, torch.Tensor]:
     """Psi0: W, V ~ N(0, init_std^2); the frozen output layer a in {+-1/sqrt(m)}^m."""
+    import torch
+
     W = torch.randn(d, d, generator=gen) * init_std
     V = torch.randn(m, d, generator=gen) * init_std
     a = (torch.randint(0, 2, (m,), generator=gen).float() * 2 - 1) / math.sqrt(m)
@@ -248,6 +263,8 @@ def init_model(d: int, m: int, init_std: float, gen: torch.Generator) -> tuple[P
 
 def forward(params: Params, a: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """f(X) = 1/P sum_l a^T ReLU(V sum_s x_s softmax_s(x_s^T W x_l)), for a batch X (n x P x d)."""
+    import torch
+
     scores = X @ params["W"] @ X.transpose(1, 2)  # [n, s, l] = x_s^T W x_l
     attn = torch.softmax(scores, dim=1)  # over s
     z = attn.transpose(1, 2) @ X  # [n, l, :] = sum_s attn[s, l] x_s
@@ -255,12 +272,16 @@ def forward(params: Params, a: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 def hinge(f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.clamp(1 - y * f, min=0)
 
 
 def finetune(theta0: Params, a: torch.Tensor, mu: torch.Tensor, irrelevant: torch.Tensor, s: ProvableSettings, gen: torch.Generator) -> Params:
     """``s.steps`` SGD steps of size ``s.lr`` on the mean hinge loss of fresh mini-batches of ``s.batch``
     samples of the task with pattern ``mu``; a is frozen. Returns the fine-tuned W, V."""
+    import torch
+
     params = {k: v.clone().requires_grad_(True) for k, v in theta0.items()}
     for _ in range(s.steps):
         X, y = make_data(mu, irrelevant, s.batch, tokens=s.tokens, relevant=s.relevant, confusion=s.confusion, gen=gen)
@@ -272,9 +293,11 @@ def finetune(theta0: Params, a: torch.Tensor, mu: torch.Tensor, irrelevant: torc
     return {k: v.detach() for k, v in params.items()}
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(params: Params, a: torch.Tensor, X: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(mean hinge loss, accuracy) on (X, y); a zero output counts as wrong."""
+    import torch
+
     f = forward(params, a, X)
     return float(hinge(f, y).mean()), float((torch.sign(f) == y).float().mean())
 
@@ -291,12 +314,16 @@ def merge(theta0: Params, deltas: Sequence[Params], lambdas: Sequence[float]) ->
 # ------------------------------------------------------------------------------------------------ low rank
 def truncate(matrix: torch.Tensor, r: int) -> torch.Tensor:
     """The best rank-r approximation (truncated SVD)."""
+    import torch
+
     U, S, Vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     return ((U[:, :r] * S[:r]) @ Vh[:r]).to(matrix.dtype)
 
 
 def top_energy(matrix: torch.Tensor) -> float:
     """sigma_1^2 / sum_i sigma_i^2: the top singular value's share of ||matrix||_F^2."""
+    import torch
+
     S = torch.linalg.svdvals(matrix.double())
     total = float((S * S).sum())
     return float(S[0] ** 2) / total if total > 0 else math.nan
@@ -311,6 +338,8 @@ def residual(matrix: torch.Tensor, r: int) -> float:
 def alignment(matrix: torch.Tensor, mu: torch.Tensor) -> tuple[float, float]:
     """(|cos(u1, mu)|, |cos(v1, mu)|) of the top left and right singular vectors (the left side needs a d-row matrix:
     NaN otherwise)."""
+    import torch
+
     U, _, Vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     m = mu.double() / mu.double().norm()
     left = float((U[:, 0] @ m).abs()) if matrix.shape[0] == mu.shape[0] else math.nan
@@ -319,6 +348,8 @@ def alignment(matrix: torch.Tensor, mu: torch.Tensor) -> tuple[float, float]:
 
 def second_alignment(matrix: torch.Tensor, direction: torch.Tensor) -> float:
     """|cos| of the second right singular vector with ``direction``."""
+    import torch
+
     _, _, Vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     u = direction.double() / direction.double().norm()
     return float((Vh[1] @ u).abs()) if Vh.shape[0] > 1 else math.nan
@@ -413,6 +444,8 @@ def _test_set(mu: torch.Tensor, irrelevant: torch.Tensor, s: ProvableSettings, g
 
 def addition_map(theta0: Params, a: torch.Tensor, d1: Params, d2: Params, lambdas: Sequence[float], test1, test2) -> tuple[list[float], list[float]]:
     """Test losses on tasks 1 and 2 of theta0 + d1 + lambda d2 for each lambda."""
+    import torch
+
     X, y, n1 = torch.cat([test1[0], test2[0]]), torch.cat([test1[1], test2[1]]), len(test1[1])
     l1, l2 = [], []
     with torch.no_grad():
@@ -425,6 +458,8 @@ def addition_map(theta0: Params, a: torch.Tensor, d1: Params, d2: Params, lambda
 
 def measure(s: ProvableSettings, seed: int) -> Measurements:
     """Every measurement, on one CPU thread (the tensors are tiny: more threads only contend), restored after."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -434,6 +469,8 @@ def measure(s: ProvableSettings, seed: int) -> Measurements:
 
 
 def _measure(s: ProvableSettings, seed: int) -> Measurements:
+    import torch
+
     torch_threads = torch.get_num_threads()
     times: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -497,6 +534,8 @@ def parity(labels: torch.Tensor) -> torch.Tensor:
 def red_mask(labels: torch.Tensor, r_o: float, gen: torch.Generator) -> torch.Tensor:
     """Which images are inked red: exactly round(r_o n_odd) of the odd digits and round((1 - r_o) n_even) of the even
     ones (r_e = 1 - r_o), each set drawn uniformly; the others are green."""
+    import torch
+
     odd = parity(labels) == 1
     mask = torch.zeros(len(labels), dtype=torch.bool)
     for members, r in ((odd, r_o), (~odd, 1.0 - r_o)):
@@ -508,6 +547,8 @@ def red_mask(labels: torch.Tensor, r_o: float, gen: torch.Generator) -> torch.Te
 def colour(images: torch.Tensor, red: torch.Tensor) -> torch.Tensor:
     """Grey-on-black uint8 images [N, H, W, 3] -> the same ink (the channels' mean) in the red channel where ``red``,
     in the green channel elsewhere, the other channels black (Colored-MNIST)."""
+    import torch
+
     ink = images.float().mean(-1).round().to(torch.uint8)
     out = torch.zeros_like(images)
     r = red[:, None, None]
@@ -520,6 +561,8 @@ def alpha_hat(out1_d1: torch.Tensor, out2_d1: torch.Tensor, out1_d2: torch.Tenso
     """The seed's (11): the mean over D_j of the cosine between the two fine-tuned models' centred outputs (each
     model's outputs minus their mean over D_j), averaged over D_1 and D_2. Outputs [N, K]."""
 
+    import torch
+
     def one(a: torch.Tensor, b: torch.Tensor) -> float:
         a, b = (a - a.mean(0)).double(), (b - b.mean(0)).double()
         return float(torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-12).mean())
@@ -527,23 +570,32 @@ def alpha_hat(out1_d1: torch.Tensor, out2_d1: torch.Tensor, out1_d2: torch.Tenso
     return (one(out1_d1, out2_d1) + one(out1_d2, out2_d2)) / 2
 
 
-class Tail(torch.nn.Module):
-    """The fine-tuned part of the backbone: its last ``blocks`` blocks, final norm, pooling and fc norm, from the
-    tokens the frozen blocks before them give to the pooled features (a timm VisionTransformer)."""
+@functools.cache
+def _tail_class() -> type:
+    """Tail, defined on first use: it subclasses torch.nn.Module, and this module loads without torch."""
+    import torch
 
-    def __init__(self, net: torch.nn.Module, blocks: int):
-        super().__init__()
-        self.blocks = torch.nn.Sequential(*[copy.deepcopy(b) for b in list(net.blocks)[len(net.blocks) - blocks :]])
-        self.norm = copy.deepcopy(net.norm)
-        self.fc_norm = copy.deepcopy(net.fc_norm)
-        self._pool = [net.pool]  # parameter-free (global average over the patch tokens here); a list: not a submodule
+    class Tail(torch.nn.Module):
+        """The fine-tuned part of the backbone: its last ``blocks`` blocks, final norm, pooling and fc norm, from the
+        tokens the frozen blocks before them give to the pooled features (a timm VisionTransformer)."""
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.fc_norm(self._pool[0](self.norm(self.blocks(tokens))))
+        def __init__(self, net: torch.nn.Module, blocks: int):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*[copy.deepcopy(b) for b in list(net.blocks)[len(net.blocks) - blocks :]])
+            self.norm = copy.deepcopy(net.norm)
+            self.fc_norm = copy.deepcopy(net.fc_norm)
+            self._pool = [net.pool]  # parameter-free (global average over the patch tokens here); a list: not a submodule
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.fc_norm(self._pool[0](self.norm(self.blocks(tokens))))
+
+    return Tail
 
 
-def split_backbone(backbone: Any, blocks: int) -> tuple[Any, Tail]:
+def split_backbone(backbone: Any, blocks: int) -> tuple[Any, torch.nn.Module]:
     """(prefix: uint8 images -> tokens, with the backbone's normalisation; Tail) with tail(prefix(x)) == backbone(x)."""
+    import torch
+
     net = backbone.net
     for name in ("blocks", "patch_embed", "_pos_embed", "norm", "fc_norm", "pool"):
         if not hasattr(net, name):
@@ -557,16 +609,20 @@ def split_backbone(backbone: Any, blocks: int) -> tuple[Any, Tail]:
             x = b(x)
         return x
 
-    return prefix, Tail(net, min(blocks, len(net.blocks)))
+    return prefix, _tail_class()(net, min(blocks, len(net.blocks)))
 
 
 def _tokens(prefix, images: torch.Tensor, batch: int = 500) -> torch.Tensor:
+    import torch
+
     return torch.cat([prefix(images[i : i + batch]) for i in range(0, len(images), batch)])
 
 
-@torch.no_grad()
-def tail_outputs(tail: Tail, state: Params, head: torch.nn.Linear, tokens: torch.Tensor) -> torch.Tensor:
+@no_grad
+def tail_outputs(tail: torch.nn.Module, state: Params, head: torch.nn.Linear, tokens: torch.Tensor) -> torch.Tensor:
     """The head's logits [N, 2] of the tail holding ``state`` (a full state dict of the tail)."""
+    import torch
+
     return head(torch.func.functional_call(tail, state, (tokens,)))
 
 
@@ -654,6 +710,8 @@ def real_skip_reason(params: Any, layout: Any, s: ProvableSettings) -> str | Non
 
 def measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
     """Every real-data measurement, on one CPU thread (as ``measure``: reproducible whatever the machine), restored after."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -663,6 +721,8 @@ def measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasureme
 
 
 def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
+    import torch
+
     from mergeflow.config import ProbeConfig
     from mergeflow.data import load_task
     from mergeflow.models import load_backbone
@@ -1093,6 +1153,8 @@ def plot_ood(m: Measurements, s: ProvableSettings, path: Path) -> None:
 
 def plot_spectra(m: Measurements, s: ProvableSettings, path: Path, k: int = 6) -> None:
     """sigma_i^2 / sum sigma^2 of the first k singular values of every update, Delta W and Delta V."""
+    import torch
+
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained", sharey=True)
     for ax, key in zip(axes, ("W", "V")):

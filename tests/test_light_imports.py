@@ -1,0 +1,92 @@
+"""Validating params.yaml needs no torch: `mergeflow check` answers in well under a second, `--help` and
+`--version` at once (the issue "The daily loop in minutes"). The merge methods and the studies register from their
+own modules, which import torch (and numba, through the compiled kernels) inside their functions: mergeflow.merging.
+
+Each check runs in a fresh interpreter, since this one has torch loaded already."""
+
+import json
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "numba")
+
+
+def fresh(code: str, cwd: Path = REPO) -> dict:
+    """``out``, the dict ``code`` builds, with "heavy": the packages of HEAVY it imported (which module imports one:
+    ``python -X importtime -c ...``), run by a new interpreter on this tree's sources."""
+    code += f"\nimport json, sys\nout['heavy'] = sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r})\nprint(json.dumps(out))\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def modules_of(package: str) -> set[str]:
+    """The registering modules of a package of src/mergeflow (its files not starting with '_'), by name."""
+    return {m.name for m in pkgutil.iter_modules([str(REPO / "src" / "mergeflow" / package)]) if not m.name.startswith("_")}
+
+
+def test_params_and_the_registries_load_without_torch_or_numba():
+    out = fresh(f"""
+from mergeflow.config import load_params
+params = load_params({str(REPO / "params.yaml")!r})
+import mergeflow.merging
+from mergeflow.merging import REGISTRY
+from mergeflow.studies import REGISTRY as STUDIES
+out = {{
+    "methods": {{name: [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {{k: str(r) for k, r in m.ranges.items()}}] for name, m in REGISTRY.items()}},
+    "joint": sorted(name for name, m in REGISTRY.items() if m.joint),
+    "studies": sorted(STUDIES),
+    "merge_methods": params.merge.methods,
+}}
+""")
+    assert out["heavy"] == [], f"validating params.yaml imported {out['heavy']}"
+    from mergeflow.merging import REGISTRY
+
+    # every method module registered, and each method as the full import (torch loaded) registers it
+    assert {module for module, *_ in out["methods"].values()} == modules_of("merging")
+    assert set(out["methods"]) == set(REGISTRY)
+    for name, m in REGISTRY.items():
+        full = [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {k: str(r) for k, r in m.ranges.items()}]
+        assert out["methods"][name] == json.loads(json.dumps(full)), name
+    assert out["joint"] == sorted(name for name, m in REGISTRY.items() if m.joint) and "breadcrumbs" in out["joint"]
+    assert set(out["studies"]) == modules_of("studies")
+    assert out["merge_methods"]
+
+
+def test_the_light_registry_still_refuses_a_bad_override():
+    out = fresh("""
+from mergeflow.merging import REGISTRY, validate_overrides
+out = {"errors": []}
+for overrides in ({"gamma": 0.9, "beta": 0.2}, {"alpha": "big"}, {"rounding": "ceil"}):
+    try:
+        validate_overrides(REGISTRY["breadcrumbs"], overrides, where="merge.breadcrumbs")
+    except ValueError as err:
+        out["errors"].append(str(err))
+""")
+    assert out["heavy"] == []
+    assert len(out["errors"]) == 3 and "gamma + beta <= 1" in out["errors"][0] and out["errors"][2].startswith("merge.breadcrumbs.rounding:")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["check"], ["methods"]])
+def test_check_help_version_and_methods_import_no_torch(argv, tmp_path):
+    """In a copy of the project's params.yaml and dvc.yaml (no dvc.lock: check restores none), as a user runs them."""
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    out = fresh(f"""
+from mergeflow.cli import main
+try:
+    code = main({argv!r})
+except SystemExit as exit:
+    code = exit.code
+out = {{"code": code}}
+""", cwd=tmp_path)
+    assert out["code"] in (0, None)
+    assert out["heavy"] == [], f"mergeflow {' '.join(argv)} imported {out['heavy']}"
