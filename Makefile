@@ -12,7 +12,7 @@ UV := $(VENV)/uv/bin/uv
 export HF_HUB_OFFLINE := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install lock pipeline flow test reproduce bench clean-outputs
+.PHONY: install lock pipeline flow test test-faults reproduce bench clean-outputs
 
 # The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive).
 # --no-deps: the lock already lists every package, and pip's resolver mis-pins an extra (sqlalchemy[asyncio])
@@ -51,9 +51,13 @@ pipeline: install
 flow: install
 	$(BIN)/python -m flows.pipeline
 
+# everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both)
 test: install
 	$(BIN)/mergeflow check
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not faults"
+
+test-faults: install
+	$(BIN)/pytest -q -m faults
 
 # a fresh clone of the committed HEAD reproduces dvc.lock's data and pretrained model (minutes; CI runs it)
 reproduce: install

@@ -26,7 +26,7 @@ def _threads():
     torch.set_num_threads(2)
 
 
-def run(cmd, cwd, env, timeout=900, check=True):
+def run(cmd, cwd, env, timeout=None, check=True):
     """Run a command (a list, or a shell string), assert it succeeded (unless check=False); stdout + stderr."""
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
     if check:

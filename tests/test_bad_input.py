@@ -328,7 +328,7 @@ def _run_cli(root, *args, **env):
 
     environment = {k: v for k, v in os.environ.items() if k != "DVC_STAGE"} | {"HF_HUB_OFFLINE": "1"} | env
     mergeflow = os.path.join(os.path.dirname(sys.executable), "mergeflow")
-    return subprocess.run([mergeflow, "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True, timeout=300)
+    return subprocess.run([mergeflow, "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True)
 
 
 def _files(root) -> dict[str, tuple[int, bytes]]:

@@ -236,7 +236,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
 
 def _run(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "DVC_STAGE"} | {"HF_HUB_OFFLINE": "1"} | env
-    return subprocess.run([str(MERGEFLOW), "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(MERGEFLOW), "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True)
 
 
 def _assert_one_line_exit_2(result: subprocess.CompletedProcess, message: str) -> None:

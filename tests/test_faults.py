@@ -42,7 +42,7 @@ def _project_processes(root: Path) -> list[psutil.Process]:
     return found
 
 
-def _wait_gone(root: Path, timeout: float = 30) -> list:
+def _wait_gone(root: Path, timeout: float = 120) -> list:  # a limit for a hang, not a measurement
     deadline = time.monotonic() + timeout
     while (left := _project_processes(root)) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -59,6 +59,7 @@ def _assert_recoverable(root, env):
     assert run(["dvc", "status"], root, env, check=False).returncode == 0
 
 
+@pytest.mark.faults
 def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_reference, tiny_env, prefect_server):
     reference, _ = tiny_reference
     root = make_tiny_project(tmp_path, tiny_env)
@@ -87,7 +88,7 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_refer
     assert stage_seen, "no stage started under the flow"
     family = [p.pid for p in psutil.Process(flow.pid).children(recursive=True)]
     flow.send_signal(signal.SIGTERM)
-    out, _ = flow.communicate(timeout=90)
+    out, _ = flow.communicate()
     assert flow.returncode == 130, out[-2000:]
     assert "SIGTERM: stopped 1 running stages" in out
     time.sleep(2)
@@ -140,6 +141,7 @@ def _revision(path: Path):
         return None
 
 
+@pytest.mark.faults
 def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
     from mlflow import MlflowClient
     from mlflow.store.db.utils import _get_latest_schema_revision

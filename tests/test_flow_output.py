@@ -49,7 +49,7 @@ def test_a_run_publishes_the_summary_and_the_mlflow_link(project, tiny_env, pref
     logs, and the artifact holds the summary table, the MLflow run's link and which stages ran. Then a run with
     nothing to do publishes the same results, saying that nothing ran."""
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "MERGEFLOW_MLFLOW_UI": "http://mlflow.example:8080/"}
-    out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env, timeout=600)
+    out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env)
     assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]
     assert "Traceback" not in out
     flow_run = _last_flow_run(prefect_server, project)
@@ -68,7 +68,7 @@ def test_a_run_publishes_the_summary_and_the_mlflow_link(project, tiny_env, pref
     link = f"http://mlflow.example:8080/#/experiments/{tracking['experiment_id']}/runs/{tracking['run_id']}"
     assert f"[{tracking['run_id']}]({link})" in markdown and "`mergeflow ui --port 8080`" in markdown
 
-    out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project)], project, env, timeout=600)
+    out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project)], project, env)
     assert "0 of 18 stages to run: none" in out
     again = _last_flow_run(prefect_server, project)
     assert again["id"] != flow_run["id"]
@@ -84,7 +84,7 @@ def test_a_failed_stage_is_named_with_its_error_line_and_no_traceback(project, t
     UUID; the artifact says the same."""
     root = copy_project(project, tmp_path / "failing")
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": ""}
-    proc = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.3", "-S", "runtime.device=cuda", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600, check=False)
+    proc = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.3", "-S", "runtime.device=cuda", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, check=False)
     out = proc.stdout + proc.stderr
     error = "error: runtime.device: 'cuda' asked for but no CUDA device is available"
     assert proc.returncode == 1, out[-3000:]

@@ -144,7 +144,7 @@ def _one_line_refusal(proc, pattern):
 def test_mergeflow_check_and_repro_refuse(hostile_project):
     root, env = hostile_project
     for cmd in (["mergeflow", "check"], ["mergeflow", "repro"]):
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
         _one_line_refusal(proc, "unknown merge method 'wa;touch")
     assert not (root / "data").exists() and not (root / "dvc.lock").exists()
 
@@ -152,14 +152,14 @@ def test_mergeflow_check_and_repro_refuse(hostile_project):
 def test_plain_dvc_repro_runs_no_name_as_code(hostile_project):
     """`dvc repro` itself: the command it runs is `mergeflow prepare`, which refuses the params before writing."""
     root, env = hostile_project
-    proc = subprocess.run(["dvc", "repro"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["dvc", "repro"], cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown merge method 'wa;touch" in proc.stderr + proc.stdout
     assert not (root / "data").exists()
 
 
 def test_the_flow_refuses_before_any_stage(hostile_project, prefect_server):
     root, env = hostile_project
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--root", str(root)], cwd=root, env=env | {"PREFECT_API_URL": prefect_server}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--root", str(root)], cwd=root, env=env | {"PREFECT_API_URL": prefect_server}, capture_output=True, text=True)
     _one_line_refusal(proc, "unknown merge method 'wa;touch")
     assert not (root / "data").exists()
 
@@ -169,7 +169,7 @@ def test_a_hostile_override_to_the_flow_is_refused(tmp_path_factory, tiny_env, p
     root = make_tiny_project(tmp_path_factory.mktemp("override"), tiny_env)
     before = (root / "params.yaml").read_text()
     override = f"suite.tasks=[digits, 'x;touch {CANARY}']"
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--root", str(root), "-S", override], cwd=root, env=tiny_env | {"PREFECT_API_URL": prefect_server}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--root", str(root), "-S", override], cwd=root, env=tiny_env | {"PREFECT_API_URL": prefect_server}, capture_output=True, text=True)
     _one_line_refusal(proc, "is not a plain name")
     assert (root / "params.yaml").read_text() == before and not (root / "data").exists()
 

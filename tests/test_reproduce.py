@@ -22,7 +22,7 @@ def test_fresh_clone_reproduces_the_committed_lock(tmp_path, repo_root, tiny_env
     run(["git", "clone", "-q", str(repo_root), str(clone)], tmp_path, tiny_env)
     committed = yaml.safe_load((clone / "dvc.lock").read_text())
     env = {k: v for k, v in tiny_env.items() if k != "MERGEFLOW_THREADS"}  # as `make pipeline` runs
-    run(["dvc", "repro", "prepare", "pretrain"], clone, env, timeout=1800)
+    run(["dvc", "repro", "prepare", "pretrain"], clone, env)
     rerun = yaml.safe_load((clone / "dvc.lock").read_text())
     for stage in ("prepare", "pretrain"):
         assert _outs(rerun, stage) == _outs(committed, stage), f"{stage}'s outputs differ from the committed dvc.lock"
