@@ -13,10 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mergeflow import lockfile
-from mergeflow.config import Params, check_name, load_params
+from mergeflow.config import Params, check_name, load_params, read_yaml
 from mergeflow.errors import MergeflowError
 
 _INTERPOLATION = re.compile(r"\$\{\s*([^}]*?)\s*\}")
@@ -75,11 +73,8 @@ def check_project(root: str | Path = ".", params_path: str | Path | None = None)
     params = load_params(params_path)
     dvc_path = root / "dvc.yaml"
     if dvc_path.is_file():
-        try:
-            dvc_yaml = yaml.safe_load(dvc_path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise MergeflowError(f"{dvc_path}: not valid YAML ({str(err).splitlines()[0]})") from None
-        check_interpolations(dvc_yaml, yaml.safe_load(params_path.read_text()) or {}, str(params_path))
+        dvc_yaml = read_yaml(dvc_path) or {}  # one line for bad YAML, bytes that are not UTF-8, a duplicate key
+        check_interpolations(dvc_yaml, read_yaml(params_path) or {}, str(params_path))
     check_local_files(params, root, str(params_path))
     return params, notices
 
