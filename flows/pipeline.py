@@ -40,7 +40,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow.checks import check_project
 from mergeflow.config import apply_overrides
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import PipelineFailed, StageFailed, StageNode, check_repo, commit_stage, locked_repo, quiet_failure_tracebacks, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus
+from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
 from mergeflow.stage_server import SERVER_ENV, running_server
 from tasks.stages import run_stage_task, stop_worker_stages
 
@@ -66,6 +66,8 @@ def check_runner(runner: str, dask_address: str | None = None) -> None:
             import prefect_dask  # noqa: F401
         except ImportError:
             raise MergeflowError("--runner dask needs prefect-dask (pip install prefect-dask)") from None
+        if dask_address:  # an unreachable scheduler: one line now, not Dask's traceback after its retries
+            probe_dask_scheduler(dask_address)
 
 
 def make_task_runner(runner: str, workers: int, dask_address: str | None = None) -> TaskRunner:
@@ -77,8 +79,8 @@ def make_task_runner(runner: str, workers: int, dask_address: str | None = None)
         return ThreadPoolTaskRunner(max_workers=workers)
     from prefect_dask import DaskTaskRunner
 
-    if dask_address:
-        return DaskTaskRunner(address=dask_address)
+    if dask_address:  # a scheduler that accepts the connection but never answers: Dask's own timeout, bounded too
+        return DaskTaskRunner(address=dask_address, client_kwargs={"timeout": DASK_CONNECT_TIMEOUT_S})
     # memory_limit 0: a worker's own memory is small (its stage is a child process Dask does not count), and a
     # limit would only pause or restart workers; the dashboard on a free port (two flows at once)
     cluster = {"n_workers": workers, "threads_per_worker": 1, "processes": True, "memory_limit": 0, "dashboard_address": ":0"}
@@ -114,6 +116,18 @@ def _stop_on_dask(task_runner, futures: dict) -> Callable[[], None]:
         get_run_logger().warning("stopping: %d running stages stopped on the Dask workers, the rest cancelled", sum(stopped.values()))
 
     return stop
+
+
+def _enter_task_runner(stack: contextlib.ExitStack, runner: str, workers: int, dask_address: str | None):
+    """The started task runner (entered on ``stack``); a Dask scheduler that stopped answering since the check is
+    one line naming the address."""
+    try:
+        return stack.enter_context(make_task_runner(runner, workers, dask_address))
+    except (OSError, TimeoutError) as err:
+        if not dask_address:
+            raise
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MergeflowError(f"--dask-address {dask_address}: the Dask scheduler did not answer ({why})") from None
 
 
 @dataclass
@@ -200,6 +214,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     logger = get_run_logger()
     try:
         check_repo(root)
+        check_workers(workers, "workers")
         check_runner(runner, dask_address)
         if overrides:
             apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
@@ -236,9 +251,11 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
             def parameters(node: StageNode) -> dict:
                 return {"node": node, "root": root, "env": env | {"MERGEFLOW_THREADS": str(threads[node.address])} | served, "gpus": gpus, "gpu_workers": gpu_workers}
 
-            # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)
-            with running_server() if runner == "thread" else contextlib.nullcontext() as address, make_task_runner(runner, workers, dask_address) as task_runner:
+            with contextlib.ExitStack() as stack:
+                # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)
+                address = stack.enter_context(running_server()) if runner == "thread" else None
                 served = {SERVER_ENV: address} if address else {}
+                task_runner = _enter_task_runner(stack, runner, workers, dask_address)
                 outcome = _run_stages(task_runner, to_run, parameters, repo, _stop_on_dask if runner == "dask" else None)
     if outcome.failed or outcome.not_run:
         for address in outcome.failed:
@@ -334,15 +351,34 @@ def _stop(signum, frame):
     print(f"mergeflow: {signal.Signals(signum).name}: stopped {stopped} running stages", file=sys.stderr)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is the project's one line, ``error: <what>``, and exit status 2 (argparse's
+    own prints the usage first, over several lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (--help lists the options)\n")
+
+
+def workers_argument(text: str) -> int:
+    """--workers: a whole number of stages at once, 1 to MAX_WORKERS."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    if problem := workers_problem(value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", choices=RUNNERS, default="thread", help="where stages run: a thread pool here (default) or a Dask cluster")
     parser.add_argument("--dask-address", default=None, metavar="tcp://HOST:PORT", help="with --runner dask: an existing cluster's scheduler (default: a LocalCluster of --workers processes)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the mergeflow pipeline with Prefect.")
+    parser = OneLineParser(description="Run the mergeflow pipeline with Prefect.")
     parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
-    parser.add_argument("--workers", type=int, default=None, help="stages at once (default: one per GPU, else one per CPU core)")
+    parser.add_argument("--workers", type=workers_argument, default=None, help="stages at once (default: one per GPU, else one per CPU core)")
     parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="set a parameter in params.yaml first, as dvc exp run -S does (repeatable)")
     add_runner_arguments(parser)
     args = parser.parse_args(argv)

@@ -22,16 +22,16 @@ DEPLOYMENT = "scheduled"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from flows.pipeline import add_runner_arguments
+    from flows.pipeline import OneLineParser, add_runner_arguments, workers_argument
 
-    parser = argparse.ArgumentParser(prog="mergeflow serve", description="Register the pipeline as a Prefect deployment with a schedule and serve it (runs come due while this runs).")
+    parser = OneLineParser(prog="mergeflow serve", description="Register the pipeline as a Prefect deployment with a schedule and serve it (runs come due while this runs).")
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--cron", metavar="EXPR", help='a cron schedule, e.g. "0 3 * * *" (every day at 03:00)')
     when.add_argument("--interval", type=float, metavar="SECONDS", help="a run every SECONDS seconds")
     parser.add_argument("--timezone", default=None, help="the cron schedule's time zone, e.g. Europe/Berlin (default: UTC)")
     parser.add_argument("--name", default=DEPLOYMENT, help=f"the deployment's name (default: {DEPLOYMENT}; runs as mergeflow-pipeline/NAME)")
     parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
-    parser.add_argument("--workers", type=int, default=None, help="stages at once (default: one per GPU, else one per CPU core)")
+    parser.add_argument("--workers", type=workers_argument, default=None, help="stages at once (default: one per GPU, else one per CPU core)")
     parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="a parameter every run sets in params.yaml first, as dvc exp run -S does (repeatable)")
     add_runner_arguments(parser)
     return parser
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from mergeflow.checks import check_project
     from mergeflow.config import apply_overrides
     from mergeflow.errors import MergeflowError
-    from mergeflow.orchestration import check_repo
+    from mergeflow.orchestration import check_repo, check_schedule
     from flows.pipeline import check_runner, pipeline
 
     try:  # the same checks as a run's, once now: a deployment that would fail every night is refused here
@@ -74,10 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         check_project(args.root)
         if args.overrides:
             apply_overrides(os.path.join(args.root, "params.yaml"), args.overrides, write=False)
-        if args.interval is not None and args.interval <= 0:
-            raise MergeflowError(f"--interval {args.interval:g}: give a number of seconds above 0")
+        check_schedule(args.cron, args.interval)
         schedule = None
-        if args.cron or args.interval:
+        if args.cron is not None or args.interval is not None:
             schedule = construct_schedule(cron=args.cron, interval=args.interval, timezone=args.timezone)
     except MergeflowError as err:
         print(f"error: {err}", file=sys.stderr)

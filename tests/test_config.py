@@ -97,5 +97,16 @@ def test_check_finds_missing_weights_files_before_any_stage(repo_root, tmp_path)
     with pytest.raises(MergeflowError, match=r"params.yaml: finetune.checkpoints.digits: weights file 'published/digits.safetensors' not found$"):
         check_project(tmp_path)
     (tmp_path / "published").mkdir()
-    (tmp_path / "published" / "digits.safetensors").write_bytes(b"")  # found; its reading is the stage's
+    (tmp_path / "published" / "digits.safetensors").write_bytes(b"")  # found, but not safetensors: its header says so
+    with pytest.raises(MergeflowError, match=r"finetune.checkpoints.digits: 'published/digits.safetensors' is not a readable safetensors file \(.*header too small\)$"):
+        check_project(tmp_path)
+    from safetensors.numpy import save_file
+
+    import numpy as np
+
+    # timm's names and params.yaml's backbone shapes (width 128, patch 8, 4 blocks): its tensors are the stage's to read
+    kw = raw["backbone"]["kwargs"]
+    shapes = {"cls_token": (1, 1, kw["embed_dim"]), "pos_embed": (1, 17, kw["embed_dim"]), "patch_embed.proj.weight": (kw["embed_dim"], 3, kw["patch_size"], kw["patch_size"])}
+    shapes |= {f"blocks.{i}.norm1.weight": (kw["embed_dim"],) for i in range(kw["depth"])}
+    save_file({k: np.zeros(v, np.float32) for k, v in shapes.items()}, str(tmp_path / "published" / "digits.safetensors"))
     check_project(tmp_path)

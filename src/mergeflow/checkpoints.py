@@ -36,6 +36,7 @@ import torch
 
 from mergeflow.errors import MergeflowError
 from mergeflow.io import StateDict, check_compatible, check_finite, load_state_dict
+from mergeflow.weights_header import clip_naming
 
 # ---------------------------------------------------------------------------------------------------------------
 # The restricted unpickler
@@ -453,12 +454,6 @@ def read_tensors(path: str | Path, *, keep=None) -> StateDict:
 # CLIP namings -> timm's
 
 
-def _suffix_prefix(state: Mapping[str, torch.Tensor], suffix: str) -> str | None:
-    """The prefix before ``suffix`` on the shortest key ending with it ('model.' in an ImageEncoder), or None."""
-    found = sorted((k for k in state if k == suffix or k.endswith("." + suffix)), key=len)
-    return found[0][: -len(suffix)] if found else None
-
-
 def _from_open_clip(state: StateDict, prefix: str) -> StateDict:
     """open_clip's image tower (``<prefix>visual.*``) in timm's naming, by timm's own converter (the one timm
     loads OpenAI's CLIP weights with): ``visual.proj`` [D, E] becomes ``head.weight`` [E, D] and a zero bias."""
@@ -513,22 +508,20 @@ def _keep_image_tower(name: str) -> bool:
 
 def to_timm_clip(state: StateDict, *, source: str) -> StateDict:
     """``state`` (open_clip, Hugging Face or timm naming, under any prefix) as timm's CLIP image tower; text tower
-    tensors dropped. Raises one line when the naming is none of these."""
-    prefix = _suffix_prefix(state, "visual.class_embedding")
-    if prefix is not None:
+    tensors dropped. Raises one line when the naming is none of these (``weights_header.clip_naming``, which
+    ``mergeflow check`` reads from a file's header)."""
+    kind, prefix = clip_naming(state) or (None, None)
+    if kind == "open_clip":
         return _from_open_clip(state, prefix)
-    prefix = _suffix_prefix(state, "embeddings.class_embedding")
-    if prefix is not None and prefix + "embeddings.patch_embedding.weight" in state:
+    if kind == "hugging_face":
         try:
             return _from_hugging_face(state, prefix, prefix.removesuffix("vision_model.") + "visual_projection.weight")
         except KeyError as err:
             raise MergeflowError(f"{source}: Hugging Face CLIP naming, but tensor {err} is missing") from None
         except MergeflowError as err:
             raise MergeflowError(f"{source}: {err}") from None
-    if "cls_token" in state and "patch_embed.proj.weight" in state:
-        return dict(state)
-    if "module.cls_token" in state:  # DistributedDataParallel's prefix on timm's names
-        return {k.removeprefix("module."): v for k, v in state.items()}
+    if kind == "timm":  # under DistributedDataParallel's 'module.' prefix, or none
+        return {k.removeprefix(prefix): v for k, v in state.items()} if prefix else dict(state)
     first = ", ".join(f"'{_printable(k)}'" for k in list(state)[:3])
     raise MergeflowError(
         f"{source}: not a CLIP image tower: found neither open_clip's 'visual.class_embedding', Hugging Face's "

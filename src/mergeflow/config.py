@@ -6,13 +6,14 @@ Every field has a comment saying what it is. An unknown key, a wrong type or an 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergeflow.errors import MergeflowError
 
@@ -32,8 +33,56 @@ def check_name(value: str, where: str) -> str:
     return value
 
 
+def _unique_names(values: list[str], what: str) -> list[str]:
+    """``values`` unless one is listed twice (the work would be done twice); ValueError naming it."""
+    dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if dup is not None:
+        raise ValueError(f"{what} {dup!r} is listed twice")
+    return values
+
+
+# Upper bounds on counts and sizes: generous for any machine this runs on (two cores or a GPU node), low enough
+# that a slip (1e29 for 100) is refused at once instead of running until killed or overflowing a seed.
+MAX_STEPS = 10**7  # optimiser steps, warm-up steps, epochs, solver iterations, rounds
+MAX_IMAGES = 10**8  # images or examples: a split, the corpus, a statistic
+MAX_BATCH = 10**6  # examples in one batch
+MAX_THREADS = 4096
+MAX_SEED = 2**32 - 1  # numpy's and scikit-learn's seed range
+MAX_GRID = 1000  # values in a searched grid
+
+
+def _at_most(bound: int, unit: str) -> BeforeValidator:
+    """Refuse a number above ``bound``, saying the bound, before pydantic reads it as an integer (1e29 would
+    become a 30-digit step count, 1e30 fails with no bound named)."""
+
+    def check(value: Any) -> Any:
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                return value  # not a number: pydantic's own message
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and number > bound:
+            raise ValueError(f"at most {bound:,} {unit}".rstrip())
+        return value
+
+    return BeforeValidator(check)
+
+
+def _non_finite(raw: Any, path: str = "") -> tuple[str, float] | None:
+    """The first NaN or infinity in parsed YAML (any section: merge and study settings too), by key path."""
+    if isinstance(raw, float) and not math.isfinite(raw):
+        return path, raw
+    items = raw.items() if isinstance(raw, dict) else enumerate(raw) if isinstance(raw, list) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SuiteConfig(_Strict):
@@ -49,10 +98,10 @@ class SuiteConfig(_Strict):
     # squash: the whole image, aspect lost (the embedded suite, your data); crop: CLIP's eval transform, short side
     # to image_size (bicubic) then the centre
     resize: Literal["squash", "crop"] = "squash"
-    n_train: int = Field(3000, ge=8)  # per task; embedded suite generates exactly this many, real data is capped by it
-    n_val: int = Field(300, ge=4)
-    n_test: int = Field(800, ge=4)
-    pretrain_images: int = Field(50000, ge=0)  # size of the formula-driven pretraining corpus (embedded source)
+    n_train: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(3000, ge=8, le=MAX_IMAGES)  # per task; embedded suite generates exactly this many, real data is capped by it
+    n_val: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(300, ge=4, le=MAX_IMAGES)
+    n_test: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(800, ge=4, le=MAX_IMAGES)
+    pretrain_images: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(50000, ge=0, le=MAX_IMAGES)  # size of the formula-driven pretraining corpus (embedded source)
 
     @model_validator(mode="before")
     @classmethod
@@ -95,12 +144,12 @@ class BackboneConfig(_Strict):
 
 
 class ScheduleConfig(_Strict):
-    steps: int = Field(1000, ge=0)  # optimiser steps (overridden by epochs when that is set)
-    epochs: int | None = Field(None, ge=1)  # whole passes over the training split; 1 epoch of full-batch GD is one step
-    batch_size: int = Field(128, ge=1)
+    steps: Annotated[int, _at_most(MAX_STEPS, "steps")] = Field(1000, ge=0, le=MAX_STEPS)  # optimiser steps (overridden by epochs when that is set)
+    epochs: Annotated[int, _at_most(MAX_STEPS, "epochs")] | None = Field(None, ge=1, le=MAX_STEPS)  # whole passes over the training split; 1 epoch of full-batch GD is one step
+    batch_size: Annotated[int, _at_most(MAX_BATCH, "examples")] = Field(128, ge=1, le=MAX_BATCH)
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.05, ge=0)
-    warmup_steps: int = Field(0, ge=0)  # linear warm-up, then cosine decay to zero
+    warmup_steps: Annotated[int, _at_most(MAX_STEPS, "steps")] = Field(0, ge=0, le=MAX_STEPS)  # linear warm-up, then cosine decay to zero
 
 
 class PretrainConfig(ScheduleConfig):
@@ -108,16 +157,16 @@ class PretrainConfig(ScheduleConfig):
 
 
 class ProbeConfig(_Strict):
-    c_grid: list[float] = Field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0], min_length=1)  # inverse L2 strengths, chosen on val
-    max_iter: int = Field(500, ge=10)
+    c_grid: list[Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0], min_length=1, max_length=MAX_GRID)  # inverse L2 strengths, chosen on val
+    max_iter: Annotated[int, _at_most(MAX_STEPS, "iterations")] = Field(500, ge=10, le=MAX_STEPS)
 
 
 class PreserveFeaturesConfig(_Strict):
     """Keep the backbone's features on out-of-task images (the pretraining corpus) near theta0's while fine-tuning."""
 
     weight: float = Field(0.0, ge=0)  # beta of the relative squared feature change; 0 turns it off
-    images: int = Field(2048, ge=1)  # corpus images drawn once (seeded); theta0's features on them are computed once
-    batch_size: int = Field(32, ge=1)  # of them per step, beside the task's own batch
+    images: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(2048, ge=1, le=MAX_IMAGES)  # corpus images drawn once (seeded); theta0's features on them are computed once
+    batch_size: Annotated[int, _at_most(MAX_BATCH, "images")] = Field(32, ge=1, le=MAX_BATCH)  # of them per step, beside the task's own batch
 
 
 class FinetuneConfig(ScheduleConfig):
@@ -140,6 +189,11 @@ class MergeConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     methods: list[str] = Field(min_length=1)
+
+    @field_validator("methods")
+    @classmethod
+    def _unique_methods(cls, methods: list[str]) -> list[str]:
+        return _unique_names(methods, "method")
 
     @model_validator(mode="after")
     def _known_methods(self) -> MergeConfig:
@@ -171,7 +225,7 @@ class OneEpochRegimeConfig(_RegimeRunConfig):
 
 
 class MimaRegimeConfig(_RegimeRunConfig):
-    rounds: list[int] = Field(default_factory=lambda: [4], min_length=1)  # N, each dividing finetune.steps; one set of task vectors per N
+    rounds: list[Annotated[int, _at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)  # N, each dividing finetune.steps; one set of task vectors per N
     schedule: Literal["one_schedule", "restart"] = "one_schedule"  # one lr schedule over S, or a fresh one per round
     optimizer_state: Literal["reset", "carry"] = "reset"  # a fresh optimiser per round, or each task's carried over
 
@@ -180,9 +234,11 @@ class MimaRegimeConfig(_RegimeRunConfig):
 
 
 class AtmRegimeConfig(_RegimeRunConfig):
-    rounds: list[int] = Field(default_factory=lambda: [4], min_length=1)  # R; one run per R
+    rounds: list[Annotated[int, _at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)  # R; one run per R
     steps: int | Literal["epoch"] | None = None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
     alpha: float | None = Field(None, gt=0)  # theta += alpha * sum of the round's task vectors; empty (null): 1/T
+
+    _steps_bound = field_validator("steps", mode="before")(_at_most(MAX_STEPS, "steps").func)
 
     def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
         def steps(r: int) -> int | None:
@@ -202,6 +258,11 @@ class RegimeMethodsConfig(_Strict):
     one_epoch: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
     mima: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
     atm: list[str] = Field(default_factory=lambda: ["atm", "task_arithmetic", "ties"], min_length=1)
+
+    @field_validator("one_epoch", "mima", "atm")
+    @classmethod
+    def _unique_methods(cls, methods: list[str]) -> list[str]:
+        return _unique_names(methods, "method")
 
 
 class RegimesConfig(_Strict):
@@ -252,6 +313,11 @@ class StudiesConfig(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     run: list[str] = Field(default_factory=list)
 
+    @field_validator("run")
+    @classmethod
+    def _unique_runs(cls, run: list[str]) -> list[str]:
+        return _unique_names(run, "study")
+
     @model_validator(mode="after")
     def _known_studies(self) -> StudiesConfig:
         from mergeflow.studies import REGISTRY
@@ -260,7 +326,10 @@ class StudiesConfig(BaseModel):
             if name not in REGISTRY:
                 raise ValueError(f"unknown study {name!r} (registered: {', '.join(sorted(REGISTRY)) or 'none'})")
         for name, overrides in (self.model_extra or {}).items():
-            REGISTRY[name].settings(overrides, where=f"studies.{name}")
+            if overrides is not None and not isinstance(overrides, dict):
+                shown = repr(overrides) if len(repr(overrides)) <= 60 else repr(overrides)[:57] + "..."
+                raise ValueError(f"studies.{name}: expected a mapping of the study's settings (key: value lines), got {shown}")
+            REGISTRY[name].settings(overrides or {}, where=f"studies.{name}")
         return self
 
     def settings(self, study: str):
@@ -273,13 +342,13 @@ class StatisticsConfig(_Strict):
     """The per-task statistics data-aware methods read (stage ``statistics``): Fisher diagonals and layer-input
     Grams of each fine-tuned model on the first ``examples`` of its task's training split."""
 
-    examples: int = Field(256, ge=1)
+    examples: Annotated[int, _at_most(MAX_IMAGES, "examples")] = Field(256, ge=1, le=MAX_IMAGES)
 
 
 class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int | None = Field(None, ge=1)  # torch CPU threads; MERGEFLOW_THREADS overrides (the Prefect flow sets it)
-    eval_batch_size: int = Field(512, ge=1)
+    threads: Annotated[int, _at_most(MAX_THREADS, "threads")] | None = Field(None, ge=1, le=MAX_THREADS)  # torch CPU threads; MERGEFLOW_THREADS overrides (the Prefect flow sets it)
+    eval_batch_size: Annotated[int, _at_most(MAX_BATCH, "examples")] = Field(512, ge=1, le=MAX_BATCH)
 
 
 class TrackingConfig(_Strict):
@@ -287,7 +356,7 @@ class TrackingConfig(_Strict):
 
 
 class Params(_Strict):
-    seed: int = Field(0, ge=0)
+    seed: Annotated[int, _at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)")] = Field(0, ge=0, le=MAX_SEED)
     suite: SuiteConfig
     backbone: BackboneConfig = BackboneConfig()
     pretrain: PretrainConfig = PretrainConfig()
@@ -307,7 +376,11 @@ class Params(_Strict):
 
     def threads(self) -> int | None:
         env = os.environ.get("MERGEFLOW_THREADS")
-        return int(env) if env else self.runtime.threads
+        if not env:
+            return self.runtime.threads
+        if not env.strip().isdecimal() or not 1 <= int(env) <= MAX_THREADS:
+            raise MergeflowError(f"MERGEFLOW_THREADS={env[:40]!r}: expected a whole number of threads from 1 to {MAX_THREADS:,} (it overrides runtime.threads)")
+        return int(env)
 
     @model_validator(mode="after")
     def _clip(self) -> Params:
@@ -382,21 +455,109 @@ def _one_line(err: ValidationError, source: str) -> str:
 def parse_params(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
     if not isinstance(raw, dict):
         raise MergeflowError(f"{source}: expected a mapping of sections at the top level")
+    if found := _non_finite(raw):
+        raise MergeflowError(f"{source}: {found[0]}: {found[1]} is not a finite number (NaN and infinity are refused everywhere in the params)")
     try:
         return Params.model_validate(raw)
     except ValidationError as err:
         raise MergeflowError(_one_line(err, source)) from None
 
 
+def _key_at(node: Any, pos: tuple[int, int], path: str = "") -> str:
+    """The key path (``finetune.lr``, ``suite.tasks.2``) of the deepest entry of the composed YAML ``node`` that
+    spans ``pos`` (0-based line and column), or whose key is on that line (a comment after its value); '' if none."""
+    def at(mark) -> tuple[int, int]:
+        return (mark.line, mark.column)
+
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            name = f"{path}.{key.value}" if path else str(key.value)
+            if at(key.start_mark) <= pos < at(value.end_mark):
+                return _key_at(value, pos, name)
+        return next((f"{path}.{k.value}" if path else str(k.value) for k, _ in node.value if k.start_mark.line == pos[0]), path)
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if at(item.start_mark) <= pos < at(item.end_mark):
+                return _key_at(item, pos, f"{path}.{i}")
+    return path
+
+
+def _not_utf8(data: bytes, err: UnicodeDecodeError, source: str) -> str:
+    """One line for bytes that are not UTF-8: where they are, and the key they are in (the file read with the bad
+    bytes replaced, when that still parses)."""
+    line = data.count(b"\n", 0, err.start)
+    line_start = data.rfind(b"\n", 0, err.start) + 1
+    column = len(data[line_start:err.start].decode("utf-8", errors="replace"))
+    try:
+        key = _key_at(yaml.compose(data.decode("utf-8", errors="replace"), Loader=yaml.SafeLoader), (line, column))
+    except yaml.YAMLError:
+        key = ""
+    where = f"key '{key}', " if key else ""
+    return f"{source}: {where}line {line + 1}, column {column + 1}: byte 0x{data[err.start]:02x} is not UTF-8 (save the file as UTF-8)"
+
+
+def _duplicate_key(node: Any, path: str = "", seen_nodes: set[int] | None = None) -> str | None:
+    """A key written twice in one mapping of the composed YAML ``node`` (YAML loaders keep the later silently)."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:  # an alias of a node already walked (or a recursive one)
+        return None
+    seen_nodes.add(id(node))
+    children = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            name = f"{path}.{key.value}" if path else str(key.value)
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if (key.tag, key.value) in lines:
+                    first, again = lines[key.tag, key.value] + 1, key.start_mark.line + 1
+                    where = f"twice on line {first}" if first == again else f"lines {first} and {again}"
+                    return f"duplicate key '{name}' ({where}; the later one would silently win)"
+                lines[key.tag, key.value] = key.start_mark.line
+            children.append((value, name))
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(item, f"{path}.{i}") for i, item in enumerate(node.value)]
+    for child, name in children:
+        if found := _duplicate_key(child, name, seen_nodes):
+            return found
+    return None
+
+
+def parse_yaml(data: bytes | str, source: str) -> Any:
+    """YAML as PyYAML's safe_load reads it, but refusing what it would read wrong or not at all, each one line
+    naming the key: bytes that are not UTF-8, and a key written twice in one mapping."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise MergeflowError(_not_utf8(data, err, source)) from None
+    loader = yaml.SafeLoader(data)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if found := _duplicate_key(node):
+            raise MergeflowError(f"{source}: {found}")
+        return loader.construct_document(node)
+    except yaml.YAMLError as err:
+        raise MergeflowError(f"{source}: not valid YAML ({str(err).splitlines()[0]})") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """A YAML file (params.yaml, dvc.yaml) read by ``parse_yaml``."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise MergeflowError(f"{path}: cannot be read ({err.strerror or type(err).__name__})") from None
+    return parse_yaml(data, str(path))
+
+
 def load_params(path: str | os.PathLike = DEFAULT_PARAMS) -> Params:
     path = Path(path)
     if not path.is_file():
         raise MergeflowError(f"{path}: params file not found")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise MergeflowError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    return parse_params(raw, str(path))
+    return parse_params(read_yaml(path), str(path))
 
 
 def round_trip_yaml():
@@ -420,7 +581,17 @@ def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: boo
     path = Path(path)
     load_params(path)  # the file as it is must be valid too
     rt = round_trip_yaml()
-    doc = rt.load(path.read_text())
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    try:  # the file loaded above, so no duplicate key or bad byte reaches this reader; any refusal is still one line
+        doc = rt.load(text)
+    except Exception as err:  # noqa: BLE001 - ruamel's errors (DuplicateKeyError, ...) share no base with PyYAML's
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        try:  # a duplicate key named by its full path, as parse_yaml names it
+            why = _duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
+        except yaml.YAMLError:
+            why = None
+        why = why or next((line for line in lines if line.startswith("found")), lines[0] if lines else type(err).__name__)
+        raise MergeflowError(f"{path}: the round-trip YAML reader refuses it: {why}") from None
     for override in overrides:
         key, sep, text = override.partition("=")
         parts = key.strip().split(".")
@@ -429,7 +600,7 @@ def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: boo
                 check_name(part, f"override {override!r}: key")
             if not sep:
                 raise ValueError(f"override {override!r}: expected KEY=VALUE, e.g. merge.ties.k=0.1")
-            value = yaml.safe_load(text)
+            value = parse_yaml(text, f"override {override!r}")
         except (ValueError, yaml.YAMLError) as err:
             raise MergeflowError(str(err).splitlines()[0]) from None
         node = doc

@@ -191,6 +191,8 @@ def _load_task_vectors(params: Params, layout: Layout, directory: Path | None = 
 def prepare(params: Params, layout: Layout = Layout()) -> dict:
     """Generate (embedded) or convert (imagefolder, torchvision) every task, and the pretraining corpus."""
     suite = params.suite
+    for task in suite.tasks:  # a missing dataset or folder, found before any worker starts (as mergeflow check finds it)
+        data_mod.check_layout(suite, task, params.downloads())
     with Timer() as timer:
         # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each
         # from its own seed, so the result does not depend on the number of workers). Each worker saves its own

@@ -82,6 +82,17 @@ def _optimizer(kind: str, params, cfg: ScheduleConfig, momentum: float = 0.0) ->
     return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=momentum)
 
 
+def non_finite_loss(desc: str, value: float, step: int, cfg: ScheduleConfig) -> str:
+    """The line for a loss that became NaN or infinite at ``step`` of the schedule, naming the keys of params.yaml
+    that likely caused it: after updates, a learning rate (or weight decay) too high for the data; before any
+    update, not those but the starting weights or the inputs."""
+    section = "finetune" if isinstance(cfg, FinetuneConfig) else "pretrain" if type(cfg).__name__ == "PretrainConfig" else None
+    lr, wd = (f"{section}.lr", f"{section}.weight_decay") if section else ("lr", "weight_decay")
+    if step == 0:
+        return f"{desc}: loss became {value} at step 0, before any update (so not {lr} or {wd}): the starting weights or the inputs hold NaN or infinity"
+    return f"{desc}: loss became {value} at step {step}: likely {lr} = {cfg.lr:g} is too high (or {wd} = {cfg.weight_decay:g}); lower it"
+
+
 def train_loop(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -125,7 +136,7 @@ def train_loop(
         with autocast:
             loss = loss_fn(idx)
         if not torch.isfinite(loss):
-            raise MergeflowError(f"{desc}: loss became {loss.item()} at step {step} (lower the learning rate)")
+            raise MergeflowError(non_finite_loss(desc, loss.item(), start + step, cfg))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         curve.step.append(start + step)
@@ -210,6 +221,7 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
 
     mu = train_x.mean(0)
     sd = train_x.std(0) + 1e-6
+    seed %= 2**32  # scikit-learn's random_state range: a task's seed (seed x 1000003 + crc) can pass it
     xs, vs = ((train_x - mu) / sd).numpy(), ((val_x - mu) / sd).numpy()
     best = None
     curve, iterations = {}, {}

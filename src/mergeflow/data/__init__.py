@@ -1,20 +1,26 @@
 """Task data: every source (the embedded suite, ImageFolder trees, torchvision datasets) is converted once, by
 the ``prepare`` stage, into one safetensors file per task holding uint8 images [N, H, W, 3] and int64 labels for
 the train, val and test splits. Every later stage reads only those files, and checks each when reading it
-(``check_task``): a mistake in one is one line naming the file, the array and what was expected."""
+(``check_task``): a mistake in one is one line naming the file, the array and what was expected.
+
+Importing this package imports no torch (``mergeflow check`` calls ``check_layout``, which must stay fast): the
+functions that handle tensors import it themselves."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from mergeflow.config import SuiteConfig
 from mergeflow.errors import MergeflowError
-from mergeflow.io import load_metadata, load_state_dict, save_state_dict
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergeflow.config import SuiteConfig
 
 SPLITS = ("train", "val", "test")
 
@@ -38,7 +44,12 @@ class TaskData:
 
 
 ARRAYS = tuple(f"{split}_{part}" for split in SPLITS for part in ("x", "y"))
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _integer_dtypes() -> tuple:
+    import torch
+
+    return (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -49,6 +60,8 @@ def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size
     """Raise one line naming ``source`` (the task file), the array at fault and what was expected, unless
     ``arrays`` holds exactly ARRAYS: uint8 images [N, S, S, 3] (S = image_size, or the same square size in every
     split when None), integer labels [N] in 0 .. len(classes) - 1, at least one image per split."""
+    import torch
+
     if not isinstance(classes, list) or len(classes) < 2 or not all(isinstance(c, str) for c in classes):
         raise MergeflowError(f"{source}: metadata 'classes' is {json.dumps(classes)[:60]}, expected a JSON list of at least two class names")
     for name in ARRAYS:
@@ -67,7 +80,7 @@ def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size
             raise MergeflowError(f"{source}: array '{split}_x' has dtype {str(x.dtype).removeprefix('torch.')}, expected {expected_x}")
         if x.ndim != 4 or _shape(x)[1:] != (size, size, 3):
             raise MergeflowError(f"{source}: array '{split}_x' has shape {_shape(x)}, expected {expected_x}")
-        if y.dtype not in _INTEGER_DTYPES:
+        if y.dtype not in _integer_dtypes():
             raise MergeflowError(f"{source}: array '{split}_y' has dtype {str(y.dtype).removeprefix('torch.')}, expected integer labels [N]")
         if y.ndim != 1:
             raise MergeflowError(f"{source}: array '{split}_y' has shape {_shape(y)}, expected integer labels [N]")
@@ -87,6 +100,8 @@ def check_corpus(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], source: 
     """The pretraining corpus, from its arrays' shapes and dtypes (a file's header is enough): uint8 'images'
     [N, S, S, 3] (S = image_size) and, for each pretraining head, integer labels [N]; when ``labels`` (the arrays
     themselves) are given, no negative label either."""
+    import torch
+
     expected_images = f"uint8 images [N, {image_size}, {image_size}, 3]"
     if "images" not in specs:
         raise MergeflowError(f"{source}: array 'images' is missing (the pretraining corpus holds {expected_images} and integer labels [N] per head)")
@@ -94,7 +109,7 @@ def check_corpus(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], source: 
     if dtype != torch.uint8 or len(shape) != 4 or shape[1:] != (image_size, image_size, 3):
         raise MergeflowError(f"{source}: array 'images' has dtype {str(dtype).removeprefix('torch.')} and shape {shape}, expected {expected_images}")
     for name, (labels_shape, labels_dtype) in specs.items():
-        if name != "images" and (labels_dtype not in _INTEGER_DTYPES or labels_shape != shape[:1]):
+        if name != "images" and (labels_dtype not in _integer_dtypes() or labels_shape != shape[:1]):
             raise MergeflowError(f"{source}: array '{name}' has dtype {str(labels_dtype).removeprefix('torch.')} and shape {labels_shape}, expected integer labels [{shape[0]}], one per image")
     for name, y in (labels or {}).items():
         # a head has as many classes as its largest label plus one: a negative label would index from the end
@@ -103,6 +118,10 @@ def check_corpus(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], source: 
 
 
 def save_task(path: Path, task: str, arrays: dict[str, np.ndarray], classes: list[str], image_size: int) -> None:
+    import torch
+
+    from mergeflow.io import save_state_dict
+
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
     check_task(tensors, classes, str(path), image_size)
     tensors.update({k: v.long() for k, v in tensors.items() if k.endswith("_y")})
@@ -113,6 +132,8 @@ def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str
     """Read a task file and check it (``check_task``): images of ``image_size`` when given, labels within the
     declared classes; labels come back as int64. Only ``splits`` are read (a merge reads val and test: at 224
     pixels a train split is gigabytes); the others are None."""
+    from mergeflow.io import load_metadata, load_state_dict
+
     path = Path(path)
     if not path.is_file():
         raise MergeflowError(f"{path}: task data not found (the prepare stage writes it)")
@@ -198,15 +219,58 @@ def _cap(x: np.ndarray, y: np.ndarray, n: int, rng: np.random.Generator):
     return x[keep], y[keep]
 
 
-def _imagefolder_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """<root>/<task>/{train,val,test}/<class>/<image>; without val/, validation is split off train. The splits and
-    caps are drawn over the file lists; only the files kept are decoded, each resized as it is read."""
-    base = Path(cfg.root) / task
-    if not (base / "train").is_dir() or not (base / "test").is_dir():
-        raise MergeflowError(f"suite.root: '{base}' needs train/ and test/ subdirectories of class folders")
+IMAGEFOLDER_LAYOUT = "<root>/<task>/{train,val,test}/<class>/<image>, val/ optional"
+
+
+def imagefolder_layout(root: str | Path, task: str) -> tuple[Path, list[str]]:
+    """The folder of ImageFolder task ``task`` under ``root`` and its classes (train/'s class folders, sorted),
+    after checking its layout from folder listings alone (no image is opened): train/ and test/ (val/ optional)
+    of class folders, no class outside train's, at least one file in each split."""
+    if not Path(root).is_dir():
+        raise MergeflowError(f"suite.root: '{root}' not found (expected a folder of task folders: {IMAGEFOLDER_LAYOUT})")
+    base = Path(root) / task
+    if not base.is_dir():
+        raise MergeflowError(f"suite.tasks: task '{task}' has no folder in suite.root ('{base}' not found; expected {IMAGEFOLDER_LAYOUT})")
+    missing = [split for split in ("train", "test") if not (base / split).is_dir()]
+    if missing:
+        raise MergeflowError(f"suite.root: '{base}' needs train/ and test/ subdirectories of class folders ({missing[0]}/ is missing)")
     classes = sorted(p.name for p in (base / "train").iterdir() if p.is_dir())
     if not classes:
         raise MergeflowError(f"suite.root: '{base / 'train'}' has no class folders")
+    for split in SPLITS:
+        if not (base / split).is_dir():
+            continue
+        folders = sorted(p for p in (base / split).iterdir() if p.is_dir())
+        stranger = next((p for p in folders if p.name not in classes), None)
+        if stranger is not None:
+            raise MergeflowError(f"{stranger}: class '{stranger.name}' is not among the train classes")
+        if not any(next(p.iterdir(), None) is not None for p in folders):
+            raise MergeflowError(f"{base / split}: no images")
+    return base, classes
+
+
+def check_layout(cfg: SuiteConfig, task: str, download: bool = False) -> None:
+    """Whether what ``build_task`` reads for ``task`` is there, checked cheaply, importing no torch: the embedded
+    suite's task names; an ImageFolder task's folders (``imagefolder_layout``); a torchvision dataset's files
+    (``benchmark.check_files``: what torchvision's own readers check first). The prepare stage calls it before it
+    builds anything, and ``mergeflow check`` before any stage runs. One line naming suite.tasks or suite.root."""
+    if cfg.source == "embedded":
+        from mergeflow.data import embedded
+
+        if task not in embedded.TASKS:
+            raise MergeflowError(f"suite.tasks: the embedded suite has no task '{task}' (tasks: {', '.join(embedded.TASKS)})")
+    elif cfg.source == "imagefolder":
+        imagefolder_layout(cfg.root, task)
+    else:
+        from mergeflow.data import benchmark
+
+        benchmark.check_files(task, cfg.root, download)
+
+
+def _imagefolder_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """<root>/<task>/{train,val,test}/<class>/<image>; without val/, validation is split off train. The splits and
+    caps are drawn over the file lists; only the files kept are decoded, each resized as it is read."""
+    base, classes = imagefolder_layout(cfg.root, task)
     index = {c: i for i, c in enumerate(classes)}
 
     def listing(split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -279,16 +343,16 @@ def templates(task: str) -> list[str]:
 def build_task(cfg: SuiteConfig, task: str, seed: int, download: bool | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
     """The task's arrays and class names. ``download`` (torchvision): may missing datasets be fetched; None:
     suite.download (the prepare stage passes ``Params.downloads()``, which --download also sets)."""
+    download = getattr(cfg, "download", False) if download is None else download
+    check_layout(cfg, task, download)
     if cfg.source == "embedded":
         from mergeflow.data import embedded
 
-        if task not in embedded.TASKS:
-            raise MergeflowError(f"suite.tasks: the embedded suite has no task '{task}' (tasks: {', '.join(embedded.TASKS)})")
         arrays = embedded.make_task(task, cfg.n_train, cfg.n_val, cfg.n_test, cfg.image_size, seed)
         return arrays, [str(i) for i in range(embedded.TASKS[task])]
     if cfg.source == "imagefolder":
         return _imagefolder_task(cfg, task, seed)
-    return _torchvision_task(cfg, task, seed, download=getattr(cfg, "download", False) if download is None else download)
+    return _torchvision_task(cfg, task, seed, download=download)
 
 
 def write_task(path: Path, cfg: SuiteConfig, task: str, seed: int, download: bool | None = None) -> dict[str, int]:
@@ -313,6 +377,10 @@ def build_pretraining_corpus(cfg: SuiteConfig, seed: int) -> dict[str, np.ndarra
 def write_pretraining_corpus(path: Path, cfg: SuiteConfig, seed: int, build: bool = True) -> int:
     """Build (``build``; else an empty one: a pretrained backbone needs none) and save the pretraining corpus in this
     process. Returns its number of images."""
+    import torch
+
+    from mergeflow.io import save_state_dict
+
     tensors = {k: torch.from_numpy(v) for k, v in (build_pretraining_corpus(cfg, seed) if build else {}).items()}
     empty = {"images": torch.zeros(0, cfg.image_size, cfg.image_size, 3, dtype=torch.uint8)}
     save_state_dict(path, tensors or empty, {"heads": json.dumps(sorted(k for k in tensors if k != "images"))})

@@ -29,9 +29,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class StudySettings(BaseModel):
-    """Base of a study's settings: unknown keys are refused, values are frozen."""
+    """Base of a study's settings: unknown keys, NaN and infinity are refused, values are frozen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
