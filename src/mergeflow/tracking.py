@@ -111,8 +111,7 @@ import yaml
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError, TransientError
 from mergeflow.evaluation import gap_recovered, mean, normalized_average
-from mergeflow.io import atomic_path, read_json, write_json
-from mergeflow.orchestration import process_alive
+from mergeflow.io import atomic_path, process_alive, read_json, write_json
 from mergeflow.stages import Layout
 from mergeflow.summary import percent
 
