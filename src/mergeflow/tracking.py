@@ -112,7 +112,7 @@ from mergeflow.config import Params
 from mergeflow.errors import MergeflowError, TransientError
 from mergeflow.evaluation import gap_recovered, mean, normalized_average
 from mergeflow.io import atomic_path, process_alive, read_json, write_json
-from mergeflow.stages import Layout
+from mergeflow.layout import Layout
 from mergeflow.summary import percent
 
 MERGE_METRICS = ("test_avg", "val_avg", "normalized_avg", "gap_recovered", "storage_models", "wall_time_s")  # and test_acc.<task>
