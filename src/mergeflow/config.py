@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -284,6 +285,12 @@ class RuntimeConfig(_Strict):
 
 class TrackingConfig(_Strict):
     log_checkpoints: bool = True  # copy checkpoints and merged models into MLflow artifacts
+
+
+def task_seed(seed: int, task: str) -> int:
+    """The seed of one task (its generated data, its probe and fine-tune, the studies' runs on it), from the run's
+    seed (params.seed): every task draws its own, whatever the others are."""
+    return seed * 1_000_003 + zlib.crc32(task.encode())
 
 
 class Params(_Strict):

@@ -8,33 +8,28 @@ import contextlib
 import copy
 import functools
 import json
-import math
 import multiprocessing
 import os
 import time
-import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
 from mergeflow import data as data_mod
-from mergeflow.config import Params
+from mergeflow.config import Params, task_seed as _task_seed
+from mergeflow.data import load_tasks as _load_tasks
 from mergeflow.errors import MergeflowError
 from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, normalized, normalized_average, search, summary_csv, summary_markdown, summary_rows
-from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
+from mergeflow.io import LazyStateDict, atomic_path, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.layout import Layout, MergeRun
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
-from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_head, select_device
+from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
-from mergeflow.task_vectors import statistics as vector_statistics, task_vector
+from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes, statistics as vector_statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
-
-
-def _task_seed(seed: int, task: str) -> int:
-    return seed * 1_000_003 + zlib.crc32(task.encode())
 
 
 def _setup(params: Params, seed: int) -> torch.device:
@@ -42,34 +37,7 @@ def _setup(params: Params, seed: int) -> torch.device:
     return select_device(params.runtime.device)
 
 
-def _load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = data_mod.SPLITS) -> dict[str, data_mod.TaskData]:
-    return {t: data_mod.load_task(layout.task_data(t), params.suite.image_size, splits) for t in params.suite.tasks}
-
-
 EVALUATED = ("val", "test")  # what merges read: hyperparameters chosen on val, tested on test
-
-
-def _load_heads(params: Params, layout: Layout, num_features: int, tasks: dict[str, data_mod.TaskData]):
-    """Each task's head, checked against the backbone's features and the task file's declared classes."""
-    return {t: load_head(layout.head(t), num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in params.suite.tasks}
-
-
-# Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
-# candidate, and re-reading a small model costs more than holding it. Larger inputs are read tensor by tensor.
-IN_MEMORY_INPUT_BYTES = 1 << 30
-
-
-def _load_task_vectors(params: Params, layout: Layout, directory: Path | None = None):
-    """The task vectors in ``directory`` (default: the standard regime's, vectors/), and theta0. Lazy
-    (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
-    pretrained = LazyStateDict(layout.pretrained)
-    vectors = {t: LazyStateDict((directory or layout.vectors) / f"{t}.safetensors") for t in params.suite.tasks}
-    for tv in vectors.values():
-        # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
-        check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
-    if _bytes(pretrained) + sum(_bytes(tv) for tv in vectors.values()) <= IN_MEMORY_INPUT_BYTES:
-        return _materialise(pretrained), {t: _materialise(tv) for t, tv in vectors.items()}
-    return pretrained, vectors
 
 
 # ---------------------------------------------------------------- prepare
@@ -472,15 +440,6 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- merge
-def _materialise(state) -> dict:
-    return {k: state[k] for k in state}
-
-
-def _bytes(state) -> int:
-    """Size from shapes and dtypes (a lazy file's header): no tensor is read."""
-    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values())
-
-
 def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
     """Stage merge@<method>: merge the standard regime's task vectors with one method (``merge_and_evaluate``)."""
     params.check_method(method)

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mergeflow.config import SuiteConfig
+from mergeflow.config import Params, SuiteConfig
 from mergeflow.errors import MergeflowError
 from mergeflow.io import load_metadata, load_state_dict, save_state_dict
+from mergeflow.layout import Layout
 
 SPLITS = ("train", "val", "test")
 
@@ -136,6 +137,11 @@ def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str
         classes=classes,
         **{s: Split(tensors[f"{s}_x"], tensors[f"{s}_y"].long()) if s in splits else None for s in SPLITS},
     )
+
+
+def load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = SPLITS) -> dict[str, TaskData]:
+    """Every task of ``params.suite``, read from the pipeline's files (the prepare stage's outputs)."""
+    return {t: load_task(layout.task_data(t), params.suite.image_size, splits) for t in params.suite.tasks}
 
 
 def resize_image(image, size: int, mode: str = "squash") -> np.ndarray:

@@ -340,14 +340,15 @@ class Bench:
     """Loads the suite once; evaluates a merge on any subset of tasks; chooses lambda on validation."""
 
     def __init__(self, context: StudyContext):
-        from mergeflow.models import build_backbone
-        from mergeflow.stages import _load_heads, _load_task_vectors, _load_tasks
+        from mergeflow.data import load_tasks
+        from mergeflow.models import build_backbone, load_heads
+        from mergeflow.task_vectors import load_task_vectors
 
         p, L = context.params, context.layout
         self.params, self.device = p, context.device
-        self.tasks = _load_tasks(p, L)
-        self.heads = _load_heads(p, L, build_backbone(p.backbone).num_features, self.tasks)
-        self.pretrained, self.vectors = _load_task_vectors(p, L)
+        self.tasks = load_tasks(p, L)
+        self.heads = load_heads(p, L, build_backbone(p.backbone).num_features, self.tasks)
+        self.pretrained, self.vectors = load_task_vectors(p, L)
         self.pretrained = {k: self.pretrained[k] for k in self.pretrained}
         self.vectors = {t: {k: v[k] for k in v} for t, v in self.vectors.items()}
         self._evaluators: dict = {}

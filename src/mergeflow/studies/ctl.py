@@ -56,6 +56,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from mergeflow.config import task_seed
 from mergeflow.errors import MergeflowError
 from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
 
@@ -503,7 +504,6 @@ def train_pair(params, suite: Suite, train: Mapping[str, tuple[torch.Tensor, tor
     """Each task of ``pair`` trained from ``init`` with the pipeline's fine-tune schedule (finetune.*, its steps or
     ``steps``), no feature anchor, the task's head frozen, the task's seed: the same data order for both inits."""
     from mergeflow.models import backbone_state, build_backbone
-    from mergeflow.stages import _task_seed
     from mergeflow.training import finetune as finetune_loop
 
     update: dict[str, Any] = {"preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0})}
@@ -514,7 +514,7 @@ def train_pair(params, suite: Suite, train: Mapping[str, tuple[torch.Tensor, tor
     for t in pair:
         model = build_backbone(params.backbone, {k: v.clone() for k, v in init.items()}, source=label)
         x, y = train[t]
-        finetune_loop(model, copy.deepcopy(suite.heads[t]), x, y, cfg, seed=_task_seed(params.seed, t), device=device, desc=f"study ctl {label} {t}")
+        finetune_loop(model, copy.deepcopy(suite.heads[t]), x, y, cfg, seed=task_seed(params.seed, t), device=device, desc=f"study ctl {label} {t}")
         out[t] = {k: v.cpu() for k, v in backbone_state(model.cpu()).items()}
     return out
 

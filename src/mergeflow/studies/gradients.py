@@ -32,6 +32,7 @@ import torch
 from pydantic import Field, PositiveInt, field_validator
 from torch import nn
 
+from mergeflow.config import task_seed
 from mergeflow.errors import MergeflowError
 from mergeflow.studies import Claim, StudyContext, StudyResult, StudySettings, register
 
@@ -443,7 +444,6 @@ def gradients(context: StudyContext) -> StudyResult:
     from mergeflow.io import LazyStateDict, load_state_dict
     from mergeflow.models import backbone_state, build_backbone, load_head
     from mergeflow.regimes._finetune import finetune_trainer
-    from mergeflow.stages import _task_seed
     from mergeflow.training import FeatureAnchor, finetune as finetune_loop
 
     params, layout, s, device = context.params, context.layout, context.settings, context.device
@@ -458,7 +458,7 @@ def gradients(context: StudyContext) -> StudyResult:
     backbone = build_backbone(params.backbone, theta0, source=str(layout.pretrained))
     tasks = {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in all_tasks}
     heads = {t: load_head(layout.head(t), backbone.num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in all_tasks}
-    seeds = {t: _task_seed(params.seed, t) for t in all_tasks}
+    seeds = {t: task_seed(params.seed, t) for t in all_tasks}
 
     def train_set(t: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tasks[t].train.images[:n], tasks[t].train.labels[:n]
