@@ -20,11 +20,12 @@ from mergeflow import data as data_mod
 from mergeflow.config import Params, task_seed as _task_seed
 from mergeflow.data import load_tasks as _load_tasks
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, normalized, normalized_average, search, summary_csv, summary_markdown, summary_rows
+from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_markdown, normalized, normalized_average, summary_csv, summary_markdown, summary_rows
 from mergeflow.io import LazyStateDict, atomic_path, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.layout import Layout, MergeRun
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
+from mergeflow.merging.search import negation_search, search
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
