@@ -108,7 +108,7 @@ from pathlib import Path
 
 import yaml
 
-from mergeflow.config import Params
+from mergeflow.config import Params, mlflow_ui_base
 from mergeflow.errors import MergeflowError, TransientError
 from mergeflow.evaluation import gap_recovered, mean, normalized_average
 from mergeflow.io import atomic_path, process_alive, read_json, write_json
@@ -932,7 +932,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     for key, (name, state) in views.items():
         client.set_experiment_tag(exp_id, f"mlflow.sharedViewState.{key}", json.dumps({"name": name, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)}))
     path = ui_path(exp_id)
-    server = os.environ.get("MERGEFLOW_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")  # where `mergeflow ui` serves
+    server = mlflow_ui_base()  # where `mergeflow ui` serves (config.MLFLOW_UI_ENV)
     print(f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in {experiment.name}; methods ranked by test_avg (every regime): {server}{path}")
     if registered:
         print(f"best merged model: {registered['method']}, models:/{registered['name']}/{registered['version']}")
