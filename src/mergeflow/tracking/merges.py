@@ -9,7 +9,6 @@ from mergeflow.evaluation import gap_recovered, mean, normalized_average
 from mergeflow.summary import percent
 from mergeflow.tracking.runs import _flatten
 
-
 MERGE_METRICS = ("test_avg", "val_avg", "normalized_avg", "gap_recovered", "storage_models", "wall_time_s")  # and test_acc.<task>
 
 

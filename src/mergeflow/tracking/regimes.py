@@ -16,7 +16,6 @@ from mergeflow.tracking.merges import _val_curve, merge_metrics, merge_params
 from mergeflow.tracking.registry import _log_merged_model
 from mergeflow.tracking.runs import _flatten, _Hashes, _notice, _Recorder, _sha256, stage_times
 
-
 ROUND_METRICS = (  # (metric, the round record's key, how its values are summarised): one point per round, step = round
     ("update_cosine_median", "update_cosines", statistics.median),
     ("update_cosine_max", "update_cosines", max),

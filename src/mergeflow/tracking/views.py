@@ -8,7 +8,6 @@ import urllib.parse
 
 from mergeflow.summary import percent
 
-
 VIEW_KEY = "methods"  # the shared view's key: experiment tag mlflow.sharedViewState.methods
 
 
