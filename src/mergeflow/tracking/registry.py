@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import tempfile
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.tracking.runs import _Recorder
+
+
+class _NoSignatureNotice(logging.Filter):
+    """MLflow's notice, once per model logged, that predict's type hints (np.ndarray -> np.ndarray, see
+    mergeflow.mlflow_model) give no signature: known and meant (no schema is enforced on the images)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "cannot be used to infer model signature" not in record.getMessage()
 
 
 def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str, params: Params) -> str:
@@ -36,9 +44,9 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
             backbone = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mergeflow-track-"))) / mlflow_model.BACKBONE
             backbone.write_text(json.dumps(params.backbone.model_dump(mode="json"), indent=2))
             stack.enter_context(mlflow.start_run(run_id=run_id))
-            stack.enter_context(warnings.catch_warnings())
-            # predict takes and gives numpy arrays, which MLflow's type-hint validation does not cover: no hints
-            warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method", category=UserWarning)
+            notices, quiet = logging.getLogger("mlflow.pyfunc"), _NoSignatureNotice()
+            notices.addFilter(quiet)
+            stack.callback(notices.removeFilter, quiet)
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=mlflow_model.__file__,
