@@ -22,7 +22,6 @@ import queue
 import signal
 import sys
 import threading
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from mergeflow.checks import check_project
-from mergeflow.config import apply_overrides
+from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
 from mergeflow.stage_server import SERVER_ENV, running_server
@@ -274,12 +273,6 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
 
 # ---------------------------------------------------------------- the flow run's Markdown artifact
 SUMMARY_ARTIFACT_KEY = "mergeflow-summary"
-MLFLOW_UI_ENV = "MERGEFLOW_MLFLOW_UI"  # where the MLflow UI is served, for the artifact's link
-DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
-
-
-def mlflow_ui_base() -> str:
-    return (os.environ.get(MLFLOW_UI_ENV) or DEFAULT_MLFLOW_UI).rstrip("/")
 
 
 def mlflow_run_url(tracking: dict, base: str | None = None) -> str:
@@ -294,7 +287,7 @@ def _mlflow_section(root: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"No MLflow run to link: metrics/tracking.json is missing or incomplete ({type(err).__name__}); the track stage writes it."
     base = mlflow_ui_base()
-    port = urllib.parse.urlsplit(base).port or 5000
+    port = mlflow_ui_port()
     return (
         f"MLflow run [{tracking['run_id']}]({url}) in experiment {tracking.get('experiment', tracking['experiment_id'])}, "
         f"store `{tracking.get('tracking_uri', '?')}`.\n\n"

@@ -30,7 +30,9 @@ def fresh(code: str, cwd: Path = REPO) -> dict:
 
 def modules_of(package: str) -> set[str]:
     """The registering modules of a package of src/mergeflow (its files not starting with '_'), by name."""
-    return {m.name for m in pkgutil.iter_modules([str(REPO / "src" / "mergeflow" / package)]) if not m.name.startswith("_")}
+    from mergeflow.merging import NOT_METHODS
+
+    return {m.name for m in pkgutil.iter_modules([str(REPO / "src" / "mergeflow" / package)]) if not m.name.startswith("_") and m.name not in NOT_METHODS}
 
 
 def test_params_and_the_registries_load_without_torch_or_numba():

@@ -245,11 +245,11 @@ def test_declared_coefficient_is_affine(name):
 
 
 def test_search_by_interpolation_matches_direct_merges():
-    from mergeflow.evaluation import _candidates
+    from mergeflow.merging.search import merged_candidates
 
     theta0, tvs = _random_models()
     fixed, grid = REGISTRY["ties"].search_space({"lam": [0.5, 1.5], "trim_scope": "tensor"})
-    for hp, merged in _candidates(REGISTRY["ties"], fixed, grid, theta0, tvs):
+    for hp, merged in merged_candidates(REGISTRY["ties"], fixed, grid, theta0, tvs):
         direct = REGISTRY["ties"](theta0, tvs, **hp)
         assert all(torch.allclose(merged[k], direct[k], atol=1e-5) for k in theta0)
 
@@ -290,7 +290,7 @@ class FakeEvaluator:
 
 
 def test_search_picks_the_best_validation_point_and_per_task_choices():
-    from mergeflow.evaluation import search
+    from mergeflow.merging.search import search
 
     theta0 = {"w": torch.zeros(4)}
     tvs = {"a": {"w": torch.ones(4)}, "b": {"w": torch.ones(4)}}
@@ -308,8 +308,8 @@ def test_search_picks_the_best_validation_point_and_per_task_choices():
 @pytest.mark.parametrize("name", ["consensus_ta", "consensus_ties", "tall_ties"])
 def test_per_task_choice_merges_the_shared_vector_once(name, monkeypatch):
     """T tasks x 5 lambda_t values are judged on models built from one merge of tau_MTL, not 5T merges."""
-    from mergeflow.evaluation import choose_per_task
     from mergeflow.merging import _tensors
+    from mergeflow.merging.search import choose_per_task
 
     merges = []  # the methods import map_stacked where they call it: they find this one
     real = _tensors.map_stacked

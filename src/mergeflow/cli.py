@@ -108,7 +108,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` with dvc.lock written atomically", description="`mergeflow check`, then `dvc repro [ARGS]` (any of dvc repro's options and stage names) with dvc.lock written atomically.", usage="mergeflow repro [-h] [DVC_REPRO_ARGS ...]")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
-    ui.add_argument("--port", type=int, default=5000, help="port to serve on (default: 5000; the artifact's link follows MERGEFLOW_MLFLOW_UI)")
+    ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     sub.add_parser("serve", add_help=False, help="schedule the pipeline: a Prefect deployment served from here (--cron EXPR or --interval SECONDS; serve --help)")
     return parser
@@ -284,8 +284,10 @@ def mlflow_ui(port: int, host: str) -> int:
     import subprocess
     from pathlib import Path
 
+    from mergeflow.config import mlflow_ui_port
     from mergeflow.tracking import tracking_uri
 
+    port = mlflow_ui_port() if port is None else port  # the port track's and the Prefect summary's links name
     uri = tracking_uri(Path.cwd())
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         print(f"warning: {uri}: no MLflow store yet (the track stage creates it); the UI starts empty", file=sys.stderr)
@@ -324,6 +326,11 @@ def _forwarded(argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_serve-stages"] and len(argv) == 2:  # mergeflow.stage_server.running_server starts it
+        from mergeflow.stage_server import serve
+
+        serve(argv[1], main)
+        return 0
     if (status := _forwarded(argv)) is not None:
         return status
     argv = _allow_downloads(argv)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import urllib.parse
+import zlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,6 +21,20 @@ from mergeflow.errors import MergeflowError
 
 DEFAULT_PARAMS = "params.yaml"
 DOWNLOAD_ENV = "MERGEFLOW_DOWNLOAD"  # set by --download
+# Where the MLflow UI is served: `mergeflow ui` serves on its port unless given --port, `track` prints its address
+# and the Prefect flow's summary artifact links there. Set MERGEFLOW_MLFLOW_UI when the UI runs elsewhere.
+MLFLOW_UI_ENV = "MERGEFLOW_MLFLOW_UI"
+DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
+
+def mlflow_ui_base() -> str:
+    """The MLflow UI's address, without a trailing slash: MERGEFLOW_MLFLOW_UI, else ``mergeflow ui``'s default."""
+    return (os.environ.get(MLFLOW_UI_ENV) or DEFAULT_MLFLOW_UI).rstrip("/")
+
+
+def mlflow_ui_port() -> int:
+    """The port of that address: the one ``mergeflow ui`` serves on unless given --port."""
+    return urllib.parse.urlsplit(mlflow_ui_base()).port or 5000
+
 
 # A name that can reach a file path, a DVC stage name or a command line (a task, a backbone, a suite) is a plain
 # word: letters, digits, '_', '.' and '-', starting with a letter or digit. Nothing a shell or a path treats specially.
@@ -353,6 +369,12 @@ class RuntimeConfig(_Strict):
 
 class TrackingConfig(_Strict):
     log_checkpoints: bool = True  # copy checkpoints and merged models into MLflow artifacts
+
+
+def task_seed(seed: int, task: str) -> int:
+    """The seed of one task (its generated data, its probe and fine-tune, the studies' runs on it), from the run's
+    seed (params.seed): every task draws its own, whatever the others are."""
+    return seed * 1_000_003 + zlib.crc32(task.encode())
 
 
 class Params(_Strict):

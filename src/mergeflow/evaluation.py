@@ -1,5 +1,6 @@
-"""Evaluation of a backbone on every task with each task's own head; hyperparameter search on validation;
-the summary table (absolute and normalized accuracy); its plots are in mergeflow.plots."""
+"""Evaluation of a backbone on every task with each task's own head, and the summary table of those scores
+(absolute and normalized accuracy, the gap recovered); its plots are in mergeflow.plots. The search on validation
+that calls the evaluator is mergeflow.merging.search."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from mergeflow.config import BackboneConfig
 from mergeflow.data import TaskData
 from mergeflow.io import StateDict
-from mergeflow.merging import DATA, REGISTRY, MergeMethod
+from mergeflow.merging import DATA, REGISTRY
 from mergeflow.models import build_backbone
 from mergeflow.training import extract_features, head_accuracy
 
@@ -62,81 +63,6 @@ class MultiTaskEvaluator:
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
-
-
-def _candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretrained, task_vectors):
-    """(hyperparameters, output) for every grid point; a method's coefficient is swept by interpolation."""
-    coef = method.coefficient if method.coefficient in grid else None
-    others = [k for k in grid if k != coef]
-    for values in itertools.product(*(grid[k] for k in others)):
-        hp = {**fixed, **dict(zip(others, values))}
-        if coef is None:
-            yield hp, method(pretrained, task_vectors, **hp)
-            continue
-        base = method(pretrained, task_vectors, **hp, **{coef: 0.0})
-        unit = method(pretrained, task_vectors, **hp, **{coef: 1.0})
-        direction = {k: unit[k].float() - base[k].float() for k in base}
-        del unit
-        for c in grid[coef]:
-            yield {**hp, coef: c}, {k: (base[k].float() + c * direction[k]).to(base[k].dtype) for k in base}
-
-
-def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: MultiTaskEvaluator):
-    """Per-task hyperparameters (e.g. TALL masks' lambda_t), each chosen on that task's own validation split."""
-    chosen, curves = {}, {}
-    space = method.per_task_space(overrides)
-    if not space:
-        return chosen, curves
-    # hyperparameters still to be searched sit at their defaults here (e.g. consensus' alpha0)
-    model_of = method.task_models(pretrained, task_vectors, **{**method.defaults, **fixed})
-    for key, values in space.items():
-        chosen[key], curves[key] = {}, {}
-        for task in task_vectors:
-            accs = [evaluate.task(task, model_of(task, {key: v})) for v in values]
-            curves[key][task] = dict(zip(map(str, values), accs))
-            chosen[key][task] = values[max(range(len(values)), key=accs.__getitem__)]
-    return chosen, curves
-
-
-def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_vectors: Mapping[str, StateDict], evaluate: MultiTaskEvaluator):
-    """Grid search on validation; the best average accuracy wins (first in grid order on ties).
-
-    Returns (best row, its output: a merged model or a per-task store, the validation curve, per-task choices).
-    """
-    fixed, grid = method.search_space(overrides)
-    per_task, per_task_curves = choose_per_task(method, overrides, fixed, pretrained, task_vectors, evaluate)
-    fixed = {**fixed, **per_task}
-    curve, best = [], None
-    for hp, output in _candidates(method, fixed, grid, pretrained, task_vectors):
-        if method.kind == "per_task":
-            acc = evaluate.per_task(lambda t: method.reconstruct(output, pretrained, t))
-        else:
-            acc = evaluate(output)
-        row = {"hyperparameters": {k: v for k, v in hp.items() if k not in per_task}, "accuracy": acc, "average": mean(acc.values())}
-        curve.append(row)
-        if best is None or row["average"] > best[0]["average"]:
-            best = (row, output)
-    return best[0], best[1], curve, {"chosen": per_task, "curves": per_task_curves}
-
-
-def negation_search(method: MergeMethod, overrides: Mapping, pretrained, task_vectors, evaluate: MultiTaskEvaluator, pretrained_accuracy: Mapping[str, float]):
-    """For each task t: the lam that lowers t's validation accuracy most while the other tasks' (control) accuracy
-    stays at least control_floor x the pretrained model's; lam = 0 (no edit) when none does."""
-    fixed, grid = method.search_space(overrides)
-    floor = fixed.get("control_floor", 0.95)
-    results = {}
-    for task, tau in task_vectors.items():
-        control_tasks = [t for t in task_vectors if t != task]
-        base_control = mean(pretrained_accuracy[t] for t in control_tasks)
-        curve, best = [], {"lam": 0.0, "target": pretrained_accuracy[task], "control": base_control}
-        for hp in method.candidates(overrides):
-            acc = evaluate(method(pretrained, {task: tau}, **hp))
-            row = {"lam": hp["lam"], "target": acc[task], "control": mean(acc[t] for t in control_tasks)}
-            curve.append(row)
-            if row["control"] >= floor * base_control and row["target"] < best["target"]:
-                best = row
-        results[task] = {"chosen": best, "curve": curve}
-    return results
 
 
 # Below half a point the individual models do not beat the probe by more than a test split's noise, and the share

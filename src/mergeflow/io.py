@@ -76,6 +76,18 @@ def temporary_prefix(path: Path) -> str:
     return f".{path.name}.tmp-{os.getpid()}-"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running here (a zombie, dead but not yet reaped, is not)."""
+    import psutil
+
+    if pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 _TEMPORARY = re.compile(r"^\..+\.(?:tmp-(\d+)-.*|old-(\d+))$")
 
 
@@ -83,8 +95,6 @@ def sweep_temporaries(roots: list[Path]) -> list[Path]:
     """Remove the temporaries (files or directories) that interrupted atomic writes left under ``roots``: those of
     processes no longer running. A live process's (a concurrent stage's write in progress) are left. Returns what
     was removed."""
-    from mergeflow.orchestration import process_alive
-
     removed = []
     for root in roots:
         if not root.is_dir():

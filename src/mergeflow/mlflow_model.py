@@ -66,7 +66,9 @@ class MergedBackbone(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         self.net = _build(context.artifacts["weights"], context.artifacts["backbone"])
 
-    def predict(self, context, model_input, params=None):
+    # np.ndarray in and out: the type hint MLflow wants (without one it warns on every model logged), one it infers
+    # no schema from, so inputs are neither validated nor converted (predict takes what np.asarray reads)
+    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
         with torch.no_grad():
             return self.net(torch.as_tensor(np.asarray(model_input, dtype=np.uint8))).numpy()
 

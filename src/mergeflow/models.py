@@ -11,15 +11,21 @@ import json
 import pickle
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import timm
 import torch
 from torch import nn
 
-from mergeflow.config import BackboneConfig
+from mergeflow.config import BackboneConfig, Params
 from mergeflow.errors import MergeflowError
 from mergeflow.io import StateDict, check_compatible, check_finite, load_state_dict
+from mergeflow.layout import Layout
+
+if TYPE_CHECKING:
+    from mergeflow.data import TaskData
 
 
 class Backbone(nn.Module):
@@ -281,6 +287,12 @@ def load_head(path: str | Path, num_features: int, num_classes: int | None = Non
     head = make_head(num_features, state["weight"].shape[0])
     head.load_state_dict(state)
     return head
+
+
+def load_heads(params: Params, layout: Layout, num_features: int, tasks: Mapping[str, TaskData]) -> dict[str, nn.Linear]:
+    """Each task's head (the finetune stages' outputs), checked against the backbone's features and the task file's
+    declared classes."""
+    return {t: load_head(layout.head(t), num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in params.suite.tasks}
 
 
 def select_device(name: str) -> torch.device:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from mergeflow import lockfile
 from mergeflow.errors import BAD_INPUT_STATUS, TRANSIENT_STATUS, MergeflowError
+from mergeflow.io import process_alive
 
 # set to the flow's pid in a stage's environment: the stage asks the kernel to send it SIGTERM when the flow dies
 DIE_WITH_PARENT_ENV = "MERGEFLOW_DIE_WITH_PARENT"
@@ -109,18 +110,6 @@ def _running_dvc_commands(root: Path) -> list[str]:
         return []
     infos = [*(i for entries in lock.get("read", {}).values() for i in entries), *lock.get("write", {}).values()]
     return sorted({f"pid {i['pid']}: {i['cmd']}" for i in infos if isinstance(i, dict) and i.get("pid") != os.getpid() and process_alive(int(i.get("pid", 0)))})
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` is running here (a zombie, dead but not yet reaped, is not)."""
-    import psutil
-
-    if pid <= 0:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 @contextlib.contextmanager

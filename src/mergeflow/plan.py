@@ -297,7 +297,7 @@ def _feature_dim(params: Params) -> int:
 
 
 def merge_work(params: Params, method: str, overrides: dict | None = None) -> Work:
-    """One method's search and test, as merging.evaluation.search runs it: per-task choices first, then every grid
+    """One method's search and test, as mergeflow.merging.search runs it: per-task choices first, then every grid
     candidate (a coefficient swept by interpolation: two merges, then one pass a value) scored on every task's
     val split, then the chosen one on every task's test split."""
     from mergeflow.merging import REGISTRY

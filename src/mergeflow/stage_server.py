@@ -32,9 +32,11 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SERVER_ENV = "MERGEFLOW_STAGE_SERVER"
+SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRESS`: the server (not a user command)
 # the commands a server runs: the stages (everything else is quick or starts its own processes)
 STAGE_COMMANDS = frozenset({"prepare", "pretrain", "finetune", "vectors", "statistics", "merge", "regime", "regime_merge", "study", "report", "track"})
 # environment variables that libraries read when they are imported: a command whose values differ runs on its own
@@ -126,7 +128,7 @@ def _die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-def _run_child(request: dict, fds: list[int], server_pid: int, inherited: list[socket.socket]) -> None:
+def _run_child(request: dict, fds: list[int], server_pid: int, inherited: list[socket.socket], entry: Callable[[list[str]], int]) -> None:
     """In the forked child: become the command (its streams, directory, environment and arguments), run it, exit."""
     try:
         for sock in inherited:  # the server's sockets: only the server holds them
@@ -152,9 +154,7 @@ def _run_child(request: dict, fds: list[int], server_pid: int, inherited: list[s
         sys.stdout = open(1, "w", buffering=1 if os.isatty(1) else -1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.argv = ["mergeflow", *request["argv"]]
-        from mergeflow.cli import main
-
-        status = main(request["argv"])
+        status = entry(request["argv"])
     except SystemExit as exit_:
         code = exit_.code
         status = code if isinstance(code, int) else (0 if code is None else 1)
@@ -176,9 +176,10 @@ class _Stage:
         self.conn, self.pid = conn, pid
 
 
-def serve(address: str) -> None:
-    """Listen on ``address`` (a Unix socket path) and fork a child per request, until the parent dies or a
-    SIGTERM: then every running stage's group is killed with it."""
+def serve(address: str, entry: Callable[[list[str]], int]) -> None:
+    """Listen on ``address`` (a Unix socket path) and fork a child per request that runs ``entry(argv)`` (the
+    ``mergeflow`` command's main), until the parent dies or a SIGTERM: then every running stage's group is killed
+    with it."""
     _die_with_parent(signal.SIGTERM)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
@@ -222,7 +223,7 @@ def serve(address: str) -> None:
                     pid = os.fork()
                     if pid == 0:
                         request["env"] = set_by_imports | request["env"]
-                        _run_child(request, fds, server_pid, [listener, conn, *(st.conn for st in stages.values())])
+                        _run_child(request, fds, server_pid, [listener, conn, *(st.conn for st in stages.values())], entry)
                     with contextlib.suppress(OSError):
                         os.setpgid(pid, pid)  # also here: a signal may come before the child has run a line
                     for fd in fds:
@@ -270,7 +271,7 @@ def running_server(env: dict[str, str] | None = None):
         return
     folder = Path(tempfile.mkdtemp(prefix="mergeflow-stages-"))
     address = str(folder / "socket")
-    proc = subprocess.Popen([sys.executable, "-m", "mergeflow.stage_server", address], env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "mergeflow.cli", SERVE_COMMAND, address], env=env, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(address) and proc.poll() is None and time.monotonic() < deadline:
@@ -287,7 +288,3 @@ def running_server(env: dict[str, str] | None = None):
             os.unlink(address)
         with contextlib.suppress(OSError):
             folder.rmdir()
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1])

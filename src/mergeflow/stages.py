@@ -8,148 +8,29 @@ import contextlib
 import copy
 import functools
 import json
-import math
 import multiprocessing
 import os
 import time
-import zlib
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mergeflow import data as data_mod
-from mergeflow.config import Params
+from mergeflow.config import Params, task_seed as _task_seed
+from mergeflow.data import load_tasks as _load_tasks
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_search, negation_markdown, normalized, normalized_average, search, summary_csv, summary_markdown, summary_rows
-from mergeflow.io import LazyStateDict, atomic_path, check_compatible, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
+from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_markdown, normalized, normalized_average, summary_csv, summary_markdown, summary_rows
+from mergeflow.io import LazyStateDict, atomic_path, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
+from mergeflow.layout import Layout, MergeRun
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
-from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_head, select_device
+from mergeflow.merging.search import negation_search, search
+from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
-from mergeflow.task_vectors import statistics as vector_statistics, task_vector
+from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes, statistics as vector_statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where every stage reads and writes, relative to the repository root."""
-
-    root: Path = Path(".")
-
-    def _p(self, *parts: str) -> Path:
-        return self.root.joinpath(*parts)
-
-    @property
-    def output_roots(self) -> list[Path]:
-        """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints")]
-
-    @property
-    def pretrain_corpus(self) -> Path:
-        return self._p("data", "pretrain.safetensors")
-
-    def task_data(self, task: str) -> Path:
-        return self._p("data", "tasks", f"{task}.safetensors")
-
-    @property
-    def pretrained(self) -> Path:
-        return self._p("models", "pretrained.safetensors")
-
-    def finetuned(self, task: str) -> Path:
-        return self._p("models", "finetuned", f"{task}.safetensors")
-
-    def epochs(self, task: str) -> Path:
-        return self._p("models", "epochs", task)
-
-    def head(self, task: str) -> Path:
-        return self._p("models", "heads", f"{task}.safetensors")
-
-    @property
-    def vectors(self) -> Path:
-        return self._p("vectors")
-
-    def statistics(self, task: str) -> Path:
-        """Fisher diagonals and layer-input Grams of task's fine-tuned model (keys <kind>/<tensor>)."""
-        return self._p("statistics", f"{task}.safetensors")
-
-    def merged(self, method: str) -> Path:
-        return self._p("merged", f"{method}.safetensors")
-
-    def metrics(self, stage: str, name: str | None = None) -> Path:
-        return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")
-
-    def log(self, stage: str, name: str | None = None, suffix: str = ".json") -> Path:
-        return self._p("logs", f"{stage}{suffix}") if name is None else self._p("logs", stage, f"{name}{suffix}")
-
-    def timing(self, stage: str, name: str | None = None) -> Path:
-        """A stage's wall time: apart from its metrics, which later stages depend on, so that re-running a stage
-        that gives the same outputs in another time leaves everything downstream up to date."""
-        return self.log("timing", stage) if name is None else self._p("logs", "timing", stage, f"{name}.json")
-
-    @property
-    def results(self) -> Path:
-        return self._p("results")
-
-    # ------------------------------------------------------------ training-time regimes (stage regime@<regime>)
-    def regime(self, regime: str) -> Path:
-        """regimes/<regime>/<variant>/: vectors/<task>.safetensors (tau_t = theta_t - theta0) and stats.json,
-        model.safetensors (the regime's own model, when it has one), updates/round<i>/<task>.safetensors (ATM's
-        per-round task vectors). Its measurements (accuracies, per-round norms and cosines) are in metrics/regime/<regime>.json."""
-        return self._p("regimes", regime)
-
-    def regime_vectors(self, regime: str, variant: str) -> Path:
-        return self.regime(regime) / variant / "vectors"
-
-    def regime_model(self, regime: str, variant: str) -> Path:
-        return self.regime(regime) / variant / "model.safetensors"
-
-    def regime_updates(self, regime: str, variant: str, round: int) -> Path:
-        return self.regime(regime) / variant / "updates" / f"round{round}"
-
-    def regime_checkpoint(self, regime: str, variant: str) -> Path:
-        """The last finished round of a regime run (not a DVC output: a resumed run reads it, a finished run
-        removes it)."""
-        return self._p("checkpoints", "regime", regime, f"{variant}.safetensors")
-
-    def merge_run(self, method: str, regime: str | None = None, variant: str | None = None) -> MergeRun:
-        """Where one merge reads and writes: the standard regime's at merge@<method>'s paths, a regime's
-        variant's under regime_merge@<regime>'s folders."""
-        if regime is None:
-            return MergeRun(method, self.vectors, self.merged(method), self.metrics("merge", method), self.metrics("evaluate", method), self.log("merge", method, ".png"), self.log("merge", method))
-        return MergeRun(
-            method, self.regime_vectors(regime, variant),
-            self._p("merged", "regime", regime, variant, f"{method}.safetensors"),
-            self._p("metrics", "regime_merge", regime, variant, "merge", f"{method}.json"),
-            self._p("metrics", "regime_merge", regime, variant, "evaluate", f"{method}.json"),
-            self._p("logs", "regime_merge", regime, variant, f"{method}.png"),
-            self._p("logs", "regime_merge", regime, variant, f"{method}.json"),
-        )
-
-    # ------------------------------------------------------------ studies (stage study@<study>)
-    def study(self, study: str) -> Path:
-        """studies/<study>/: report.md and its figures."""
-        return self._p("studies", study)
-
-
-@dataclass(frozen=True)
-class MergeRun:
-    """One merge's inputs and outputs: the task vectors it merges, and where its merged model, its choice on
-    validation (metrics), its test evaluation and its search (plot, records) go."""
-
-    method: str
-    vectors: Path
-    merged: Path
-    choice: Path
-    evaluation: Path
-    search_plot: Path
-    search_log: Path
-
-
-def _task_seed(seed: int, task: str) -> int:
-    return seed * 1_000_003 + zlib.crc32(task.encode())
 
 
 def _setup(params: Params, seed: int) -> torch.device:
@@ -157,34 +38,7 @@ def _setup(params: Params, seed: int) -> torch.device:
     return select_device(params.runtime.device)
 
 
-def _load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = data_mod.SPLITS) -> dict[str, data_mod.TaskData]:
-    return {t: data_mod.load_task(layout.task_data(t), params.suite.image_size, splits) for t in params.suite.tasks}
-
-
 EVALUATED = ("val", "test")  # what merges read: hyperparameters chosen on val, tested on test
-
-
-def _load_heads(params: Params, layout: Layout, num_features: int, tasks: dict[str, data_mod.TaskData]):
-    """Each task's head, checked against the backbone's features and the task file's declared classes."""
-    return {t: load_head(layout.head(t), num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in params.suite.tasks}
-
-
-# Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
-# candidate, and re-reading a small model costs more than holding it. Larger inputs are read tensor by tensor.
-IN_MEMORY_INPUT_BYTES = 1 << 30
-
-
-def _load_task_vectors(params: Params, layout: Layout, directory: Path | None = None):
-    """The task vectors in ``directory`` (default: the standard regime's, vectors/), and theta0. Lazy
-    (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
-    pretrained = LazyStateDict(layout.pretrained)
-    vectors = {t: LazyStateDict((directory or layout.vectors) / f"{t}.safetensors") for t in params.suite.tasks}
-    for tv in vectors.values():
-        # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
-        check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
-    if _bytes(pretrained) + sum(_bytes(tv) for tv in vectors.values()) <= IN_MEMORY_INPUT_BYTES:
-        return _materialise(pretrained), {t: _materialise(tv) for t, tv in vectors.items()}
-    return pretrained, vectors
 
 
 # ---------------------------------------------------------------- prepare
@@ -592,15 +446,6 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- merge
-def _materialise(state) -> dict:
-    return {k: state[k] for k in state}
-
-
-def _bytes(state) -> int:
-    """Size from shapes and dtypes (a lazy file's header): no tensor is read."""
-    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values())
-
-
 def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
     """Stage merge@<method>: merge the standard regime's task vectors with one method (``merge_and_evaluate``)."""
     params.check_method(method)

@@ -1,12 +1,21 @@
-"""Task vectors tau_t = theta_t - theta0 over the backbone, and their statistics (norms, cosine similarities)."""
+"""Task vectors tau_t = theta_t - theta0 over the backbone, their statistics (norms, cosine similarities), and
+reading them back for a merge (``load_task_vectors``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
-from mergeflow.io import StateDict, check_compatible
+from mergeflow.config import Params
+from mergeflow.io import LazyStateDict, StateDict, check_compatible, tensor_specs
+from mergeflow.layout import Layout
+
+# Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
+# candidate, and re-reading a small model costs more than holding it. Larger inputs are read tensor by tensor.
+IN_MEMORY_INPUT_BYTES = 1 << 30
 
 
 def task_vector(pretrained: StateDict, finetuned: StateDict, *, pretrained_name: str, finetuned_name: str) -> StateDict:
@@ -39,3 +48,26 @@ def statistics(pretrained: StateDict, task_vectors: Mapping[str, StateDict]) -> 
         "cosine": _cosine_matrix(flat),
         "cosine_per_layer": per_layer,
     }
+
+
+def materialise(state) -> dict:
+    """A state dict's tensors in memory (a lazy file's, read)."""
+    return {k: state[k] for k in state}
+
+
+def state_bytes(state) -> int:
+    """Size from shapes and dtypes (a lazy file's header): no tensor is read."""
+    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values())
+
+
+def load_task_vectors(params: Params, layout: Layout, directory: Path | None = None):
+    """The task vectors in ``directory`` (default: the standard regime's, vectors/), and theta0. Lazy
+    (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
+    pretrained = LazyStateDict(layout.pretrained)
+    vectors = {t: LazyStateDict((directory or layout.vectors) / f"{t}.safetensors") for t in params.suite.tasks}
+    for tv in vectors.values():
+        # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
+        check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
+    if state_bytes(pretrained) + sum(state_bytes(tv) for tv in vectors.values()) <= IN_MEMORY_INPUT_BYTES:
+        return materialise(pretrained), {t: materialise(tv) for t, tv in vectors.items()}
+    return pretrained, vectors

@@ -212,9 +212,9 @@ class Pool:
 
     def read(self, picks: np.ndarray, size: int, mode: str = "squash", rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The picked images as uint8 [len(picks), size, size, 3] and their labels; each image is resized
-        (``mergeflow.data.resize_image``) as it is decoded, and closed: one full-size image at a time. Pick j
+        (``mergeflow.data.images.resize_image``) as it is decoded, and closed: one full-size image at a time. Pick j
         goes to row ``rows[j]`` (default j). An image that cannot be decoded is one line naming the task and file."""
-        from mergeflow.data import resize_image
+        from mergeflow.data.images import resize_image
 
         images = np.empty((len(picks), size, size, 3), dtype=np.uint8)
         labels = np.empty(len(picks), dtype=np.int64)

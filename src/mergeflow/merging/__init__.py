@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import itertools
 import math
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from mergeflow.merging import search
 
 if TYPE_CHECKING:
     from mergeflow.io import StateDict
@@ -161,38 +162,17 @@ class MergeMethod:
         if problem:
             raise ValueError(f"{where}: {problem}")
 
+    # the validation search's view of the method (its grids after overrides): mergeflow.merging.search
     def search_space(self, overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         """(fixed hyperparameters, grid) after ``overrides``: a list value is a grid, a scalar fixes the value."""
-        fixed = dict(self.defaults)
-        grid = {k: list(v) for k, v in self.grid.items()}
-        for key, value in (overrides or {}).items():
-            if key in self.per_task_grid:
-                if not isinstance(value, list):
-                    fixed[key] = value
-                continue
-            if isinstance(value, list):
-                grid[key] = list(value)
-            else:
-                fixed[key] = value
-                grid.pop(key, None)
-        for key in grid:
-            fixed.pop(key, None)
-        return fixed, grid
+        return search.search_space(self, overrides)
 
     def per_task_space(self, overrides: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
         """Hyperparameters chosen per task, with their grids; a scalar override fixes one value for every task."""
-        space = {}
-        for key, values in self.per_task_grid.items():
-            value = (overrides or {}).get(key, list(values))
-            if isinstance(value, list):
-                space[key] = list(value)
-        return space
+        return search.per_task_space(self, overrides)
 
     def candidates(self, overrides: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-        fixed, grid = self.search_space(overrides)
-        keys = list(grid)
-        for values in itertools.product(*(grid[k] for k in keys)):
-            yield {**fixed, **dict(zip(keys, values))}
+        return search.candidates(self, overrides)
 
     def describe(self) -> str:
         def one(k, v):
@@ -290,9 +270,13 @@ def validate_overrides(method: MergeMethod, overrides: Any, *, where: str) -> No
             method.check(candidate, where)
 
 
+# the package's modules that are not methods (imported above): every other public module registers one or more
+NOT_METHODS = frozenset({"search"})
+
+
 def _discover() -> None:
     for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
+        if not info.name.startswith("_") and info.name not in NOT_METHODS:
             importlib.import_module(f"{__name__}.{info.name}")
 
 

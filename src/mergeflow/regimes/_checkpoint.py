@@ -24,7 +24,7 @@ import torch
 
 from mergeflow.errors import MergeflowError
 from mergeflow.io import load_metadata, load_state_dict, save_state_dict
-from mergeflow.regimes import Checkpoint, RoundRecord
+from mergeflow.regimes._types import Checkpoint, RoundRecord
 
 FORMAT = "mergeflow.regimes.checkpoint"
 VERSION = 1

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mergeflow.io import StateDict
-from mergeflow.regimes import Budget
+from mergeflow.regimes._types import Budget
 
 Loss = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 

@@ -5,7 +5,7 @@ A study is one module in this package: a function ``(context: StudyContext) -> S
 ``@register``, which records its paper and its settings (a pydantic model: every field a setting with its
 default; ``studies.<name>`` in params.yaml overrides them). Modules are discovered by name, as the merge methods
 and regimes are, so adding a study means adding one file. A study reads the pipeline's outputs through
-``context.layout`` (mergeflow.stages.Layout) and may compute its own measurements; it writes its figures into
+``context.layout`` (mergeflow.layout.Layout) and may compute its own measurements; it writes its figures into
 ``context.out_dir`` and returns its claims and the report's body. ``mergeflow.stages.study`` writes
 ``studies/<name>/report.md`` (title, verdict table, body) and ``metrics/studies/<name>.json`` atomically.
 As the merge methods do, study modules import torch inside their functions (``no_grad`` below for a decorator),
@@ -60,7 +60,7 @@ class StudyResult:
 @dataclass(frozen=True)
 class StudyContext:
     params: Any  # mergeflow.config.Params
-    layout: Any  # mergeflow.stages.Layout
+    layout: Any  # mergeflow.layout.Layout
     settings: StudySettings
     out_dir: Path  # where figures go (a temporary directory, renamed into place when the study succeeds)
     device: Any  # torch.device

@@ -1,0 +1,150 @@
+"""The validation search, in one place: a method's grid after params.yaml's overrides (``search_space``,
+``per_task_space``, ``candidates``), the merged model of every grid point (``merged_candidates``: a method's
+coefficient swept by interpolation), the hyperparameters chosen per task (``choose_per_task``), the search itself
+(``search``: the best validation average wins) and task negation's (``negation_search``).
+
+The merge stage (mergeflow.stages.merge_and_evaluate) calls ``search`` or ``negation_search`` with a scorer, the
+validation split's mergeflow.evaluation.MultiTaskEvaluator; this module knows the registry's methods (their
+grids, coefficient, per-task hyperparameters) and nothing of models or data, so it imports nothing of the
+pipeline (mergeflow.merging.MergeMethod's ``search_space``, ``per_task_space`` and ``candidates`` delegate here).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from mergeflow.io import StateDict
+    from mergeflow.merging import MergeMethod
+
+
+class Scorer(Protocol):
+    """Accuracy on one split (mergeflow.evaluation.MultiTaskEvaluator is the pipeline's)."""
+
+    def __call__(self, state: StateDict) -> dict[str, float]: ...  # every task, one model
+
+    def task(self, task: str, state: StateDict) -> float: ...  # one task, on its own examples only
+
+    def per_task(self, model_of: Callable[[str], StateDict]) -> dict[str, float]: ...  # each task with its own model
+
+
+def mean(values) -> float:
+    """The same arithmetic as mergeflow.evaluation.mean (a plain sum), so that the recorded averages do not move."""
+    values = list(values)
+    return sum(values) / len(values)
+
+
+# ---------------------------------------------------------------- grids
+def search_space(method: MergeMethod, overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """(fixed hyperparameters, grid) after ``overrides``: a list value is a grid, a scalar fixes the value."""
+    fixed = dict(method.defaults)
+    grid = {k: list(v) for k, v in method.grid.items()}
+    for key, value in (overrides or {}).items():
+        if key in method.per_task_grid:
+            if not isinstance(value, list):
+                fixed[key] = value
+            continue
+        if isinstance(value, list):
+            grid[key] = list(value)
+        else:
+            fixed[key] = value
+            grid.pop(key, None)
+    for key in grid:
+        fixed.pop(key, None)
+    return fixed, grid
+
+
+def per_task_space(method: MergeMethod, overrides: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
+    """Hyperparameters chosen per task, with their grids; a scalar override fixes one value for every task."""
+    space = {}
+    for key, values in method.per_task_grid.items():
+        value = (overrides or {}).get(key, list(values))
+        if isinstance(value, list):
+            space[key] = list(value)
+    return space
+
+
+def candidates(method: MergeMethod, overrides: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Every grid point's hyperparameters, in grid order."""
+    fixed, grid = search_space(method, overrides)
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        yield {**fixed, **dict(zip(keys, values))}
+
+
+# ---------------------------------------------------------------- the search
+def merged_candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretrained, task_vectors):
+    """(hyperparameters, output) for every grid point; a method's coefficient is swept by interpolation."""
+    coef = method.coefficient if method.coefficient in grid else None
+    others = [k for k in grid if k != coef]
+    for values in itertools.product(*(grid[k] for k in others)):
+        hp = {**fixed, **dict(zip(others, values))}
+        if coef is None:
+            yield hp, method(pretrained, task_vectors, **hp)
+            continue
+        base = method(pretrained, task_vectors, **hp, **{coef: 0.0})
+        unit = method(pretrained, task_vectors, **hp, **{coef: 1.0})
+        direction = {k: unit[k].float() - base[k].float() for k in base}
+        del unit
+        for c in grid[coef]:
+            yield {**hp, coef: c}, {k: (base[k].float() + c * direction[k]).to(base[k].dtype) for k in base}
+
+
+def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: Scorer):
+    """Per-task hyperparameters (e.g. TALL masks' lambda_t), each chosen on that task's own validation split."""
+    chosen, curves = {}, {}
+    space = per_task_space(method, overrides)
+    if not space:
+        return chosen, curves
+    # hyperparameters still to be searched sit at their defaults here (e.g. consensus' alpha0)
+    model_of = method.task_models(pretrained, task_vectors, **{**method.defaults, **fixed})
+    for key, values in space.items():
+        chosen[key], curves[key] = {}, {}
+        for task in task_vectors:
+            accs = [evaluate.task(task, model_of(task, {key: v})) for v in values]
+            curves[key][task] = dict(zip(map(str, values), accs))
+            chosen[key][task] = values[max(range(len(values)), key=accs.__getitem__)]
+    return chosen, curves
+
+
+def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_vectors: Mapping[str, StateDict], evaluate: Scorer):
+    """Grid search on validation; the best average accuracy wins (first in grid order on ties).
+
+    Returns (best row, its output: a merged model or a per-task store, the validation curve, per-task choices).
+    """
+    fixed, grid = search_space(method, overrides)
+    per_task, per_task_curves = choose_per_task(method, overrides, fixed, pretrained, task_vectors, evaluate)
+    fixed = {**fixed, **per_task}
+    curve, best = [], None
+    for hp, output in merged_candidates(method, fixed, grid, pretrained, task_vectors):
+        if method.kind == "per_task":
+            acc = evaluate.per_task(lambda t: method.reconstruct(output, pretrained, t))
+        else:
+            acc = evaluate(output)
+        row = {"hyperparameters": {k: v for k, v in hp.items() if k not in per_task}, "accuracy": acc, "average": mean(acc.values())}
+        curve.append(row)
+        if best is None or row["average"] > best[0]["average"]:
+            best = (row, output)
+    return best[0], best[1], curve, {"chosen": per_task, "curves": per_task_curves}
+
+
+def negation_search(method: MergeMethod, overrides: Mapping, pretrained, task_vectors, evaluate: Scorer, pretrained_accuracy: Mapping[str, float]):
+    """For each task t: the lam that lowers t's validation accuracy most while the other tasks' (control) accuracy
+    stays at least control_floor x the pretrained model's; lam = 0 (no edit) when none does."""
+    fixed, grid = search_space(method, overrides)
+    floor = fixed.get("control_floor", 0.95)
+    results = {}
+    for task, tau in task_vectors.items():
+        control_tasks = [t for t in task_vectors if t != task]
+        base_control = mean(pretrained_accuracy[t] for t in control_tasks)
+        curve, best = [], {"lam": 0.0, "target": pretrained_accuracy[task], "control": base_control}
+        for hp in candidates(method, overrides):
+            acc = evaluate(method(pretrained, {task: tau}, **hp))
+            row = {"lam": hp["lam"], "target": acc[task], "control": mean(acc[t] for t in control_tasks)}
+            curve.append(row)
+            if row["control"] >= floor * base_control and row["target"] < best["target"]:
+                best = row
+        results[task] = {"chosen": best, "curve": curve}
+    return results

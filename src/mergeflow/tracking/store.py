@@ -1,0 +1,97 @@
+"""The MLflow store ``track`` logs to: its URI, made ready (created or upgraded atomically), the runs a killed
+``track`` left RUNNING, and the names of the experiment and of the registered model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import sqlite3
+import time
+from pathlib import Path
+
+from mergeflow.config import Params
+from mergeflow.errors import MergeflowError
+from mergeflow.io import atomic_path, process_alive
+
+
+def tracking_uri(root: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def _read_one(path: Path, sql: str):
+    """The first column of the first row ``sql`` gives on the SQLite file ``path``, opened read-only; None when
+    the file, table or row is missing."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            row = db.execute(sql).fetchone()
+    except sqlite3.Error:
+        return None
+    return row[0] if row else None
+
+
+def _migrate(path: Path) -> None:
+    """Create MLflow's tables in the SQLite file ``path`` (empty or partial) and upgrade them to the latest schema."""
+    import sqlalchemy
+    from mlflow.store.db import utils
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    try:
+        if utils._all_tables_exist(engine):
+            utils._upgrade_db(engine)
+        else:
+            utils._initialize_tables(engine)
+    finally:
+        engine.dispose()
+
+
+def prepare_store(uri: str) -> str | None:
+    """Make a local SQLite store ready before MLflow opens it: created or upgraded under a temporary name, then
+    renamed into place, so that a kill at any point leaves either the old file or a complete new one. A store that
+    an earlier, unprotected kill left half-migrated, with no runs in it, is set aside and made anew. Returns a
+    one-line notice when it set one aside. Other stores (a server, another database) are left to MLflow."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = Path(uri.removeprefix("sqlite:///"))
+    head = _get_latest_schema_revision()
+    if path.is_file() and _read_one(path, "SELECT version_num FROM alembic_version") == head:
+        return None
+    notice = None
+    with atomic_path(path) as tmp:  # a kill leaves the old file (or none) and a temporary the next stage sweeps
+        if path.is_file() and path.stat().st_size:
+            shutil.copyfile(path, tmp)
+        try:
+            _migrate(tmp)
+        except Exception as err:  # noqa: BLE001 - any failure of a partial schema: start over if nothing is lost
+            if path.is_file() and _read_one(path, "SELECT COUNT(*) FROM runs"):
+                raise MergeflowError(f"{path}: MLflow could not upgrade this store ({str(err).splitlines()[0]}); back it up and run 'mlflow db upgrade {uri}'") from None
+            tmp.write_bytes(b"")
+            _migrate(tmp)
+            aside = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.copyfile(path, aside)
+            notice = f"{path}: a half-migrated MLflow store with no runs (left by a killed run) was set aside as {aside.name} and made anew"
+    return notice
+
+
+def fail_abandoned_runs(client, experiment_id: str) -> int:
+    """Mark FAILED the runs a killed ``track`` on this host left RUNNING (its process is gone); returns how many."""
+    host = socket.gethostname()
+    abandoned = [
+        r
+        for r in client.search_runs([experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`mergeflow.host` = '{host}'", max_results=5000)
+        if not process_alive(int(r.data.tags.get("mergeflow.pid", "0")))
+    ]
+    for run in abandoned:
+        client.set_terminated(run.info.run_id, "FAILED")
+    return len(abandoned)
+
+
+def experiment_name(params: Params) -> str:
+    return f"mergeflow/{params.suite.name}"
+
+
+def registered_model_name(params: Params) -> str:
+    return f"mergeflow-{params.suite.name}"

@@ -1,0 +1,166 @@
+"""The library's layers, read from its own imports: every module of src/mergeflow, flows/ and tasks/ is parsed with
+``ast`` (nothing is imported) and its imports, at the top and inside functions alike, must go to its own layer or
+to the layers below (``LAYER``), never up, and no chain of imports may come back to where it started.
+
+docs/architecture.md says what each layer holds and where new code goes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The layers, lowest first: a module may import its own layer and the layers before it.
+ORDER = ["foundation", "config", "data", "models", "training", "task vectors", "merging", "evaluation", "studies", "stages", "orchestration", "flows", "cli"]
+
+# module -> its layer. A package's entry covers every module under it; "mergeflow" is the package's own __init__
+# alone. A new module needs its line here (the test says so).
+LAYER = {
+    "mergeflow": "foundation",  # __version__ and the OpenMP setting, nothing else
+    "mergeflow.errors": "foundation",  # the user-facing failures and their exit statuses
+    "mergeflow.io": "foundation",  # atomic writes, safetensors, which processes are alive
+    "mergeflow.layout": "foundation",  # where every stage reads and writes
+    "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
+    "mergeflow.config": "config",  # params.yaml, validated; the environment's settings
+    "mergeflow.data": "data",  # the task suite: generated, converted, read
+    "mergeflow.models": "models",  # the backbone and the heads
+    "mergeflow.checkpoints": "models",  # published fine-tunes read without running their pickles
+    "mergeflow.weights_header": "models",  # a weights file's naming and shapes from its header alone (no torch)
+    "mergeflow.zeroshot": "models",  # CLIP's zero-shot heads
+    "mergeflow.mlflow_model": "models",  # a merged model as an MLflow model
+    "mergeflow.training": "training",  # probe, fine-tuning, pretraining loops
+    "mergeflow.regimes": "training",  # training-time regimes: other ways to make the task models
+    "mergeflow.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge
+    "mergeflow.statistics": "task vectors",  # per-task Fisher diagonals and Grams the data-aware methods read
+    "mergeflow.merging": "merging",  # the method registry, the methods, the validation search
+    "mergeflow.evaluation": "evaluation",  # a model scored on every task; the summary table
+    "mergeflow.summary": "evaluation",  # headline metrics and plot records
+    "mergeflow.plots": "evaluation",  # every plot
+    "mergeflow.studies": "studies",  # the papers' analyses, each a stage study@<name>
+    "mergeflow.stages": "stages",  # the stage functions the CLI runs
+    "mergeflow.tracking": "stages",  # the track stage: MLflow records of the other stages' files
+    "mergeflow.orchestration": "orchestration",  # the stage graph from dvc.yaml, running and stopping stages
+    "mergeflow.checks": "orchestration",  # what must hold before any stage or DVC command
+    "mergeflow.stage_server": "orchestration",  # the stages forked from one process that imported torch once
+    "mergeflow.plan": "orchestration",  # which stages will run, their time and memory
+    "tasks": "flows",  # the Prefect task that runs one stage
+    "flows": "flows",  # the Prefect flows
+    "mergeflow.cli": "cli",  # the mergeflow command
+    "mergeflow.readme": "cli",  # python -m mergeflow.readme
+}
+
+# (importer, imported) -> why this upward import is allowed. Each must be an import inside a function: it runs only
+# when that function does.
+ALLOWED_UPWARD = {
+    ("mergeflow.config", "mergeflow.merging"): "params.yaml is validated against the method registry when it is loaded "
+    "(method names, each override's type and range, merge and regimes.methods), so that a bad value fails at once with its key named",
+    ("mergeflow.config", "mergeflow.studies"): "the same for the study registry: study names and each study's own settings",
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT / "src" if path.is_relative_to(ROOT / "src") else ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for base in (ROOT / "src" / "mergeflow", ROOT / "flows", ROOT / "tasks") for p in sorted(base.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str | None:
+    if module == "mergeflow":
+        return LAYER["mergeflow"]
+    keys = [k for k in LAYER if k != "mergeflow" and (module == k or module.startswith(k + "."))]
+    return LAYER[max(keys, key=len)] if keys else None
+
+
+def _known(name: str) -> str | None:
+    """The module ``name`` refers to: itself, or the longest module it is inside of; None when outside the project."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(module: str) -> list[tuple[str, int, bool, bool]]:
+    """(imported module, line, inside a function, under ``if TYPE_CHECKING``) for every import of the project's
+    modules in ``module``. ``from package import name`` is an import of package.name when that is a module, else
+    of the package."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            function = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            typing = typing_only or (isinstance(child, ast.If) and _type_checking(child))
+            targets = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - (child.level - 1)]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in child.names]
+            for target in targets:
+                if (known := _known(target)) and known != module:
+                    found.append((known, child.lineno, function, typing))
+            visit(child, function, typing)
+
+    visit(ast.parse(path.read_text(), str(path)), False, False)
+    return found
+
+
+def test_every_module_has_a_layer_and_every_entry_a_module():
+    assert not [m for m in MODULES if layer_of(m) is None], "add these modules to LAYER"
+    assert set(LAYER.values()) <= set(ORDER)
+    assert not [k for k in LAYER if k not in MODULES], "LAYER names modules that are gone"
+
+
+def test_no_import_goes_up_a_layer():
+    wrong, used = [], set()
+    for module in MODULES:
+        for target, line, in_function, _ in imports(module):
+            if ORDER.index(layer_of(target)) <= ORDER.index(layer_of(module)):
+                continue
+            key = next((k for k in ALLOWED_UPWARD if (module == k[0] or module.startswith(k[0] + ".")) and (target == k[1] or target.startswith(k[1] + "."))), None)
+            if key is not None and in_function:
+                used.add(key)
+                continue
+            wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} ({layer_of(module)}) imports {target} ({layer_of(target)}){'' if in_function else ' at the top'}")
+    assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(dict.fromkeys(wrong))
+    assert used == set(ALLOWED_UPWARD), f"exceptions no longer needed: {sorted(set(ALLOWED_UPWARD) - used)}"
+
+
+def test_no_import_circle():
+    graph = nx.DiGraph()
+    graph.add_nodes_from(MODULES)
+    for module in MODULES:
+        graph.add_edges_from((module, target) for target, _, _, typing_only in imports(module) if not typing_only)  # a type-only import never runs
+    circles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    described = [" -> ".join([*(a for a, _ in nx.find_cycle(graph.subgraph(c))), nx.find_cycle(graph.subgraph(c))[0][0]]) for c in circles]
+    assert not circles, "import circles:\n" + "\n".join(described)
+
+
+@pytest.mark.parametrize(
+    "module, target, in_function, typing_only",
+    [
+        ("mergeflow.cli", "flows.serve", True, False),  # inside a function: still an import (the CLI may run the flows)
+        ("mergeflow.data.benchmark", "mergeflow.data.prompts", False, False),  # from a package, a module: that module
+        ("mergeflow.stages", "mergeflow.data", False, False),  # from mergeflow import data as data_mod
+        ("mergeflow.models", "mergeflow.data", False, True),  # under TYPE_CHECKING
+        ("mergeflow.studies.provable.report", "mergeflow.studies.provable.claims", False, False),  # a package's own modules
+    ],
+)
+def test_the_walk_reads_imports_as_python_does(module, target, in_function, typing_only):
+    assert (target, in_function, typing_only) in {(t, f, c) for t, _, f, c in imports(module)}
