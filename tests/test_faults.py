@@ -176,14 +176,20 @@ def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
     assert all(client.get_run(r).info.status == "FINISHED" for r in covered.values())
 
 
-def test_track_is_never_restored_from_the_run_cache(tmp_path, tiny_reference, tiny_env):
-    """A new MLflow store and a track stage to redo: DVC runs track (it logs), rather than restoring its output."""
+@pytest.mark.parametrize("lost", ["store", "store and record"])
+def test_a_deleted_store_is_logged_again_by_the_next_repro(tmp_path, tiny_reference, tiny_env, lost):
+    """The MLflow store deleted after a run (and metrics/tracking.json with it): track has no DVC output that DVC
+    could restore in its place, and `mergeflow repro` runs it again, which logs every stage anew."""
     from mlflow import MlflowClient
 
     root = copy_project(tiny_reference[0], tmp_path / "p")
     (root / "mlflow.db").unlink()
-    (root / "metrics/tracking.json").unlink()
-    out = run(["dvc", "repro"], root, tiny_env)
-    assert "Running stage 'track'" in out and "restored from run-cache" not in out.split("'track'")[-1]
+    if lost == "store and record":
+        (root / "metrics/tracking.json").unlink()
+    assert "Running stage" not in run(["dvc", "repro"], root, tiny_env)  # what DVC sees: nothing changed
+    out = run(["mergeflow", "repro"], root, tiny_env)
+    assert "logging every stage to MLflow again" in out and "Running stage 'track'" in out and "restored from run-cache" not in out
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
-    assert client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id])
+    assert json.loads((root / "metrics/tracking.json").read_text())["run_id"] in {r.info.run_id for r in runs}
+    assert "logging every stage" not in run(["mergeflow", "repro"], root, tiny_env)  # the store holds it now

@@ -155,7 +155,16 @@ def run_command(args: argparse.Namespace) -> int:
         with atomic_dvc_writes(), running_server() as address:
             if address:
                 os.environ[SERVER_ENV] = address
-            return dvc_main(["repro", *args.dvc_args])
+            status = dvc_main(["repro", *args.dvc_args])
+            if status == 0 and not [a for a in args.dvc_args if not a.startswith("-")]:  # the whole pipeline
+                from pathlib import Path
+
+                from mergeflow.tracking.store import tracked_runs_lost
+
+                if lost := tracked_runs_lost(Path.cwd()):
+                    print(f"track: {lost}: logging every stage to MLflow again")
+                    status = dvc_main(["repro", "--force", "--single-item", "track"])
+            return status
 
     from mergeflow import stages
     from mergeflow.config import load_params
