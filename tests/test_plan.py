@@ -220,7 +220,9 @@ def test_a_long_call_is_timed_at_two_small_batches_and_extrapolated():
     assert (seconds, peak, at) == (pytest.approx(128 * (0.5 + 0.25 * 8) / 8), 1000 + 10 * 128, [4, 8]) and timed == [4, 8]
     timed.clear()
     seconds, peak, at = batch_cost(make_call(0.001, 0.001), 64, _ScriptedStopwatch(), meter)  # 65 ms at 64: timed there
-    assert (seconds, peak, at) == (pytest.approx(0.065), 1000 + 640, [64]) and timed == [4, 8, 64]
+    assert (seconds, peak, at) == (pytest.approx(0.065), 1000 + 640, [64]) and timed == [4, 64]
+    timed.clear()  # 0.23 s at 64: batch 4's time per image says 1.7 s, batch 8's 0.93 s, so timed there
+    assert batch_cost(make_call(0.1, 0.002), 64, _ScriptedStopwatch(), meter)[2] == [64] and timed == [4, 8, 64]
     assert batch_cost(make_call(0.5, 0.25), 2, _ScriptedStopwatch(), meter)[2] == [2]
     timed.clear()  # a training step: one batch, and its optimiser step (0.5 s) timed alone; the memory the batch's
     seconds, peak, at = batch_cost(make_call(0.5, 0.25), 128, _ScriptedStopwatch(), meter, fixed_call=lambda: 0.5)

@@ -114,7 +114,7 @@ def wall_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def fastest_time(fn: Callable[[], object], budget_s: float, most: int = 7, least: int = 2, elapsed: Callable[[Callable[[], object]], float] = wall_seconds) -> float:
+def fastest_time(fn: Callable[[], object], budget_s: float, most: int = 5, least: int = 2, elapsed: Callable[[Callable[[], object]], float] = wall_seconds) -> float:
     """The fastest of at least ``least`` and at most ``most`` calls of ``fn`` (each timed by ``elapsed``), calling
     again while ``budget_s`` has not passed. The fastest, not the mean or median: other work on a shared machine
     only slows a call, and a first call's warm-up (allocations, kernel selection) is slower too."""
@@ -236,6 +236,9 @@ def batch_cost(make_call: Callable[[int], Callable[[], object]], batch: int, sto
     seconds, peak = _call_cost(make_call(small), stopwatch, meter)
     if small == batch:
         return seconds, peak, [batch]
+    if seconds / small * batch <= DIRECT_CALL_S:  # a small model: the whole batch is quick to time (an upper bound)
+        seconds, peak = _call_cost(make_call(batch), stopwatch, meter)
+        return seconds, peak, [batch]
     if fixed_call is not None:
         fixed_s = min(stopwatch.time(fixed_call), seconds)
         per_image, at_batch, timed = (seconds - fixed_s) / small, peak, [small]
@@ -297,7 +300,7 @@ def decode_seconds(image_size: int, budget_s: float = 0.3) -> float:
     return fastest_time(once, budget_s, most=20, least=3)
 
 
-def measure_throughput(params: Params, *, budget_s: float = 0.4, process_start: tuple[float, int] | None = None) -> Throughput:
+def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start: tuple[float, int] | None = None) -> Throughput:
     """Measure the backbone's speeds on runtime.device with the threads the stages use, each figure the fastest
     of a few calls within ``budget_s`` seconds (at least two calls: a big model's take longer). A stage process's
     start (seconds, bytes) is ``process_start`` when the caller has it (this_process_start), else measured."""

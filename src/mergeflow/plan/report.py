@@ -69,11 +69,14 @@ def make_plan(params: Params, nodes, stale: set[str], tp: Throughput, *, include
 def project_plan(root: str | Path, params: Params, *, include_all: bool = False, throughput: Throughput | None = None, remeasure: bool = False, process_start: tuple[float, int] | None = None) -> dict:
     """The plan of the DVC project at ``root`` (its stages and which are out of date, as ``dvc status`` says),
     with the throughput given, or this machine's cached one (measured when not cached, or ``remeasure``)."""
+    from dvc.repo import Repo
+
     from mergeflow.orchestration import check_repo, stage_graph, stale_stages
 
     check_repo(root)
-    nodes = stage_graph(root)
-    stale = stale_stages(root, nodes)
+    with Repo(str(root)) as repo:  # one repository for both: DVC reads dvc.yaml and its index once
+        nodes = stage_graph(repo)
+        stale = stale_stages(repo, nodes)
     source = {"cached": False, "path": None}
     if throughput is None:
         from mergeflow.plan.cache import cached_throughput
