@@ -159,7 +159,7 @@ def test_a_stage_over_the_machines_memory_is_flagged(capsys):
     assert rows["study@mima"]["exceeds_memory"] is None  # not estimated: no verdict
     assert plan["exceeds_memory"] == ["merge@task_arithmetic"] and plan["machine_memory_bytes"] == memory
     warning = P.memory_warning(plan)
-    assert warning.startswith("warning: 1 stage need") and "merge@task_arithmetic" in warning and "finetune@a" not in warning and "RAM" in warning
+    assert warning.startswith("warning: 1 stage needs more than") and "merge@task_arithmetic" in warning and "finetune@a" not in warning and "RAM" in warning
     from rich.console import Console
 
     console = Console(width=140, record=True)

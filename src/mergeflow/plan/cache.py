@@ -24,7 +24,7 @@ from mergeflow.plan import measure
 from mergeflow.plan.measure import ModelShape, Throughput, architecture_key, model_shape, remember_shape
 
 # bumped when the measuring changes what a figure means: older files are then not read
-MEASURE_VERSION = 2
+MEASURE_VERSION = 1
 
 
 def cache_dir() -> Path:

@@ -134,7 +134,7 @@ def memory_warning(plan: dict) -> str | None:
         return None
     peaks = {r["stage"]: r["peak_memory_bytes"] for r in plan["stages"]}
     listed = ", ".join(f"{s} ({_size(peaks[s])})" for s in over)
-    return f"warning: {len(over)} stage{'s' if len(over) > 1 else ''} need more than this machine's {_size(plan['machine_memory_bytes'])} of {plan['machine_memory_of']} (marked !): {listed}"
+    return f"warning: {len(over)} {'stages need' if len(over) > 1 else 'stage needs'} more than this machine's {_size(plan['machine_memory_bytes'])} of {plan['machine_memory_of']} (marked !): {listed}"
 
 
 def plan_table(plan: dict):
