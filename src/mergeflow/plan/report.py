@@ -74,7 +74,7 @@ def project_plan(root: str | Path, params: Params, *, include_all: bool = False,
     from mergeflow.orchestration import check_repo, stage_graph, stale_stages
 
     check_repo(root)
-    with Repo(str(root)) as repo:  # one repository for both: DVC reads dvc.yaml and its index once
+    with Repo(str(root)) as repo:  # one repository for the graph and the status
         nodes = stage_graph(repo)
         stale = stale_stages(repo, nodes)
     source = {"cached": False, "path": None}
