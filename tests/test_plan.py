@@ -1,6 +1,6 @@
 """mergeflow plan: the work counted per stage (by hand here), estimates = work / throughput, the will-run marking,
-the JSON shape, the CLI's one-line error. Fast: a fake throughput, a fake stage graph; one real measurement of a
-tiny backbone."""
+the JSON shape, the memory flag, the per-machine cache, the CLI's one-line error. Fast: a fake throughput, a fake
+stage graph; one real measurement of a tiny backbone. No test times anything (bench/plan.py prints the speed)."""
 
 from __future__ import annotations
 
@@ -93,15 +93,16 @@ def test_will_run_marking_total_and_json_shape():
     assert all(r["estimated"] for r in everything["stages"][:3])
     assert everything["total_seconds"] == pytest.approx(merge["seconds"])  # --all estimates, the total is still what runs
     shape = json.loads(json.dumps(plan))
-    assert set(shape) == {"device", "throughput", "parameters", "stages", "total_seconds", "will_run", "not_estimated"}
-    assert set(shape["stages"][0]) == {"stage", "will_run", "estimated", "seconds", "compute_seconds", "overhead_seconds", "peak_memory_bytes", "work", "notes"}
+    assert set(shape) == {"device", "throughput", "parameters", "stages", "total_seconds", "will_run", "not_estimated", "machine_memory_bytes", "machine_memory_of", "exceeds_memory"}
+    assert set(shape["stages"][0]) == {"stage", "will_run", "estimated", "seconds", "compute_seconds", "overhead_seconds", "peak_memory_bytes", "exceeds_memory", "work", "notes"}
     P.plan_table(plan)  # renders
 
 
 def test_measured_throughput_on_a_tiny_backbone():
     tp = P.measure_throughput(small_params(), budget_s=0.02)
     assert tp.device == "cpu" and min(tp.forward_img_s, tp.train_img_s, 1 / tp.example_grad_s, 1 / tp.param_pass_s, 1 / tp.svd_s) > 0
-    assert tp.train_peak_bytes >= tp.forward_peak_bytes > 0 and tp.import_s > 0
+    assert tp.train_peak_bytes > 0 and tp.forward_peak_bytes > 0 and tp.import_s > 0
+    assert tp.batches == {"forward": 512, "train": 8} and tp.measured_at
 
 
 def test_cli_outside_a_project_is_one_line(tmp_path, monkeypatch, capsys):
@@ -123,3 +124,198 @@ def test_an_imported_fine_tune_is_not_trained_and_a_zero_shot_head_fits_no_probe
     assert finetune_work(trained, "SUN397").forward_images == 2 * (s.n_val + s.n_test)
     assert finetune_work(trained, "SUN397").train_images == 2000 * 128 and finetune_work(trained, "SUN397").fixed_s == 0
     assert finetune_work(published, "SUN397").train_images == 0
+
+
+# ---------------------------------------------------------------- the estimate by hand, the memory flag
+def test_a_fine_tune_estimate_by_hand():
+    """finetune@a of small_params on FAKE: every term written out."""
+    p = small_params()
+    features = P.model_shape(p).features
+    assert features == 32  # embed_dim: the probe's input width
+    forward = (100 + 10 + 20 + 40) + (10 + 20)  # the splits' and anchors' features, then val and test accuracies
+    train = 5 * (8 + 4)  # steps x (batch + anchor batch)
+    probe = 1 * 10 * 100 * 32 * 0.55 / (3 * 150 * 3000 * 128)  # C values x iterations x examples x features x s/unit
+    compute = forward / 100.0 + train / 10.0 + probe + 1.0  # + the stage's setup (STAGE_SETUP_S)
+    plan = P.make_plan(p, _nodes(), {"finetune@a"}, FAKE)
+    row = next(r for r in plan["stages"] if r["stage"] == "finetune@a")
+    assert row["compute_seconds"] == pytest.approx(compute)
+    assert row["seconds"] == pytest.approx(compute + 1.0 + 3.2)  # + the stage's start (import_s) + DVC's bookkeeping
+    assert plan["total_seconds"] == pytest.approx(row["seconds"])
+    n = P.model_shape(p).parameters
+    held = (100 + 10 + 20) * 32 * 32 * 3  # one task's images, uint8
+    assert row["peak_memory_bytes"] == 100 + 1000 + held  # base + a training step's peak (FAKE) + its task's images; no models held
+    assert P.stage_work(p, "merge@task_arithmetic").held_models == 3 + 3 and n > 0
+
+
+def test_a_stage_over_the_machines_memory_is_flagged(capsys):
+    p = small_params()
+    nodes = _nodes()
+    peaks = {r["stage"]: r["peak_memory_bytes"] for r in P.make_plan(p, nodes, {"prepare", "finetune@a", "merge@task_arithmetic"}, FAKE)["stages"]}
+    assert peaks["merge@task_arithmetic"] > peaks["finetune@a"]  # six models' worth of task vectors held
+    memory = (peaks["merge@task_arithmetic"] + peaks["finetune@a"]) // 2  # a machine between the two
+    plan = P.make_plan(p, nodes, {"prepare", "finetune@a", "merge@task_arithmetic"}, FAKE, memory_bytes=memory, memory_of="RAM")
+    rows = {r["stage"]: r for r in plan["stages"]}
+    assert rows["merge@task_arithmetic"]["exceeds_memory"] is True and rows["finetune@a"]["exceeds_memory"] is False
+    assert rows["study@mima"]["exceeds_memory"] is None  # not estimated: no verdict
+    assert plan["exceeds_memory"] == ["merge@task_arithmetic"] and plan["machine_memory_bytes"] == memory
+    warning = P.memory_warning(plan)
+    assert warning.startswith("warning: 1 stage needs more than") and "merge@task_arithmetic" in warning and "finetune@a" not in warning and "RAM" in warning
+    from rich.console import Console
+
+    console = Console(width=140, record=True)
+    console.print(P.plan_table(plan))
+    marked = [line for line in console.export_text().splitlines() if "!" in line]
+    assert len(marked) == 1 and "merge@task_arithmetic" in marked[0]
+    assert P.memory_warning(P.make_plan(p, nodes, {"merge@task_arithmetic"}, FAKE, memory_bytes=10**15)) is None
+
+
+def test_machine_memory_is_the_gpus_on_cuda_else_the_ram():
+    import dataclasses
+
+    assert P.machine_memory(dataclasses.replace(FAKE, device="cuda (H100)", device_memory_bytes=80 * 2**30)) == (80 * 2**30, "GPU memory")
+    ram, what = P.machine_memory(FAKE)
+    assert what == "RAM" and ram > 2**28
+
+
+# ---------------------------------------------------------------- measuring: arithmetic, the cache
+class _ScriptedMeter:
+    """A PeakMemory whose peak the scripted call sets."""
+
+    def __init__(self):
+        self.value = 0
+
+    def reset(self):
+        self.value = 0
+
+    def peak(self):
+        return self.value
+
+
+class _ScriptedStopwatch:
+    """A Stopwatch that returns what the call returns as its seconds: no timing."""
+
+    def time(self, fn):
+        return fn()
+
+
+def test_a_long_call_is_timed_at_two_small_batches_and_extrapolated():
+    from mergeflow.plan.measure import batch_cost
+
+    meter, timed = _ScriptedMeter(), []
+
+    def make_call(fixed_s, per_image_s):
+        def at(n):
+            timed.append(n)
+
+            def call():
+                meter.value = 1000 + 10 * n  # weights and optimiser states, then activations per image
+                return fixed_s + per_image_s * n
+
+            return call
+
+        return at
+
+    # about 32.5 s at 128: extrapolated from batch 8's time per image (the lesser), the memory along its line
+    seconds, peak, at = batch_cost(make_call(0.5, 0.25), 128, _ScriptedStopwatch(), meter)
+    assert (seconds, peak, at) == (pytest.approx(128 * (0.5 + 0.25 * 8) / 8), 1000 + 10 * 128, [4, 8]) and timed == [4, 8]
+    timed.clear()
+    seconds, peak, at = batch_cost(make_call(0.001, 0.001), 64, _ScriptedStopwatch(), meter)  # 65 ms at 64: timed there
+    assert (seconds, peak, at) == (pytest.approx(0.065), 1000 + 640, [64]) and timed == [4, 64]
+    timed.clear()  # 0.23 s at 64: batch 4's time per image says 1.7 s, batch 8's 0.93 s, so timed there
+    assert batch_cost(make_call(0.1, 0.002), 64, _ScriptedStopwatch(), meter)[2] == [64] and timed == [4, 8, 64]
+    assert batch_cost(make_call(0.5, 0.25), 2, _ScriptedStopwatch(), meter)[2] == [2]
+    timed.clear()  # a training step: one batch, and its optimiser step (0.5 s) timed alone; the memory the batch's
+    seconds, peak, at = batch_cost(make_call(0.5, 0.25), 128, _ScriptedStopwatch(), meter, fixed_call=lambda: 0.5)
+    assert (seconds, peak, at) == (pytest.approx(0.5 + 0.25 * 128), 1000 + 10 * 4, [4]) and timed == [4]
+
+
+def test_fastest_time_is_the_minimum_of_the_calls():
+    times = iter([5.0, 2.0, 3.0])
+    assert P.fastest_time(lambda: None, budget_s=0, least=3, elapsed=lambda fn: next(times)) == 2.0
+
+
+def test_total_steps_agrees_with_trainings():
+    from mergeflow.plan.work import total_steps
+    from mergeflow.training import total_steps as trainings
+
+    cfg = small_params().finetune
+    for update in ({}, {"epochs": 1}, {"epochs": 3, "batch_size": 7}, {"epochs": 2, "batch_size": 500}):
+        c = cfg.model_copy(update=update)
+        for full in (False, True):
+            assert total_steps(c, 100, full) == trainings(c, 100, full)
+
+
+def test_the_cache_serves_the_second_call_without_measuring(tmp_path, monkeypatch):
+    from mergeflow.plan import cache, measure
+
+    p = small_params()
+    calls = []
+    monkeypatch.setattr(measure, "machine_busy", lambda: False)
+    monkeypatch.setattr(measure, "measure_throughput", lambda params, **_: calls.append(1) or FAKE)
+    first, source = cache.cached_throughput(p, directory=tmp_path)
+    assert first == FAKE and not source["cached"] and len(calls) == 1
+    [path] = tmp_path.glob("throughput-*.json")
+    assert source["path"] == str(path) and not list(tmp_path.glob(".*"))  # written whole, no temporary left
+
+    def fail(params, **_):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(measure, "measure_throughput", fail)
+    measure._SHAPES.clear()  # the shape comes from the file too
+    second, source = cache.cached_throughput(p, directory=tmp_path)
+    assert second == FAKE and source == {"cached": True, "path": str(path)}
+    assert P.model_shape(p).parameters == json.loads(path.read_text())["shape"]["parameters"]
+    other = small_params(task_arithmetic={"lam": [0.5]})  # the grids do not change what is measured: the same file
+    assert cache.cached_throughput(other, directory=tmp_path)[1]["cached"]
+    wider = parse_params(small_params().model_dump() | {"runtime": {"eval_batch_size": 64}})  # a batch size does
+    with pytest.raises(AssertionError, match="measured again"):
+        cache.cached_throughput(wider, directory=tmp_path)
+    with pytest.raises(AssertionError, match="measured again"):  # --remeasure
+        cache.cached_throughput(p, directory=tmp_path, remeasure=True)
+
+
+def test_a_broken_or_busy_cache_file_is_measured_again(tmp_path, monkeypatch):
+    import dataclasses
+
+    from mergeflow.plan import cache, measure
+
+    p = small_params()
+    monkeypatch.setattr(measure, "measure_throughput", lambda params, **_: dataclasses.replace(FAKE, busy=True))
+    monkeypatch.setattr(measure, "machine_busy", lambda: True)
+    _, source = cache.cached_throughput(p, directory=tmp_path)
+    assert cache.cached_throughput(p, directory=tmp_path)[1]["cached"]  # busy then, busy now: served
+    monkeypatch.setattr(measure, "machine_busy", lambda: False)
+    monkeypatch.setattr(measure, "measure_throughput", lambda params, **_: FAKE)
+    tp, again = cache.cached_throughput(p, directory=tmp_path)  # idle now: measured again, the file replaced
+    assert not again["cached"] and tp == FAKE and cache.cached_throughput(p, directory=tmp_path)[0] == FAKE
+    Path(source["path"]).write_text("{not json")
+    assert not cache.cached_throughput(p, directory=tmp_path)[1]["cached"]
+
+
+def test_an_unwritable_cache_is_a_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    from mergeflow.plan import cache, measure
+
+    monkeypatch.setattr(measure, "measure_throughput", lambda params, **_: FAKE)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    tp, source = cache.cached_throughput(small_params(), directory=blocker / "plan")  # a file where the folder goes
+    assert tp == FAKE and source == {"cached": False, "path": None}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ") and "not cached" in err[0]
+
+
+def test_cli_plan_remeasure_reaches_the_cache_and_json_has_the_memory_fields(monkeypatch, capsys, repo_root):
+    from mergeflow.plan import cache
+
+    asked = []
+
+    def cached(params, *, remeasure=False, process_start=None, **_):
+        asked.append(remeasure)
+        return FAKE, {"cached": not remeasure, "path": "/x/throughput.json"}
+
+    monkeypatch.setattr(cache, "cached_throughput", cached)
+    monkeypatch.chdir(repo_root)
+    assert main(["plan", "--json", "--remeasure"]) == 0 and asked == [True]
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["throughput_source"] == {"cached": False, "path": "/x/throughput.json"}
+    assert plan["machine_memory_of"] == "RAM" and plan["machine_memory_bytes"] > 0 and isinstance(plan["exceeds_memory"], list)

@@ -102,9 +102,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
     sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
     sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
-    plan = sub.add_parser("plan", help="which stages will run, each one's estimated time and peak memory on this device, and the total", description="Which stages of dvc.yaml will run (out of date) and which are up to date, with each one's estimated wall time and peak memory on runtime.device (measured in a few seconds on the backbone's architecture), and the total (mergeflow.plan).")
+    plan = sub.add_parser("plan", help="which stages will run, each one's estimated time and peak memory on this device, and the total", description="Which stages of dvc.yaml will run (out of date) and which are up to date, with each one's estimated wall time and peak memory on runtime.device (measured in seconds on the backbone's architecture, then kept per machine under ~/.cache/mergeflow/plan), and the total; stages whose peak exceeds the machine's memory are flagged (mergeflow.plan).")
     plan.add_argument("--all", action="store_true", help="estimate every stage, up to date or not")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` with dvc.lock written atomically", description="`mergeflow check`, then `dvc repro [ARGS]` (any of dvc repro's options and stage names) with dvc.lock written atomically.", usage="mergeflow repro [-h] [DVC_REPRO_ARGS ...]")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
@@ -135,7 +136,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from mergeflow.plan import print_plan
 
-        return print_plan(args.params, include_all=args.all, as_json=args.json)
+        return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure)
     if args.command in ("check", "repro"):
         from mergeflow.checks import check_project
 

@@ -1,9 +1,9 @@
-"""``mergeflow plan``: before a long run, which stages will run and about how long and how much memory each takes.
+"""Each stage's work, counted from params.yaml, and its estimate: work / the measured throughput.
 
 The estimate is work / measured throughput. The work of each stage is counted from params.yaml in the units the
 stage spends its time in (images through the backbone's forward pass, training images, per-example gradients,
-elementwise passes over the parameters, SVDs); the throughputs are measured once, on this device, on the real
-backbone architecture with random weights (never the hub's weights: the architecture is what costs). Stages that
+elementwise passes over the parameters, SVDs); the throughputs are measured on this device (mergeflow.plan.measure) and
+kept per machine (mergeflow.plan.cache). Stages that
 do not fit those units (prepare, report, track) take a few named constants, each measured on the 2-core machine
 the default run was made on; studies are not estimated.
 
@@ -13,18 +13,12 @@ flow runs siblings at once on shared cores; its total wall time is lower, each s
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import statistics as stats
-import subprocess
-import sys
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from mergeflow.config import Params
-from mergeflow.errors import MergeflowError
+from mergeflow.plan.measure import Throughput, model_shape
 
 # ---------------------------------------------------------------- calibration constants (few, each measured)
 # dvc repro's own work between two stages (hashing and caching outputs, writing dvc.lock, starting the next
@@ -72,164 +66,6 @@ SVDS_PER_MATRIX = {
 }
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the costs scale with: the parameter count and the 2-D weights' shapes (the SVD methods' matrices)."""
-
-    parameters: int
-    matrices: tuple[tuple[int, int], ...]
-
-    @property
-    def largest_matrix(self) -> tuple[int, int]:
-        return max(self.matrices, key=lambda s: s[0] * s[1] * min(s), default=(1, 1))
-
-    def svd_units(self) -> float:
-        """One SVD of every 2-D weight, in units of one SVD of the largest (cost ~ m n min(m, n))."""
-        m, n = self.largest_matrix
-        return sum(a * b * min(a, b) for a, b in self.matrices) / (m * n * min(m, n))
-
-
-def model_shape(params: Params) -> ModelShape:
-    """The backbone's shape, built on the meta device: no memory, no weights, any size."""
-    import torch
-
-    from mergeflow.models import Backbone
-
-    with torch.device("meta"):
-        net = Backbone(params.backbone, pretrained=False).net
-    state = net.state_dict()
-    matrices = tuple(tuple(v.shape) for k, v in state.items() if v.ndim == 2 and k.endswith("weight") and min(v.shape) > 1)
-    return ModelShape(sum(v.numel() for v in state.values()), matrices)
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """The device's measured speeds on the configured backbone (random init, same architecture)."""
-
-    device: str
-    threads: int
-    forward_img_s: float  # eval, no grad, at runtime.eval_batch_size (or less on a big model on the CPU)
-    train_img_s: float  # forward + backward + AdamW step at finetune.batch_size
-    example_grad_s: float  # one example's forward + backward at batch 1 (the statistics stage's Fisher)
-    param_pass_s: float  # one torch.add over every parameter
-    svd_s: float  # one SVD (merging._tensors.svd) of the largest 2-D weight
-    train_peak_bytes: int  # a training step's memory: CUDA's peak allocated; CPU: the RSS growth from before the model
-    forward_peak_bytes: int  # the same for an evaluation batch
-    base_bytes: int  # a stage process's memory before any work (CPU: its RSS after imports, measured; CUDA: 0)
-    memory_source: str
-    import_s: float  # a stage process's start: `python -m mergeflow.cli --help`
-    batches: dict = field(default_factory=dict)  # the batch sizes measured at
-
-
-def _median_time(fn, budget_s: float, most: int, least: int = 2) -> float:
-    """Median seconds of ``fn`` after one warm-up call, over at least ``least`` and at most ``most`` calls or
-    ``budget_s`` seconds; the median, because a shared machine's other load shows as outliers."""
-    fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < least or (len(times) < most and time.perf_counter() - start < budget_s):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return stats.median(times)
-
-
-def _stage_process() -> tuple[float, int]:
-    """A stage process's start: seconds and peak resident bytes of `python -m mergeflow.cli --help` (it parses
-    params.yaml and imports torch, timm and the method registry, as a stage does). Linux reports kilobytes."""
-    import resource
-
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "mergeflow.cli", "--help"], capture_output=True, check=False)
-    return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-
-
-def measure_throughput(params: Params, *, budget_s: float = 1.0) -> Throughput:
-    """Measure the backbone's speeds on runtime.device with the threads the stages use, ``budget_s`` seconds a
-    measure at most (a few iterations on a model too big for that). On CUDA the peaks are
-    torch.cuda.max_memory_allocated; on the CPU the RSS growth (psutil) from before the model to after the step:
-    weights, gradients, AdamW's two states and the activations the allocator keeps."""
-    import psutil
-    import torch
-
-    from mergeflow.merging._tensors import svd
-    from mergeflow.models import build_backbone, select_device
-    from mergeflow.training import seed_everything
-
-    seed_everything(params.seed, params.threads())
-    device = select_device(params.runtime.device)
-    process = psutil.Process()
-    model = build_backbone(params.backbone).to(device)
-    size = params.suite.image_size
-    n_params = sum(p.numel() for p in model.parameters())
-    big = n_params > 20e6 and device.type == "cpu"  # e.g. ViT-B/32 on a CPU: a small batch, a couple of iterations
-    eval_bs = min(params.runtime.eval_batch_size, 32 if big else params.runtime.eval_batch_size)
-    train_bs = min(params.finetune.batch_size, 16 if big else params.finetune.batch_size)
-    most = 3 if big else 50
-
-    def images(n):
-        return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, device=device)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def timed(fn):
-        return _median_time(lambda: (fn(), sync()), budget_s, most)
-
-    rss0 = process.memory_info().rss - (n_params * 4 if device.type == "cpu" else 0)  # before the model (built above)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    x = images(eval_bs)
-    model.eval()
-    with torch.no_grad():
-        forward_s = timed(lambda: model(x))
-    forward_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else max(process.memory_info().rss - rss0, n_params * 4)
-    del x
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    xb = images(train_bs)
-    model.train()
-
-    def step():
-        loss = model(xb).float().pow(2).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    train_s = timed(step)
-    train_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else max(process.memory_info().rss - rss0, n_params * 16)
-    model.eval()
-    weights = [p for p in model.parameters() if p.requires_grad]  # CLIP's projection bias is frozen
-    x1 = images(1)
-    example_s = timed(lambda: torch.autograd.grad(model(x1).sum(), weights))
-    detached = [p.detach() for p in weights]
-    pass_s = timed(lambda: [torch.add(w, w) for w in detached])
-    shape = model_shape(params)
-    matrix = torch.randn(*shape.largest_matrix)
-    svd_s = timed(lambda: svd(matrix))
-    del optimizer, xb
-    import_s, import_rss = _stage_process()
-    return Throughput(
-        device=str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
-        threads=torch.get_num_threads(),
-        forward_img_s=eval_bs / forward_s,
-        train_img_s=train_bs / train_s,
-        example_grad_s=example_s,
-        param_pass_s=pass_s,
-        svd_s=svd_s,
-        train_peak_bytes=int(train_peak),
-        forward_peak_bytes=int(forward_peak),
-        base_bytes=0 if device.type == "cuda" else int(import_rss),
-        memory_source="CUDA max_memory_allocated of the measured step" if device.type == "cuda" else (
-            "RSS: a stage process's after its imports (measured) + the step's RSS growth (at least parameters x 16 B: weights, grads, 2 AdamW states) + the models and data the stage holds"),
-        import_s=import_s,
-        batches={"forward": eval_bs, "train": train_bs},
-    )
-
-
 # ---------------------------------------------------------------- work per stage
 @dataclass
 class Work:
@@ -241,6 +77,7 @@ class Work:
     param_passes: float = 0  # elementwise passes over every parameter
     svds: float = 0  # SVDs, in units of one SVD of the largest 2-D weight
     load_bytes: float = 0  # files read (task data)
+    decoded_images: float = 0  # real data's JPEGs decoded and resized, one process after another (prepare)
     fixed_s: float = 0  # named constants (prepare, probe, report, track, plots)
     trains: bool = False  # whether its peak is a training step's
     held_models: float = 0  # full copies of the parameters it holds besides the one it runs (task vectors)
@@ -248,7 +85,7 @@ class Work:
     notes: list[str] = field(default_factory=list)
 
     def add(self, other: Work) -> Work:
-        for name in ("forward_images", "train_images", "example_grads", "param_passes", "svds", "load_bytes", "fixed_s"):
+        for name in ("forward_images", "train_images", "example_grads", "param_passes", "svds", "load_bytes", "decoded_images", "fixed_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.trains |= other.trains
         self.held_models = max(self.held_models, other.held_models)
@@ -263,10 +100,17 @@ def _task_bytes(params: Params, splits: tuple[str, ...] = ("train", "val", "test
     return len(s.tasks) * sum(getattr(s, f"n_{split}") for split in splits) * s.image_size**2 * 3
 
 
+def total_steps(cfg, n_examples: int, full_batch: bool = False) -> int:
+    """training.total_steps's arithmetic, here so that a plan from the cache imports neither the training code nor
+    timm with it (seconds); tests/test_plan.py checks that the two agree."""
+    if cfg.epochs is None:
+        return cfg.steps
+    per_epoch = 1 if full_batch else max(1, n_examples // min(cfg.batch_size, n_examples))
+    return cfg.epochs * per_epoch
+
+
 def _finetune_steps(params: Params) -> tuple[int, int]:
     """(steps, images a step) of one standard fine-tune."""
-    from mergeflow.training import total_steps
-
     cfg, n = params.finetune, params.suite.n_train
     full = cfg.optimizer == "gd"
     batch = n if full else cfg.batch_size
@@ -282,18 +126,9 @@ def finetune_work(params: Params, task: str | None = None) -> Work:
     anchor = cfg.preserve_features.images if cfg.preserve_features.weight > 0 and steps else 0
     probe = cfg.head == "probe"
     features = (s.n_train if probe else 0) + s.n_val + s.n_test + anchor
-    fit = len(params.probe.c_grid) * params.probe.max_iter * s.n_train * _feature_dim(params) if probe else 0
+    fit = len(params.probe.c_grid) * params.probe.max_iter * s.n_train * model_shape(params).features if probe else 0
     return Work(forward_images=features + s.n_val + s.n_test, train_images=steps * per_step, fixed_s=fit * PROBE_S_PER_UNIT, trains=bool(steps),
                 held_bytes=_task_bytes(params) / len(s.tasks))
-
-
-def _feature_dim(params: Params) -> int:
-    import torch
-
-    from mergeflow.models import Backbone
-
-    with torch.device("meta"):
-        return Backbone(params.backbone, pretrained=False).num_features
 
 
 def merge_work(params: Params, method: str, overrides: dict | None = None) -> Work:
@@ -348,9 +183,6 @@ def statistics_work(params: Params) -> Work:
 def regime_work(params: Params, regime: str) -> Work:
     """Every variant: each task's fine-tune (as finetune_work's steps, or the regime's budget), the accuracies of
     each task model and of the regime's own model."""
-    from mergeflow.regimes import REGISTRY as REGIMES  # noqa: F401 - the regimes must be importable
-    from mergeflow.training import total_steps
-
     s, cfg = params.suite, params.finetune
     tasks = len(s.tasks)
     steps, per_step = _finetune_steps(params)
@@ -390,28 +222,6 @@ def vectors_work(params: Params) -> Work:
     return Work(param_passes=2 * tasks + tasks * tasks, fixed_s=PLOT_S, held_models=tasks + 1)
 
 
-@functools.cache
-def decode_seconds(image_size: int) -> float:
-    """Seconds to decode one photo-sized JPEG (500 x 375, SUN397's typical size) and resize it to
-    ``image_size``, as prepare does for every real image; the median of a few."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    smooth = np.repeat(np.repeat(rng.integers(0, 256, (47, 63, 3), dtype=np.uint8), 8, 0), 8, 1)[:375, :500]
-    buffer = io.BytesIO()
-    Image.fromarray(smooth).save(buffer, format="JPEG", quality=90)
-    data = buffer.getvalue()
-
-    def once():
-        with Image.open(io.BytesIO(data)) as im:
-            np.asarray(im.convert("RGB").resize((image_size, image_size), Image.BICUBIC))
-
-    return _median_time(once, 0.5, 20)
-
-
 def stage_work(params: Params, address: str) -> Work | None:
     """The work of one stage of dvc.yaml by its address (finetune@digits, merge@ties); None when not estimated."""
     work = _stage_work(params, address)
@@ -431,7 +241,7 @@ def _stage_work(params: Params, address: str) -> Work | None:
         # real data: every image decoded and resized once, the tasks in parallel processes (at most the caps:
         # a smaller dataset takes less); each process holds its task's arrays
         workers = min(len(s.tasks), params.threads() or os.cpu_count() or 1)
-        w = Work(fixed_s=PREPARE_POOL_START_S + images * decode_seconds(s.image_size) / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * s.image_size**2 * 3)
+        w = Work(fixed_s=PREPARE_POOL_START_S, decoded_images=images / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * s.image_size**2 * 3)
         w.notes.append("real data: decoding measured on a 500x375 JPEG; downloads not estimated")
         return w
     if kind == "pretrain":
@@ -469,6 +279,7 @@ def compute_seconds(work: Work, tp: Throughput) -> float:
         + work.param_passes * tp.param_pass_s
         + work.svds * tp.svd_s
         + work.load_bytes / LOAD_BYTES_PER_S
+        + work.decoded_images * tp.decode_s
         + work.fixed_s
     )
 
@@ -485,105 +296,3 @@ def peak_bytes(work: Work, tp: Throughput, n_params: int) -> int:
     if tp.device.startswith("cuda"):
         return int(step)
     return int(tp.base_bytes + step + work.held_models * n_params * 4 + work.held_bytes)
-
-
-# ---------------------------------------------------------------- the plan
-def make_plan(params: Params, nodes, stale: set[str], tp: Throughput, *, include_all: bool = False) -> dict:
-    """Every stage (``nodes``: orchestration.StageNode, in order) with whether it will run, its estimate (those
-    that will run, or all with ``include_all``), and the total of those that will run."""
-    n_params = model_shape(params).parameters
-    rows, total = [], 0.0
-    for node in nodes:
-        will_run = node.address in stale
-        row = {"stage": node.address, "will_run": will_run, "estimated": False, "seconds": None, "compute_seconds": None, "overhead_seconds": None, "peak_memory_bytes": None, "work": None, "notes": []}
-        if will_run or include_all:
-            work = stage_work(params, node.address)
-            if work is None:
-                row["notes"] = ["not estimated"]
-            else:
-                compute, overhead = compute_seconds(work, tp), overhead_seconds(tp)
-                row |= {"estimated": True, "seconds": compute + overhead, "compute_seconds": compute, "overhead_seconds": overhead, "peak_memory_bytes": peak_bytes(work, tp, n_params), "notes": work.notes,
-                        "work": {k: v for k, v in asdict(work).items() if k not in ("notes", "trains") and v}}
-                if will_run:
-                    total += row["seconds"]
-        rows.append(row)
-    unestimated = [r["stage"] for r in rows if r["will_run"] and not r["estimated"]]
-    return {"device": tp.device, "throughput": asdict(tp), "parameters": n_params, "stages": rows, "total_seconds": total, "will_run": sum(r["will_run"] for r in rows), "not_estimated": unestimated}
-
-
-def project_plan(root: str | Path, params: Params, *, include_all: bool = False, throughput: Throughput | None = None) -> dict:
-    """The plan of the DVC project at ``root`` (its stages and which are out of date, as ``dvc status`` says)."""
-    from mergeflow.orchestration import check_repo, stage_graph, stale_stages
-
-    check_repo(root)
-    nodes = stage_graph(root)
-    stale = stale_stages(root, nodes)
-    return make_plan(params, nodes, stale, throughput or measure_throughput(params), include_all=include_all)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
-    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def device_line(plan: dict) -> str:
-    tp = plan["throughput"]
-    return (
-        f"device {plan['device']}, {tp['threads']} threads; backbone {plan['parameters'] / 1e6:.2f} M parameters: forward {tp['forward_img_s']:.0f} img/s (batch {tp['batches']['forward']}), "
-        f"train {tp['train_img_s']:.0f} img/s (batch {tp['batches']['train']}), per-example gradient {1000 * tp['example_grad_s']:.1f} ms, parameter pass {1000 * tp['param_pass_s']:.2f} ms, "
-        f"SVD {1000 * tp['svd_s']:.1f} ms; stage start {tp['import_s']:.1f} s + DVC {DVC_BOOKKEEPING_S:.1f} s; memory: {tp['memory_source']}"
-    )
-
-
-def plan_table(plan: dict):
-    """A rich Table of the plan, its total in the caption."""
-    from rich.table import Table
-
-    table = Table(title="mergeflow plan (dvc repro, one stage after another)", title_justify="left")
-    table.add_column("stage", no_wrap=True)
-    table.add_column("will run")
-    table.add_column("est. time", justify="right")
-    table.add_column("peak memory", justify="right")
-    table.add_column("notes", overflow="fold")
-    for r in plan["stages"]:
-        table.add_row(r["stage"], "yes" if r["will_run"] else "up to date", _duration(r["seconds"]) if r["estimated"] else ("not estimated" if r["notes"] else "-"), _size(r["peak_memory_bytes"]), "; ".join(n for n in r["notes"] if n != "not estimated"))
-    missing = f"; not estimated: {', '.join(plan['not_estimated'])}" if plan["not_estimated"] else ""
-    table.caption = f"total of the {plan['will_run']} stages that will run: {_duration(plan['total_seconds'])}{missing}"
-    table.caption_justify = "left"
-    return table
-
-
-def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = False, root: str = ".") -> int:
-    """``mergeflow plan``: the table (or JSON) for the project in ``root``."""
-    import json
-
-    from rich.console import Console
-
-    from mergeflow.config import load_params
-
-    params = load_params(params_path)
-    if not Path(root, "dvc.yaml").is_file():
-        raise MergeflowError(f"{Path(root).resolve()}: no dvc.yaml (run `mergeflow plan` from the repository root)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the architecture only: nothing to fetch
-    plan = project_plan(root, params, include_all=include_all)
-    if as_json:
-        print(json.dumps(plan, indent=2))
-        return 0
-    console = Console(width=min(Console().width, 140), highlight=False)
-    console.print(plan_table(plan))
-    console.print(device_line(plan), soft_wrap=False)
-    return 0
