@@ -18,6 +18,7 @@ from mergeflow import stages
 from mergeflow.config import load_params
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._adaptive import MergedParameters
+from mergeflow.merging.binding import bind_data
 from mergeflow.models import build_backbone
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, {len(tasks)} tasks x batch 16, {args.steps} steps")
     for device in devices:
         for method in ("adamerging", "adamerging_task"):
-            data = stages._merge_data(params, REGISTRY[method], layout, tasks, heads, torch.device(device))
+            data = bind_data(params, REGISTRY[method], layout, tasks, heads, torch.device(device))
             REGISTRY[method].with_data(data)(theta0, taus, steps=3)  # warm-up (allocator, kernels)
             REGISTRY[method].with_data(data)(theta0, taus, steps=args.steps)
             print(f"{device:>4} {method:<16} {data.timing[-1]['steps_per_second']:7.1f} steps/s")

@@ -214,7 +214,8 @@ def test_entropy_falls_on_the_embedded_suite_and_the_pipeline_records_what_was_l
     import json
 
     from mergeflow.config import load_params
-    from mergeflow.stages import Layout, _load_heads, _load_task_vectors, _load_tasks, _merge_data
+    from mergeflow.merging.binding import bind_data as _merge_data
+    from mergeflow.stages import Layout, _load_heads, _load_task_vectors, _load_tasks
 
     root, _ = tiny_reference
     params, layout = load_params(root / "params.yaml"), Layout(root)

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import torch
 
@@ -25,8 +24,10 @@ from mergeflow.io import LazyStateDict, atomic_path, load_state_dict, read_json,
 from mergeflow.layout import Layout, MergeRun
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
+from mergeflow.merging.binding import bind_data
 from mergeflow.merging.search import negation_search, search
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
+from mergeflow.regimes._checkpoint import regime_identity, resume_from
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
 from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes, statistics as vector_statistics, task_vector
@@ -253,56 +254,9 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
     return metrics
 
 
-def _merge_data(params: Params, spec, layout: Layout, tasks, heads, device):
-    """What a data-aware method reads (merging.MergeData): the statistics stage's outputs, or AdaMerging's entropy
-    objective on each task's unlabelled validation and test inputs."""
-    from mergeflow.merging import MergeData
-    from mergeflow.merging._adaptive import EntropyObjective
-    from mergeflow.statistics import KINDS
-
-    if spec.reads == "train_statistics":
-        stats = {}
-        for t in params.suite.tasks:
-            path = layout.statistics(t)
-            if not path.is_file():
-                raise MergeflowError(f"{path}: no statistics for task '{t}' (run the stage statistics)")
-            state = load_state_dict(path)
-            stats[t] = {kind: {k.removeprefix(f"{kind}/"): v for k, v in state.items() if k.startswith(f"{kind}/")} for kind in KINDS}
-        return MergeData(statistics=stats)
-    inputs = {s: {t: d.split(s).images for t, d in tasks.items()} for s in ("val", "test")}
-    objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
-    return MergeData(objective=objective)
-
-
 # ---------------------------------------------------------------- regime
 def _pairs(cosines: dict[tuple[str, str], float]) -> dict[str, float]:
     return {f"{a}|{b}": c for (a, b), c in cosines.items()}
-
-
-def _regime_identity(params: Params, regime: str, variant: str, kwargs: dict, layout: Layout) -> dict:
-    """What a checkpoint must match to be resumed: the settings and inputs every round depends on."""
-    inputs = [layout.pretrained, *(layout.task_data(t) for t in params.suite.tasks), *(layout.head(t) for t in params.suite.tasks)]
-    if params.finetune.preserve_features.weight:
-        inputs.append(layout.pretrain_corpus)
-    stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in inputs}
-    return {
-        "regime": regime, "variant": variant, "hyperparameters": kwargs, "seed": params.seed, "tasks": params.suite.tasks,
-        "backbone": params.backbone.model_dump(mode="json"), "finetune": params.finetune.model_dump(mode="json"), "inputs": stamps,
-    }
-
-
-def _resume_from(path: Path, identity: dict):
-    """The checkpoint at ``path`` when it belongs to this run, else None (a stale one is left for the new run to
-    overwrite after its first round)."""
-    from mergeflow.regimes import load_checkpoint
-
-    if not path.is_file():
-        return None
-    try:
-        return load_checkpoint(path, identity=identity)
-    except MergeflowError as err:
-        print(f"regime: not resuming from {path}: {err}", flush=True)
-        return None
 
 
 def regime_trainer(params: Params, layout: Layout, device: str):
@@ -349,7 +303,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
         results = {}
         for variant, kwargs in cfg.variants(name, params.finetune.steps).items():
             checkpoint = layout.regime_checkpoint(name, variant)
-            identity = _regime_identity(params, name, variant, kwargs, layout)
+            identity = regime_identity(params, name, variant, kwargs, layout)
             round_times: list[float] = []
             clock = [time.perf_counter()]
 
@@ -359,7 +313,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
                 round_times.append(now - clock[0])
                 clock[0] = now
 
-            resume = _resume_from(checkpoint, identity)
+            resume = resume_from(checkpoint, identity)
             if resume is not None:
                 print(f"regime {variant}: resuming after round {resume.round} from {checkpoint}", flush=True)
                 round_times.extend([float("nan")] * resume.round)  # those rounds' times were another process's
@@ -473,7 +427,7 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
     pretrained, tvs = _load_task_vectors(params, layout, run.vectors)
     data = None
     if spec.reads:
-        data = _merge_data(params, spec, layout, tasks, heads, device)
+        data = bind_data(params, spec, layout, tasks, heads, device)
         spec = spec.with_data(data)
     on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
     try:

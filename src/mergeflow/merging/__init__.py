@@ -271,7 +271,7 @@ def validate_overrides(method: MergeMethod, overrides: Any, *, where: str) -> No
 
 
 # the package's modules that are not methods (imported above): every other public module registers one or more
-NOT_METHODS = frozenset({"search"})
+NOT_METHODS = frozenset({"search", "binding"})
 
 
 def _discover() -> None:

@@ -18,13 +18,17 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mergeflow.errors import MergeflowError
 from mergeflow.io import load_metadata, load_state_dict, save_state_dict
 from mergeflow.regimes._types import Checkpoint, RoundRecord
+
+if TYPE_CHECKING:
+    from mergeflow.config import Params
+    from mergeflow.layout import Layout
 
 FORMAT = "mergeflow.regimes.checkpoint"
 VERSION = 1
@@ -135,3 +139,28 @@ def load_checkpoint(path: str | os.PathLike, *, identity: dict) -> Checkpoint:
 
 def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- the resume rule of the regime stage
+def regime_identity(params: Params, regime: str, variant: str, kwargs: dict, layout: Layout) -> dict:
+    """What a checkpoint must match to be resumed: the settings and inputs every round depends on."""
+    inputs = [layout.pretrained, *(layout.task_data(t) for t in params.suite.tasks), *(layout.head(t) for t in params.suite.tasks)]
+    if params.finetune.preserve_features.weight:
+        inputs.append(layout.pretrain_corpus)
+    stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in inputs}
+    return {
+        "regime": regime, "variant": variant, "hyperparameters": kwargs, "seed": params.seed, "tasks": params.suite.tasks,
+        "backbone": params.backbone.model_dump(mode="json"), "finetune": params.finetune.model_dump(mode="json"), "inputs": stamps,
+    }
+
+
+def resume_from(path: Path, identity: dict):
+    """The checkpoint at ``path`` when it belongs to this run, else None (a stale one is left for the new run to
+    overwrite after its first round)."""
+    if not path.is_file():
+        return None
+    try:
+        return load_checkpoint(path, identity=identity)
+    except MergeflowError as err:
+        print(f"regime: not resuming from {path}: {err}", flush=True)
+        return None

@@ -1,0 +1,37 @@
+"""The data a data-aware method reads, bound by the merge stage (``MergeMethod.with_data``): the statistics stage's
+per-task Fisher diagonals and Grams for ``reads="train_statistics"``, AdaMerging's entropy objective on each task's
+unlabelled validation and test inputs for ``reads="test_inputs"``."""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+from mergeflow.errors import MergeflowError
+from mergeflow.merging import MergeData
+
+if TYPE_CHECKING:
+    from mergeflow.config import Params
+    from mergeflow.layout import Layout
+
+
+def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> MergeData:
+    """What a data-aware method reads (merging.MergeData): the statistics stage's outputs, or AdaMerging's entropy
+    objective on each task's unlabelled validation and test inputs."""
+    from mergeflow.io import load_state_dict
+    from mergeflow.merging._adaptive import EntropyObjective
+    from mergeflow.models import build_backbone
+    from mergeflow.statistics import KINDS
+
+    if spec.reads == "train_statistics":
+        stats = {}
+        for t in params.suite.tasks:
+            path = layout.statistics(t)
+            if not path.is_file():
+                raise MergeflowError(f"{path}: no statistics for task '{t}' (run the stage statistics)")
+            state = load_state_dict(path)
+            stats[t] = {kind: {k.removeprefix(f"{kind}/"): v for k, v in state.items() if k.startswith(f"{kind}/")} for kind in KINDS}
+        return MergeData(statistics=stats)
+    inputs = {s: {t: d.split(s).images for t, d in tasks.items()} for s in ("val", "test")}
+    objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
+    return MergeData(objective=objective)
