@@ -52,11 +52,10 @@ pipeline: install
 flow: install
 	$(BIN)/python -m flows.pipeline
 
-# everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both); two workers
-# (pytest-xdist), a test file each at a time, sharing one tiny pipeline run
+# everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both)
 test: install
 	$(BIN)/mergeflow check
-	$(BIN)/pytest -q -n 2 --dist loadfile -m "not faults"
+	$(BIN)/pytest -q -m "not faults"
 
 test-faults: install
 	$(BIN)/pytest -q -m faults

@@ -51,6 +51,18 @@ def tiny_env(tmp_path_factory) -> dict[str, str]:
         yield env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stage_commands_served(tiny_env):
+    """Every `mergeflow <stage>` a test starts as a process forks from the session's stage server (seconds of
+    imports saved each), whatever environment the test builds from os.environ; one whose import-time variables
+    differ runs in its own process, as without a server."""
+    from mergeflow.stage_server import SERVER_ENV
+
+    os.environ[SERVER_ENV] = tiny_env[SERVER_ENV]
+    yield
+    os.environ.pop(SERVER_ENV, None)
+
+
 def make_tiny_project(dst: Path, env: dict[str, str], **override) -> Path:
     """A fresh clone-like copy of this repository (tracked and untracked-not-ignored files, no tests, no outputs)
     on the tiny profile, committed in a git repository of its own."""
@@ -68,23 +80,11 @@ def make_tiny_project(dst: Path, env: dict[str, str], **override) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory, tiny_env):
-    """One `dvc repro` of the tiny profile on a fresh project, run once per test run: (root, its output). Under
-    pytest-xdist (make test: two workers) the first worker to need it builds it in the run's shared folder and the
-    other waits for it. Tests that change a project work on a copy (copy_project)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        root = make_tiny_project(tmp_path_factory.mktemp("reference"), tiny_env)
-        return root, run("dvc repro", root, tiny_env)
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
-    root, output, built = shared / "reference", shared / "reference.out", shared / "reference.built"
-    with FileLock(str(shared / "reference.lock")):
-        if not built.is_file():
-            shutil.rmtree(root, ignore_errors=True)  # a worker that died while building it
-            root.mkdir()
-            output.write_text(run("dvc repro", make_tiny_project(root, tiny_env), tiny_env))
-            built.touch()
-    return root, output.read_text()
+    """One `dvc repro` of the tiny profile on a fresh project, run once per test session: (root, its output).
+    Tests that change a project work on a copy (copy_project)."""
+    root = make_tiny_project(tmp_path_factory.mktemp("reference"), tiny_env)
+    out = run("dvc repro", root, tiny_env)
+    return root, out
 
 
 def copy_project(src: Path, dst: Path) -> Path:

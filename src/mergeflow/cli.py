@@ -335,13 +335,14 @@ def _forwarded(argv: list[str]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_command = argv is None  # the `mergeflow` command itself, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_serve-stages"] and len(argv) == 2:  # mergeflow.stage_server.running_server starts it
         from mergeflow.stage_server import serve
 
         serve(argv[1], main)
         return 0
-    if (status := _forwarded(argv)) is not None:
+    if as_command and (status := _forwarded(argv)) is not None:
         return status
     argv = _allow_downloads(argv)
     parser = _parser(argv)
