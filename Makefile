@@ -21,7 +21,7 @@ $(VENV)/.locked: $(LOCK)
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(MAKE) $(UV)
-	$(UV) pip install -q --python $(BIN)/python --require-hashes --no-deps -r $(LOCK)
+	$(UV) pip install -q --compile-bytecode --python $(BIN)/python --require-hashes --no-deps -r $(LOCK)
 	touch $@
 
 # mergeflow itself, editable, with nothing else: its dependencies are the lock's; `pip check` fails when
