@@ -29,6 +29,7 @@ LAYER = {
     "mergeflow.data": "data",  # the task suite: generated, converted, read
     "mergeflow.models": "models",  # the backbone and the heads
     "mergeflow.checkpoints": "models",  # published fine-tunes read without running their pickles
+    "mergeflow.yaml_files": "foundation",  # YAML read strictly (UTF-8, duplicate keys), params.yaml in DVC's form
     "mergeflow.weights_header": "models",  # a weights file's naming and shapes from its header alone (no torch)
     "mergeflow.zeroshot": "models",  # CLIP's zero-shot heads
     "mergeflow.mlflow_model": "models",  # a merged model as an MLflow model
