@@ -2,7 +2,6 @@
 own process, its exit status and error line come back unchanged, and it dies with its command."""
 
 import hashlib
-import os
 import signal
 import subprocess
 import time
@@ -15,6 +14,7 @@ import yaml
 from mergeflow.stage_server import SERVER_ENV
 
 from .conftest import copy_project, run
+from .test_faults import _project_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -61,17 +61,6 @@ def test_exit_status_and_error_line_come_back(project, tiny_env):
         assert proc.returncode == 2 and proc.stderr.startswith("error: bad.yaml") and "Traceback" not in proc.stderr, proc.stderr
 
 
-def _stage_processes(root: Path) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cwd"]):
-        try:
-            if proc.info["cwd"] == str(root) and proc.pid != os.getpid():
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
 def _wait(predicate, what: str, timeout: float = 120) -> None:
     """Polls, with a limit for a hang only (not a measurement)."""
     deadline = time.monotonic() + timeout
@@ -88,8 +77,8 @@ def test_a_stage_dies_with_its_command(project, tiny_env, how):
     params["pretrain"]["steps"] = 100000
     (project / "long.yaml").write_text(yaml.safe_dump(params))
     command = subprocess.Popen(["mergeflow", "--params", "long.yaml", "pretrain"], cwd=project, env=tiny_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: len(_stage_processes(project)) >= 2, "the forked stage did not start")  # the command and its stage
-    stage = next(p for p in _stage_processes(project) if p.pid != command.pid)
+    _wait(lambda: len(_project_processes(project)) >= 2, "the forked stage did not start")  # the command and its stage
+    stage = next(p for p in _project_processes(project) if p.pid != command.pid)
     assert stage.ppid() != command.pid  # forked by the server, not started by the command
     time.sleep(1.0)
     command.send_signal(how)
