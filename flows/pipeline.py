@@ -18,12 +18,10 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +37,8 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stage_threads, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
+from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
+from mergeflow.scheduler import THREADS_ENV, RunOutcome, pinned_threads, run_graph, stage_threads
 from mergeflow.stage_server import SERVER_ENV, running_server
 from tasks.stages import run_stage_task, stop_worker_stages
 
@@ -129,80 +128,6 @@ def _enter_task_runner(stack: contextlib.ExitStack, runner: str, workers: int, d
         raise MergeflowError(f"--dask-address {dask_address}: the Dask scheduler did not answer ({why})") from None
 
 
-@dataclass
-class RunOutcome:
-    """What a flow run did with its stale stages, each named by its address."""
-
-    planned: list[str]  # the stale stages, in dependency order
-    done: list[str] = field(default_factory=list)  # completed and committed to dvc.lock
-    failed: dict[str, BaseException] = field(default_factory=dict)  # address -> its failure (StageFailed, mostly)
-    not_run: dict[str, str] = field(default_factory=dict)  # address -> why it never started
-
-    def error_line(self, address: str) -> str:
-        """A failed stage's one line: its own last line (``error: ...`` for bad input), or the failure's message."""
-        err = self.failed[address]
-        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {err}"
-
-    def status(self, address: str) -> str:
-        err = self.failed[address]
-        if not isinstance(err, StageFailed):
-            return "did not finish"
-        return f"exit status {err.returncode}" + (" (bad input)" if err.bad_input else "")
-
-
-def _run_stages(task_runner, nodes: list[StageNode], parameters: Callable[[StageNode], dict], repo, stopper=None) -> RunOutcome:
-    """Run ``nodes`` (stale stages, in dependency order) on ``task_runner``. A stage is submitted once every stage
-    it waits for in this run has completed and been committed, so a stage downstream of a failure never becomes a
-    Prefect task run (Prefect would leave it NotReady, naming the failed upstream by its task run's UUID): it is
-    recorded as not run, by address. The main thread waits in short spells: Python runs signal handlers only
-    there. ``stopper(task_runner, futures)`` gives what to call once when the run is being stopped (Dask)."""
-    outcome = RunOutcome([n.address for n in nodes])
-    waiting = {n.address: n for n in nodes}
-    futures: dict = {}
-    finished: queue.Queue = queue.Queue()
-    on_stop = stopper(task_runner, futures) if stopper else None
-
-    def submit_ready() -> None:
-        changed = True
-        while changed:  # a stage recorded as not run makes the stages after it not run
-            changed = False
-            for address, node in list(waiting.items()):
-                upstream = [u for u in node.upstream if u in outcome.planned]
-                blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
-                if blocked or stopping():
-                    outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the flow was stopped"
-                elif all(u in outcome.done for u in upstream):
-                    # wait_for on finished futures: no waiting, but the UI draws the graph's edges
-                    future = task_runner.submit(run_stage_task, parameters(node), wait_for=[futures[u] for u in upstream])
-                    future.add_done_callback(lambda f, a=address: finished.put((a, f)))
-                    futures[address] = future
-                else:
-                    continue
-                del waiting[address]
-                changed = True
-
-    submit_ready()
-    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) < len(nodes):
-        try:
-            address, future = finished.get(timeout=0.5)
-        except queue.Empty:
-            if stopping():
-                if on_stop is not None:
-                    on_stop()
-                    on_stop = None
-                submit_ready()  # what still waits will not start
-            continue
-        try:
-            result = future.result()
-        except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
-            outcome.failed[address] = err
-        else:
-            commit_stage(repo, result["stage"])  # one at a time, from this thread: dvc.lock has one writer
-            outcome.done.append(address)
-        submit_ready()
-    return outcome
-
-
 @flow(name="mergeflow-pipeline")
 def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] | None = None, runner: Runner = "thread", dask_address: str | None = None) -> list[str]:
     """Run every stale stage. ``overrides`` are ``key.path=value`` settings written into params.yaml first, as
@@ -231,7 +156,8 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         nodes = stage_graph(repo)
         stale = stale_stages(repo, nodes)
         workers = workers or default_workers()
-        threads = stage_threads(nodes, stale, workers, os.cpu_count() or 1)  # concurrent stages share the cores
+        # concurrent stages share the cores, by the graph alone: a stage gives the same bytes whatever the workers
+        threads = {} if pinned_threads(root) else stage_threads(nodes, os.cpu_count() or 1)
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
         # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
         # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
@@ -248,14 +174,22 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
             logger.info("runner: %s, %d stages at once%s", runner if not dask_address else f"dask at {dask_address}", workers, f", GPUs {', '.join(gpus)}" if gpus else "")
 
             def parameters(node: StageNode) -> dict:
-                return {"node": node, "root": root, "env": env | {"MERGEFLOW_THREADS": str(threads[node.address])} | served, "gpus": gpus, "gpu_workers": gpu_workers}
+                return {"node": node, "root": root, "env": env | ({THREADS_ENV: str(threads[node.address])} if threads else {}) | served, "gpus": gpus, "gpu_workers": gpu_workers}
 
             with contextlib.ExitStack() as stack:
                 # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)
                 address = stack.enter_context(running_server()) if runner == "thread" else None
                 served = {SERVER_ENV: address} if address else {}
                 task_runner = _enter_task_runner(stack, runner, workers, dask_address)
-                outcome = _run_stages(task_runner, to_run, parameters, repo, _stop_on_dask if runner == "dask" else None)
+                futures: dict = {}
+
+                def submit(node: StageNode, upstream: list):
+                    # wait_for on finished futures: no waiting, but the UI draws the graph's edges
+                    futures[node.address] = task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
+                    return futures[node.address]
+
+                on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
+                outcome = run_graph(to_run, submit, lambda address: commit_stage(repo, address), None if dask_address else workers, on_stop)
     if outcome.failed or outcome.not_run:
         for address in outcome.failed:
             logger.error("failed: %s, %s: %s", address, outcome.status(address), outcome.error_line(address))

@@ -46,6 +46,7 @@ LAYER = {
     "mergeflow.tracking": "stages",  # the track stage: MLflow records of the other stages' files
     "mergeflow.orchestration": "orchestration",  # the stage graph from dvc.yaml, running and stopping stages
     "mergeflow.checks": "orchestration",  # what must hold before any stage or DVC command
+    "mergeflow.scheduler": "orchestration",  # the stale stages run as a graph, several at once, and their threads
     "mergeflow.stage_server": "orchestration",  # the stages forked from one process that imported torch once
     "mergeflow.plan": "orchestration",  # which stages will run, their time and memory
     "tasks": "flows",  # the Prefect task that runs one stage

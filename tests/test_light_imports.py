@@ -92,3 +92,15 @@ out = {{"code": code}}
 """, cwd=tmp_path)
     assert out["code"] in (0, None)
     assert out["heavy"] == [], f"mergeflow {' '.join(argv)} imported {out['heavy']}"
+
+
+def test_a_stage_command_sent_to_the_stage_server_imports_no_torch():
+    """`mergeflow <stage>` started by `mergeflow repro` or the flow asks for its parent-death signal, then hands its
+    arguments to the stage server: neither may import torch (2 s a stage, 27 stages in the tiny run)."""
+    out = fresh("""
+import mergeflow.orchestration, mergeflow.stage_server, mergeflow.cli
+from mergeflow.orchestration import die_with_parent
+from mergeflow.stage_server import forward
+out = {}
+""")
+    assert out["heavy"] == []

@@ -13,7 +13,8 @@ import pytest
 
 from mergeflow import lockfile, orchestration
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import StageFailed, StageNode, locked_repo, run_stage, stage_graph, stage_threads
+from mergeflow.orchestration import StageFailed, StageNode, locked_repo, run_stage, stage_graph
+from mergeflow.scheduler import stage_threads
 from tasks.stages import _retry_if_transient
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
@@ -92,19 +93,20 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
         orchestration._stopping.clear()
 
 
-def test_concurrent_stages_share_the_cores_and_lone_stages_get_them_all(repo_root):
-    nodes = stage_graph(repo_root)  # the real dvc.yaml: 8 fine-tunes, 19 merges, 2 regimes, 2 studies
-    every = {n.address for n in nodes}
-    threads = stage_threads(nodes, every, workers=2, cores=2)
-    assert threads["prepare"] == threads["pretrain"] == threads["vectors"] == threads["track"] == 2
-    assert threads["finetune@digits"] == threads["merge@ties"] == threads["regime@mima"] == 1
-    assert threads["report"] == threads["study@mima"] == 1  # the report and the studies read the same stages: siblings
-    assert stage_threads(nodes, every, workers=4, cores=16)["finetune@digits"] == 4
-    # only one merge left to run: it has no sibling to share with
-    assert stage_threads(nodes, {"merge@ties", "report", "track"}, workers=2, cores=2) == {"merge@ties": 2, "report": 2, "track": 2}
+def test_sibling_stages_share_the_cores_by_the_graph_alone(repo_root):
+    """A stage's threads depend on the stage graph only (they decide the last bits of what it trains): not on the
+    workers, nor on what is stale."""
+    nodes = stage_graph(repo_root)  # the real dvc.yaml: 8 fine-tunes, 24 merges, 2 regimes, 2 studies
+    threads = stage_threads(nodes, cores=2)
+    assert threads["pretrain"] == threads["vectors"] == threads["statistics"] == threads["track"] == 2
+    assert threads["finetune@digits"] == threads["merge@ties"] == threads["regime_merge@mima"] == 1
+    assert threads["report"] == 2 and threads["study@mima"] == 1  # the studies are a foreach stage's items, the report is alone
+    assert threads["prepare"] == threads["regime@mima"] == threads["regime@one_epoch"] == 2  # their own worker processes
+    assert stage_threads(nodes, cores=16)["finetune@digits"] == 2  # 8 fine-tunes on 16 cores
+    assert stage_threads(nodes, cores=16)["merge@ties"] == 1  # 24 merges
+    assert stage_threads(nodes, cores=1) == dict.fromkeys(threads, 1)
 
 
-# ---------------------------------------------------------------- dvc.lock
 def _dvc_project(tmp_path):
     """A one-stage DVC project: `echo` into out.txt."""
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)

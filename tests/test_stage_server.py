@@ -86,3 +86,18 @@ def test_a_stage_dies_with_its_command(project, tiny_env, how):
     _wait(lambda: not stage.is_running() or stage.status() == psutil.STATUS_ZOMBIE, f"the stage outlived its command ({how.name})")
     if how == signal.SIGTERM:
         assert command.returncode == 128 + signal.SIGTERM
+
+
+def test_a_variable_the_servers_own_imports_set_does_not_send_a_command_away():
+    """A launcher that imported torch passes on what torch's import set (TORCHINDUCTOR_CACHE_DIR): its stages are
+    still the server's; a value the user set otherwise, or a variable the server never had, sends them away."""
+    from mergeflow.stage_server import _same_imports
+
+    server = {"HF_HUB_OFFLINE": "1"}
+    set_by_imports = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}
+    assert _same_imports({"HF_HUB_OFFLINE": "1"}, server, set_by_imports)
+    assert _same_imports({"HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}, server, set_by_imports)
+    assert not _same_imports({"HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, server, set_by_imports)
+    assert not _same_imports({"HF_HUB_OFFLINE": "0"}, server, set_by_imports)
+    assert not _same_imports({}, server, set_by_imports)
+    assert not _same_imports({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, server, set_by_imports)

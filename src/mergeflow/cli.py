@@ -19,7 +19,7 @@ DESCRIPTION = """Model merging, end to end: fine-tune one backbone per task, mer
 method, evaluate and compare them. Each pipeline stage is a command; DVC or Prefect runs them."""
 EPILOG = """common commands (from the repository root):
   mergeflow check                 validate params.yaml and what dvc.yaml takes from it
-  mergeflow repro                 run the stale stages with DVC (dvc repro, checked first)
+  mergeflow repro                 run the stale stages, checked first, two at once on 2 cores
   python -m flows.pipeline        the same with Prefect: stages at once, a summary artifact
   mergeflow plan                  which stages will run, each one's estimated time and memory here
   mergeflow methods               the methods: grids params.yaml sets, beside the papers' defaults
@@ -107,7 +107,8 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
-    sub.add_parser("repro", help="`mergeflow check`, then `dvc repro [ARGS]` with dvc.lock written atomically", description="`mergeflow check`, then `dvc repro [ARGS]` (any of dvc repro's options and stage names) with dvc.lock written atomically.", usage="mergeflow repro [-h] [DVC_REPRO_ARGS ...]")
+    repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once (sibling stages share the cores), each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
+    repro.add_argument("--workers", type=_workers, default=None, metavar="N", help="stages at once (default: one per CPU core)")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
     ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -152,10 +153,21 @@ def run_command(args: argparse.Namespace) -> int:
 
         from mergeflow.stage_server import SERVER_ENV, running_server
 
-        # the stages DVC starts fork from one process that has imported torch and timm (seconds saved a stage)
+        # the stages fork from one process that has imported torch and timm (seconds saved a stage)
         with atomic_dvc_writes(), running_server() as address:
             if address:
                 os.environ[SERVER_ENV] = address
+            if not args.dvc_args:  # the whole pipeline, stages at once
+                from pathlib import Path
+
+                from mergeflow.scheduler import repro
+                from mergeflow.tracking.store import tracked_runs_lost
+
+                force = set()
+                if lost := tracked_runs_lost(Path.cwd()):
+                    print(f"track: {lost}: logging every stage to MLflow again")
+                    force.add("track")
+                return repro(".", args.workers, force)
             status = dvc_main(["repro", *args.dvc_args])
             if status == 0 and not [a for a in args.dvc_args if not a.startswith("-")]:  # the whole pipeline
                 from pathlib import Path
@@ -192,6 +204,18 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         getattr(stages, args.command)(params)
     return 0
+
+
+def _workers(text: str) -> int:
+    from mergeflow.orchestration import workers_problem
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    if problem := workers_problem(value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def _value(v) -> str:

@@ -24,14 +24,14 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow import lockfile
 from mergeflow.errors import BAD_INPUT_STATUS, TRANSIENT_STATUS, MergeflowError
-from mergeflow.io import process_alive
 
 # set to the flow's pid in a stage's environment: the stage asks the kernel to send it SIGTERM when the flow dies
 DIE_WITH_PARENT_ENV = "MERGEFLOW_DIE_WITH_PARENT"
@@ -89,20 +89,11 @@ def stale_stages(root_or_repo, nodes: list[StageNode]) -> set[str]:
     return stale
 
 
-def stage_threads(nodes: list[StageNode], stale: set[str], workers: int, cores: int) -> dict[str, int]:
-    """CPU threads for each stale stage when ``workers`` stages may run at once: a stage shares the cores with
-    its siblings (stale stages with the same upstream stages, e.g. the fine-tunes), up to ``workers`` of them;
-    a stage with none (prepare, pretrain, vectors, report) gets every core."""
-    siblings: dict[tuple[str, ...], int] = {}
-    for n in nodes:
-        if n.address in stale:
-            siblings[n.upstream] = siblings.get(n.upstream, 0) + 1
-    return {n.address: max(1, cores // min(workers, siblings[n.upstream])) for n in nodes if n.address in stale}
-
-
 def _running_dvc_commands(root: Path) -> list[str]:
     """Commands another DVC process is running here: DVC records them in .dvc/tmp/rwlock while a stage runs (it
     releases its repository lock meanwhile, so the lock alone does not show them)."""
+    from mergeflow.io import process_alive  # torch with it: not for a stage command's start (die_with_parent)
+
     path = root / ".dvc" / "tmp" / "rwlock"
     try:
         lock = json.loads(path.read_text())
@@ -210,9 +201,16 @@ def stop_stages(grace_s: float = 10.0) -> int:
     return len(procs)
 
 
-def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | None = None) -> dict:
+def _read_lines(stream, into: list[str], echo, target) -> None:
+    for line in stream:
+        into.append(line)
+        echo(line.rstrip("\n"), target)
+
+
+def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | None = None, echo: Callable[[str, object], None] | None = None) -> dict:
     """Run one stage's command in the repository root, in a process group of its own, as DVC would (DVC_STAGE and
-    DVC_ROOT set). Raises StageFailed with the last line the command printed when it fails."""
+    DVC_ROOT set). ``echo(line, sys.stdout or sys.stderr)`` is given each line the stage prints as it comes.
+    Raises StageFailed with the last line the command printed when it fails."""
     if _stopping.is_set():
         raise StageFailed(node.address, -signal.SIGTERM, "not started: the flow is stopping")
     root = Path(root).resolve()
@@ -221,7 +219,17 @@ def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | Non
         proc = subprocess.Popen(list(node.argv), cwd=root, env=stage_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         _running[proc.pid] = proc
     try:
-        stdout, stderr = proc.communicate()
+        if echo is None:
+            stdout, stderr = proc.communicate()
+        else:
+            out, err = [], []
+            readers = [threading.Thread(target=_read_lines, args=(proc.stdout, out, echo, sys.stdout), daemon=True), threading.Thread(target=_read_lines, args=(proc.stderr, err, echo, sys.stderr), daemon=True)]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join()
+            proc.wait()
+            stdout, stderr = "".join(out), "".join(err)
     finally:
         with _running_lock:
             _running.pop(proc.pid, None)

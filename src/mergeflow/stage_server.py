@@ -49,6 +49,12 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
+def _same_imports(command_env: dict[str, str], server_env: dict[str, str], set_by_imports: dict[str, str]) -> bool:
+    """Whether a command's import-time variables are the server's: each equal to the server's before its imports,
+    or to the value those imports set (TORCHINDUCTOR_CACHE_DIR: a launcher that imported torch passes it on)."""
+    return all(command_env.get(k) == server_env.get(k) or (k in set_by_imports and command_env.get(k) == set_by_imports[k]) for k in command_env.keys() | server_env.keys())
+
+
 def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
     data = json.dumps(message).encode()
     payload = _HEADER.pack(len(data)) + data
@@ -213,7 +219,7 @@ def serve(address: str, entry: Callable[[list[str]], int]) -> None:
                     except OSError:
                         conn.close()
                         continue
-                    if request is None or _import_time_env(request["env"]) != frozen:
+                    if request is None or not _same_imports(_import_time_env(request["env"]), frozen, set_by_imports):
                         with contextlib.suppress(OSError):
                             _send(conn, {"fallback": True})
                         conn.close()

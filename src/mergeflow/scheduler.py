@@ -1,0 +1,202 @@
+"""Running the stale stages of dvc.yaml as a graph, several at once: which stage may start, how many CPU threads
+each gets, what a run did. `mergeflow repro` runs it on a thread pool here (``repro``); the Prefect flow
+(flows/pipeline.py) runs the same loop on Prefect's task runners.
+
+Why two stages at once on a CPU: the stages are small models (a ViT of width 128 at 32 px), and a second torch
+thread speeds one of them up by 1.2-1.5x, while a second stage on the other core doubles the work done. The
+fine-tunes and the merges are each the items of one foreach stage, which pair up.
+
+A stage's thread count decides the last bits of what it trains (one thread sums in another order than two,
+docs/environment.md), so it is a function of the stage graph alone (``stage_threads``): not of ``--workers``, nor
+of which stages happen to be stale. Whichever runner runs a stage, and whatever else is stale, it gives the same
+bytes. A thread count the user fixed (``runtime.threads``, or MERGEFLOW_THREADS) wins over the share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergeflow.orchestration import StageFailed, StageNode, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping
+
+THREADS_ENV = "MERGEFLOW_THREADS"
+# stages that start worker processes of their own, one thread each up to their thread count (prepare's generators,
+# a regime's round of fine-tunes): they get every core, whatever their siblings
+SELF_PARALLEL = ("prepare", "regime")
+
+
+def stage_threads(nodes: list[StageNode], cores: int) -> dict[str, int]:
+    """CPU threads for every stage of the graph: the items of one foreach stage (the fine-tunes, the merges, the
+    studies) share the cores, one item per core; a stage of its own, or one that runs its own worker processes
+    (SELF_PARALLEL), gets every core."""
+    def group(address: str) -> str:
+        return address.split("@")[0]
+
+    items: dict[str, int] = {}
+    for n in nodes:
+        items[group(n.address)] = items.get(group(n.address), 0) + 1
+    return {n.address: cores if group(n.address) in SELF_PARALLEL else max(1, cores // min(cores, items[group(n.address)])) for n in nodes}
+
+
+def pinned_threads(root: str | Path) -> bool:
+    """Whether the user fixed the thread count (MERGEFLOW_THREADS here, or runtime.threads in params.yaml, which
+    `mergeflow check` has validated): then every stage runs with it, and the runner sets no share."""
+    if os.environ.get(THREADS_ENV):
+        return True
+    import yaml
+
+    try:
+        params = yaml.safe_load((Path(root) / "params.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    runtime = params.get("runtime") if isinstance(params, dict) else None
+    return isinstance(runtime, dict) and runtime.get("threads") is not None
+
+
+@dataclass
+class RunOutcome:
+    """What a run did with its stale stages, each named by its address."""
+
+    planned: list[str]  # the stale stages, in dependency order
+    done: list[str] = field(default_factory=list)  # completed and committed to dvc.lock
+    failed: dict[str, BaseException] = field(default_factory=dict)  # address -> its failure (StageFailed, mostly)
+    not_run: dict[str, str] = field(default_factory=dict)  # address -> why it never started
+
+    def error_line(self, address: str) -> str:
+        """A failed stage's one line: its own last line (``error: ...`` for bad input), or the failure's message."""
+        err = self.failed[address]
+        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {err}"
+
+    def status(self, address: str) -> str:
+        err = self.failed[address]
+        if not isinstance(err, StageFailed):
+            return "did not finish"
+        return f"exit status {err.returncode}" + (" (bad input)" if err.bad_input else "")
+
+
+def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object], commit: Callable[[str], None], limit: int | None = None, on_stop: Callable[[], None] | None = None) -> RunOutcome:
+    """Run ``nodes`` (stale stages, in dependency order): ``submit(node, upstream_futures)`` starts one and returns
+    a future (concurrent.futures' or Prefect's); ``commit(address)`` records a finished one in dvc.lock, one at a
+    time from this thread. A stage starts once every stage it waits for in this run has completed and been
+    committed, and at most ``limit`` at once; one downstream of a failure never starts and is recorded as not run,
+    by address. The calling thread waits in short spells (Python runs signal handlers only on the main thread);
+    ``on_stop`` is called once when the run is being stopped (stop_stages)."""
+    outcome = RunOutcome([n.address for n in nodes])
+    waiting = {n.address: n for n in nodes}
+    futures: dict = {}
+    running: set[str] = set()
+    finished: queue.Queue = queue.Queue()
+
+    def submit_ready() -> None:
+        changed = True
+        while changed:  # a stage recorded as not run makes the stages after it not run
+            changed = False
+            for address, node in list(waiting.items()):
+                upstream = [u for u in node.upstream if u in outcome.planned]
+                blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
+                if blocked or stopping():
+                    outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the run was stopped"
+                elif all(u in outcome.done for u in upstream) and (limit is None or len(running) < limit):
+                    future = submit(node, [futures[u] for u in upstream])
+                    futures[address] = future
+                    running.add(address)
+                    future.add_done_callback(lambda f, a=address: finished.put((a, f)))
+                else:
+                    continue
+                del waiting[address]
+                changed = True
+
+    submit_ready()
+    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) < len(nodes):
+        try:
+            address, future = finished.get(timeout=0.5)
+        except queue.Empty:
+            if stopping():
+                if on_stop is not None:
+                    on_stop()
+                    on_stop = None
+                submit_ready()  # what still waits will not start
+            continue
+        running.discard(address)
+        try:
+            result = future.result()
+        except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
+            outcome.failed[address] = err
+        else:
+            commit(result["stage"])
+            outcome.done.append(address)
+        submit_ready()
+    return outcome
+
+
+# ---------------------------------------------------------------- `mergeflow repro`: the graph on a thread pool here
+_print_lock = threading.Lock()
+
+
+def _say(text: str, stream=None) -> None:
+    with _print_lock:
+        print(text, file=stream or sys.stdout, flush=True)
+
+
+def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = frozenset(), env: dict[str, str] | None = None) -> int:
+    """Run every stale stage of the DVC project at ``root`` (and those in ``force``), ``workers`` at once (default:
+    one per core), each committed to dvc.lock as it completes. Each line a stage prints is shown as it comes,
+    after ``[<stage>]``. Returns the exit status: 0, 1 when a stage failed (each named with its status and last
+    line; what does not depend on it still ran), 130 when stopped by SIGINT or SIGTERM."""
+    root = Path(root).resolve()
+    cores = os.cpu_count() or 1
+    workers = workers or cores
+    # DVC names a stage relative to the working directory, and a stage learns its item from that name (DVC_STAGE)
+    with contextlib.chdir(root), locked_repo(root) as repo:
+        nodes = stage_graph(repo)
+        stale = stale_stages(repo, nodes) | set(force)
+        to_run = [n for n in nodes if n.address in stale]
+        if not to_run:
+            _say("Data and pipelines are up to date.")
+            return 0
+        threads = {} if pinned_threads(root) else stage_threads(nodes, cores)
+        _say(f"{len(to_run)} of {len(nodes)} stages to run, {min(workers, len(to_run))} at once")
+
+        def one(node: StageNode) -> dict:
+            _say(f"Running stage '{node.address}':")
+            started = time.monotonic()
+            stage_env = dict(env or {}) | ({THREADS_ENV: str(threads[node.address])} if threads else {})
+            result = run_stage(node, root, stage_env, echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))
+            _say(f"[{node.address}] done in {time.monotonic() - started:.1f} s")
+            return result
+
+        previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="stage") as pool:
+                outcome = run_graph(to_run, lambda node, _: pool.submit(one, node), lambda address: commit_stage(repo, address), limit=workers)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    for address in outcome.failed:
+        _say(f"failed: {address}, {outcome.status(address)}: {outcome.error_line(address)}", sys.stderr)
+    if outcome.not_run:
+        _say(f"not run: {'; '.join(f'{a} ({why})' for a, why in outcome.not_run.items())}", sys.stderr)
+    if stopping():
+        _say(f"stopped: {len(outcome.done)} of {len(to_run)} stages completed and are recorded in dvc.lock; the rest run next time", sys.stderr)
+        return 130
+    if outcome.failed or outcome.not_run:
+        return 1
+    _say(f"{len(outcome.done)} stages ran; dvc.lock records them")
+    return 0
+
+
+def _stop(signum, frame) -> None:
+    """SIGINT or SIGTERM: stop the running stages and start no more (a second signal kills at once)."""
+    signal.signal(signum, signal.SIG_DFL)
+    stopped = stop_stages()
+    _say(f"mergeflow: {signal.Signals(signum).name}: stopped {stopped} running stages", sys.stderr)
+

@@ -1,0 +1,92 @@
+"""The stage graph run several stages at once (mergeflow.scheduler): order, the limit, failures, and `mergeflow
+repro`'s run of a DVC project that DVC then finds up to date; without torch or a Prefect server."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from mergeflow.orchestration import StageFailed, StageNode
+from mergeflow.scheduler import run_graph, stage_threads
+
+DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
+
+
+def test_a_stage_starts_after_its_upstream_is_committed_and_never_downstream_of_a_failure():
+    nodes = [StageNode("a", ("a",), ()), *(StageNode(f"b@{i}", ("b",), ("a",)) for i in range(4)), StageNode("c", ("c",), ("b@0",)), StageNode("d", ("d",), ("b@1",))]
+    committed, events, running, most = [], [], set(), [0]
+    lock = threading.Lock()
+
+    def work(node):
+        with lock:
+            assert all(u in committed for u in node.upstream), f"{node.address} started before {node.upstream} was committed"
+            running.add(node.address)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.discard(node.address)
+        if node.address == "b@0":
+            raise StageFailed("b@0", 2, "error: bad input")
+        return {"stage": node.address}
+
+    with ThreadPoolExecutor(4) as pool:
+        outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), committed.append, limit=2)
+    assert most[0] == 2  # four b's were ready at once; two ran
+    assert committed[0] == "a" and set(committed) == {"a", "b@1", "b@2", "b@3", "d"} and committed.index("d") > committed.index("b@1")
+    assert list(outcome.failed) == ["b@0"] and outcome.error_line("b@0") == "error: bad input" and outcome.status("b@0") == "exit status 2 (bad input)"
+    assert outcome.not_run == {"c": "needs b@0, which failed"}
+
+
+STAGE = "import json, os, sys, time; item = os.environ['DVC_STAGE'].split('@')[1]; time.sleep(0.3); json.dump({'item': item, 'threads': os.environ.get('MERGEFLOW_THREADS'), 'at': time.time()}, open(f'out/{item}.json', 'w')); print('made', item); sys.exit(3 if item == 'bad' else 0)"
+TOTAL = "import glob, json; open('total.txt', 'w').write(','.join(sorted(json.load(open(p))['item'] for p in glob.glob('out/*.json'))))"
+
+
+def _repro(root, workers=2, force=(), env=None) -> subprocess.CompletedProcess:
+    """scheduler.repro in a process of its own (DVC's logger keeps the stream it first saw)."""
+    code = f"import sys; from mergeflow.scheduler import repro; sys.exit(repro({str(root)!r}, {workers}, {set(force)!r}))"
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+
+
+def _project(root, items):
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([DVC, "init", "-q"], cwd=root, check=True)
+    (root / "params.yaml").write_text(json.dumps({"items": items}))
+    (root / "out").mkdir()
+    (root / "dvc.yaml").write_text(json.dumps({"stages": {
+        "make": {"foreach": "${items}", "do": {"cmd": f"{sys.executable} -c \"{STAGE}\"", "outs": [{"out/${item}.json": {"persist": False}}]}},
+        "total": {"cmd": f"{sys.executable} -c \"{TOTAL}\"", "deps": [f"out/{i}.json" for i in items], "outs": ["total.txt"]},
+    }}))
+    return root
+
+
+def test_repro_runs_the_items_at_once_with_their_share_and_dvc_agrees(tmp_path, monkeypatch):
+    monkeypatch.delenv("MERGEFLOW_THREADS", raising=False)
+    root = _project(tmp_path, ["x", "y", "z"])
+    proc = _repro(root)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "4 of 4 stages to run, 2 at once" in out and "[make@y] made y" in out and "Running stage 'total':" in out
+    assert (root / "total.txt").read_text() == "x,y,z"
+    records = [json.loads((root / f"out/{i}.json").read_text()) for i in "xyz"]
+    cores = os.cpu_count() or 1
+    assert {r["threads"] for r in records} == {str(max(1, cores // min(cores, 3)))}
+    status = subprocess.run([DVC, "status", "--json"], cwd=root, capture_output=True, text=True, check=True)
+    assert json.loads(status.stdout) == {}
+    assert "up to date" in _repro(root).stdout
+    # a thread count the user fixed wins over the share
+    assert _repro(root, force={"make@x"}, env={"MERGEFLOW_THREADS": "5"}).returncode == 0
+    assert json.loads((root / "out/x.json").read_text())["threads"] == "5"
+
+
+def test_a_failed_stage_is_named_and_the_others_are_recorded(tmp_path):
+    root = _project(tmp_path, ["bad", "good"])
+    proc = _repro(root)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "failed: make@bad, exit status 3: made bad" in err and "not run: total (needs make@bad, which failed)" in err
+    status = json.loads(subprocess.run([DVC, "status", "--json"], cwd=root, capture_output=True, text=True, check=True).stdout)
+    assert "make@good" not in status and "make@bad" in status  # the good item is in dvc.lock
+    assert stage_threads([StageNode("make@bad", (), ()), StageNode("make@good", (), ()), StageNode("total", (), ())], 2) == {"make@bad": 1, "make@good": 1, "total": 2}
