@@ -38,7 +38,7 @@ from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
-from mergeflow.scheduler import THREADS_ENV, RunOutcome, pinned_threads, run_graph, stage_threads
+from mergeflow.scheduler import RunOutcome, run_graph
 from mergeflow.stage_server import SERVER_ENV, running_server
 from tasks.stages import run_stage_task, stop_worker_stages
 
@@ -156,8 +156,6 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         nodes = stage_graph(repo)
         stale = stale_stages(repo, nodes)
         workers = workers or default_workers()
-        # concurrent stages share the cores, by the graph alone: a stage gives the same bytes whatever the workers
-        threads = {} if pinned_threads(root) else stage_threads(nodes, os.cpu_count() or 1)
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
         # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
         # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
@@ -174,7 +172,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
             logger.info("runner: %s, %d stages at once%s", runner if not dask_address else f"dask at {dask_address}", workers, f", GPUs {', '.join(gpus)}" if gpus else "")
 
             def parameters(node: StageNode) -> dict:
-                return {"node": node, "root": root, "env": env | ({THREADS_ENV: str(threads[node.address])} if threads else {}) | served, "gpus": gpus, "gpu_workers": gpu_workers}
+                return {"node": node, "root": root, "env": env | served, "gpus": gpus, "gpu_workers": gpu_workers}
 
             with contextlib.ExitStack() as stack:
                 # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)

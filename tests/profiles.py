@@ -24,7 +24,8 @@ TINY = {
     },
     "statistics": {"examples": 32},
     "regimes": {"mima": {"rounds": [2]}},  # run: one_epoch and mima, as params.yaml
-    "studies": {"run": ["gradients", "mima", "provable", "cart", "ctl"], "provable": {"real": True}},  # every study and part: seconds here
+    # every study and part, in seconds: provable on coarser grids (its own tests check its claims at full size)
+    "studies": {"run": ["gradients", "mima", "provable", "cart", "ctl"], "provable": {"real": True, "alphas": [-0.6, 0.0, 0.6], "lambda_step": 0.25, "ood_lambda_step": 0.5, "test_examples": 128, "real_lambda_step": 0.5, "real_ood_lambda_step": 1.0}},
 }
 
 

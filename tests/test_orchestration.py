@@ -14,7 +14,6 @@ import pytest
 from mergeflow import lockfile, orchestration
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import StageFailed, StageNode, locked_repo, run_stage, stage_graph
-from mergeflow.scheduler import stage_threads
 from tasks.stages import _retry_if_transient
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
@@ -93,18 +92,21 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
         orchestration._stopping.clear()
 
 
-def test_sibling_stages_share_the_cores_by_the_graph_alone(repo_root):
-    """A stage's threads depend on the stage graph only (they decide the last bits of what it trains): not on the
-    workers, nor on what is stale."""
-    nodes = stage_graph(repo_root)  # the real dvc.yaml: 8 fine-tunes, 24 merges, 2 regimes, 2 studies
-    threads = stage_threads(nodes, cores=2)
-    assert threads["pretrain"] == threads["vectors"] == threads["statistics"] == threads["track"] == 2
-    assert threads["finetune@digits"] == threads["merge@ties"] == threads["regime_merge@mima"] == 1
-    assert threads["report"] == 2 and threads["study@mima"] == 1  # the studies are a foreach stage's items, the report is alone
-    assert threads["prepare"] == threads["regime@mima"] == threads["regime@one_epoch"] == 2  # their own worker processes
-    assert stage_threads(nodes, cores=16)["finetune@digits"] == 2  # 8 fine-tunes on 16 cores
-    assert stage_threads(nodes, cores=16)["merge@ties"] == 1  # 24 merges
-    assert stage_threads(nodes, cores=1) == dict.fromkeys(threads, 1)
+def test_a_foreach_stages_items_share_the_cores_by_params_alone(repo_root, monkeypatch):
+    """A stage's threads follow from params.yaml and its address alone (they decide the last bits of what it
+    trains): plain `dvc repro`, `mergeflow repro` and the flow give each the same count."""
+    from mergeflow.config import load_params
+
+    params = load_params(repo_root / "params.yaml")  # 8 tasks, 24 methods, 2 regimes, 2 studies
+    assert [params.stage_share(a, cores=2) for a in ("finetune@digits", "merge@ties", "regime_merge@mima", "study@mima")] == [1, 1, 1, 1]
+    assert [params.stage_share(a, cores=2) for a in ("prepare", "pretrain", "vectors", "statistics", "regime@mima", "report", "track", "")] == [None] * 8
+    assert params.stage_share("finetune@digits", cores=16) == 2 and params.stage_share("merge@ties", cores=16) == 1
+    assert params.stage_share("study@mima", cores=16) == 8 and params.stage_share("finetune@digits", cores=1) == 1
+    monkeypatch.delenv("MERGEFLOW_THREADS", raising=False)
+    monkeypatch.setenv("DVC_STAGE", "merge@ties")
+    assert params.threads() == params.stage_share("merge@ties")
+    monkeypatch.setenv("MERGEFLOW_THREADS", "3")  # fixed by the user: wins
+    assert params.threads() == 3
 
 
 def _dvc_project(tmp_path):

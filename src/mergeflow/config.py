@@ -398,12 +398,29 @@ class Params(_Strict):
         return self.suite.download or os.environ.get(DOWNLOAD_ENV) == "1"
 
     def threads(self) -> int | None:
+        """A stage's CPU threads: MERGEFLOW_THREADS, else runtime.threads, else its share (stage_share); None: torch's
+        default (every core)."""
         env = os.environ.get("MERGEFLOW_THREADS")
         if not env:
-            return self.runtime.threads
+            return self.runtime.threads or self.stage_share()
         if not env.strip().isdecimal() or not 1 <= int(env) <= MAX_THREADS:
             raise MergeflowError(f"MERGEFLOW_THREADS={env[:40]!r}: expected a whole number of threads from 1 to {MAX_THREADS:,} (it overrides runtime.threads)")
         return int(env)
+
+    def stage_share(self, address: str | None = None, cores: int | None = None) -> int | None:
+        """The threads of the stage at ``address`` (default: DVC_STAGE, as DVC and the runners set it): the items
+        of one foreach stage (the fine-tunes, the merges, the regime merges, the studies) share the cores, one
+        item per core, so that `mergeflow repro` and the flow run them side by side; None for every other stage
+        (every core; prepare and the regimes start a worker process per core themselves). The thread count decides
+        the last bits of what a stage trains, so it follows from params.yaml alone: plain `dvc repro`, `mergeflow
+        repro` and the flow give the same bytes, whatever runs beside a stage."""
+        address = os.environ.get("DVC_STAGE", "") if address is None else address
+        stage, _, item = address.rpartition(":")[2].partition("@")
+        items = {"finetune": len(self.suite.tasks), "merge": len(self.merge.methods), "regime_merge": len(self.regimes.run), "study": len(self.studies.run)}.get(stage) if item else None
+        if not items:
+            return None
+        cores = cores or os.cpu_count() or 1
+        return max(1, cores // min(cores, items))
 
     @model_validator(mode="after")
     def _clip(self) -> Params:

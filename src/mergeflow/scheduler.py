@@ -1,15 +1,12 @@
-"""Running the stale stages of dvc.yaml as a graph, several at once: which stage may start, how many CPU threads
-each gets, what a run did. `mergeflow repro` runs it on a thread pool here (``repro``); the Prefect flow
-(flows/pipeline.py) runs the same loop on Prefect's task runners.
+"""Running the stale stages of dvc.yaml as a graph, several at once: which stage may start, and what a run did.
+`mergeflow repro` runs it on a thread pool here (``repro``); the Prefect flow (flows/pipeline.py) runs the same
+loop on Prefect's task runners.
 
 Why two stages at once on a CPU: the stages are small models (a ViT of width 128 at 32 px), and a second torch
 thread speeds one of them up by 1.2-1.5x, while a second stage on the other core doubles the work done. The
-fine-tunes and the merges are each the items of one foreach stage, which pair up.
-
-A stage's thread count decides the last bits of what it trains (one thread sums in another order than two,
-docs/environment.md), so it is a function of the stage graph alone (``stage_threads``): not of ``--workers``, nor
-of which stages happen to be stale. Whichever runner runs a stage, and whatever else is stale, it gives the same
-bytes. A thread count the user fixed (``runtime.threads``, or MERGEFLOW_THREADS) wins over the share.
+fine-tunes and the merges are each the items of one foreach stage, which take one core each
+(``Params.stage_share``: a stage's threads follow from params.yaml alone, so they give the same bytes however
+they are run) and pair up here.
 """
 
 from __future__ import annotations
@@ -27,40 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergeflow.orchestration import StageFailed, StageNode, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping
-
-THREADS_ENV = "MERGEFLOW_THREADS"
-# stages that start worker processes of their own, one thread each up to their thread count (prepare's generators,
-# a regime's round of fine-tunes): they get every core, whatever their siblings
-SELF_PARALLEL = ("prepare", "regime")
-
-
-def stage_threads(nodes: list[StageNode], cores: int) -> dict[str, int]:
-    """CPU threads for every stage of the graph: the items of one foreach stage (the fine-tunes, the merges, the
-    studies) share the cores, one item per core; a stage of its own, or one that runs its own worker processes
-    (SELF_PARALLEL), gets every core."""
-    def group(address: str) -> str:
-        return address.split("@")[0]
-
-    items: dict[str, int] = {}
-    for n in nodes:
-        items[group(n.address)] = items.get(group(n.address), 0) + 1
-    return {n.address: cores if group(n.address) in SELF_PARALLEL else max(1, cores // min(cores, items[group(n.address)])) for n in nodes}
-
-
-def pinned_threads(root: str | Path) -> bool:
-    """Whether the user fixed the thread count (MERGEFLOW_THREADS here, or runtime.threads in params.yaml, which
-    `mergeflow check` has validated): then every stage runs with it, and the runner sets no share."""
-    if os.environ.get(THREADS_ENV):
-        return True
-    import yaml
-
-    try:
-        params = yaml.safe_load((Path(root) / "params.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    runtime = params.get("runtime") if isinstance(params, dict) else None
-    return isinstance(runtime, dict) and runtime.get("threads") is not None
-
 
 @dataclass
 class RunOutcome:
@@ -153,8 +116,7 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
     after ``[<stage>]``. Returns the exit status: 0, 1 when a stage failed (each named with its status and last
     line; what does not depend on it still ran), 130 when stopped by SIGINT or SIGTERM."""
     root = Path(root).resolve()
-    cores = os.cpu_count() or 1
-    workers = workers or cores
+    workers = workers or os.cpu_count() or 1
     # DVC names a stage relative to the working directory, and a stage learns its item from that name (DVC_STAGE)
     with contextlib.chdir(root), locked_repo(root) as repo:
         nodes = stage_graph(repo)
@@ -163,14 +125,12 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         if not to_run:
             _say("Data and pipelines are up to date.")
             return 0
-        threads = {} if pinned_threads(root) else stage_threads(nodes, cores)
         _say(f"{len(to_run)} of {len(nodes)} stages to run, {min(workers, len(to_run))} at once")
 
         def one(node: StageNode) -> dict:
             _say(f"Running stage '{node.address}':")
             started = time.monotonic()
-            stage_env = dict(env or {}) | ({THREADS_ENV: str(threads[node.address])} if threads else {})
-            result = run_stage(node, root, stage_env, echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))
+            result = run_stage(node, root, env, echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))
             _say(f"[{node.address}] done in {time.monotonic() - started:.1f} s")
             return result
 
