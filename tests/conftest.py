@@ -36,14 +36,14 @@ def run(cmd, cwd, env, timeout=None, check=True):
 
 @pytest.fixture(scope="session")
 def tiny_env(tmp_path_factory) -> dict[str, str]:
-    """The environment every end-to-end command runs in: this venv first, offline, 2 threads, its own homes, and
+    """The environment every end-to-end command runs in: this venv first, offline, its own homes, and
     one stage server for the session (mergeflow.stage_server: the stages fork from it instead of importing torch
     and timm, seconds each; tests/test_stage_server.py checks that a stage gives the same bytes either way)."""
     from mergeflow.stage_server import SERVER_ENV, running_server
 
     home = tmp_path_factory.mktemp("homes")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "DVC_", SERVER_ENV))}
-    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(home / "prefect"), "MERGEFLOW_THREADS": "2"}
+    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(home / "prefect")}
     env |= {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     with running_server(env) as address:
         if address:
@@ -80,10 +80,10 @@ def make_tiny_project(dst: Path, env: dict[str, str], **override) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory, tiny_env):
-    """One `dvc repro` of the tiny profile on a fresh project, run once per test session: (root, its output).
-    Tests that change a project work on a copy (copy_project)."""
+    """One `mergeflow repro` of the tiny profile on a fresh project (stages at once, as `make pipeline` runs them),
+    run once per test session: (root, its output). Tests that change a project work on a copy (copy_project)."""
     root = make_tiny_project(tmp_path_factory.mktemp("reference"), tiny_env)
-    out = run("dvc repro", root, tiny_env)
+    out = run("mergeflow repro", root, tiny_env)
     return root, out
 
 

@@ -28,7 +28,7 @@ STUDIES = TINY["studies"]["run"]
 
 @pytest.fixture(scope="module")
 def project(tiny_reference, tiny_env, tmp_path_factory):
-    """A copy of the session's reference run (one `dvc repro` of the tiny profile), with that run's output."""
+    """A copy of the session's reference run (one `mergeflow repro` of the tiny profile), with that run's output."""
     root, out = tiny_reference
     return copy_project(root, tmp_path_factory.mktemp("e2e") / "project"), tiny_env, out
 
@@ -62,7 +62,7 @@ def _mlflow(project_dir):
 def test_pipeline_end_to_end(project, prefect_server):
     root, env, out = project
 
-    # 1. dvc repro ran everything (the session's reference run)
+    # 1. mergeflow repro ran everything (the session's reference run)
     regime_stages = [f"{stage}@{r}" for r in VARIANTS.values() for stage in ("regime", "regime_merge")]
     for stage in ["prepare", "pretrain", *(f"finetune@{t}" for t in TASKS), "vectors", "statistics", *(f"merge@{m}" for m in METHODS), *regime_stages, "report", *(f"study@{s}" for s in STUDIES), "track"]:
         assert f"Running stage '{stage}'" in out

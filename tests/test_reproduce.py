@@ -21,7 +21,7 @@ def test_fresh_clone_reproduces_the_committed_lock(tmp_path, repo_root, tiny_env
     clone = tmp_path / "clone"
     run(["git", "clone", "-q", str(repo_root), str(clone)], tmp_path, tiny_env)
     committed = yaml.safe_load((clone / "dvc.lock").read_text())
-    env = {k: v for k, v in tiny_env.items() if k != "MERGEFLOW_THREADS"}  # as `make pipeline` runs
+    env = tiny_env  # as `make pipeline` runs: no thread count fixed
     run(["dvc", "repro", "prepare", "pretrain"], clone, env)
     rerun = yaml.safe_load((clone / "dvc.lock").read_text())
     for stage in ("prepare", "pretrain"):

@@ -86,3 +86,18 @@ def test_a_failed_stage_is_named_and_the_others_are_recorded(tmp_path):
     assert "failed: make@bad, exit status 3: made bad" in err and "not run: total (needs make@bad, which failed)" in err
     status = json.loads(subprocess.run([DVC, "status", "--json"], cwd=root, capture_output=True, text=True, check=True).stdout)
     assert "make@good" not in status and "make@bad" in status  # the good item is in dvc.lock
+
+
+def test_of_the_ready_stages_the_one_more_stages_wait_on_starts_first():
+    """A regime (two stages after it) and vectors (the merges after it) are ready together; one at a time, vectors
+    starts first."""
+    nodes = [StageNode("regime@r", ("r",), ()), StageNode("vectors", ("v",), ()), *(StageNode(f"merge@{i}", ("m",), ("vectors",)) for i in range(3)), StageNode("regime_merge@r", ("rm",), ("regime@r",))]
+    started = []
+
+    def work(node):
+        started.append(node.address)
+        return {"stage": node.address}
+
+    with ThreadPoolExecutor(1) as pool:
+        outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), lambda address: None, limit=1)
+    assert started[0] == "vectors" and len(outcome.done) == len(nodes)

@@ -189,18 +189,16 @@ def run_command(args: argparse.Namespace) -> int:
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)
 
     params = load_params(args.params)
+    item = {"finetune": "task", "merge": "method", "regime": "regime", "regime_merge": "regime", "study": "name"}.get(args.command)
+    if item:  # the stage's address, by hand as under DVC: its share of the cores (Params.stage_share) follows from it
+        name = _stage_item(getattr(args, item), args.command, item)
+        os.environ["DVC_STAGE"] = f"{args.command}@{name}"
     if args.command == "track":
         from mergeflow.tracking import track
 
         track(params)
-    elif args.command == "finetune":
-        stages.finetune(params, _stage_item(args.task, "finetune", "task"))
-    elif args.command == "merge":
-        stages.merge(params, _stage_item(args.method, "merge", "method"))
-    elif args.command in ("regime", "regime_merge"):
-        getattr(stages, args.command)(params, _stage_item(args.regime, args.command, "regime"))
-    elif args.command == "study":
-        stages.study(params, _stage_item(args.name, "study", "name"))
+    elif item:
+        getattr(stages, args.command)(params, name)
     else:
         getattr(stages, args.command)(params)
     return 0
