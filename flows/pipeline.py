@@ -38,7 +38,7 @@ from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
-from mergeflow.scheduler import RunOutcome, run_graph
+from mergeflow.scheduler import RunOutcome, run_graph, stage_cores
 from mergeflow.stage_server import SERVER_ENV, running_server
 from tasks.stages import run_stage_task, stop_worker_stages
 
@@ -187,7 +187,9 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
                     return futures[node.address]
 
                 on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
-                outcome = run_graph(to_run, submit, lambda address: commit_stage(repo, address), None if dask_address else workers, on_stop)
+                # on this machine's CPU, as many stages as their threads leave cores for; on GPUs, one a GPU
+                cores, capacity = stage_cores(root) if runner == "thread" and not gpus else (None, None)
+                outcome = run_graph(to_run, submit, lambda address: commit_stage(repo, address), None if dask_address else workers, on_stop, cores, capacity)
     if outcome.failed or outcome.not_run:
         for address in outcome.failed:
             logger.error("failed: %s, %s: %s", address, outcome.status(address), outcome.error_line(address))

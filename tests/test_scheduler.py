@@ -67,7 +67,7 @@ def test_repro_runs_the_items_at_once_and_dvc_agrees(tmp_path):
     proc = _repro(root)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "4 of 4 stages to run, 2 at once" in out and "[make@y] made y" in out and "Running stage 'total':" in out
+    assert "4 of 4 stages to run, up to 2 at once" in out and "[make@y] made y" in out and "Running stage 'total':" in out
     assert (root / "total.txt").read_text() == "x,y,z"
     spans = sorted(json.loads((root / f"out/{i}.json").read_text())["span"] for i in "xyz")
     assert spans[1][0] < spans[0][1] and spans[2][0] >= min(spans[0][1], spans[1][1])  # two at once, never three
@@ -101,3 +101,27 @@ def test_of_the_ready_stages_the_one_more_stages_wait_on_starts_first():
     with ThreadPoolExecutor(1) as pool:
         outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), lambda address: None, limit=1)
     assert started[0] == "vectors" and len(outcome.done) == len(nodes)
+
+
+def test_a_stage_that_takes_every_core_runs_alone_and_items_pair_up():
+    """On 2 cores: the fine-tunes (one core each) two at once, vectors (every core) alone, and nothing started
+    beside it while it waits for a core."""
+    nodes = [*(StageNode(f"finetune@{t}", ("f",), ()) for t in "abc"), StageNode("vectors", ("v",), tuple(f"finetune@{t}" for t in "abc")), StageNode("regime@r", ("r",), ("finetune@a",))]
+    together, running, lock = [], set(), threading.Lock()
+
+    def work(node):
+        with lock:
+            running.add(node.address)
+            together.append(set(running))
+        time.sleep(0.05)
+        with lock:
+            running.discard(node.address)
+        return {"stage": node.address}
+
+    def cores(node):
+        return 1 if "@" in node.address and not node.address.startswith("regime") else 2
+
+    with ThreadPoolExecutor(4) as pool:
+        outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), lambda address: None, limit=4, cores=cores, capacity=2)
+    assert len(outcome.done) == len(nodes)
+    assert max(len(s) for s in together) == 2 and all(len(s) == 1 for s in together if {"vectors", "regime@r"} & s)

@@ -46,35 +46,45 @@ class RunOutcome:
         return f"exit status {err.returncode}" + (" (bad input)" if err.bad_input else "")
 
 
-def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object], commit: Callable[[str], None], limit: int | None = None, on_stop: Callable[[], None] | None = None) -> RunOutcome:
+def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object], commit: Callable[[str], None], limit: int | None = None, on_stop: Callable[[], None] | None = None, cores: Callable[[StageNode], int] | None = None, capacity: int | None = None) -> RunOutcome:
     """Run ``nodes`` (stale stages, in dependency order): ``submit(node, upstream_futures)`` starts one and returns
     a future (concurrent.futures' or Prefect's); ``commit(address)`` records a finished one in dvc.lock, one at a
     time from this thread. A stage starts once every stage it waits for in this run has completed and been
-    committed, and at most ``limit`` at once; one downstream of a failure never starts and is recorded as not run,
-    by address. The calling thread waits in short spells (Python runs signal handlers only on the main thread);
-    ``on_stop`` is called once when the run is being stopped (stop_stages)."""
+    committed, at most ``limit`` at once and, given ``cores(node)`` and ``capacity``, only while the cores of
+    the running stages leave it room (a stage that takes every core runs alone: more threads than cores only
+    contend, and OpenMP's waiting threads spin). Of the stages ready at once, the one more stages wait on starts
+    first, and none after it starts before it. One downstream of a failure never starts and is recorded as not
+    run, by address. The calling thread waits in short spells (Python runs signal handlers only on the main
+    thread); ``on_stop`` is called once when the run is being stopped (stop_stages)."""
     outcome = RunOutcome([n.address for n in nodes])
     # of the stages ready at once, those more stages wait on start first (vectors before a regime: 24 merges wait)
     waiting = {n.address: n for n in sorted(nodes, key=lambda n: -len(_downstream(nodes, n.address)))}
     futures: dict = {}
-    running: set[str] = set()
+    running: dict[str, int] = {}  # address -> its cores
     finished: queue.Queue = queue.Queue()
+
+    def fits(node: StageNode) -> bool:
+        if limit is not None and len(running) >= limit:
+            return False
+        return not running or cores is None or capacity is None or sum(running.values()) + cores(node) <= capacity
 
     def submit_ready() -> None:
         changed = True
         while changed:  # a stage recorded as not run makes the stages after it not run
             changed = False
+            full = False  # a ready stage did not fit: none after it may take its place
             for address, node in list(waiting.items()):
                 upstream = [u for u in node.upstream if u in outcome.planned]
                 blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
                 if blocked or stopping():
                     outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the run was stopped"
-                elif all(u in outcome.done for u in upstream) and (limit is None or len(running) < limit):
+                elif all(u in outcome.done for u in upstream) and not full and fits(node):
                     future = submit(node, [futures[u] for u in upstream])
                     futures[address] = future
-                    running.add(address)
+                    running[address] = cores(node) if cores else 1
                     future.add_done_callback(lambda f, a=address: finished.put((a, f)))
                 else:
+                    full = full or all(u in outcome.done for u in upstream)
                     continue
                 del waiting[address]
                 changed = True
@@ -90,7 +100,7 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
                     on_stop = None
                 submit_ready()  # what still waits will not start
             continue
-        running.discard(address)
+        running.pop(address, None)
         try:
             result = future.result()
         except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
@@ -100,6 +110,27 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
             outcome.done.append(address)
         submit_ready()
     return outcome
+
+
+def stage_cores(root: str | Path) -> tuple[Callable[[StageNode], int] | None, int]:
+    """(the cores each stage takes, the cores here): its threads as the stage will read them (Params.threads:
+    MERGEFLOW_THREADS, runtime.threads, else its share), at most every core. None when params.yaml does not load
+    (a DVC project of another kind): then only the number of stages at once is bounded."""
+    from mergeflow.config import load_params
+    from mergeflow.errors import MergeflowError
+
+    capacity = os.cpu_count() or 1
+    try:
+        params = load_params(Path(root) / "params.yaml")
+    except MergeflowError:
+        return None, capacity
+    env = os.environ.get("MERGEFLOW_THREADS", "")
+    fixed = int(env) if env.isdecimal() else params.runtime.threads
+
+    def cores(node: StageNode) -> int:
+        return max(1, min(capacity, fixed or params.stage_share(node.address, capacity) or capacity))
+
+    return cores, capacity
 
 
 def _downstream(nodes: list[StageNode], address: str) -> set[str]:
@@ -138,7 +169,8 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         if not to_run:
             _say("Data and pipelines are up to date.")
             return 0
-        _say(f"{len(to_run)} of {len(nodes)} stages to run, {min(workers, len(to_run))} at once")
+        cores, capacity = stage_cores(root)
+        _say(f"{len(to_run)} of {len(nodes)} stages to run, up to {min(workers, len(to_run))} at once on {capacity} cores")
 
         def one(node: StageNode) -> dict:
             _say(f"Running stage '{node.address}':")
@@ -150,7 +182,7 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="stage") as pool:
-                outcome = run_graph(to_run, lambda node, _: pool.submit(one, node), lambda address: commit_stage(repo, address), limit=workers)
+                outcome = run_graph(to_run, lambda node, _: pool.submit(one, node), lambda address: commit_stage(repo, address), limit=workers, cores=cores, capacity=capacity)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
