@@ -98,13 +98,17 @@ def test_a_foreach_stages_items_share_the_cores_by_params_alone(repo_root, monke
     from mergeflow.config import load_params
 
     params = load_params(repo_root / "params.yaml")  # 8 tasks, 24 methods, 2 regimes, 2 studies
-    assert [params.stage_share(a, cores=2) for a in ("finetune@digits", "merge@ties", "regime_merge@mima", "study@mima")] == [1, 1, 1, 1]
-    assert [params.stage_share(a, cores=2) for a in ("prepare", "pretrain", "vectors", "statistics", "regime@mima", "report", "track", "")] == [None] * 8
-    assert params.stage_share("finetune@digits", cores=16) == 2 and params.stage_share("merge@ties", cores=16) == 1
-    assert params.stage_share("study@mima", cores=16) == 8 and params.stage_share("finetune@digits", cores=1) == 1
+    items = ("finetune@digits", "merge@ties", "regime_merge@mima", "study@mima")
+    lone = ("prepare", "pretrain", "vectors", "statistics", "regime@mima", "report", "track", "")
+    assert [params.stage_share(a, cores=2) for a in items + lone] == [None] * 12  # 2 cores: every stage takes both
+    assert [params.stage_share(a, cores=16) for a in items] == [2, 2, 8, 8]  # 8 fine-tunes at once, 8 merges, 2 studies
+    assert [params.stage_share(a, cores=16) for a in lone] == [None] * 8
+    assert params.stage_share("finetune@digits", cores=3) == 2 and params.stage_share("merge@ties", cores=1) is None
     monkeypatch.delenv("MERGEFLOW_THREADS", raising=False)
     monkeypatch.setenv("DVC_STAGE", "merge@ties")
     assert params.threads() == params.stage_share("merge@ties")
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert params.threads() == 2
     monkeypatch.setenv("MERGEFLOW_THREADS", "3")  # fixed by the user: wins
     assert params.threads() == 3
 

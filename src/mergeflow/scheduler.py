@@ -2,11 +2,11 @@
 `mergeflow repro` runs it on a thread pool here (``repro``); the Prefect flow (flows/pipeline.py) runs the same
 loop on Prefect's task runners.
 
-Why two stages at once on a CPU: the stages are small models (a ViT of width 128 at 32 px), and a second torch
-thread speeds one of them up by 1.2-1.5x, while a second stage on the other core doubles the work done. The
-fine-tunes and the merges are each the items of one foreach stage, which take one core each
-(``Params.stage_share``: a stage's threads follow from params.yaml alone, so they give the same bytes however
-they are run) and pair up here.
+A stage starts when its upstream stages are done and the running stages' threads leave it cores: each stage's
+threads follow from params.yaml and the machine (``Params.stage_share``: the items of a foreach stage share the
+cores, at least 2 threads each), so they give the same bytes however they are run. On 2 cores every stage takes
+both and they run one at a time (a second stage on one thread each finished no sooner: 2026-11-26); on 16 cores
+eight fine-tunes run at once.
 """
 
 from __future__ import annotations
