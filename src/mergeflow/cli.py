@@ -179,11 +179,11 @@ def run_command(args: argparse.Namespace) -> int:
                     status = dvc_main(["repro", "--force", "--single-item", "track"])
             return status
 
-    from mergeflow import stages
-    from mergeflow.config import load_params
     from mergeflow.orchestration import die_with_parent
 
-    die_with_parent()
+    die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
+    from mergeflow import stages
+    from mergeflow.config import load_params
     from mergeflow.io import sweep_temporaries
 
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)

@@ -242,21 +242,31 @@ def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | Non
 
 
 def die_with_parent() -> None:
-    """In a stage started by the flow: ask for SIGTERM when the flow dies (Linux), so that a flow killed outright
-    (SIGKILL) leaves no stage running, and pass a SIGTERM on to the stage's process group; exit at once if the
-    flow is already gone."""
-    parent = os.environ.get(DIE_WITH_PARENT_ENV)
-    if not parent:
-        return
-    try:
-        import ctypes
+    """In a stage command: ask the kernel for SIGTERM when whatever started it dies, so that a launcher killed
+    outright (SIGKILL, a closed terminal, a job scheduler) leaves no stage running; the stage's worker pools die
+    with the stage in turn (mergeflow.parent_death.process_pool). Exits at once if the launcher is gone already.
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    - Started by the flow (DIE_WITH_PARENT_ENV holds its pid; the stage leads its own process group): a SIGTERM
+      is passed on to the whole group.
+    - Started by plain ``dvc repro`` (DVC_STAGE set, not a group leader): DVC runs ``$SHELL -c CMD`` from its main
+      thread (dvc.stage.run._run), so the signal comes when dvc dies, not before. bash and zsh exec a single
+      command, and the parent is dvc itself; dash (Debian's /bin/sh, the shell when SHELL is unset) forks it and
+      waits, and a shell outlives a killed dvc: then the stage watches dvc, its grandparent, through a pidfd
+      (``_die_with_dvc``). The stage is in dvc's process group (the terminal's job: Ctrl-C reaches it), so
+      SIGTERM keeps its default action and the workers die by their own parent-death signal.
+    - A child of the stage server (its own group, DVC_STAGE passed on) or a command typed by hand: nothing to do
+      (the server already asked, and kills the group when the command's connection closes)."""
+    from mergeflow import parent_death
+
+    flow = os.environ.get(DIE_WITH_PARENT_ENV)
+    under_dvc = not flow and bool(os.environ.get("DVC_STAGE")) and os.getpgrp() != os.getpid()
+    if not (flow or under_dvc) or not parent_death.ask(signal.SIGTERM):
         return
-    if os.getppid() != int(parent):
-        raise SystemExit(f"error: the flow that started this stage (pid {parent}) is gone")
+    if flow and os.getppid() != int(flow):
+        raise SystemExit(f"error: the flow that started this stage (pid {flow}) is gone")
+    if under_dvc:
+        _die_with_dvc()
+        return
 
     def end_group(signum, frame):
         # the stage leads its own process group (run_stage): take its workers (prepare's process pool) with it
@@ -264,6 +274,47 @@ def die_with_parent() -> None:
         os.killpg(os.getpgrp(), signum)
 
     signal.signal(signal.SIGTERM, end_group)
+
+
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "fish", "busybox"})
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """A process's command name and parent pid (/proc/PID/stat); ("", 0) when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "", 0
+    name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+    return name, int(rest[1])
+
+
+def _die_with_dvc() -> None:
+    """Under plain dvc (the parent-death signal asked for): exit if the dvc command is gone already, and when a
+    shell stands between it and the stage, SIGTERM to the stage when dvc exits (a pidfd watched by a thread)."""
+    gone = "error: the dvc command that started this stage is gone"
+    launcher = os.getppid()
+    if launcher == 1:  # reparented before it asked
+        raise SystemExit(gone)
+    name, grandparent = _stat(launcher)
+    if name not in SHELLS:
+        return
+    if grandparent in (0, 1):
+        raise SystemExit(gone)
+    try:
+        pidfd = os.pidfd_open(grandparent)
+    except ProcessLookupError:
+        raise SystemExit(gone) from None
+    except (OSError, AttributeError):
+        return  # no pidfd here (Linux before 5.3): the stage dies with the shell only
+
+    def watch() -> None:
+        import select
+
+        select.select([pidfd], [], [])  # readable once dvc has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="die-with-dvc", daemon=True).start()
 
 
 def describe(nodes: list[StageNode]) -> str:

@@ -8,10 +8,8 @@ import contextlib
 import copy
 import functools
 import json
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -26,6 +24,7 @@ from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.merging.binding import bind_data
 from mergeflow.merging.search import negation_search, search
+from mergeflow.parent_death import process_pool
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.regimes._checkpoint import regime_identity, resume_from
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
@@ -58,7 +57,7 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
             memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             workers = max(1, min(workers, memory // 2 // max(1, data_mod.task_bytes(suite))))
         build_corpus = params.backbone.pretrained is None
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with process_pool(workers) as pool:  # its workers die with the stage, killed or not
             try:
                 corpus_job = pool.submit(data_mod.write_pretraining_corpus, layout.pretrain_corpus, suite, params.seed) if build_corpus else None
                 jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads()) for t in suite.tasks}
