@@ -122,8 +122,10 @@ def locked_repo(root: str | Path = ".") -> Iterator:
 
 
 def commit_stage(repo, address: str) -> None:
-    """Record a finished stage's outputs in dvc.lock and the cache (call with the repository lock held)."""
+    """Record a finished stage's outputs in dvc.lock and the cache (call with the repository lock held), and keep
+    the new dvc.lock as the last whole copy (mergeflow.lockfile)."""
     repo.commit(f"{os.path.join(repo.root_dir, 'dvc.yaml')}:{address}", force=True)  # the repository's, whatever the cwd
+    lockfile.keep_good_copy(repo.root_dir, check=False)  # written atomically (locked_repo): whole
 
 
 class StageFailed(Exception):
