@@ -71,10 +71,10 @@ def stage_graph(root_or_repo=".") -> list[StageNode]:
         return [StageNode(s.addressing, _argv(s.addressing, s.cmd), tuple(sorted(u.addressing for u in graph.successors(s))), tuple(str(o.def_path) for o in s.outs)) for s in order]
 
 
-def stale_stages(root_or_repo, nodes: list[StageNode]) -> set[str]:
-    """Stages DVC reports as changed, and every stage downstream of one."""
+def stale_stages(root_or_repo, nodes: list[StageNode], also: set[str] | frozenset[str] = frozenset()) -> set[str]:
+    """Stages DVC reports as changed (and those in ``also``), and every stage downstream of one."""
     with contextlib.nullcontext(root_or_repo) if not isinstance(root_or_repo, (str, Path)) else _repo(root_or_repo) as repo:
-        changed = set(repo.status())
+        changed = set(repo.status()) | set(also)
     downstream = {n.address: set() for n in nodes}
     for n in nodes:
         for u in n.upstream:
