@@ -24,6 +24,7 @@ LAYER = {
     "mergeflow.errors": "foundation",  # the user-facing failures and their exit statuses
     "mergeflow.io": "foundation",  # atomic writes, safetensors, which processes are alive
     "mergeflow.parent_death": "foundation",  # processes that die with their parent (a stage's workers)
+    "mergeflow.homes": "foundation",  # the tools' home folders (Prefect's) made sure of before their import
     "mergeflow.layout": "foundation",  # where every stage reads and writes
     "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
     "mergeflow.config": "config",  # params.yaml, validated; the environment's settings
