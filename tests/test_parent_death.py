@@ -33,7 +33,13 @@ STAGE = textwrap.dedent('''
         if os.environ.get("STANDIN_DIES_WITH_PARENT", "1") == "1":
             die_with_parent()
         Path("stage.pid").write_text(f"{os.getpid()} {os.getppid()}")
-        pool = process_pool(2)
+        if os.environ.get("STANDIN_POOL") == "plain":  # as a regime's pool: no parent-death signal of its own
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+        else:
+            pool = process_pool(2)
         for i in range(2):
             pool.submit(work, f"worker{i}.pid")
         time.sleep(3600)
@@ -99,6 +105,14 @@ def test_a_stage_and_its_workers_die_with_plain_dvc_repro(tmp_path, sig, shell):
     parent, left = _kill_dvc_and_wait(tmp_path / "p", env, sig)
     # DVC runs `$SHELL -c CMD`: bash execs a single command, Debian's dash forks it and waits
     assert parent == {"/bin/bash": "dvc", "/bin/sh": "dvc" if os.path.realpath("/bin/sh").endswith("bash") else "sh"}[shell]
+    assert left == [], f"still running after dvc got {signal.Signals(sig).name}: {left}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_pool_without_its_own_signal_dies_with_the_stage(tmp_path, sig):
+    """A pool started as the regimes start theirs (a plain ProcessPoolExecutor): the stage ends its workers."""
+    env = _project(tmp_path / "p", "/bin/sh") | {"STANDIN_POOL": "plain"}
+    _, left = _kill_dvc_and_wait(tmp_path / "p", env, sig)
     assert left == [], f"still running after dvc got {signal.Signals(sig).name}: {left}"
 
 

@@ -254,8 +254,9 @@ def die_with_parent() -> None:
       thread (dvc.stage.run._run), so the signal comes when dvc dies, not before. bash and zsh exec a single
       command, and the parent is dvc itself; dash (Debian's /bin/sh, the shell when SHELL is unset) forks it and
       waits, and a shell outlives a killed dvc: then the stage watches dvc, its grandparent, through a pidfd
-      (``_die_with_dvc``). The stage is in dvc's process group (the terminal's job: Ctrl-C reaches it), so
-      SIGTERM keeps its default action and the workers die by their own parent-death signal.
+      (``_die_with_dvc``). The stage is in dvc's process group (the terminal's job: Ctrl-C reaches it), so a
+      SIGTERM is not passed to the group: the stage kills its own child processes, then dies (``_end_children``);
+      workers of mergeflow.parent_death.process_pool also die by their own parent-death signal.
     - A child of the stage server (its own group, DVC_STAGE passed on) or a command typed by hand: nothing to do
       (the server already asked, and kills the group when the command's connection closes)."""
     from mergeflow import parent_death
@@ -268,6 +269,7 @@ def die_with_parent() -> None:
         raise SystemExit(f"error: the flow that started this stage (pid {flow}) is gone")
     if under_dvc:
         _die_with_dvc()
+        signal.signal(signal.SIGTERM, _end_children)
         return
 
     def end_group(signum, frame):
@@ -289,6 +291,32 @@ def _stat(pid: int) -> tuple[str, int]:
         return "", 0
     name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
     return name, int(rest[1])
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, and theirs (/proc)."""
+    found, parents = [], {pid}
+    for _ in range(4):  # workers, their helpers (a pool's resource tracker): a few levels at most
+        level = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and int(entry.name) not in found and _stat(int(entry.name))[1] in parents:
+                level.append(int(entry.name))
+        if not level:
+            break
+        found += level
+        parents = set(level)
+    return found
+
+
+def _end_children(signum, frame) -> None:
+    """SIGTERM to a stage under plain dvc (its parent-death signal, or a kill): its worker processes die first
+    (a pool started without mergeflow.parent_death's initializer, such as a regime's, would outlive it), then
+    the stage, by the signal's default action."""
+    signal.signal(signum, signal.SIG_DFL)
+    for pid in _children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signum)
 
 
 def _die_with_dvc() -> None:

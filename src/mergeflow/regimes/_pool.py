@@ -8,14 +8,15 @@ repeats itself bit for bit, and a resumed run repeats an uninterrupted one.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
 from safetensors.torch import load as load_bytes, save as save_bytes
 
 from mergeflow.io import StateDict
-from mergeflow.parent_death import process_pool
 from mergeflow.regimes import Budget, Trainer
 
 _worker_trainer: Trainer | None = None
@@ -41,7 +42,7 @@ class PoolTrainer:
     threads each. Use as a context manager: the workers stop when it closes."""
 
     def __init__(self, build: Callable[[], Trainer], workers: int, threads: int):
-        self._pool = process_pool(workers, _start_worker, (build, threads))  # its workers die with the stage
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(build, threads))
 
     def map(self, calls: Sequence[tuple[str, StateDict, Budget, Any]]) -> list[tuple[StateDict, Any]]:
         futures = [self._pool.submit(_train_in_worker, task, save_bytes({k: v.contiguous() for k, v in state.items()}), budget, carry) for task, state, budget, carry in calls]
