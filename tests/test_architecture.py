@@ -28,6 +28,7 @@ LAYER = {
     "mergeflow.layout": "foundation",  # where every stage reads and writes
     "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
     "mergeflow.config": "config",  # params.yaml, validated; the environment's settings
+    "mergeflow.imports": "config",  # imports/<task>: an imported checkpoint file as its fine-tune's dependency
     "mergeflow.data": "data",  # the task suite: generated, converted, read
     "mergeflow.models": "models",  # the backbone and the heads
     "mergeflow.checkpoints": "models",  # published fine-tunes read without running their pickles

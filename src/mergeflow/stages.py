@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from mergeflow import data as data_mod
+from mergeflow import data as data_mod, imports
 from mergeflow.config import Params, task_seed as _task_seed
 from mergeflow.data import load_tasks as _load_tasks
 from mergeflow.errors import MergeflowError
@@ -47,6 +47,7 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
     suite = params.suite
     for task in suite.tasks:  # a missing dataset or folder, found before any worker starts (as mergeflow check finds it)
         data_mod.check_layout(suite, task, params.downloads())
+    imports.sync(params, layout.root)  # each fine-tune's dependency on its imported checkpoint (a new task's too)
     with Timer() as timer:
         # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each
         # from its own seed, so the result does not depend on the number of workers). Each worker saves its own
@@ -159,6 +160,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     """The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head), then fine-tune the
     backbone under it, or import a published fine-tune (finetune.checkpoints)."""
     params.check_task(task)
+    imports.sync(params, layout.root, [task])  # a path changed in params.yaml: DVC records the new file after the run
     seed = _task_seed(params.seed, task)
     device = _setup(params, seed)
     data = data_mod.load_task(layout.task_data(task), params.suite.image_size)
