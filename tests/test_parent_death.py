@@ -4,6 +4,7 @@ terminal, a job scheduler) leaves no process of the run, neither the stage nor i
 The stage here is a stand-in that does what a mergeflow stage does at its start (mergeflow.orchestration's
 die_with_parent, then a pool from mergeflow.parent_death.process_pool, as prepare's), without seconds of torch."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -122,3 +123,51 @@ def test_without_asking_the_stage_outlives_dvc(tmp_path):
     env = _project(tmp_path / "p", "/bin/sh") | {"STANDIN_DIES_WITH_PARENT": "0"}
     _, left = _kill_dvc_and_wait(tmp_path / "p", env, signal.SIGKILL, wait_s=3)  # surviving: no load shortens it
     assert left, "the stand-in died with dvc without asking"
+
+
+def _run_processes(root: Path) -> list[psutil.Process]:
+    """Processes working in ``root`` (dvc, the stage, its workers), this one aside."""
+    found = []
+    for proc in psutil.process_iter(["cwd"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.info["cwd"] == str(root) and proc.pid != os.getpid() and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_the_real_prepare_stage_dies_with_plain_dvc_repro(tmp_path, tiny_env, sig):
+    """`mergeflow prepare` in its own process under plain `dvc repro` (no stage server), killed with dvc while its
+    worker pool builds the tasks: nothing of the run remains, and dvc.lock and `dvc status` are as before."""
+    from mergeflow.stage_server import SERVER_ENV
+
+    from .conftest import make_tiny_project, run
+
+    root = make_tiny_project(tmp_path / "p", tiny_env, suite={"n_train": 50000, "pretrain_images": 200000})  # minutes of work left when killed
+    env = {k: v for k, v in tiny_env.items() if k != SERVER_ENV}
+    dvc = subprocess.Popen(["dvc", "repro", "prepare"], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + HANG_S
+        workers = []
+        while dvc.poll() is None and time.monotonic() < deadline:
+            stage = [p for p in _run_processes(root) if "prepare" in " ".join(p.cmdline())]
+            workers = [c for p in stage for c in p.children() if "spawn_main" in " ".join(c.cmdline())]
+            if workers:
+                break
+            time.sleep(0.1)
+        assert workers, f"prepare's workers were not seen (dvc status {dvc.poll()})"
+        os.kill(dvc.pid, sig)
+        dvc.wait()
+        deadline = time.monotonic() + HANG_S
+        while (left := _run_processes(root)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], f"still running after dvc got {signal.Signals(sig).name}: {[p.cmdline() for p in left]}"
+        # ended by the kill, not by finishing its minutes of work after it (the tiny profile's would be seconds)
+        assert not (root / "metrics" / "prepare.json").exists(), "prepare ran on to its end after dvc was killed"
+    finally:
+        for proc in _run_processes(root):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        if dvc.poll() is None:
+            os.killpg(dvc.pid, signal.SIGKILL)
+    assert run(["dvc", "status"], root, env, check=False).returncode == 0
