@@ -40,6 +40,7 @@ from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
 from mergeflow.scheduler import RunOutcome, run_graph, stage_cores
 from mergeflow.stage_server import SERVER_ENV, running_server
+from mergeflow.verify import check_outputs
 from tasks.stages import run_stage_task, stop_worker_stages
 
 quiet_failure_tracebacks()  # a failed stage or bad input is its one line in the logs, not a traceback
@@ -155,6 +156,11 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     with contextlib.chdir(root), locked_repo(root) as repo:
         nodes = stage_graph(repo)
         stale = stale_stages(repo, nodes)
+        # outputs whose bytes changed with their size and mtime kept pass DVC's status: hashed again (mergeflow
+        # verify, seconds), and their stages run again with everything downstream
+        if rotted := check_outputs(root, skip=stale)[0]:
+            logger.warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
+            stale = stale_stages(repo, nodes, also={c.stage for c in rotted})
         workers = workers or default_workers()
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
         # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a

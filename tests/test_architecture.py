@@ -23,9 +23,12 @@ LAYER = {
     "mergeflow": "foundation",  # __version__ and the OpenMP setting, nothing else
     "mergeflow.errors": "foundation",  # the user-facing failures and their exit statuses
     "mergeflow.io": "foundation",  # atomic writes, safetensors, which processes are alive
+    "mergeflow.parent_death": "foundation",  # processes that die with their parent (a stage's workers)
+    "mergeflow.homes": "foundation",  # the tools' home folders (Prefect's) made sure of before their import
     "mergeflow.layout": "foundation",  # where every stage reads and writes
     "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
     "mergeflow.config": "config",  # params.yaml, validated; the environment's settings
+    "mergeflow.imports": "config",  # imports/<task>: an imported checkpoint file as its fine-tune's dependency
     "mergeflow.data": "data",  # the task suite: generated, converted, read
     "mergeflow.models": "models",  # the backbone and the heads
     "mergeflow.checkpoints": "models",  # published fine-tunes read without running their pickles
@@ -47,6 +50,7 @@ LAYER = {
     "mergeflow.orchestration": "orchestration",  # the stage graph from dvc.yaml, running and stopping stages
     "mergeflow.checks": "orchestration",  # what must hold before any stage or DVC command
     "mergeflow.scheduler": "orchestration",  # the stale stages run as a graph, several at once, and their threads
+    "mergeflow.verify": "orchestration",  # every output hashed again against dvc.lock (mergeflow verify)
     "mergeflow.stage_server": "orchestration",  # the stages forked from one process that imported torch once
     "mergeflow.plan": "orchestration",  # which stages will run, their time and memory
     "tasks": "flows",  # the Prefect task that runs one stage

@@ -207,7 +207,7 @@ def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, 
 
     seen = []
     monkeypatch.setattr(tvd, "MNIST", _fake_mnist(seen))
-    monkeypatch.setattr(stages, "ProcessPoolExecutor", _InProcess)
+    monkeypatch.setattr(stages, "process_pool", _InProcess)
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
     raw["suite"] = {"source": "torchvision", "root": str(tmp_path / "data"), "download": False, "tasks": ["MNIST"],
                     "image_size": 16, "n_train": 12, "n_val": 4, "n_test": 6, "pretrain_images": 0}

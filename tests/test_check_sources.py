@@ -106,7 +106,7 @@ def test_prepare_finds_the_same_layout_fault_before_it_starts_a_worker(tmp_path,
     root = _imagefolder(tmp_path, repo_root, str(tmp_path / "photos"))
     _folder_task(tmp_path / "photos" / "pets", splits=("train",))
     started = []
-    monkeypatch.setattr(stages, "ProcessPoolExecutor", lambda *a, **k: started.append(a) or pytest.fail("a worker pool started"))
+    monkeypatch.setattr(stages, "process_pool", lambda *a, **k: started.append(a) or pytest.fail("a worker pool started"))
     params = parse_params(yaml.safe_load((root / "params.yaml").read_text()))
     with pytest.raises(MergeflowError) as err:
         stages.prepare(params, stages.Layout(tmp_path / "repo"))

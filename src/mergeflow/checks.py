@@ -82,6 +82,9 @@ def check_project(root: str | Path = ".", params_path: str | Path | None = None)
         check_interpolations(dvc_yaml, read_yaml(params_path) or {}, str(params_path))
     check_local_files(params, root, str(params_path))
     check_data(params, root, str(params_path))
+    from mergeflow import imports
+
+    imports.sync(params, root)  # an imported checkpoint file: its fine-tune stage's dependency (imports/<task>)
     return params, notices
 
 

@@ -22,6 +22,7 @@ EPILOG = """common commands (from the repository root):
   mergeflow repro                 run the stale stages, checked first, two at once on 2 cores
   python -m flows.pipeline        the same with Prefect: stages at once, a summary artifact
   mergeflow plan                  which stages will run, each one's estimated time and memory here
+  mergeflow verify                hash every output again: name each file whose bytes changed
   mergeflow methods               the methods: grids params.yaml sets, beside the papers' defaults
   mergeflow regimes               the training-time regimes and studies params.yaml runs
   mergeflow ui                    the MLflow UI on what `track` logged (http://127.0.0.1:5000)
@@ -106,6 +107,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--all", action="store_true", help="estimate every stage, up to date or not")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
+    sub.add_parser("verify", help="hash every output dvc.lock records again from its bytes; name each file that changed or is missing", description="Hash every output dvc.lock records again, reading every byte (DVC itself trusts a file whose size and mtime are unchanged), and name each file that changed, is missing or was added to a folder output: exit status 2 if any. The Prefect flow runs it before its stages and re-runs the stages whose outputs changed.")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once (sibling stages share the cores), each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
     repro.add_argument("--workers", type=_workers, default=None, metavar="N", help="stages at once (default: one per CPU core)")
@@ -138,6 +140,11 @@ def run_command(args: argparse.Namespace) -> int:
         from mergeflow.plan import print_plan
 
         return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure)
+    if args.command == "verify":
+        from mergeflow.verify import verify
+
+        print(verify("."))
+        return 0
     if args.command in ("check", "repro"):
         from mergeflow.checks import check_project
 
@@ -179,11 +186,11 @@ def run_command(args: argparse.Namespace) -> int:
                     status = dvc_main(["repro", "--force", "--single-item", "track"])
             return status
 
-    from mergeflow import stages
-    from mergeflow.config import load_params
     from mergeflow.orchestration import die_with_parent
 
-    die_with_parent()
+    die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
+    from mergeflow import stages
+    from mergeflow.config import load_params
     from mergeflow.io import sweep_temporaries
 
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)

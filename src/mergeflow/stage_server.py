@@ -128,10 +128,9 @@ def forward(argv: list[str]) -> int | None:
 
 # ---------------------------------------------------------------- the server's side
 def _die_with_parent(sig: int = signal.SIGKILL) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
+    from mergeflow.parent_death import ask
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    ask(sig)
 
 
 def _run_child(request: dict, fds: list[int], server_pid: int, inherited: list[socket.socket], entry: Callable[[list[str]], int]) -> None:

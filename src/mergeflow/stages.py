@@ -8,14 +8,12 @@ import contextlib
 import copy
 import functools
 import json
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from mergeflow import data as data_mod
+from mergeflow import data as data_mod, imports
 from mergeflow.config import Params, task_seed as _task_seed
 from mergeflow.data import load_tasks as _load_tasks
 from mergeflow.errors import MergeflowError
@@ -26,6 +24,7 @@ from mergeflow.merging import REGISTRY
 from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
 from mergeflow.merging.binding import bind_data
 from mergeflow.merging.search import negation_search, search
+from mergeflow.parent_death import process_pool
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.regimes._checkpoint import regime_identity, resume_from
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
@@ -48,6 +47,7 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
     suite = params.suite
     for task in suite.tasks:  # a missing dataset or folder, found before any worker starts (as mergeflow check finds it)
         data_mod.check_layout(suite, task, params.downloads())
+    imports.sync(params, layout.root)  # each fine-tune's dependency on its imported checkpoint (a new task's too)
     with Timer() as timer:
         # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each
         # from its own seed, so the result does not depend on the number of workers). Each worker saves its own
@@ -58,7 +58,7 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
             memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             workers = max(1, min(workers, memory // 2 // max(1, data_mod.task_bytes(suite))))
         build_corpus = params.backbone.pretrained is None
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with process_pool(workers) as pool:  # its workers die with the stage, killed or not
             try:
                 corpus_job = pool.submit(data_mod.write_pretraining_corpus, layout.pretrain_corpus, suite, params.seed) if build_corpus else None
                 jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads()) for t in suite.tasks}
@@ -160,6 +160,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     """The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head), then fine-tune the
     backbone under it, or import a published fine-tune (finetune.checkpoints)."""
     params.check_task(task)
+    imports.sync(params, layout.root, [task])  # a path changed in params.yaml: DVC records the new file after the run
     seed = _task_seed(params.seed, task)
     device = _setup(params, seed)
     data = data_mod.load_task(layout.task_data(task), params.suite.image_size)

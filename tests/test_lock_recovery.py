@@ -1,0 +1,141 @@
+"""dvc.lock after plain DVC's in-place write was cut short (a kill, a full disk): empty, unparseable, or cut at a
+point where it still parses. `mergeflow check` / `mergeflow repro` (lockfile.recover) recognise each, keep the
+lock's whole entries and take the rest from the last whole copy; a whole lock is never taken for a cut one."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergeflow import lockfile
+from mergeflow.errors import MergeflowError
+
+DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
+REPO = Path(__file__).resolve().parents[1]
+
+MAKE = """\
+import os, sys
+from pathlib import Path
+if sys.argv[1] == "one":
+    Path("a.txt").write_text(Path("in.txt").read_text())
+else:
+    item = sys.argv[2]
+    os.makedirs(f"d/{item}", exist_ok=True)
+    os.makedirs("m", exist_ok=True)
+    Path(f"d/{item}/f").write_text(Path("a.txt").read_text() + item)
+    Path(f"m/{item}.json").write_text("{}")
+"""
+DVC_YAML = f"""\
+stages:
+  one:
+    cmd: {sys.executable} make.py one
+    deps: [in.txt, make.py]
+    params: [x, y]
+    outs: [a.txt]
+  two:
+    foreach: [p, q]
+    do:
+      cmd: {sys.executable} make.py two ${{item}}
+      deps:
+        - a.txt
+      params:
+        - y
+      outs:
+        - d/${{item}}
+      metrics:
+        - m/${{item}}.json:
+            cache: false
+"""
+
+
+def _dvc(root, *args):
+    return subprocess.run([DVC, *args], cwd=root, capture_output=True, text=True)
+
+
+@pytest.fixture
+def project(tmp_path):
+    root = tmp_path / "p"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    assert _dvc(root, "init", "-q").returncode == 0
+    (root / "dvc.yaml").write_text(DVC_YAML)
+    (root / "make.py").write_text(MAKE)
+    (root / "params.yaml").write_text("x: 1\ny: {a: 1, b: [2, 3]}\n")
+    (root / "in.txt").write_text("1")
+    proc = _dvc(root, "repro")
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def _line_ends(text: str) -> list[int]:
+    return [i + 1 for i, c in enumerate(text) if c == "\n" and i + 1 < len(text)]
+
+
+def test_every_cut_that_still_parses_is_recognised_and_mended_to_the_whole_lock(project):
+    whole = (project / "dvc.lock").read_text()
+    assert lockfile.recover(project) is None and lockfile.good_copy(project).read_text() == whole
+    assert lockfile.cut_short(whole, project, whole) is None
+    parsing = [t for t in [whole[:i] for i in range(1, len(whole))] if lockfile.readable(t)]
+    assert len(parsing) > 50  # most cuts of a YAML file still parse
+    missed = [len(t) for t in parsing if lockfile.cut_short(t, project, whole) is None]
+    assert missed == []
+    for cut in [whole[:i] for i in _line_ends(whole)[::3]] + [whole[:-1]]:
+        (project / "dvc.lock").write_text(cut)
+        notice = lockfile.recover(project)
+        assert notice and "cut short" in notice or "unreadable" in notice, cut
+        assert (project / "dvc.lock").read_text() == whole, f"not mended from a cut at {len(cut)}"
+
+
+def test_a_cut_write_of_a_newer_lock_keeps_its_whole_entries(project):
+    """Plain `dvc repro` after a change writes the lock once per stage: killed in the write of a later stage, the
+    entries it had finished are kept, and DVC reruns only what lost its record."""
+    assert lockfile.recover(project) is None  # the good copy: the first run's
+    (project / "in.txt").write_text("2")
+    assert _dvc(project, "repro", "-q", "one").returncode == 0
+    newer = (project / "dvc.lock").read_text()
+    start = newer.index("  two@q:")  # a cut in the write of two@q's entry, after one's new entry
+    (project / "dvc.lock").write_text(newer[: start + newer[start:].index("    outs:")])
+    assert "cut short" in lockfile.recover(project)
+    mended = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert mended["one"] == yaml.safe_load(newer)["stages"]["one"]  # the record the run finished is kept
+    status = _dvc(project, "status", "--json")
+    assert status.returncode == 0 and "one" not in status.stdout
+
+
+def test_a_whole_lock_is_not_taken_for_a_cut_one(project):
+    whole = (project / "dvc.lock").read_text()
+    assert lockfile.recover(project) is None
+    # dvc.yaml edited since (a dep added to the last stage): the entry is the good copy's, so not cut
+    (project / "dvc.yaml").write_text((project / "dvc.yaml").read_text().replace("        - a.txt\n", "        - a.txt\n        - in.txt\n"))
+    assert lockfile.cut_short(whole, project, whole) is None
+    assert lockfile.recover(project) is None and (project / "dvc.lock").read_text() == whole
+
+
+def test_the_repositorys_own_lock_is_whole_and_its_cuts_are_not(repo_root):
+    whole = (repo_root / "dvc.lock").read_text()
+    assert lockfile.cut_short(whole, repo_root, whole) is None
+    cuts = [whole[:i] for i in random.Random(0).sample(_line_ends(whole), 10)] + [whole[:i] for i in random.Random(1).sample(range(1, len(whole)), 10)]
+    missed = [len(t) for t in cuts if lockfile.readable(t) and lockfile.cut_short(t, repo_root, whole) is None]
+    assert missed == []
+
+
+def test_a_cut_lock_with_nothing_to_mend_it_from_is_one_line(project):
+    whole = (project / "dvc.lock").read_text()
+    (project / "dvc.lock").write_text(whole[: whole.index("  two@q:")] + "  two@q:\n    cmd: x\n")
+    lockfile.good_copy(project).unlink(missing_ok=True)
+    # no good copy: the count check needs one, but an entry with no deps' hashes is cut all the same
+    (project / "dvc.lock").write_text(whole[: whole.index("  two@q:") + whole[whole.index("  two@q:"):].index("      hash: md5")])
+    with pytest.raises(MergeflowError, match=r"dvc.lock: cut short \(stage two@q: deps entry a.txt has no hash\) and no good copy"):
+        lockfile.recover(project)
+
+
+def test_an_empty_lock_as_a_full_disk_leaves_it_comes_back(project):
+    whole = (project / "dvc.lock").read_text()
+    assert lockfile.recover(project) is None
+    (project / "dvc.lock").write_text("")
+    assert "unreadable (0 bytes" in lockfile.recover(project)
+    assert (project / "dvc.lock").read_text() == whole and _dvc(project, "status").returncode == 0
