@@ -160,7 +160,6 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     """The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head), then fine-tune the
     backbone under it, or import a published fine-tune (finetune.checkpoints)."""
     params.check_task(task)
-    imports.sync(params, layout.root, [task])  # a path changed in params.yaml: DVC records the new file after the run
     seed = _task_seed(params.seed, task)
     device = _setup(params, seed)
     data = data_mod.load_task(layout.task_data(task), params.suite.image_size)
@@ -185,6 +184,8 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
             anchor = _feature_anchor(params, layout, backbone, seed, device)
             curve = finetune_loop(model, head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor)
         individual = {s: accuracy(model, head, data.split(s).images, data.split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+    # a path changed in params.yaml: DVC records the new file after the run (written once the inputs proved good)
+    imports.sync(params, layout.root, [task])
     meta = backbone_metadata(params.backbone) | {"task": task}
     save_state_dict(layout.finetuned(task), backbone_state(model.cpu()), meta)
     save_state_dict(layout.head(task), {"weight": head.weight.detach().cpu(), "bias": head.bias.detach().cpu()}, {"task": task, "classes": json.dumps(data.classes)})
