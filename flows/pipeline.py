@@ -158,7 +158,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         stale = stale_stages(repo, nodes)
         # outputs whose bytes changed with their size and mtime kept pass DVC's status: hashed again (mergeflow
         # verify, seconds), and their stages run again with everything downstream
-        if rotted := check_outputs(root, skip=stale)[0]:
+        if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
             logger.warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
             stale = stale_stages(repo, nodes, also={c.stage for c in rotted})
         workers = workers or default_workers()
