@@ -37,7 +37,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_problem
+from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_argument
 from mergeflow.scheduler import RunOutcome, run_graph, stage_cores
 from mergeflow.stage_server import SERVER_ENV, running_server
 from mergeflow.verify import check_outputs
@@ -290,17 +290,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (--help lists the options)\n")
-
-
-def workers_argument(text: str) -> int:
-    """--workers: a whole number of stages at once, 1 to MAX_WORKERS."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = text
-    if problem := workers_problem(value):
-        raise argparse.ArgumentTypeError(problem)
-    return value
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:

@@ -109,8 +109,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
     sub.add_parser("verify", help="hash every output dvc.lock records again from its bytes; name each file that changed or is missing", description="Hash every output dvc.lock records again, reading every byte (DVC itself trusts a file whose size and mtime are unchanged), and name each file that changed, is missing or was added to a folder output: exit status 2 if any. The Prefect flow runs it before its stages and re-runs the stages whose outputs changed.")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
-    repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once (sibling stages share the cores), each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
-    repro.add_argument("--workers", type=_workers, default=None, metavar="N", help="stages at once (default: one per CPU core)")
+    repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once as the cores allow, each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
+    from mergeflow.orchestration import workers_argument  # no torch
+
+    repro.add_argument("--workers", type=workers_argument, default=None, metavar="N", help="stages at once (default: one per CPU core)")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
     ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -209,18 +211,6 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         getattr(stages, args.command)(params)
     return 0
-
-
-def _workers(text: str) -> int:
-    from mergeflow.orchestration import workers_problem
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = text
-    if problem := workers_problem(value):
-        raise argparse.ArgumentTypeError(problem)
-    return value
 
 
 def _value(v) -> str:

@@ -372,6 +372,19 @@ def workers_problem(value: object) -> str | None:
     return None
 
 
+def workers_argument(text: str) -> int:
+    """--workers (argparse's type): a whole number of stages at once, 1 to MAX_WORKERS."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    if problem := workers_problem(value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def check_workers(workers: int | None, key: str = "--workers") -> None:
     if workers is not None and (problem := workers_problem(workers)):
         raise MergeflowError(f"{key}: {problem}")
