@@ -23,6 +23,7 @@ LAYER = {
     "mergeflow": "foundation",  # __version__ and the OpenMP setting, nothing else
     "mergeflow.errors": "foundation",  # the user-facing failures and their exit statuses
     "mergeflow.io": "foundation",  # atomic writes, safetensors, which processes are alive
+    "mergeflow.devices": "foundation",  # data moved to a CUDA device once, where it fits
     "mergeflow.parent_death": "foundation",  # processes that die with their parent (a stage's workers)
     "mergeflow.homes": "foundation",  # the tools' home folders (Prefect's) made sure of before their import
     "mergeflow.layout": "foundation",  # where every stage reads and writes

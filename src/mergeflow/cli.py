@@ -107,6 +107,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--all", action="store_true", help="estimate every stage, up to date or not")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
+    plan.add_argument("--calibration", metavar="JSON", help="estimate from a GPU benchmark's figures (python bench/gpu.py --json JSON on that machine) instead of measuring here")
     sub.add_parser("verify", help="hash every output dvc.lock records again from its bytes; name each file that changed or is missing", description="Hash every output dvc.lock records again, reading every byte (DVC itself trusts a file whose size and mtime are unchanged), and name each file that changed, is missing or was added to a folder output: exit status 2 if any. The Prefect flow runs it before its stages and re-runs the stages whose outputs changed.")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once as the cores allow, each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
@@ -141,7 +142,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from mergeflow.plan import print_plan
 
-        return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure)
+        return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure, calibration=args.calibration)
     if args.command == "verify":
         from mergeflow.verify import verify
 

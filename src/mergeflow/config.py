@@ -206,6 +206,9 @@ class MergeConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     methods: list[str] = Field(min_length=1)
+    # grid: every grid point scored on validation; golden: the coefficient (or a one-key grid) narrowed by
+    # golden-section search, assuming a unimodal curve (mergeflow.merging.search)
+    search: Literal["grid", "golden"] = "grid"
 
     @field_validator("methods")
     @classmethod

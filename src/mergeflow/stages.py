@@ -431,13 +431,14 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
     if spec.reads:
         data = bind_data(params, spec, layout, tasks, heads, device)
         spec = spec.with_data(data)
-    on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size)
+    # the candidates are compared under bf16 autocast on CUDA (float32 on the CPU); the chosen one's test is float32
+    on_val = MultiTaskEvaluator(params.backbone, tasks, heads, "val", device, params.runtime.eval_batch_size, bf16=True)
     try:
         if spec.kind == "negation":
             pretrained_acc = on_val(_materialise(pretrained))  # a dict of the tensors already read, when held in memory
             negation = negation_search(spec, overrides, pretrained, tvs, on_val, pretrained_acc)
         else:
-            best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val)
+            best, output, curve, per_task = search(spec, overrides, pretrained, tvs, on_val, params.merge.search)
     except ValueError as err:
         raise MergeflowError(str(err)) from None
     fixed, grid = spec.search_space(overrides)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from mergeflow.devices import resident
 from mergeflow.io import StateDict
 from mergeflow.merging._tensors import as_compute
 
@@ -96,7 +97,7 @@ def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: Entro
     objective.backbone.to(device=objective.device, dtype=dtype).eval()
     for head in objective.heads.values():
         head.to(device=objective.device, dtype=dtype).requires_grad_(False)
-    inputs = {t: objective.inputs[split][t] for t in merged.tasks}
+    inputs = {t: resident(objective.inputs[split][t], objective.device) for t in merged.tasks}  # on CUDA: copied once
     smallest = min(len(x) for x in inputs.values())
     if smallest < batch_size:
         raise ValueError(f"adamerging: batch_size {batch_size} is more than the {smallest} {split} inputs of a task")

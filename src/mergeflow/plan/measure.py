@@ -106,6 +106,11 @@ class Throughput:
     measured_at: str = ""  # when (UTC), and the 1-minute load average then: how busy the machine was
     load_average: float = 0.0
     busy: bool = False  # the load average was half the cores or more when measured (the figures: bounds)
+    # from a GPU benchmark's figures (mergeflow.plan.calibration); 0: as forward_img_s, train_img_s, LOAD_BYTES_PER_S
+    search_img_s: float = 0.0  # the validation search's forward passes (bf16 on CUDA)
+    adaptation_img_s: float = 0.0  # images a second through AdaMerging's loop (forward and backward through the merge)
+    load_bytes_per_s: float = 0.0  # a merge stage reading its task files and task vectors
+    calibration: str = ""  # the benchmark file the figures come from, when they do
 
 
 def wall_seconds(fn: Callable[[], object]) -> float:

@@ -116,7 +116,12 @@ def _batches(tp: dict, kind: str) -> str:
 def device_line(plan: dict) -> str:
     tp = plan["throughput"]
     source = plan.get("throughput_source") or {}
-    when = f"measured {tp['measured_at']} at load {tp['load_average']:.1f}" if tp.get("measured_at") else "given"
+    if tp.get("calibration"):
+        when = f"from {tp['calibration']} (measured {tp['measured_at']}): search {tp['search_img_s']:.0f} img/s, AdaMerging {tp['adaptation_img_s']:.0f} img/s, reading {tp['load_bytes_per_s'] / 1e9:.2f} GB/s"
+    elif tp.get("measured_at"):
+        when = f"measured {tp['measured_at']} at load {tp['load_average']:.1f}"
+    else:
+        when = "given"
     if tp.get("busy"):
         when += " (busy: the next plan on an idle machine measures again)"
     kept = f", cached in {source['path']} (--remeasure measures again)" if source.get("path") else ""
@@ -157,7 +162,7 @@ def plan_table(plan: dict):
     return table
 
 
-def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = False, root: str = ".", remeasure: bool = False) -> int:
+def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = False, root: str = ".", remeasure: bool = False, calibration: str | None = None) -> int:
     """``mergeflow plan``: the table (or JSON) for the project in ``root``."""
     import json
 
@@ -173,7 +178,12 @@ def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = F
     if not Path(root, "dvc.yaml").is_file():
         raise MergeflowError(f"{Path(root).resolve()}: no dvc.yaml (run `mergeflow plan` from the repository root)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the architecture only: nothing to fetch
-    plan = project_plan(root, params, include_all=include_all, remeasure=remeasure, process_start=process_start)
+    throughput = None
+    if calibration:  # a GPU benchmark's figures instead of this machine's
+        from mergeflow.plan.calibration import throughput_from_bench
+
+        throughput = throughput_from_bench(calibration, params)
+    plan = project_plan(root, params, include_all=include_all, throughput=throughput, remeasure=remeasure, process_start=process_start)
     if as_json:
         print(json.dumps(plan, indent=2))
         return 0

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from mergeflow.config import Params
+from mergeflow.merging.search import golden_section, swept_key
 from mergeflow.plan.measure import Throughput, model_shape
 
 # ---------------------------------------------------------------- calibration constants (few, each measured)
@@ -72,7 +73,10 @@ class Work:
     """A stage's work in the units throughput is measured in, and what it holds in memory."""
 
     forward_images: float = 0  # images through the backbone, eval, no grad
+    search_images: float = 0  # of forward_images, the validation search's (bf16 on CUDA)
     train_images: float = 0  # images through forward + backward + optimiser step
+    adaptation_images: float = 0  # of train_images, AdaMerging's (through the merge, only the coefficients learn)
+    adaptation_passes: float = 0  # AdaMerging's merged model built at every step (in a calibrated rate already)
     example_grads: float = 0  # per-example gradients (batch 1)
     param_passes: float = 0  # elementwise passes over every parameter
     svds: float = 0  # SVDs, in units of one SVD of the largest 2-D weight
@@ -85,7 +89,7 @@ class Work:
     notes: list[str] = field(default_factory=list)
 
     def add(self, other: Work) -> Work:
-        for name in ("forward_images", "train_images", "example_grads", "param_passes", "svds", "load_bytes", "decoded_images", "fixed_s"):
+        for name in ("forward_images", "search_images", "train_images", "adaptation_images", "adaptation_passes", "example_grads", "param_passes", "svds", "load_bytes", "decoded_images", "fixed_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.trains |= other.trains
         self.held_models = max(self.held_models, other.held_models)
@@ -146,28 +150,39 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
     merge_passes = PASSES_PER_TASK * tasks
     svd_units = SVDS_PER_MATRIX.get(method, lambda t: 0)(tasks) * model_shape(params).svd_units()
     evaluated = _task_bytes(params, ("val", "test"))
-    w = Work(load_bytes=evaluated, held_models=tasks + 3, held_bytes=evaluated)
+    vectors = (tasks + 1) * model_shape(params).parameters * 4  # the task vectors and the pretrained weights, float32
+    w = Work(load_bytes=evaluated + vectors, held_models=tasks + 3, held_bytes=evaluated)
     if spec.kind == "negation":
         candidates = math.prod(len(v) for v in grid.values())
         w.forward_images = val + tasks * candidates * val + tasks * test
+        w.search_images = val + tasks * candidates * val
         w.param_passes = tasks * candidates * PASSES_PER_TASK + tasks * PASSES_PER_TASK
         return w
     calls = 0
     for values in per_task.values():  # the shared merge once, then each task's model per value, on its own val
         calls = 1
         w.forward_images += len(values) * val
+        w.search_images += len(values) * val
         w.param_passes += len(values) * tasks
     coefficient = spec.coefficient if spec.coefficient in grid else None
-    others = math.prod(len(v) for k, v in grid.items() if k != coefficient)
-    candidates = others * (len(grid[coefficient]) if coefficient else 1)
-    calls += others * (2 if coefficient else 1)
+    # merge.search golden: the swept key's points a golden-section search scores (on a flat curve; a real one, a few more or fewer)
+    swept = swept_key(spec, grid) if params.merge.search == "golden" and spec.reads != "test_inputs" else None
+    scored = len(golden_section(len(grid[swept]), lambda i: 0.0)) if swept else None
+    others = math.prod(len(v) for k, v in grid.items() if k not in (coefficient, swept))
+    if swept and swept != coefficient:  # a one-key grid that is not a coefficient: a merge for each point scored
+        candidates, calls = scored, calls + scored
+    else:
+        candidates = others * ((scored or len(grid[coefficient])) if coefficient else 1)
+        calls += others * (2 if coefficient else 1)
     w.forward_images += candidates * val + test
+    w.search_images += candidates * val
     w.param_passes += calls * merge_passes + (candidates * 2 if coefficient else 0) + (candidates + 1) * (tasks if spec.kind == "per_task" else 0)
     w.svds = calls * svd_units
     if spec.reads == "test_inputs":  # AdaMerging: Adam steps on the coefficients through the merged model
         hp = fixed
         w.train_images += calls * hp["steps"] * tasks * hp["batch_size"]
-        w.param_passes += calls * hp["steps"] * 2 * tasks
+        w.adaptation_images += calls * hp["steps"] * tasks * hp["batch_size"]
+        w.adaptation_passes += calls * hp["steps"] * 2 * tasks
         w.trains = True
     if spec.reads == "train_statistics":
         w.load_bytes += 3 * tasks * model_shape(params).parameters * 4  # two Fishers and the Grams per task
@@ -271,14 +286,18 @@ def _stage_work(params: Params, address: str) -> Work | None:
 
 
 def compute_seconds(work: Work, tp: Throughput) -> float:
-    """The stage's own time: its work divided by the measured throughputs, plus its constants."""
+    """The stage's own time: its work divided by the measured throughputs, plus its constants. The search's and
+    AdaMerging's images go at their own rates where a calibration gives them, else at the forward and training ones."""
     return (
-        work.forward_images / tp.forward_img_s
-        + work.train_images / tp.train_img_s
+        (work.forward_images - work.search_images) / tp.forward_img_s
+        + work.search_images / (tp.search_img_s or tp.forward_img_s)
+        + (work.train_images - work.adaptation_images) / tp.train_img_s
+        + work.adaptation_images / (tp.adaptation_img_s or tp.train_img_s)
         + work.example_grads * tp.example_grad_s
         + work.param_passes * tp.param_pass_s
+        + (0.0 if tp.adaptation_img_s else work.adaptation_passes * tp.param_pass_s)
         + work.svds * tp.svd_s
-        + work.load_bytes / LOAD_BYTES_PER_S
+        + work.load_bytes / (tp.load_bytes_per_s or LOAD_BYTES_PER_S)
         + work.decoded_images * tp.decode_s
         + work.fixed_s
     )
