@@ -109,6 +109,9 @@ IDENTITY_SETTINGS = {
     "adamerging": {"lr": 0.0, "init": 0.25},  # lam = 1/T
     "adamerging_task": {"lr": 0.0, "init": 0.25},
     "adamerging_cart": {},  # copies: the centred vectors are zero, theta_avg is the model
+    "model_stock": {},  # copies: cos = 1, so t = 1 and the average
+    "karcher": {},  # copies: one direction, its norm
+    "multislerp": {},
 }
 
 
