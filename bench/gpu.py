@@ -427,15 +427,12 @@ def table(result: dict) -> str:
         r = result["forward"]
         tf32 = f", {r['tf32_images_per_s']:,.0f} float32 with TF32 products" if "tf32_images_per_s" in r else ""
         rows.append(("evaluator forward", f"{r['float32_images_per_s']:,.0f} images/s float32, {r['bf16_images_per_s']:,.0f} bf16{tf32} (batch {r['batch_size']})"))
-    if "adamerging" in result:
-        r = result["adamerging"]
-        rows.append(("AdaMerging", f"{r['steps_per_s']:.2f} steps/s ({r['tasks']} tasks x {r['batch_size']} inputs a step)"))
-    if "statistics" in result:
-        r = result["statistics"]
-        rows.append(("statistics", f"Fisher {r['fisher_examples_per_s']:,.1f} examples/s, Grams {r['gram_images_per_s']:,.0f} images/s"))
-    if "host" in result:
-        r = result["host"]
-        rows.append(("host", f"one pass over the parameters {1e3 * r['param_pass_s']:.1f} ms, one SVD {r['svd_shape']} {1e3 * r['svd_s']:.1f} ms"))
+    one_line = {  # section -> (label, its line)
+        "adamerging": ("AdaMerging", lambda r: f"{r['steps_per_s']:.2f} steps/s ({r['tasks']} tasks x {r['batch_size']} inputs a step)"),
+        "statistics": ("statistics", lambda r: f"Fisher {r['fisher_examples_per_s']:,.1f} examples/s, Grams {r['gram_images_per_s']:,.0f} images/s"),
+        "host": ("host", lambda r: f"one pass over the parameters {1e3 * r['param_pass_s']:.1f} ms, one SVD {r['svd_shape']} {1e3 * r['svd_s']:.1f} ms"),
+    }
+    rows += [(label, line(result[section])) for section, (label, line) in one_line.items() if section in result]
     if "merge_stage" in result:
         r = result["merge_stage"]
         rows += [("merge stage", f"{r['total_s']:.1f} s: {r['tasks']} tasks, {r['candidates']} candidates x {r['n_val']} val, {r['n_test']} test each"),
