@@ -112,7 +112,15 @@ IDENTITY_SETTINGS = {
     "model_stock": {},  # copies: cos = 1, so t = 1 and the average
     "karcher": {},  # copies: one direction, its norm
     "multislerp": {},
+    "della": {"p": 0.0, "epsilon": 0.0, "lam": 1.0},  # no drop: TIES' disjoint mean of copies
+    "della_linear": {"p": 0.0, "epsilon": 0.0, "lam": 0.25},
+    "breadcrumbs_ties": {"gamma": 0.0, "beta": 1.0, "fuse": "mean", "lam": 1.0},
+    "sce": {"lam": 1.0},  # equal energies: TIES' disjoint mean
+    "nuslerp": {},
+    "nearswap": {"t": 10.0},  # every entry nearer than t: weights 1
+    "lines": {"beta": 0.0},  # alpha = 1/T scales the summed copies back to one
 }
+PAIRS_ONLY = {"slerp", "nuslerp"}
 
 
 class _ToyNet(torch.nn.Module):
@@ -175,7 +183,7 @@ def models_of(name, theta0, tvs, **hp):
 
 
 def _inputs(name, n=4):
-    theta0, tvs = _random_models(T_=2 if name == "slerp" else n)
+    theta0, tvs = _random_models(T_=2 if name in PAIRS_ONLY else n)
     return theta0, tvs
 
 
@@ -266,7 +274,7 @@ def test_lazy_state_dicts_merge_like_in_memory_ones(tmp_path):
         save_state_dict(tmp_path / f"{t}.safetensors", tv)
     lazy = {t: LazyStateDict(tmp_path / f"{t}.safetensors") for t in tvs}
     for name in REGISTRY:
-        if name == "slerp":
+        if name in PAIRS_ONLY:
             continue
         a = models_of(name, LazyStateDict(tmp_path / "theta0.safetensors"), lazy)
         b = models_of(name, theta0, tvs)

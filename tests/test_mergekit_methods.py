@@ -1,0 +1,186 @@
+"""mergekit's methods and LiNeS: DELLA, Breadcrumbs-TIES, SCE, NuSLERP, NearSwap and LiNeS, each against values
+computed by hand on tiny tensors and an identity from its paper or tool."""
+
+import math
+
+import pytest
+import torch
+
+from mergeflow.merging import REGISTRY
+from mergeflow.merging.della import keep_probabilities, magprune
+
+T = torch.tensor
+
+
+def close(a, b, atol=1e-6):
+    return torch.allclose(a, b, atol=atol)
+
+
+def _random(tasks=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    theta0 = {"blocks.0.w": torch.randn(6, 5, generator=g), "blocks.1.w": torch.randn(6, 5, generator=g), "norm.bias": torch.randn(5, generator=g)}
+    tvs = {f"t{i}": {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(tasks)}
+    return theta0, tvs
+
+
+# ------------------------------------------------------------------ DELLA
+def test_della_keep_probabilities_rise_with_the_magnitude_rank_over_a_window_centred_on_one_minus_p():
+    # |tau| ascending: 0.1 (rank 0), 0.2 (1/2), -0.4 (1): keep = 0.7 - 0.1 + 0.2 r
+    assert close(keep_probabilities(T([[0.1, -0.4, 0.2]]), p=0.3, epsilon=0.2), T([[0.6, 0.8, 0.7]]))
+    # a 1-D tensor is one row; tied magnitudes rank by position
+    assert close(keep_probabilities(T([0.5, -0.5, 0.1]), p=0.5, epsilon=0.4), T([0.5, 0.7, 0.3]))
+
+
+def test_magprune_keeps_each_entry_with_its_probability_and_is_unbiased():
+    g = torch.Generator().manual_seed(1)
+    tau = torch.rand(1, 20_000, generator=g) + 0.5
+    pruned = magprune(tau, p=0.5, epsilon=0.4, rescale="keep_probability", seed=3)
+    keep = keep_probabilities(tau, 0.5, 0.4)
+    kept = pruned != 0
+    assert close(pruned[kept], (tau / keep)[kept])
+    order = tau[0].argsort()
+    smallest, largest = kept[0, order[:2000]].float().mean(), kept[0, order[-2000:]].float().mean()
+    assert abs(smallest - 0.32) < 0.03 and abs(largest - 0.68) < 0.03  # keep 0.3 + 0.4 r over those ranks
+    assert abs(pruned.mean() / tau.mean() - 1) < 0.02  # E[kept / k] = tau
+
+
+def test_magprune_l1_rescale_keeps_the_tensors_l1_norm():
+    tau = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    pruned = magprune(tau, p=0.6, epsilon=0.2, rescale="l1", seed=0)
+    assert (pruned == 0).any() and math.isclose(float(pruned.abs().sum()), float(tau.abs().sum()), rel_tol=1e-5)
+
+
+def test_della_without_drop_is_ties_disjoint_mean_and_della_linear_is_task_arithmetic():
+    theta0, tvs = _random()
+    della = REGISTRY["della"](theta0, tvs, p=0.0, epsilon=0.0, lam=1.3)
+    ties = REGISTRY["ties"](theta0, tvs, k=1.0, trim_scope="tensor", lam=1.3)
+    linear = REGISTRY["della_linear"](theta0, tvs, p=0.0, epsilon=0.0, lam=0.3)
+    ta = REGISTRY["task_arithmetic"](theta0, tvs, lam=0.3)
+    assert all(close(della[k], ties[k], 1e-5) and close(linear[k], ta[k], 1e-5) for k in theta0)
+
+
+def test_della_drops_differently_per_seed_and_refuses_a_window_outside_the_probabilities():
+    theta0, tvs = _random()
+    a, b = (REGISTRY["della"](theta0, tvs, seed=s) for s in (0, 1))
+    assert not torch.equal(a["blocks.0.w"], b["blocks.0.w"])
+    with pytest.raises(ValueError, match=r"merge\.della: need 0 <= p - epsilon/2"):
+        REGISTRY["della"](theta0, tvs, p=0.05, epsilon=0.2)
+
+
+# ------------------------------------------------------------------ Breadcrumbs-TIES
+def test_breadcrumbs_ties_by_hand():
+    # n = 5, gamma 0.2, beta 0.4 (floor): ranks [1, 3) from the largest are kept
+    #   a = [5, 3, -2, 1, .5] keeps 3, -2; b = [-1, 4, 2, -6, .1] keeps 4, 2
+    #   totals [0, 7, 0, 0, 0]: entry 1 elects + (3 and 4 agree), entry 2 sums to 0 and elects nothing
+    theta0 = {"w": torch.zeros(5)}
+    tvs = {"a": {"w": T([5.0, 3.0, -2.0, 1.0, 0.5])}, "b": {"w": T([-1.0, 4.0, 2.0, -6.0, 0.1])}}
+    hp = {"gamma": 0.2, "beta": 0.4, "lam": 0.5}
+    assert close(REGISTRY["breadcrumbs_ties"](theta0, tvs, fuse="sum", **hp)["w"], T([0.0, 3.5, 0.0, 0.0, 0.0]))
+    assert close(REGISTRY["breadcrumbs_ties"](theta0, tvs, fuse="mean", **hp)["w"], T([0.0, 1.75, 0.0, 0.0, 0.0]))
+
+
+def test_breadcrumbs_ties_without_sign_conflict_is_breadcrumbs():
+    theta0, tvs = _random()
+    positive = {t: {k: v.abs() for k, v in tv.items()} for t, tv in tvs.items()}
+    for scope in ("row", "tensor"):
+        bt = REGISTRY["breadcrumbs_ties"](theta0, positive, scope=scope, lam=0.7)
+        bc = REGISTRY["breadcrumbs"](theta0, positive, scope=scope, alpha=0.7)
+        assert all(close(bt[k], bc[k], 1e-5) for k in theta0)
+
+
+# ------------------------------------------------------------------ SCE
+def test_sce_by_hand():
+    theta0 = {"w": torch.zeros(4)}
+    tvs = {"a": {"w": T([1.0, 2.0, -1.0, 0.0])}, "b": {"w": T([3.0, -1.0, -1.0, 0.0])}}
+    # all selected: energies 6/4 and 11/4, w = [6, 11] / 17; signs elected [+, +, -, none]
+    w = T([6.0, 11.0]) / 17
+    expected = T([w[0] * 1 + w[1] * 3, 2.0, -1.0, 0.0])
+    assert close(REGISTRY["sce"](theta0, tvs)["w"], expected)
+    # select_topk 0.5: variances [1, 2.25, 0, 0], two nonzero, floor(1) kept: entry 1 only; a's 2 outweighs b's -1
+    assert close(REGISTRY["sce"](theta0, tvs, select_topk=0.5, lam=1.5)["w"], T([0.0, 3.0, 0.0, 0.0]))
+
+
+def test_sce_with_equal_energies_is_ties_disjoint_mean():
+    theta0, tvs = _random(tasks=2)
+    a = tvs["t0"]
+    flipped = {k: v.flatten().flip(0).reshape(v.shape) for k, v in a.items()}  # same entries: same energy per tensor
+    tvs = {"a": a, "b": flipped}
+    sce = REGISTRY["sce"](theta0, tvs, lam=1.2)
+    ties = REGISTRY["ties"](theta0, tvs, k=1.0, trim_scope="tensor", lam=1.2)
+    assert all(close(sce[k], ties[k], 1e-5) for k in theta0)
+
+
+# ------------------------------------------------------------------ NuSLERP
+def test_nuslerp_on_rows_and_columns_by_hand():
+    theta0 = {"w": torch.zeros(2, 2)}
+    tvs = {"a": {"w": T([[1.0, 0.0], [0.0, 1.0]])}, "b": {"w": T([[0.0, 1.0], [0.0, 2.0]])}}
+    s = math.sqrt(0.5)
+    # rows: (1,0)-(0,1) orthogonal, slerp at 1/2 = (s, s); (0,1)-(0,2) parallel: lerp (0, 1.5)
+    assert close(REGISTRY["nuslerp"](theta0, tvs, vectors="rows")["w"], T([[s, s], [0.0, 1.5]]))
+    # columns: (1,0)-(0,0): a zero vector is at a right angle, sin(pi/4) (1,0); (0,1)-(1,2): cos = 2/sqrt(5),
+    # slerp at 1/2 = (a + b) / (2 cos(omega/2))
+    factor = 1 / (2 * math.sqrt((1 + 2 / math.sqrt(5)) / 2))
+    assert close(REGISTRY["nuslerp"](theta0, tvs, vectors="columns")["w"], T([[s, factor], [0.0, 3 * factor]]))
+
+
+def test_nuslerp_on_whole_tensors_is_slerp_and_merges_two_models_only():
+    theta0, tvs = _random(tasks=2)
+    for t in (0.25, 0.5, 0.9):
+        nu, sl = REGISTRY["nuslerp"](theta0, tvs, t=t), REGISTRY["slerp"](theta0, tvs, t=t)
+        assert all(close(nu[k], sl[k], 1e-5) for k in theta0)
+    with pytest.raises(ValueError, match="exactly two models, got 3"):
+        REGISTRY["nuslerp"](*_random(tasks=3))
+
+
+# ------------------------------------------------------------------ NearSwap
+def test_nearswap_by_hand_and_as_mergekit_for_one_model():
+    theta0 = {"w": torch.zeros(3)}
+    a = T([0.5e-4, 2e-4, -4e-4])
+    # weights clamp(1e-4 / |tau|, 0, 1) = [1, 0.5, 0.25]
+    assert close(REGISTRY["nearswap"](theta0, {"a": {"w": a}}, t=1e-4)["w"], T([0.5e-4, 1e-4, -1e-4]), atol=1e-10)
+    # mergekit's formula on (base, model): weight * model + (1 - weight) * base
+    base, model = torch.randn(50, generator=torch.Generator().manual_seed(0)), None
+    model = base + 1e-3 * torch.randn(50, generator=torch.Generator().manual_seed(1))
+    weight = (3e-4 / (base - model).abs().clamp(min=1e-6)).clamp(0, 1)
+    ours = REGISTRY["nearswap"]({"w": base}, {"m": {"w": model - base}}, t=3e-4)["w"]
+    assert close(ours, weight * model + (1 - weight) * base)
+    # two tasks: the mean of the two pairwise merges
+    b = T([1e-4, -1e-4, 1e-3])
+    two = REGISTRY["nearswap"](theta0, {"a": {"w": a}, "b": {"w": b}}, t=1e-4)["w"]
+    assert close(two, (T([0.5e-4, 1e-4, -1e-4]) + T([1e-4, -1e-4, 1e-4])) / 2, atol=1e-10)
+
+
+# ------------------------------------------------------------------ LiNeS
+def test_lines_scales_each_block_by_its_depth_by_hand():
+    theta0 = {"blocks.0.w": torch.zeros(2), "blocks.2.w": torch.zeros(2), "blocks.1.w": torch.zeros(2), "norm.w": torch.zeros(2)}
+    ones = {k: torch.ones(2) for k in theta0}
+    tvs = {"a": ones, "b": {k: 3 * torch.ones(2) for k in theta0}}
+    # base task arithmetic: tau_MTL = sum = 4, alpha = 1 / T = 0.5; depths 0, 1, 0.5 and none (alpha)
+    merged = REGISTRY["lines"](theta0, tvs, beta=0.4)
+    expected = {"blocks.0.w": 0.5 * 4, "blocks.2.w": (0.5 + 0.4) * 4, "blocks.1.w": (0.5 + 0.2) * 4, "norm.w": 0.5 * 4}
+    assert all(close(merged[k], torch.full((2,), v)) for k, v in expected.items())
+
+
+def test_lines_alpha_gives_tau_mtl_the_mean_task_vectors_l1_norm():
+    theta0, tvs = _random()
+    at_zero = REGISTRY["lines"](theta0, tvs, base="ties", ties_k=0.5, beta=0.0)
+    ties = REGISTRY["ties"](theta0, tvs, k=0.5, lam=1.0)
+    mean_l1 = sum(float(sum(tv[k] for tv in tvs.values()).abs().sum()) for k in theta0) / len(tvs)
+    moved = {k: at_zero[k] - theta0[k] for k in theta0}
+    assert math.isclose(sum(float(v.abs().sum()) for v in moved.values()), mean_l1, rel_tol=1e-5)
+    # ... in TIES' direction, and with base task arithmetic at beta 0 it is weight averaging
+    ratio = float(moved["blocks.0.w"].norm() / (ties["blocks.0.w"] - theta0["blocks.0.w"]).norm())
+    assert all(close(moved[k], ratio * (ties[k] - theta0[k]), 1e-5) for k in theta0)
+    wa, lines = REGISTRY["weight_averaging"](theta0, tvs), REGISTRY["lines"](theta0, tvs, beta=0.0)
+    assert all(close(wa[k], lines[k], 1e-5) for k in theta0)
+
+
+@pytest.mark.parametrize("name, hp", [("della", {"p": 0.0, "epsilon": 0.0}), ("della_linear", {"p": 0.0, "epsilon": 0.0, "lam": 0.5}), ("breadcrumbs_ties", {"gamma": 0.0, "beta": 1.0, "fuse": "mean", "lam": 1.0}), ("sce", {}), ("nuslerp", {}), ("nearswap", {"t": 1.0}), ("lines", {"beta": 0.0})])
+def test_float64_merges_of_copies_stay_float64_and_exact(name, hp):
+    theta0, tvs = _random(tasks=2)
+    theta0 = {k: v.double() for k, v in theta0.items()}
+    tau = {k: v.double() for k, v in tvs["t0"].items()}
+    copies = {"a": tau, "b": tau}
+    scale = 2 * hp.get("lam", 1.0) if name == "della_linear" else (hp.get("lam", 1.1) if name == "della" else 1.0)
+    merged = REGISTRY[name](theta0, copies, **hp)
+    assert all(merged[k].dtype == torch.float64 and torch.allclose(merged[k], theta0[k] + scale * tau[k], rtol=0, atol=1e-12) for k in theta0)
