@@ -184,3 +184,37 @@ def test_float64_merges_of_copies_stay_float64_and_exact(name, hp):
     scale = 2 * hp.get("lam", 1.0) if name == "della_linear" else (hp.get("lam", 1.1) if name == "della" else 1.0)
     merged = REGISTRY[name](theta0, copies, **hp)
     assert all(merged[k].dtype == torch.float64 and torch.allclose(merged[k], theta0[k] + scale * tau[k], rtol=0, atol=1e-12) for k in theta0)
+
+
+# ------------------------------------------------------------------ WUDI
+def test_wudi_gradient_is_fusionbench_autograd_and_exact_solves_the_normal_equations():
+    from mergeflow.merging.wudi import interference, normal_equations, solve_exact
+
+    g = torch.Generator().manual_seed(4)
+    taus = torch.randn(3, 5, 2, generator=g, dtype=torch.float64) @ torch.randn(3, 2, 6, generator=g, dtype=torch.float64)  # rank 2 each
+    merged = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    interference(merged, taus).backward()  # FusionBench's loss, by autograd
+    s, b = normal_equations(taus)
+    assert torch.allclose(merged.grad, 2 * (merged.detach() @ s - b), atol=1e-10)
+    # S has rank 6 = in here (three rank-2 vectors): the unique minimiser, where the gradient vanishes
+    exact = solve_exact(taus)
+    assert torch.allclose(exact @ s, b, atol=1e-10) and float(interference(exact, taus)) < float(interference(taus.sum(0), taus))
+
+
+def test_wudi_keeps_the_start_outside_the_task_vectors_row_space_and_adam_descends():
+    from mergeflow.merging.wudi import interference, normal_equations, solve_adam, solve_exact
+
+    g = torch.Generator().manual_seed(5)
+    taus = torch.zeros(2, 4, 3, dtype=torch.float64)
+    taus[:, :, :2] = torch.randn(2, 4, 2, generator=g, dtype=torch.float64)  # rows in span(e1, e2): e3 is S's null space
+    exact = solve_exact(taus)
+    s, b = normal_equations(taus)
+    assert torch.allclose(exact[:, 2], taus.sum(0)[:, 2]) and torch.allclose(exact @ s, b, atol=1e-10)
+    losses = [float(interference(solve_adam(taus, steps, 1e-2), taus)) for steps in (0, 50, 2000)]
+    assert losses[0] > losses[1] > losses[2] and losses[2] < float(interference(exact, taus)) + 1e-6
+
+
+def test_wudi_averages_what_is_not_a_matrix():
+    theta0, tvs = _random()
+    merged = REGISTRY["wudi"](theta0, tvs, steps=3)
+    assert close(merged["norm.bias"], theta0["norm.bias"] + sum(tv["norm.bias"] for tv in tvs.values()) / 3)
