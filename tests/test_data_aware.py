@@ -46,6 +46,26 @@ def test_fisher_two_entries_by_hand():
     torch.testing.assert_close(merged, torch.tensor([2.25, 4.0]))
 
 
+def test_fisher_with_fusionbench_normalisation_and_floor_by_hand():
+    # |F_a| = 3, |F_b| = 1: c = (1/3, 1) / (4/3) = (1/4, 3/4) (the 1e-6 guards aside); F + 1e-6
+    #   entry 0: weights 0.75, 0.75 -> theta0 + (0.75 * 2 - 0.75 * 1) / 1.5 = 1.5
+    #   entry 1: both Fishers 0 -> weights 0.25e-6, 0.75e-6 -> 2 + 0.75 * 4 = 5
+    theta0 = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    taus = {"a": {"w": torch.tensor([2.0, 0.0], dtype=torch.float64)}, "b": {"w": torch.tensor([-1.0, 4.0], dtype=torch.float64)}}
+    fishers = {"a": {"w": torch.tensor([3.0, 0.0])}, "b": {"w": torch.tensor([1.0, 0.0])}}
+    data = _stats(**{t: {"fisher_sampled": fishers[t], "fisher_empirical": fishers[t]} for t in taus})
+    merged = REGISTRY["fisher"].with_data(data)(theta0, taus, normalize="global_norm", floor_rule="add")["w"]
+    c = torch.tensor([1 / (3 + 1e-6), 1 / (1 + 1e-6)], dtype=torch.float64)
+    c = c / c.sum()
+    w0, w1 = c * torch.tensor([3 + 1e-6, 1 + 1e-6], dtype=torch.float64), c * 1e-6
+    expected = torch.stack([1 + (w0[0] * 2 - w0[1]) / w0.sum(), 2 + w1[1] * 4 / w1.sum()])
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-12)
+    assert abs(float(merged[0]) - 1.5) < 1e-5 and abs(float(merged[1]) - 5.0) < 1e-5
+    # without the normalisation, F + floor: entry 0 is (3 * 2 - 1) / 4 away, as with max(F, floor)
+    plain = REGISTRY["fisher"].with_data(data)(theta0, taus, floor_rule="add")["w"]
+    assert abs(float(plain[0]) - 2.25) < 1e-5
+
+
 def test_fisher_diagonal_of_a_linear_model_matches_the_closed_form():
     """log p(y|x) = log softmax(H W x)[y]: d/dW = H^T (e_y - p) x^T, squared and averaged over examples."""
     g = torch.Generator().manual_seed(1)

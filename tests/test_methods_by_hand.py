@@ -109,6 +109,17 @@ def test_emr_reproduces_the_sign_mask_and_scale_rules():
     assert close(method.reconstruct(store, theta0, "b")["w"], T([1.8, 2.7, 0.0]))
 
 
+def test_emr_tensor_means_rescale_weights_each_tensor_by_its_size():
+    # w as above (3 entries) and v = [4] in a: sum |tau_a| over the model 3.5 + 4 = 7.5, kept |M_a tau_uni| 2 + 4 = 6
+    #   model sums: lambda_a = 7.5 / 6; tensor means (FusionBench): (3.5/3 + 4/1) / (2/3 + 4/1) = 31/28
+    theta0 = {"w": torch.zeros(3), "v": torch.zeros(1)}
+    tvs = {"a": {"w": T([2.0, -1.0, 0.5]), "v": T([4.0])}, "b": {"w": T([1.0, 3.0, -0.5]), "v": T([-1.0])}}
+    method = REGISTRY["emr"]
+    sums, means = method(theta0, tvs), method(theta0, tvs, rescale="tensor_means")
+    assert close(sums["scale/a"].float(), T(7.5 / 6)) and close(means["scale/a"].float(), T(31 / 28))
+    assert torch.equal(sums["shared/w"], means["shared/w"]) and torch.equal(sums["mask/b/v"], means["mask/b/v"])
+
+
 def test_tall_ties_masks_each_task():
     theta0 = {"w": torch.zeros(2)}
     tvs = {"a": {"w": T([1.0, 0.0])}, "b": {"w": T([1.0, 0.0])}, "c": {"w": T([0.1, 1.0])}}

@@ -4,14 +4,17 @@ Huang et al., "EMR-Merging: tuning-free high-performance model merging", NeurIPS
     gamma = sgn(sum_t tau_t);  tau_uni = gamma * max over tasks t with sgn(tau_t) = gamma of |tau_t|;
     M_t = 1{tau_t gamma > 0};  lambda_t = sum |tau_t| / sum |M_t * tau_uni| (sums over the whole model);
     task t: theta0 + lambda_t (M_t * tau_uni).
-No hyperparameters. Storage: one model-sized vector, one bit per weight and task, one scalar per task, beside theta0.
+``rescale``: ``'model_sums'`` (the paper's formula, above) or ``'tensor_means'`` (the authors' scripts and
+FusionBench: lambda_t = sum over tensors of mean |tau_t| / sum over tensors of mean |M_t * tau_uni|, which weights
+each tensor by 1 / its size: 1.3-2.1e-2 apart on CLIP's update). FusionBench also elects - where sum_t tau_t is
+exactly 0; here such an entry elects no sign. Nothing is searched. Storage: one model-sized vector, one bit per weight and task, one scalar per task, beside theta0.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mergeflow.merging import register
+from mergeflow.merging import Choice, register
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +42,15 @@ def reconstruct(store, pretrained, task):
     return out
 
 
-@register("emr", paper="Huang et al. 2024, EMR-Merging (arXiv:2405.17461)", kind="per_task", reconstruct=reconstruct)
-def emr(pretrained, task_vectors):
+@register(
+    "emr",
+    paper="Huang et al. 2024, EMR-Merging (arXiv:2405.17461)",
+    kind="per_task",
+    reconstruct=reconstruct,
+    defaults={"rescale": "model_sums"},
+    ranges={"rescale": Choice(("model_sums", "tensor_means"))},
+)
+def emr(pretrained, task_vectors, *, rescale):
     import torch
 
     from mergeflow.merging._tensors import map_tensors
@@ -52,8 +62,9 @@ def emr(pretrained, task_vectors):
 
     def merge(key, theta0, taus):
         tau_uni, masks = elect(taus)
-        total.add_(taus.abs().flatten(1).sum(1).double())
-        kept.add_((masks * tau_uni.abs()).flatten(1).sum(1).double())
+        per = 1.0 / taus[0].numel() if rescale == "tensor_means" else 1.0
+        total.add_(taus.abs().flatten(1).sum(1).double() * per)
+        kept.add_((masks * tau_uni.abs()).flatten(1).sum(1).double() * per)
         for t, mask in zip(tasks, masks):
             store[f"mask/{t}/{key}"] = mask
         return tau_uni

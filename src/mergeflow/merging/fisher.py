@@ -6,6 +6,12 @@ diagonal Fisher of task t's fine-tuned model with its head, over n examples of i
 With theta_t = theta0 + tau_t this is theta0 + sum_t F_t tau_t / sum_t F_t: equal Fishers give weight averaging.
 ``labels``: "sampled" (y drawn from the model's predictive distribution, the paper's estimate) or "empirical" (the
 true labels); both are searched on validation.
+
+Where the reference codes differ (FusionBench's fisher_merging, after the authors' code): ``normalize``:
+``'none'`` (the paper) or ``'global_norm'`` (their default: task t's Fisher weighted by c_t = (1 / (|F_t| + 1e-6)) /
+sum_s (1 / (|F_s| + 1e-6)), |F_t| the L2 norm of its whole diagonal, so that no task dominates by scale);
+``floor_rule``: ``'max'`` (max(F, floor), the paper's numerical guard) or ``'add'`` (F + floor, FusionBench's).
+FusionBench's per-model scaling coefficients (1 by default) are not offered.
 """
 
 from mergeflow.merging import Choice, Range, register
@@ -14,20 +20,32 @@ from mergeflow.merging import Choice, Range, register
 @register(
     "fisher",
     paper="Matena & Raffel 2022, Merging models with Fisher-weighted averaging (arXiv:2111.09832)",
-    defaults={"labels": "sampled", "floor": 1e-6},
+    defaults={"labels": "sampled", "floor": 1e-6, "floor_rule": "max", "normalize": "none"},
     grid={"labels": ["sampled", "empirical"]},
-    ranges={"labels": Choice(("sampled", "empirical")), "floor": Range("a Fisher floor", 0, low_open=True)},
+    ranges={
+        "labels": Choice(("sampled", "empirical")),
+        "floor": Range("a Fisher floor", 0, low_open=True),
+        "floor_rule": Choice(("max", "add")),
+        "normalize": Choice(("none", "global_norm")),
+    },
     reads="train_statistics",
 )
-def fisher(pretrained, task_vectors, *, data, labels, floor):
+def fisher(pretrained, task_vectors, *, data, labels, floor, floor_rule, normalize):
     import torch
 
     from mergeflow.merging._tensors import map_tensors
 
     fishers = [data.statistics[t][f"fisher_{labels}"] for t in task_vectors]
+    scales = torch.ones(len(fishers), dtype=torch.float64)
+    if normalize == "global_norm":
+        norms = torch.tensor([sum(float(f[k].double().pow(2).sum()) for k in pretrained) ** 0.5 for f in fishers], dtype=torch.float64)
+        scales = 1 / (norms + 1e-6)
+        scales = scales / scales.sum()
 
     def merge(key, theta0, taus):
-        weights = torch.stack([f[key].to(taus.dtype) for f in fishers]).clamp_min(floor)
+        weights = torch.stack([f[key].to(taus.dtype) for f in fishers])
+        weights = weights.clamp_min(floor) if floor_rule == "max" else weights + floor
+        weights = weights * scales.to(taus.dtype).reshape((-1,) + (1,) * (weights.dim() - 1))
         return theta0 + (weights * taus).sum(0) / weights.sum(0)
 
     return map_tensors(pretrained, task_vectors, merge)
