@@ -36,7 +36,7 @@ def test_svd_methods_list_is_complete():
     import importlib
     import inspect
 
-    helpers = {"svd", "low_rank", "polar"}
+    helpers = {"svd", "low_rank", "polar", "top_singular"}
 
     def imported_names(module_name: str) -> set[str]:  # at the top or inside a function (methods import torch lazily)
         tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))

@@ -262,6 +262,71 @@ def test_gram_svd_matches_lapack_and_stays_orthonormal(name, matrix):
     assert (s[:-1] >= s[1:]).all()
 
 
+def _spectrum(m, n, decay, seed=0):
+    """A float32 matrix with singular values i^-decay (i = 1..r) between random orthonormal bases."""
+    g = torch.Generator().manual_seed(seed)
+    r = min(m, n)
+    q1, _ = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64))
+    return ((q1 * torch.arange(1, r + 1, dtype=torch.float64) ** -decay) @ q2.T).float()
+
+
+@pytest.mark.parametrize(
+    "name, matrix, k, gram_route",
+    [
+        ("tall, top 12", _spectrum(96, 48, 0.7), 12, True),
+        ("wide, top 12", _spectrum(48, 96, 0.7), 12, True),
+        ("top 30 of 40, more than half: LAPACK", _spectrum(60, 40, 0.7), 30, False),
+        ("top 12 beyond the floor: LAPACK", _spectrum(60, 40, 3.0), 12, False),
+        ("rank 2, top 5: LAPACK", _rank(2, 40, 30), 5, False),
+        ("zeros: LAPACK", torch.zeros(20, 30), 3, False),
+    ],
+)
+def test_top_singular_matches_float64_lapack(name, matrix, k, gram_route, monkeypatch):
+    """The float32 CPU route through the Gram against float64 LAPACK, and LAPACK's float32 SVD where it does not
+    apply."""
+    from mergeflow.merging import _tensors
+
+    calls = []
+    real_svd = _tensors.svd
+    monkeypatch.setattr(_tensors, "svd", lambda a: calls.append(1) or real_svd(a))
+    u, s, vh = _tensors.top_singular(matrix, k)
+    assert (not calls) == gram_route
+    x = matrix.double()
+    ru, rs, rvh = torch.linalg.svd(x, full_matrices=False)
+    scale = max(float(x.norm()), 1e-30)
+    assert u.dtype == torch.float32 and u.shape == (x.shape[0], k) and s.shape == (k,) and vh.shape == (k, x.shape[1])
+    assert ((u.double() * s.double()) @ vh.double() - (ru[:, :k] * rs[:k]) @ rvh[:k]).norm() <= 1e-5 * scale
+    assert (s.double() - rs[:k]).abs().max() <= 1e-6 * scale
+
+
+@pytest.mark.parametrize(
+    "name, matrix, gram_route",
+    [
+        ("cond 15, tall", _spectrum(96, 48, 0.7), True),
+        ("cond 15, wide", _spectrum(48, 96, 0.7), True),
+        ("cond 1e4: LAPACK", _spectrum(96, 40, 2.5), False),
+        ("square: LAPACK", _spectrum(48, 48, 0.7), False),
+    ],
+)
+def test_polar_matches_float64_lapack(name, matrix, gram_route, monkeypatch):
+    from mergeflow.merging import _tensors
+
+    calls = []
+    real_svd = _tensors.svd
+    monkeypatch.setattr(_tensors, "svd", lambda a: calls.append(1) or real_svd(a))
+    p = _tensors.polar(matrix)
+    assert (not calls) == gram_route
+    ru, _, rvh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    u32, _, vh32 = torch.linalg.svd(matrix, full_matrices=False)
+
+    def error(x):
+        return float((x.double() - ru @ rvh).norm() / (ru @ rvh).norm())
+
+    # as accurate as LAPACK's float32 SVD (whose own error grows with the condition number: 6e-5 at 1e4)
+    assert p.dtype == torch.float32 and error(p) <= max(1e-5, 1.5 * error(u32 @ vh32))
+
+
 def _dare_words(stream: int, n: int) -> np.ndarray:
     """DARE's mask words, in numpy: fmix32(stream + i * 0x9E3779B9) (the kernels' drop_word)."""
     w = (np.uint64(stream) + np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)

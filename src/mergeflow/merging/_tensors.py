@@ -226,12 +226,73 @@ def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return u.float(), s.float(), v.T.float()
 
 
+# The float32 CPU route through the smaller Gram, for the SVD family's two cheap cases: a few top singular triplets
+# (TSV's top r/T of each task, Iso-CTS's per-task directions: ``top_singular``) and the polar factor of a
+# well-conditioned matrix (TSV's and Iso-CTS's concatenated bases, where long and thin: ``polar``). The Gram A^T A in float32 (one fast
+# product), its top eigenpairs in float64 by LAPACK through scipy (syevr for a subset, syevd for all), the other
+# side from A V / S. Its error is float32 rounding relative to the smallest eigenvalue it uses, so it is taken only
+# where that eigenvalue is at least GRAM_FLOOR of the largest (singular values within a factor 100 of the top);
+# otherwise, and for float64, for more than half the spectrum (Iso-C, Iso-CTS's common space) and on CUDA, ``svd``.
+# On one ViT-B/16 block with one thread: bench/svd_family.py, docs/benchmarks.md.
+GRAM_FLOOR = 1e-4
+
+
+def _gram_eigh(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
+    """(A, w, Q, tall): A = X or X^T made tall, and the top k eigenpairs of A^T A, w descending, in float64; None
+    where the route does not apply (not float32 on the CPU) or its k-th eigenvalue is below GRAM_FLOOR."""
+    if matrix.dtype != torch.float32 or matrix.device.type != "cpu" or k <= 0:
+        return None
+    import scipy.linalg
+    import threadpoolctl
+
+    tall = matrix.shape[0] >= matrix.shape[1]
+    a = matrix if tall else matrix.T
+    gram = (a.T @ a).double().numpy()
+    n = gram.shape[0]
+    with threadpoolctl.threadpool_limits(torch.get_num_threads(), user_api="blas"):  # scipy's BLAS: the stage's share
+        if 2 * k > n:
+            w, q = scipy.linalg.eigh(gram, driver="evd", overwrite_a=True, check_finite=False)
+        else:
+            w, q = scipy.linalg.eigh(gram, subset_by_index=[n - k, n - 1], driver="evr", overwrite_a=True, check_finite=False)
+    w, q = torch.from_numpy(w[::-1][:k].copy()), torch.from_numpy(q[:, ::-1][:, :k].copy())
+    return (a, w, q, tall) if w[-1] >= GRAM_FLOOR * w[0] > 0 else None
+
+
+def top_singular(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top k singular triplets (U [m, k], S [k] descending, Vh [k, n]) in the matrix's compute_dtype, on the SVD
+    device: the Gram route for a float32 CPU matrix when k is at most half its rank and resolved, else ``svd``."""
+    matrix = as_compute(matrix).to(svd_device())
+    k = min(k, *matrix.shape)
+    route = _gram_eigh(matrix, k) if 2 * k <= min(matrix.shape) else None
+    if route is None:
+        u, s, vh = svd(matrix)
+        return u[:, :k], s[:k], vh[:k]
+    a, w, q, tall = route
+    s, v = w.sqrt().float(), q.float()
+    u = (a @ v) / s
+    return (u, s, v.T) if tall else (v, s, u.T)
+
+
+def polar(matrix: torch.Tensor) -> torch.Tensor:
+    """The orthogonal polar factor: M = P S Q^T -> P Q^T (the nearest matrix with orthonormal columns); for a
+    well-conditioned float32 CPU matrix, A (A^T A)^-1/2 by the Gram route. Tried only on matrices at least twice as
+    long as wide: a concatenation of orthonormal blocks is well-conditioned there, and seldom when square."""
+    matrix = as_compute(matrix).to(svd_device())
+    route = _gram_eigh(matrix, min(matrix.shape)) if max(matrix.shape) >= 2 * min(matrix.shape) else None
+    if route is None:
+        u, _, vh = svd(matrix)
+        return u @ vh
+    a, w, q, tall = route
+    p = a @ ((q / w.sqrt()) @ q.T).float()
+    return p if tall else p.T
+
+
 def low_rank(matrix: torch.Tensor, k: int) -> torch.Tensor:
     """The best rank-k approximation (truncated SVD); k = 0 gives zeros."""
     if k <= 0:
         return torch.zeros_like(matrix, dtype=compute_dtype(matrix.dtype))
-    u, s, vh = svd(matrix)
-    return ((u[:, :k] * s[:k]) @ vh[:k]).to(matrix.device)
+    u, s, vh = top_singular(matrix, k)
+    return ((u * s) @ vh).to(matrix.device)
 
 
 def rank_of_ratio(matrix: torch.Tensor, ratio: float) -> int:
@@ -241,12 +302,6 @@ def rank_of_ratio(matrix: torch.Tensor, ratio: float) -> int:
     7.000000000000001) does not add a rank: 0.25 x 768 gives 192, 0.08 x 768 = 61.44 gives 62."""
     r = min(matrix.shape)
     return max(0, min(r, math.ceil(ratio * r - 1e-9)))
-
-
-def polar(matrix: torch.Tensor) -> torch.Tensor:
-    """The orthogonal polar factor: M = P S Q^T -> P Q^T (the nearest matrix with orthonormal columns)."""
-    u, _, vh = svd(matrix)
-    return u @ vh
 
 
 def seed_of(seed: int, *parts: str | int) -> int:

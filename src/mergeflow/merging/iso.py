@@ -50,18 +50,17 @@ def subspace_sizes(r: int, n_tasks: int, common_space_fraction: float) -> tuple[
 def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Tensor:
     import torch
 
-    from mergeflow.merging._tensors import polar, svd
+    from mergeflow.merging._tensors import polar, top_singular
 
     n_tasks, r = taus.shape[0], min(taus.shape[1:])
-    u, s, vh = svd(taus.sum(0))
     c, per_task = subspace_sizes(r, n_tasks, common_space_fraction)
-    u_common = u[:, :c]
-    us, vs, kept = [u_common], [vh[:c].T], [s[:c]]
+    u_common, s_common, vh_common = top_singular(taus.sum(0), c)
+    us, vs, kept = [u_common], [vh_common.T], [s_common]
     if per_task > 0:
-        for tau in taus.to(u.device):
+        for tau in taus.to(u_common.device):
             residual = tau - u_common @ (u_common.T @ tau)  # off the common left subspace
-            ut, st, vht = svd(residual)
-            us.append(ut[:, :per_task]), vs.append(vht[:per_task].T), kept.append(st[:per_task])
+            ut, st, vht = top_singular(residual, per_task)
+            us.append(ut), vs.append(vht.T), kept.append(st)
     u_hat, v_hat = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
     return (torch.cat(kept).mean() * (u_hat @ v_hat.T)).to(taus.device)
 

@@ -23,12 +23,12 @@ def task_singular_vectors(taus: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     """Concatenated top-k triplets of each task, on the SVD device: U^ [m, T k], S^ [T k], Vh^ [T k, n]."""
     import torch
 
-    from mergeflow.merging._tensors import svd
+    from mergeflow.merging._tensors import top_singular
 
     us, ss, vhs = [], [], []
     for tau in taus:
-        u, s, vh = svd(tau)
-        us.append(u[:, :k]), ss.append(s[:k]), vhs.append(vh[:k])
+        u, s, vh = top_singular(tau, k)
+        us.append(u), ss.append(s), vhs.append(vh)
     return torch.cat(us, 1), torch.cat(ss), torch.cat(vhs, 0)
 
 
