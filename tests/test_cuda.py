@@ -43,7 +43,9 @@ def test_svd_methods_list_is_complete():
         return {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
 
     uses_svd = {n for n, m in REGISTRY.items() if helpers & imported_names(m.fn.__module__)}
-    assert uses_svd == set(SVD_METHODS) | {"adamerging_cart"}  # that one: test_data_aware_methods_on_the_gpu_match_the_cpu
+    # adamerging_cart: test_data_aware_methods_on_the_gpu_match_the_cpu; doge_ta: its basis on the GPU, its Adam loop
+    # (sign-like steps, which carry rounding differences) on the CPU's tensors: checked on the CPU only
+    assert uses_svd == set(SVD_METHODS) | {"adamerging_cart", "doge_ta"}
 
 
 @needs_cuda

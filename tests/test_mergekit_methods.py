@@ -218,3 +218,45 @@ def test_wudi_averages_what_is_not_a_matrix():
     theta0, tvs = _random()
     merged = REGISTRY["wudi"](theta0, tvs, steps=3)
     assert close(merged["norm.bias"], theta0["norm.bias"] + sum(tv["norm.bias"] for tv in tvs.values()) / 3)
+
+
+# ------------------------------------------------------------------ DOGE-TA
+def test_doge_gradient_is_fusionbench_autograd_and_descends():
+    from mergeflow.merging.doge_ta import conflict, correction
+
+    g = torch.Generator().manual_seed(6)
+    taus = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    lambdas = torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64)
+    delta = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    conflict(delta, taus, lambdas).backward()
+    one_step = correction(taus, lambdas, torch.zeros(5, 0, dtype=torch.float64), steps=1, lr=1e-3)  # Adam's first step: -lr sign(g)
+    merged = (lambdas[:, None, None] * taus).sum(0)
+    grad0 = -2 * lambdas.sum() * (((taus * taus).sum(-1) - (taus * merged).sum(-1))[:, :, None] * taus).sum(0)
+    assert torch.allclose(one_step, -1e-3 * torch.sign(grad0), atol=1e-9)
+    zero = torch.zeros(5, 4, dtype=torch.float64, requires_grad=True)
+    conflict(zero, taus, lambdas).backward()
+    assert torch.allclose(zero.grad, grad0, atol=1e-10)  # the closed form is FusionBench's loss differentiated
+    losses = [float(conflict(correction(taus, lambdas, torch.zeros(5, 0, dtype=torch.float64), steps, 1e-2), taus, lambdas)) for steps in (0, 20, 200)]
+    assert losses[0] > losses[1] > losses[2]
+
+
+def test_doge_shared_basis_by_hand():
+    from mergeflow.merging.doge_ta import shared_basis
+
+    # rank-1 task vectors with left vectors e1 and (e1 + e2)/sqrt 2: [u1, u2]'s top left singular vector bisects them
+    e1, e12 = T([1.0, 0.0, 0.0]), T([1.0, 1.0, 0.0]) / math.sqrt(2)
+    taus = torch.stack([torch.outer(e1, T([2.0, 0.0])), torch.outer(e12, T([0.0, 1.0]))]).double()
+    basis = shared_basis(taus, subspace=2)  # r = 2: one vector per task, r // 2 = 1 shared
+    expected = (e1 + e12) / (e1 + e12).norm()
+    assert basis.shape == (3, 1) and torch.allclose(basis[:, 0].abs().float(), expected.abs(), atol=1e-6)
+
+
+def test_doge_without_steps_is_masked_norm_scaled_task_arithmetic_by_hand():
+    # one task, two matrices: |tau| over both = [4, .5, 2, .1, 3, 1, .2, .3]; k = 0.4 keeps int(3.2) + 1 = 4 (|tau| >= 1)
+    theta0 = {"a.weight": torch.zeros(2, 2), "b.weight": torch.zeros(2, 2), "bias": torch.ones(2)}
+    tv = {"a.weight": T([[4.0, -0.5], [2.0, 0.1]]), "b.weight": T([[-3.0, 1.0], [0.2, 0.3]]), "bias": T([5.0, 5.0])}
+    merged = REGISTRY["doge_ta"](theta0, {"t": tv}, lam=0.7, k=0.4, steps=0)
+    norm_a, norm_b = math.sqrt(16 + 0.25 + 4 + 0.01), math.sqrt(9 + 1 + 0.04 + 0.09)
+    assert close(merged["a.weight"], 0.7 / norm_a * T([[4.0, 0.0], [2.0, 0.0]]))
+    assert close(merged["b.weight"], 0.7 / norm_b * T([[-3.0, 1.0], [0.0, 0.0]]))
+    assert torch.equal(merged["bias"], theta0["bias"])  # not a matrix: theta0's, as FusionBench's

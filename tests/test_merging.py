@@ -119,7 +119,8 @@ IDENTITY_SETTINGS = {
     "nuslerp": {},
     "nearswap": {"t": 10.0},  # every entry nearer than t: weights 1
     "lines": {"beta": 0.0},  # alpha = 1/T scales the summed copies back to one
-    "wudi": {"solver": "exact"},  # tau is its own least-interference point (Adam's 300 small steps stop short of it)
+    "wudi": {"solver": "exact"},
+    "doge_ta": None,  # each task's layer scaled to norm lam, and theta0 outside the matrices  # tau is its own least-interference point (Adam's 300 small steps stop short of it)
 }
 PAIRS_ONLY = {"slerp", "nuslerp"}
 
