@@ -437,3 +437,21 @@ def test_ranges_are_shown_by_mergeflow_methods():
     assert "rounding='ties_original' (one of 'ties_original', 'floor', 'round')" in REGISTRY["ties"].describe()
     assert "rounding='floor' (one of 'floor', 'round')" in REGISTRY["breadcrumbs"].describe()
     assert isinstance(REGISTRY["ties"].ranges["k"], Range) and "k=0.2 (a fraction in (0, 1])" in REGISTRY["ties"].describe()
+
+
+def test_float64_stays_float64_from_the_task_vectors_through_the_search():
+    """The pipeline's own steps keep float64: task vectors of float64 checkpoints, and the search's interpolated
+    candidates (float32 checkpoints keep float32 task vectors, as before)."""
+    from mergeflow.merging.search import merged_candidates
+    from mergeflow.task_vectors import task_vector
+
+    theta0, tvs = _vit_like()
+    finetuned = {k: theta0[k] + tvs["t0"][k] for k in theta0}
+    tau = task_vector(theta0, finetuned, pretrained_name="p", finetuned_name="f")
+    assert all(tau[k].dtype == torch.float64 and torch.allclose(tau[k], tvs["t0"][k], rtol=0, atol=1e-15) for k in theta0)
+    single = task_vector({k: v.float() for k, v in theta0.items()}, {k: v.float() for k, v in finetuned.items()}, pretrained_name="p", finetuned_name="f")
+    assert all(v.dtype == torch.float32 for v in single.values())
+    fixed, grid = REGISTRY["ties"].search_space({"lam": [0.3, 0.7]})
+    for hp, merged in merged_candidates(REGISTRY["ties"], fixed, grid, theta0, tvs):
+        direct = REGISTRY["ties"](theta0, tvs, **hp)
+        assert all(merged[k].dtype == torch.float64 and torch.allclose(merged[k], direct[k], rtol=0, atol=1e-12) for k in theta0)

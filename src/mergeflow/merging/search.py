@@ -84,12 +84,21 @@ def merged_candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretra
         if coef is None:
             yield hp, method(pretrained, task_vectors, **hp)
             continue
-        base = method(pretrained, task_vectors, **hp, **{coef: 0.0})
-        unit = method(pretrained, task_vectors, **hp, **{coef: 1.0})
-        direction = {k: unit[k].float() - base[k].float() for k in base}
-        del unit
+        at = interpolation(method, hp, coef, pretrained, task_vectors)
         for c in grid[coef]:
-            yield {**hp, coef: c}, {k: (base[k].float() + c * direction[k]).to(base[k].dtype) for k in base}
+            yield {**hp, coef: c}, at(c)
+
+
+def interpolation(method: MergeMethod, hp: Mapping, coef: str, pretrained, task_vectors) -> Callable[[float], StateDict]:
+    """c -> the merge at coefficient c, from two merges (c = 0 and c = 1): base + c (unit - base), in each tensor's
+    compute dtype (float64 stays float64), cast back to the merged tensor's dtype."""
+    from mergeflow.merging._tensors import as_compute
+
+    base = method(pretrained, task_vectors, **hp, **{coef: 0.0})
+    unit = method(pretrained, task_vectors, **hp, **{coef: 1.0})
+    direction = {k: as_compute(unit[k]) - as_compute(base[k]) for k in base}
+    del unit
+    return lambda c: {k: (as_compute(base[k]) + c * direction[k]).to(base[k].dtype) for k in base}
 
 
 def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: Scorer):
@@ -141,7 +150,10 @@ def golden_section(n: int, score: Callable[[int], float]) -> list[int]:
 
 def swept_key(method: MergeMethod, grid: Mapping[str, list]) -> str | None:
     """The key a golden-section search narrows: the method's coefficient when it is searched, else the only key of a
-    one-key grid; None when neither is a sorted list of at least 4 numbers (then every point is scored)."""
+    one-key grid; None when neither is a sorted list of at least 4 numbers, or the method learns at test time (its
+    records follow the calls): then every point is scored."""
+    if method.reads == "test_inputs":
+        return None
     key = method.coefficient if method.coefficient in grid else (next(iter(grid)) if len(grid) == 1 else None)
     values = grid.get(key, [])
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
@@ -157,13 +169,7 @@ def golden_candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretra
     for combination in itertools.product(*(grid[k] for k in others)):
         hp = {**fixed, **dict(zip(others, combination))}
         if key == method.coefficient:
-            base = method(pretrained, task_vectors, **hp, **{key: 0.0})
-            unit = method(pretrained, task_vectors, **hp, **{key: 1.0})
-            direction = {k: unit[k].float() - base[k].float() for k in base}
-            del unit
-
-            def make(c, base=base, direction=direction):
-                return {k: (base[k].float() + c * direction[k]).to(base[k].dtype) for k in base}
+            make = interpolation(method, hp, key, pretrained, task_vectors)
         else:
 
             def make(v, hp=hp):
@@ -204,7 +210,7 @@ def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_
     def order(row: dict) -> int:  # the row's place in the full grid's order (its hyperparameters, per-task ones aside)
         return points.index(tuple(row["hyperparameters"][k] for k in grid))
 
-    if strategy == "golden" and swept_key(method, grid) is not None and method.reads != "test_inputs":
+    if strategy == "golden" and swept_key(method, grid) is not None:
         golden_candidates(method, fixed, grid, pretrained, task_vectors, score)
         curve.sort(key=order)
     else:

@@ -166,7 +166,7 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         w.param_passes += len(values) * tasks
     coefficient = spec.coefficient if spec.coefficient in grid else None
     # merge.search golden: the swept key's points a golden-section search scores (on a flat curve; a real one, a few more or fewer)
-    swept = swept_key(spec, grid) if params.merge.search == "golden" and spec.reads != "test_inputs" else None
+    swept = swept_key(spec, grid) if params.merge.search == "golden" else None
     scored = len(golden_section(len(grid[swept]), lambda i: 0.0)) if swept else None
     others = math.prod(len(v) for k, v in grid.items() if k not in (coefficient, swept))
     if swept and swept != coefficient:  # a one-key grid that is not a coefficient: a merge for each point scored
