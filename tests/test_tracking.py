@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from mergeflow.config import apply_overrides
 from mergeflow.io import load_state_dict
-from mergeflow.mlflow_model import load_model
+from mergeflow.mlflow_model import load_model, load_timm
 from mergeflow.tracking import MERGE_METRICS, stage_times
 
 from .conftest import copy_project, run
@@ -231,6 +231,33 @@ def test_merged_model_loads_back_in_one_call(tracked):
         assert state.keys() == expected.keys(), method
         for key, tensor in expected.items():
             assert torch.equal(state[key], tensor), (method, key)
+
+
+def test_a_merged_model_says_what_it_takes(tracked):
+    """Its MLflow signature: uint8 images [N, H, W, 3] in, float32 features [N, D] out; pyfunc refuses float
+    images; the timm model and its preprocessing give the same features as load_model's module."""
+    import mlflow
+    import numpy as np
+
+    root, _, client, exp_id = tracked
+    run_id = next(r.info.run_id for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] == "model")
+    uri, store = f"runs:/{run_id}/model", f"sqlite:///{root / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    width = TINY["backbone"]["kwargs"]["embed_dim"]
+    sig = mlflow.models.get_model_info(uri).signature.to_dict()
+    assert json.loads(sig["inputs"]) == [{"type": "tensor", "tensor-spec": {"dtype": "uint8", "shape": [-1, -1, -1, 3]}}]
+    assert json.loads(sig["outputs"]) == [{"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, width]}}]
+    images = torch.randint(0, 256, (3, 32, 32, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    module = load_model(uri, store)
+    net, preprocess = load_timm(uri, store)
+    with torch.no_grad():
+        expected = module(images)
+        assert expected.shape == (3, width) and torch.allclose(net(preprocess(images)), expected)
+        assert preprocess(images).shape == (3, 3, 32, 32) and preprocess(images).dtype == torch.float32
+    pyfunc = mlflow.pyfunc.load_model(uri)
+    assert np.allclose(pyfunc.predict(images.numpy()), expected.numpy(), atol=1e-6)
+    with pytest.raises(Exception, match="uint8"):
+        pyfunc.predict(images.numpy().astype(np.float32))
 
 
 def test_registry_holds_the_best_merged_model(tracked):

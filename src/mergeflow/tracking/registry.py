@@ -4,6 +4,7 @@ best merged model."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import tempfile
@@ -16,10 +17,19 @@ from mergeflow.tracking.runs import _Recorder
 
 class _NoSignatureNotice(logging.Filter):
     """MLflow's notice, once per model logged, that predict's type hints (np.ndarray -> np.ndarray, see
-    mergeflow.mlflow_model) give no signature: known and meant (no schema is enforced on the images)."""
+    mergeflow.mlflow_model) give no signature: the signature is given instead (mlflow_model.signature)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "cannot be used to infer model signature" not in record.getMessage()
+
+
+@functools.lru_cache(maxsize=4)
+def _feature_count(backbone_json: str) -> int:
+    """D of the features a backbone configuration gives, from its architecture (built once per configuration)."""
+    from mergeflow.config import BackboneConfig
+    from mergeflow.models import Backbone
+
+    return Backbone(BackboneConfig(**json.loads(backbone_json)).model_copy(update={"pretrained": None})).num_features
 
 
 def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str, params: Params) -> str:
@@ -47,9 +57,11 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
             notices, quiet = logging.getLogger("mlflow.pyfunc"), _NoSignatureNotice()
             notices.addFilter(quiet)
             stack.callback(notices.removeFilter, quiet)
+            features = _feature_count(backbone.read_text())
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=mlflow_model.__file__,
+                signature=mlflow_model.signature(features),
                 artifacts={"weights": str(weights.resolve()), "backbone": str(backbone)},
                 pip_requirements=requirements,  # given, so MLflow does not run the model to infer them
             )
