@@ -41,6 +41,13 @@ def test_dvc_stages_match_layout(repo_root):
     assert outs["report"] == {str(layout.results), str(layout.metrics("summary"))}
     # the headline is the one metrics file (what `dvc exp show` compares); no stage depends on a wall time
     assert {str(o.def_path) for s in stages.values() for o in s.outs if o.metric} == {str(layout.metrics("summary"))}
+    # ... kept in git, not DVC's cache: a clone shows the committed run's headline (dvc metrics show, diff HEAD~1)
+    (headline,) = (o for o in stages["report"].outs if o.metric)
+    assert not headline.use_cache
+    ignored = repo_root / ".gitignore"
+    import subprocess
+
+    assert subprocess.run(["git", "check-ignore", "-q", str(layout.metrics("summary"))], cwd=repo_root).returncode == 1, ignored
     assert not [d for s in stages.values() for d in s.deps if str(d.def_path).startswith("logs/timing") or str(d.def_path) == "logs"]
     # wall times and the MLflow run ids are no stage's output: they differ from run to run, and a run must leave the
     # committed dvc.lock as it is
