@@ -110,6 +110,17 @@ def test_sce_with_equal_energies_is_ties_disjoint_mean():
     assert all(close(sce[k], ties[k], 1e-5) for k in theta0)
 
 
+def test_sce_with_mergekits_energy_floor_weights_tiny_task_vectors_uniformly():
+    # the by-hand case scaled down 1e4: energies ~1e-8, under mergekit's 1e-6 guard: uniform weights, TIES' mean
+    theta0 = {"w": torch.zeros(4)}
+    tvs = {"a": {"w": 1e-4 * T([1.0, 2.0, -1.0, 0.0])}, "b": {"w": 1e-4 * T([3.0, -1.0, -1.0, 0.0])}}
+    ours = REGISTRY["sce"](theta0, tvs)["w"]
+    mergekit = REGISTRY["sce"](theta0, tvs, energy_floor=1e-6)["w"]
+    w = T([6.0, 11.0]) / 17
+    assert close(ours, 1e-4 * T([w[0] * 1 + w[1] * 3, 2.0, -1.0, 0.0]), atol=1e-10)
+    assert close(mergekit, 1e-4 * T([2.0, 2.0, -1.0, 0.0]), atol=1e-10)  # (1 + 3) / 2 on entry 0
+
+
 # ------------------------------------------------------------------ NuSLERP
 def test_nuslerp_on_rows_and_columns_by_hand():
     theta0 = {"w": torch.zeros(2, 2)}
@@ -260,3 +271,6 @@ def test_doge_without_steps_is_masked_norm_scaled_task_arithmetic_by_hand():
     assert close(merged["a.weight"], 0.7 / norm_a * T([[4.0, 0.0], [2.0, 0.0]]))
     assert close(merged["b.weight"], 0.7 / norm_b * T([[-3.0, 1.0], [0.0, 0.0]]))
     assert torch.equal(merged["bias"], theta0["bias"])  # not a matrix: theta0's, as FusionBench's
+    # timm's head (CLIP's projection) is not the encoder's: theta0's, and outside the cut
+    with_head = REGISTRY["doge_ta"]({**theta0, "head.weight": torch.zeros(2, 2)}, {"t": {**tv, "head.weight": T([[9.0, 8.0], [7.0, 6.0]])}}, lam=0.7, k=0.4, steps=0)
+    assert torch.equal(with_head["head.weight"], torch.zeros(2, 2)) and torch.equal(with_head["a.weight"], merged["a.weight"])

@@ -228,18 +228,22 @@ def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 # The float32 CPU route through the smaller Gram, for the SVD family's two cheap cases: a few top singular triplets
 # (TSV's top r/T of each task, Iso-CTS's per-task directions: ``top_singular``) and the polar factor of a
-# well-conditioned matrix (TSV's and Iso-CTS's concatenated bases, where long and thin: ``polar``). The Gram A^T A in float32 (one fast
-# product), its top eigenpairs in float64 by LAPACK through scipy (syevr for a subset, syevd for all), the other
-# side from A V / S. Its error is float32 rounding relative to the smallest eigenvalue it uses, so it is taken only
-# where that eigenvalue is at least GRAM_FLOOR of the largest (singular values within a factor 100 of the top);
-# otherwise, and for float64, for more than half the spectrum (Iso-C, Iso-CTS's common space) and on CUDA, ``svd``.
+# well-conditioned matrix (TSV's and Iso-CTS's concatenated bases, where long and thin: ``polar``). The Gram A^T A
+# and its top eigenpairs in float64 (LAPACK through scipy: syevr for a subset, syevd for all), the other side from
+# A V / S in float32. It is taken only where the smallest eigenvalue it uses is at least GRAM_FLOOR of the largest
+# (singular values within a factor 100 of the top), so that A V / S stays within float32 rounding, and for a polar
+# factor only at condition number 10 or less (POLAR_FLOOR; then a float32 Gram is accurate enough); otherwise, and
+# for float64, for more than half the spectrum (Iso-C, Iso-CTS's common space) and on CUDA, ``svd``.
 # On one ViT-B/16 block with one thread: bench/svd_family.py, docs/benchmarks.md.
 GRAM_FLOOR = 1e-4
+POLAR_FLOOR = 1e-2  # polar factors by the route: condition number at most 10 (concatenated orthonormal bases: ~3)
 
 
-def _gram_eigh(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
+def _gram_eigh(matrix: torch.Tensor, k: int, floor: float = GRAM_FLOOR) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
     """(A, w, Q, tall): A = X or X^T made tall, and the top k eigenpairs of A^T A, w descending, in float64; None
-    where the route does not apply (not float32 on the CPU) or its k-th eigenvalue is below GRAM_FLOOR."""
+    where the route does not apply (not float32 on the CPU) or its k-th eigenvalue is below ``floor`` of the top.
+    The Gram is float64 (a float32 one loses the small end: U off orthonormal by 5e-5 near GRAM_FLOOR), except for
+    ``floor`` >= POLAR_FLOOR, where float32 rounding stays below LAPACK float32's own error."""
     if matrix.dtype != torch.float32 or matrix.device.type != "cpu" or k <= 0:
         return None
     import scipy.linalg
@@ -247,7 +251,8 @@ def _gram_eigh(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
     tall = matrix.shape[0] >= matrix.shape[1]
     a = matrix if tall else matrix.T
-    gram = (a.T @ a).double().numpy()
+    x = a if floor >= POLAR_FLOOR else a.double()
+    gram = (x.T @ x).double().numpy()
     n = gram.shape[0]
     with threadpoolctl.threadpool_limits(torch.get_num_threads(), user_api="blas"):  # scipy's BLAS: the stage's share
         if 2 * k > n:
@@ -255,7 +260,7 @@ def _gram_eigh(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
         else:
             w, q = scipy.linalg.eigh(gram, subset_by_index=[n - k, n - 1], driver="evr", overwrite_a=True, check_finite=False)
     w, q = torch.from_numpy(w[::-1][:k].copy()), torch.from_numpy(q[:, ::-1][:, :k].copy())
-    return (a, w, q, tall) if w[-1] >= GRAM_FLOOR * w[0] > 0 else None
+    return (a, w, q, tall) if w[-1] >= floor * w[0] > 0 else None
 
 
 def top_singular(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -278,7 +283,7 @@ def polar(matrix: torch.Tensor) -> torch.Tensor:
     well-conditioned float32 CPU matrix, A (A^T A)^-1/2 by the Gram route. Tried only on matrices at least twice as
     long as wide: a concatenation of orthonormal blocks is well-conditioned there, and seldom when square."""
     matrix = as_compute(matrix).to(svd_device())
-    route = _gram_eigh(matrix, min(matrix.shape)) if max(matrix.shape) >= 2 * min(matrix.shape) else None
+    route = _gram_eigh(matrix, min(matrix.shape), POLAR_FLOOR) if max(matrix.shape) >= 2 * min(matrix.shape) else None
     if route is None:
         u, _, vh = svd(matrix)
         return u @ vh

@@ -11,7 +11,8 @@ Wei et al., "Modeling multi-task model merging as adaptive projective gradient d
 3. mask: each task's top k fraction of |tau_i| over all its 2-D weights together (int(k d) + 1 entries, as its
    kthvalue keeps; entries tied with the cut kept);
 4. theta = theta0 + sum_i lambda_i (tau_i + delta) * mask_i.
-Tensors that are not 2-D weights keep theta0's values, as FusionBench's (it merges only the encoder's weights).
+Tensors that are not the blocks' 2-D weights keep theta0's values, as FusionBench's (it merges only the
+encoder's weights: not CLIP's projection, timm's ``head.weight``).
 Defaults: FusionBench's config (lam 0.07, k 0.3, subspace 6). lambda_i gives every task's layer the same norm lam,
 so lam depends on the backbone's weight scale: searched on validation over LAM_GRID (each value re-optimises delta).
 """
@@ -81,14 +82,17 @@ def doge_ta(pretrained, task_vectors, *, lam, k, subspace, steps, lr):
     from mergeflow.merging._tensors import as_compute, is_matrix, map_tensors
     from mergeflow.merging.ties import cut_in_place
 
-    matrices = [key for key, p in pretrained.items() if is_matrix(key, p)]
+    def merged(key, tensor) -> bool:  # the encoder's weights: not timm's head (CLIP's projection)
+        return is_matrix(key, tensor) and not key.startswith("head.")
+
+    matrices = [key for key, p in pretrained.items() if merged(key, p)]
     cuts = []
     for tv in task_vectors.values():  # each task's magnitude cut over all its matrices, one task at a time
         mags = torch.cat([as_compute(tv[key]).reshape(-1).abs() for key in matrices]) if matrices else torch.zeros(0)
         cuts.append(float(cut_in_place(mags.numpy(), k, "ties_original")) if mags.numel() else 0.0)
 
     def merge(key, theta0, taus):
-        if not is_matrix(key, theta0):
+        if not merged(key, theta0):
             return theta0.clone()
         norms = taus.reshape(len(taus), -1).norm(dim=1)
         lambdas = torch.where(norms > 0, lam / torch.where(norms > 0, norms, torch.ones_like(norms)), torch.zeros_like(norms))

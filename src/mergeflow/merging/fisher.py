@@ -8,8 +8,8 @@ With theta_t = theta0 + tau_t this is theta0 + sum_t F_t tau_t / sum_t F_t: equa
 true labels); both are searched on validation.
 
 Where the reference codes differ (FusionBench's fisher_merging, after the authors' code): ``normalize``:
-``'none'`` (the paper) or ``'global_norm'`` (their default: task t's Fisher weighted by c_t = (1 / (|F_t| + 1e-6)) /
-sum_s (1 / (|F_s| + 1e-6)), |F_t| the L2 norm of its whole diagonal, so that no task dominates by scale);
+``'none'`` (the paper) or ``'global_norm'`` (their default: task t's Fisher weighted by c_t = (1 / (|F_t| + floor)) /
+sum_s (1 / (|F_s| + floor)), |F_t| the L2 norm of its whole diagonal, so that no task dominates by scale);
 ``floor_rule``: ``'max'`` (max(F, floor), the paper's numerical guard) or ``'add'`` (F + floor, FusionBench's).
 FusionBench's per-model scaling coefficients (1 by default) are not offered.
 """
@@ -39,7 +39,7 @@ def fisher(pretrained, task_vectors, *, data, labels, floor, floor_rule, normali
     scales = torch.ones(len(fishers), dtype=torch.float64)
     if normalize == "global_norm":
         norms = torch.tensor([sum(float(f[k].double().pow(2).sum()) for k in pretrained) ** 0.5 for f in fishers], dtype=torch.float64)
-        scales = 1 / (norms + 1e-6)
+        scales = 1 / (norms + floor)
         scales = scales / scales.sum()
 
     def merge(key, theta0, taus):
