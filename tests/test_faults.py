@@ -134,8 +134,10 @@ def test_leftover_temporaries_change_no_hash(tmp_path, tiny_reference, tiny_env)
 
 
 def _revision(path: Path):
+    """The store's schema revision as the next writer sees it: read-write (never created), so that SQLite rolls back
+    the hot journal a kill during a write leaves, as MLflow's next connection does (read-only, that fails)."""
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        with sqlite3.connect(f"file:{path}?mode=rw", uri=True) as db:
             return db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
     except sqlite3.Error:
         return None
