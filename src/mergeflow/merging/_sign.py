@@ -29,5 +29,6 @@ def elect_and_fuse(taus: torch.Tensor, fuse: str = "mean", weights: torch.Tensor
     total = (taus * w * agree).sum(0)
     if fuse == "sum":
         return total
-    mass = (w * agree).sum(0)
-    return torch.where(mass > 0, total / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.zeros_like(total))
+    from mergeflow.merging._tensors import divide_or_zero
+
+    return divide_or_zero(total, (w * agree).sum(0))

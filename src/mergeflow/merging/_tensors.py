@@ -309,6 +309,13 @@ def rank_of_ratio(matrix: torch.Tensor, ratio: float) -> int:
     return max(0, min(r, math.ceil(ratio * r - 1e-9)))
 
 
+def divide_or_zero(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator, 0 where the denominator is not positive (a disjoint mean no task agrees on, a zero
+    task vector's scale)."""
+    positive = denominator > 0
+    return torch.where(positive, numerator / torch.where(positive, denominator, torch.ones_like(denominator)), torch.zeros_like(numerator))
+
+
 def seed_of(seed: int, *parts: str | int) -> int:
     """A 32-bit seed that depends only on (seed, parts), so results do not depend on the order tensors stream in."""
     return zlib.crc32("/".join(map(str, (seed, *parts))).encode())

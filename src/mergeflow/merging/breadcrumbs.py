@@ -67,19 +67,22 @@ def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str, rounding: s
     return rank_cuts(rows, *band_ranks(rows.shape[1], gamma, beta, rounding))
 
 
+# the mask's hyperparameters, shared with breadcrumbs_ties
+MASK_RANGES = {
+    "gamma": Range("a fraction", 0, 1, high_open=True),
+    "beta": Range("a fraction", 0, 1, low_open=True),
+    "scope": Choice(("row", "tensor")),
+    "rounding": BAND,
+}
+
+
 @register(
     "breadcrumbs",
     paper="Davari & Belilovsky 2024, Model Breadcrumbs (arXiv:2312.06795)",
     defaults={"gamma": 0.1, "beta": 0.2, "scope": "row", "rounding": "floor", "alpha": 0.4},
     grid={"alpha": [round(0.1 * i, 1) for i in range(1, 11)]},
     coefficient="alpha",
-    ranges={
-        "gamma": Range("a fraction", 0, 1, high_open=True),
-        "beta": Range("a fraction", 0, 1, low_open=True),
-        "scope": Choice(("row", "tensor")),
-        "rounding": BAND,
-        "alpha": ANY_NUMBER,
-    },
+    ranges={**MASK_RANGES, "alpha": ANY_NUMBER},
     joint=gamma_plus_beta_at_most_one,
 )
 def breadcrumbs(pretrained, task_vectors, *, gamma, beta, scope, rounding, alpha):

@@ -11,10 +11,9 @@ mergekit masks per tensor (``scope: tensor``), with gamma 0.01.
 
 from __future__ import annotations
 
-from mergeflow.merging import ANY_NUMBER, Choice, Range, register
-from mergeflow.merging._rounding import BAND
+from mergeflow.merging import ANY_NUMBER, register
 from mergeflow.merging._sign import FUSE
-from mergeflow.merging.breadcrumbs import gamma_plus_beta_at_most_one
+from mergeflow.merging.breadcrumbs import MASK_RANGES, gamma_plus_beta_at_most_one
 
 
 def band_mask(tau, gamma: float, beta: float, scope: str, rounding: str):
@@ -34,14 +33,7 @@ def band_mask(tau, gamma: float, beta: float, scope: str, rounding: str):
     defaults={"gamma": 0.1, "beta": 0.2, "scope": "row", "rounding": "floor", "fuse": "sum", "lam": 0.4},
     grid={"lam": [round(0.1 * i, 1) for i in range(1, 11)]},
     coefficient="lam",
-    ranges={
-        "gamma": Range("a fraction", 0, 1, high_open=True),
-        "beta": Range("a fraction", 0, 1, low_open=True),
-        "scope": Choice(("row", "tensor")),
-        "rounding": BAND,
-        "fuse": FUSE,
-        "lam": ANY_NUMBER,
-    },
+    ranges={**MASK_RANGES, "fuse": FUSE, "lam": ANY_NUMBER},
     joint=gamma_plus_beta_at_most_one,
 )
 def breadcrumbs_ties(pretrained, task_vectors, *, gamma, beta, scope, rounding, fuse, lam):

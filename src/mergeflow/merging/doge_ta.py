@@ -79,7 +79,7 @@ def correction(taus: torch.Tensor, lambdas: torch.Tensor, basis: torch.Tensor, s
 def doge_ta(pretrained, task_vectors, *, lam, k, subspace, steps, lr):
     import torch
 
-    from mergeflow.merging._tensors import as_compute, is_matrix, map_tensors
+    from mergeflow.merging._tensors import as_compute, divide_or_zero, is_matrix, map_tensors
     from mergeflow.merging.ties import cut_in_place
 
     def merged(key, tensor) -> bool:  # the encoder's weights: not timm's head (CLIP's projection)
@@ -95,7 +95,7 @@ def doge_ta(pretrained, task_vectors, *, lam, k, subspace, steps, lr):
         if not merged(key, theta0):
             return theta0.clone()
         norms = taus.reshape(len(taus), -1).norm(dim=1)
-        lambdas = torch.where(norms > 0, lam / torch.where(norms > 0, norms, torch.ones_like(norms)), torch.zeros_like(norms))
+        lambdas = divide_or_zero(torch.full_like(norms, lam), norms)
         delta = correction(taus, lambdas, shared_basis(taus, int(subspace)), int(steps), lr)
         masks = taus.abs() >= torch.tensor(cuts, dtype=taus.dtype)[:, None, None]
         return theta0 + (lambdas[:, None, None] * (taus + delta) * masks).sum(0)

@@ -6,8 +6,9 @@ Huang et al., "EMR-Merging: tuning-free high-performance model merging", NeurIPS
     task t: theta0 + lambda_t (M_t * tau_uni).
 ``rescale``: ``'model_sums'`` (the paper's formula, above) or ``'tensor_means'`` (the authors' scripts and
 FusionBench: lambda_t = sum over tensors of mean |tau_t| / sum over tensors of mean |M_t * tau_uni|, which weights
-each tensor by 1 / its size: 1.3-2.1e-2 apart on CLIP's update). FusionBench also elects - where sum_t tau_t is
-exactly 0; here such an entry elects no sign. Nothing is searched. Storage: one model-sized vector, one bit per weight and task, one scalar per task, beside theta0.
+each tensor by 1 / its size). FusionBench also elects - where sum_t tau_t is exactly 0; here such an entry elects
+no sign. Nothing is searched. Storage: one model-sized vector, one bit per weight and task, one scalar per task,
+beside theta0.
 """
 
 from __future__ import annotations

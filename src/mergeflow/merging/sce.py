@@ -7,8 +7,7 @@ Per tensor, with task vectors tau_t:
    (population variance; of the positions where it is nonzero, floor(select_topk * count); ties with the cut are
    kept), zeroing the rest in every tau_t (1.0: keep all, mergekit's default);
 2. calculate: w_t = mean(tau_t^2) / sum_s mean(tau_s^2) over the selected tensor (uniform when the sum is at most
-   ``energy_floor``: 0, all zero, by default; mergekit's guard is 1e-6, which fine-tuned task vectors, mean
-   tau^2 ~ 1e-7, often fall under, making its SCE TIES' disjoint mean there);
+   ``energy_floor``: 0, all zero, by default; mergekit's guard is 1e-6, under which its SCE is TIES' disjoint mean);
 3. erase: gamma = sgn(sum_t tau_t); keep tau_t where its sign is gamma;
 4. fuse: sum_t w_t tau_t / sum_t w_t over the kept entries (0 where none).
 theta = theta0 + lam * that; mergekit has no lambda (lam = 1, the default); searched here like TIES' lambda.

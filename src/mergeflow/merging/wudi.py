@@ -38,7 +38,9 @@ def inverse_or_zero(norms: torch.Tensor) -> torch.Tensor:
     """1 / norms, 0 where a norm is 0."""
     import torch
 
-    return torch.where(norms > 0, 1 / torch.where(norms > 0, norms, torch.ones_like(norms)), torch.zeros_like(norms))
+    from mergeflow.merging._tensors import divide_or_zero
+
+    return divide_or_zero(torch.ones_like(norms), norms)
 
 
 def interference(merged: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
