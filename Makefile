@@ -13,7 +13,7 @@ UV := $(VENV)/uv/bin/uv
 export HF_HUB_OFFLINE := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install lock pipeline flow test test-faults reproduce bench clean-outputs
+.PHONY: install lock pipeline flow test test-faults reproduce bench clean-outputs plots-template
 
 # The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive).
 # --no-deps: the lock already lists every package; `pip check` below checks that the set is complete
@@ -69,3 +69,20 @@ bench: install
 
 clean-outputs:
 	rm -rf data models vectors merged metrics results logs
+
+# .dvc/plots.html, the page `dvc plots show` fills (.dvc/config: plots.html_template): Vega, Vega-Lite and
+# Vega-Embed inlined, so the charts draw offline (DVC's own page loads them from a CDN). Regenerate after a
+# Vega-Lite upgrade; vl-convert-python bundles them (BSD-3-Clause).
+plots-template: $(UV)
+	$(UV) run -q --no-project --with vl-convert-python==1.9.0.post1 python -c "$$PLOTS_TEMPLATE"
+
+define PLOTS_TEMPLATE
+import pathlib, vl_convert as vlc
+head = '<!DOCTYPE html>\n<html>\n<head>\n<meta charset="utf-8">\n{refresh_tag}\n<title>mergeflow plots</title>\n'
+head += '<!-- Vega %s, Vega-Lite 5.21, Vega-Embed %s (BSD-3-Clause), bundled by vl-convert: `make plots-template` -->\n' % (vlc.get_vega_version(), vlc.get_vega_embed_version())
+bundle = vlc.javascript_bundle(vl_version="5.21").replace("</script", "<\\/script")
+style = '<style>body { font-family: sans-serif; } table { border-spacing: 15px; }</style>\n'
+page = head + '<script>' + bundle + '</script>\n' + style + '</head>\n<body>\n{plot_divs}\n</body>\n</html>\n'
+pathlib.Path(".dvc/plots.html").write_text(page)
+endef
+export PLOTS_TEMPLATE

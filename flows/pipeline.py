@@ -38,6 +38,7 @@ from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_argument
+from mergeflow.remote import default_remote, push_outputs
 from mergeflow.scheduler import RunOutcome, run_graph, stage_cores
 from mergeflow.stage_server import SERVER_ENV, running_server
 from mergeflow.verify import check_outputs
@@ -207,7 +208,11 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         first = next(iter(outcome.failed.values()), None)
         missing = len(outcome.failed) + len(outcome.not_run)
         raise PipelineFailed(f"{missing} of {len(to_run)} stages did not complete; first failure: {first if first is not None else next(iter(outcome.not_run.values()))}")
-    publish_summary(success_markdown(Path(root), outcome.done, len(nodes)))
+    pushed, push_error = push_section(Path(root))
+    logger.info("outputs: %s", pushed)
+    publish_summary(success_markdown(Path(root), outcome.done, len(nodes), pushed))
+    if push_error:
+        raise PipelineFailed(f"every stage completed, but {push_error}")
     return outcome.done
 
 
@@ -236,8 +241,25 @@ def _mlflow_section(root: Path) -> str:
     )
 
 
-def success_markdown(root: Path, ran: list[str], stages: int) -> str:
-    """The artifact of a completed run: which stages ran, results/summary.md, and the MLflow run's link."""
+def push_section(root: Path) -> tuple[str, str | None]:
+    """Where the results are: pushed to the default DVC remote (`dvc push`: only what the remote lacks goes), or
+    this machine's cache when no remote is set. Returns the artifact's section and the push's error, if any."""
+    try:
+        remote = default_remote(root)
+        if remote is None:
+            return f"In this machine's DVC cache only (`{root}/.dvc/cache`): no DVC remote is set. `mergeflow remote add URL` sets one, and each run then pushes its outputs there.", None
+        sent = push_outputs(root)
+    except MergeflowError as err:
+        return f"**Not pushed**: {err}. The outputs are in this machine's DVC cache; `dvc push` sends them once the remote answers.", str(err)
+    return (
+        f"Pushed to the DVC remote **{remote.name}** (`{remote.url}`): {sent} files sent, the rest were there already. "
+        f"With this dvc.lock (commit it), `dvc pull` on any clone restores every output of this run."
+    ), None
+
+
+def success_markdown(root: Path, ran: list[str], stages: int, stored: str | None = None) -> str:
+    """The artifact of a completed run: which stages ran, results/summary.md, the MLflow run's link, and where
+    the outputs are stored (``stored``, push_section's)."""
     if ran:
         head = f"**Ran in this flow run** ({len(ran)} of {stages} stages): {', '.join(ran)}. The other stages were up to date."
     else:
@@ -246,7 +268,8 @@ def success_markdown(root: Path, ran: list[str], stages: int) -> str:
         table = (root / "results" / "summary.md").read_text().strip()
     except OSError:
         table = "results/summary.md is missing (the report stage writes it)."
-    return f"# mergeflow pipeline: completed\n\n{head}\n\n## Results (results/summary.md)\n\n{table}\n\n## MLflow\n\n{_mlflow_section(root)}\n"
+    stored = f"\n## Outputs\n\n{stored}\n" if stored else ""
+    return f"# mergeflow pipeline: completed\n\n{head}\n\n## Results (results/summary.md)\n\n{table}\n\n## MLflow\n\n{_mlflow_section(root)}\n{stored}"
 
 
 def failure_markdown(outcome: RunOutcome | None, error: str | None = None, stages: int | None = None) -> str:

@@ -33,21 +33,22 @@ def test_dvc_stages_match_layout(repo_root):
                 for path in (run.merged, run.choice, run.evaluation, run.search_plot, run.search_log):  # each inside one of the stage's outs
                     assert sum(path.is_relative_to(o) for o in outs[f"regime_merge@{r}"]) == 1, path
     for s in params.studies.run:
-        assert outs[f"study@{s}"] == {str(layout.study(s)), str(layout.metrics("studies", s))}
+        assert outs[f"study@{s}"] == {str(layout.study(s)), str(layout.metrics("studies", s)), str(layout.verdicts(s))}
         assert stages[f"study@{s}"].cmd == "mergeflow study"
     assert outs["vectors"] == {str(layout.vectors), str(layout.metrics("vectors"))}
     assert outs["statistics"] == {str(layout.statistics(params.suite.tasks[0]).parent), str(layout.metrics("statistics"))}
     assert stages["statistics"].cmd == "mergeflow statistics"
-    assert outs["report"] == {str(layout.results), str(layout.metrics("summary"))}
-    # the headline is the one metrics file (what `dvc exp show` compares); no stage depends on a wall time
-    assert {str(o.def_path) for s in stages.values() for o in s.outs if o.metric} == {str(layout.metrics("summary"))}
+    assert outs["report"] == {str(layout.results), str(layout.headline)}
+    # the declared metrics are the headline and the verdict counts (what `dvc metrics show` and `dvc exp show`
+    # compare); no stage depends on a wall time
+    metrics = {str(o.def_path): o for s in stages.values() for o in s.outs if o.metric}
+    assert set(metrics) == {str(layout.headline)} | {str(layout.verdicts(s)) for s in params.studies.run}
     # ... kept in git, not DVC's cache: a clone shows the committed run's headline (dvc metrics show, diff HEAD~1)
-    (headline,) = (o for o in stages["report"].outs if o.metric)
-    assert not headline.use_cache
-    ignored = repo_root / ".gitignore"
+    assert not any(o.use_cache for o in metrics.values())
     import subprocess
 
-    assert subprocess.run(["git", "check-ignore", "-q", str(layout.metrics("summary"))], cwd=repo_root).returncode == 1, ignored
+    for path in (layout.headline / "ties.json", layout.verdicts("mima")):
+        assert subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=repo_root).returncode == 1, path
     assert not [d for s in stages.values() for d in s.deps if str(d.def_path).startswith("logs/timing") or str(d.def_path) == "logs"]
     # wall times and the MLflow run ids are no stage's output: they differ from run to run, and a run must leave the
     # committed dvc.lock as it is

@@ -6,19 +6,27 @@ that gives the same outputs stales nothing downstream."""
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
 from mergeflow.io import read_json
 
 from .conftest import copy_project, run
+from .profiles import TINY
+
+STUDIES = TINY["studies"]["run"]
+
+
+def _stdout(cmd, cwd, env) -> str:
+    """A command's output, stdout only (DVC may warn on stderr)."""
+    proc = run(cmd, cwd, env, check=False)
+    assert proc.returncode == 0, f"{cmd}: {proc.stderr[-2000:]}"
+    return proc.stdout
 
 
 def _json(cmd, cwd, env):
-    """A command's JSON output (stdout only: DVC may warn on stderr)."""
-    proc = run(cmd, cwd, env, check=False)
-    assert proc.returncode == 0, f"{cmd}: {proc.stderr[-2000:]}"
-    return json.loads(proc.stdout)
+    return json.loads(_stdout(cmd, cwd, env))
 
 
 def _md5(path) -> str:
@@ -32,44 +40,65 @@ def project(tiny_reference, tiny_env, tmp_path_factory):
     return root
 
 
+def _headline(root) -> dict:
+    """metrics/headline/ as {name: entry}, a regime variant's names as <variant>/<method>."""
+    folder = root / "metrics" / "headline"
+    return {str(f.relative_to(folder).with_suffix("")): read_json(f) for f in sorted(folder.rglob("*.json"))}
+
+
+def _shown(metrics: dict) -> dict:
+    """`dvc exp show --json`'s metrics of one revision, in _headline's shape."""
+    return {path.removeprefix("metrics/headline/").removesuffix(".json"): m["data"] for path, m in metrics.items() if path.startswith("metrics/headline/")}
+
+
 def test_experiments_keep_and_compare_their_results(project, tiny_env):
     root = project
     before = (root / "params.yaml").read_text().splitlines()
-    baseline = read_json(root / "metrics" / "summary.json")
+    baseline = _headline(root)
 
     run(["dvc", "exp", "run", "-n", "ties-k01", "-S", "merge.ties.k=0.1"], root, tiny_env)
     after = (root / "params.yaml").read_text().splitlines()
     assert [(a, b) for a, b in zip(before, after) if a != b] == [(l, l.replace("k: 0.2", "k: 0.1")) for l in before if "ties: {k: 0.2" in l]
     assert len(before) == len(after)
-    first = read_json(root / "metrics" / "summary.json")
+    first = _headline(root)
     evaluated = read_json(root / "metrics" / "evaluate" / "ties.json")
-    assert first["ties"]["test_avg"] == round(100 * evaluated["average"], 2) and first["ties"]["lam"] == evaluated["searched"]["lam"]
+    chosen = read_json(root / "metrics" / "merge" / "ties.json")
+    assert first["ties"]["test_avg"] == round(100 * evaluated["average"], 2) and first["ties"]["choice"] == f"lam={evaluated['searched']['lam']}"  # k is set, not searched
+    assert first["ties"]["val_avg"] == round(100 * chosen["val_average"], 2)
     first_model = _md5(root / "merged" / "ties.safetensors")
 
     run(["dvc", "exp", "run", "-n", "ties-k05", "-S", "merge.ties.k=0.5"], root, tiny_env)
-    second = read_json(root / "metrics" / "summary.json")
+    second = _headline(root)
 
     # every experiment's headline, and the baseline's, from `dvc exp show`
     shown = _json(["dvc", "exp", "show", "--json"], root, tiny_env)
     head = next(r for r in shown if r["rev"] != "workspace")
-    assert head["data"]["metrics"]["metrics/summary.json"]["data"] == baseline
+    assert _shown(head["data"]["metrics"]) == baseline
     experiments = {e["revs"][0]["name"]: e["revs"][0]["data"] for e in head["experiments"]}
-    assert experiments["ties-k01"]["metrics"]["metrics/summary.json"]["data"] == first
-    assert experiments["ties-k05"]["metrics"]["metrics/summary.json"]["data"] == second
+    assert _shown(experiments["ties-k01"]["metrics"]) == first
+    assert _shown(experiments["ties-k05"]["metrics"]) == second
     assert experiments["ties-k01"]["params"]["params.yaml"]["data"]["merge"]["ties"]["k"] == 0.1
-    # the headline is compact: a few numbers per method, not the per-task detail
-    entries = [e for e in first.values() if not any(isinstance(v, dict) for v in e.values())]
-    entries += [e for variant in ("one_epoch", "mima_n2") for e in first[variant].values()]  # a regime variant: a block of entries
-    assert {k for entry in entries for k in entry} <= {"test_avg", "gap_recovered", "control_avg", "lam", "alpha", "tall_lambda", "k", "labels"}
+    # the headline is compact: a few short keys per method, the per-task detail elsewhere; one entry per method,
+    # and the regime variants' under their own names
+    assert {k for entry in first.values() for k in entry} <= {"test_avg", "val_avg", "gap", "control_avg", "choice"}
+    assert {"probe", "individual", "ties", "one_epoch/individual", "mima_n2/ties"} <= set(first)
+    # and it fits a terminal: `dvc metrics show` prints one short line per method
+    table = _stdout(["dvc", "metrics", "show"], root, tiny_env).splitlines()
+    assert len(table) == 1 + len(first) + len(STUDIES) and max(map(len, table)) <= 160, table
+    # the studies' verdict counts are metrics too, a row each
+    shown = _json(["dvc", "metrics", "show", "--json"], root, tiny_env)["workspace"]["data"]
+    counts = {path: m["data"] for path, m in shown.items() if path.startswith("metrics/verdicts/")}
+    assert set(counts) == {f"metrics/verdicts/{s}.json" for s in STUDIES}
+    assert all(c == {k: read_json(root / "metrics" / "studies" / Path(path).name)[k] for k in c} and set(c) == {"holds", "fails", "not_measured"} for path, c in counts.items())
 
     diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
-    assert diff["metrics/summary.json"]["ties.test_avg"]["old"] == baseline["ties"]["test_avg"]
-    assert diff["metrics/summary.json"]["ties.test_avg"]["new"] == second["ties"]["test_avg"]
+    assert diff["metrics/headline/ties.json"]["test_avg"]["old"] == baseline["ties"]["test_avg"]
+    assert diff["metrics/headline/ties.json"]["test_avg"]["new"] == second["ties"]["test_avg"]
 
     # the first experiment's outputs were not lost when the second ran
     run(["dvc", "exp", "apply", "ties-k01"], root, tiny_env)
     assert _md5(root / "merged" / "ties.safetensors") == first_model
-    assert read_json(root / "metrics" / "summary.json") == first
+    assert _headline(root) == first
 
 
 def test_every_declared_plot_renders(project, tiny_env):

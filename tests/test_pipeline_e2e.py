@@ -119,14 +119,15 @@ def test_pipeline_end_to_end(project, prefect_server):
         assert torch.allclose(one_epoch_ta[k], theta0[k] + one_epoch_lam * sum(tau[k] for tau in one_epoch_taus), atol=1e-5)
     # one epoch (200 images in batches of 32: 6 steps) is not the standard fine-tune (8 steps)
     assert not all(torch.equal(a[k], b[k]) for a, b in zip(one_epoch_taus, standard_taus) for k in theta0)
-    headline = json.loads((root / "metrics/summary.json").read_text())
     for variant in VARIANTS:
         for m in REGIME_METHODS:
             ev = json.loads((root / f"metrics/regime_merge/{VARIANTS[variant]}/{variant}/evaluate/{m}.json").read_text())
-            assert headline[variant][m]["test_avg"] == pytest.approx(round(100 * sum(ev["accuracy"].values()) / len(TASKS), 2))
+            headline = json.loads((root / f"metrics/headline/{variant}/{m}.json").read_text())
+            assert headline["test_avg"] == pytest.approx(round(100 * sum(ev["accuracy"].values()) / len(TASKS), 2))
     for s in STUDIES:
         verdicts = json.loads((root / f"metrics/studies/{s}.json").read_text())
         assert verdicts["holds"] + verdicts["fails"] + verdicts["not_measured"] == len(verdicts["claims"]) > 0
+        assert json.loads((root / f"metrics/verdicts/{s}.json").read_text()) == {k: verdicts[k] for k in ("holds", "fails", "not_measured")}
         assert "## Verdicts" in (root / f"studies/{s}/report.md").read_text()
 
     # 2. after dvc repro the Prefect flow has nothing to redo

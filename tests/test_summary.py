@@ -3,7 +3,7 @@
 import pytest
 
 from mergeflow.evaluation import summary_markdown, summary_rows
-from mergeflow.summary import headline_metrics, validation_records
+from mergeflow.summary import headline_metrics, regime_headline, validation_records
 
 TASKS = ["a", "b"]
 # probe 0.5 and 0.7 (average 0.6), individual 0.9 and 0.9 (average 0.9): the gap is 0.3
@@ -17,14 +17,22 @@ def test_headline_metrics_by_hand():
         "task_negation": {"kind": "negation", "searched": {}, "average": {"target": 0.3, "control": 0.55, "pretrained_target": 0.6, "pretrained_control": 0.6}},
     }
     rows = summary_rows(TASKS, FINETUNE, {m: e for m, e in evaluations.items() if e["kind"] != "negation"})
-    headline = headline_metrics(rows, evaluations)
+    headline = headline_metrics(rows, evaluations, {"task_arithmetic": 0.8125})
     assert headline["probe"] == {"test_avg": 60.0} and headline["individual"] == {"test_avg": 90.0}
-    # (0.75 - 0.6) / 0.3 = 50%
-    assert headline["task_arithmetic"] == {"test_avg": 75.0, "gap_recovered": 50.0, "lam": 0.3}
+    # (0.75 - 0.6) / 0.3 = 50%; the choice is one string, whatever the hyperparameters are called
+    assert headline["task_arithmetic"] == {"test_avg": 75.0, "val_avg": 81.25, "gap": 50.0, "choice": "lam=0.3"}
     # a per-task choice is not a headline scalar
-    assert headline["tall"] == {"test_avg": 85.0, "gap_recovered": pytest.approx(83.33)}
+    assert headline["tall"] == {"test_avg": 85.0, "gap": pytest.approx(83.33)}
     # negation by the same formula: (0.3 - 0.6) / 0.3 = -100%
-    assert headline["task_negation"] == {"test_avg": 30.0, "gap_recovered": -100.0, "control_avg": 55.0}
+    assert headline["task_negation"] == {"test_avg": 30.0, "gap": -100.0, "control_avg": 55.0}
+
+
+def test_a_regime_variants_headline_is_named_by_its_variant():
+    evaluations = {"ties": {"kind": "single", "accuracy": {"a": 0.6, "b": 0.9}, "searched": {"k": 0.2, "lam": 1.5}}}
+    rows = summary_rows(TASKS, FINETUNE, evaluations, regime="mima_n2", individual_models={"a": 0.8, "b": 1.0})
+    headline = regime_headline("mima_n2", rows, evaluations, {"ties": 0.7})
+    # the gap on the standard fine-tune's scale: (0.75 - 0.6) / 0.3
+    assert headline == {"mima_n2/individual": {"test_avg": 90.0}, "mima_n2/ties": {"test_avg": 75.0, "val_avg": 70.0, "gap": 50.0, "choice": "k=0.2 lam=1.5"}}
 
 
 def test_gap_recovered_is_not_a_number_when_the_fine_tunes_do_not_beat_the_probe():
@@ -33,7 +41,7 @@ def test_gap_recovered_is_not_a_number_when_the_fine_tunes_do_not_beat_the_probe
     evaluations = {"task_arithmetic": {"kind": "single", "accuracy": {"a": 0.8, "b": 0.9}, "searched": {"lam": 0.3}}}
     rows = summary_rows(TASKS, finetune, evaluations)
     assert [r["gap_recovered"] for r in rows] == [None, None, None]
-    assert headline_metrics(rows, evaluations)["task_arithmetic"] == {"test_avg": 85.0, "gap_recovered": None, "lam": 0.3}
+    assert headline_metrics(rows, evaluations)["task_arithmetic"] == {"test_avg": 85.0, "gap": None, "choice": "lam=0.3"}
     table = summary_markdown(rows, TASKS)
     assert table.count("| n/a |") == 3 and "%" not in table.split("\n", 2)[2]
     # a gap of 0.4 points (under evaluation.MIN_GAP) is noise too; 0.6 points is a gap

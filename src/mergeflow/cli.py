@@ -117,6 +117,12 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
     ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    remote = sub.add_parser("remote", help="the DVC remote the run's outputs travel by: `remote add URL` sets it, `remote` shows it", description="Show the project's default DVC remote, or set one (`remote add URL`: a folder, s3://bucket/path, or any URL a DVC plugin reads) in .dvc/config, which git tracks; credentials stay in the environment. Then `dvc push` after a run, `dvc pull` on a clone.")
+    remote_sub = remote.add_subparsers(dest="remote_command", metavar="ACTION")
+    remote_add = remote_sub.add_parser("add", help="make URL the default remote", description="Make URL the project's default DVC remote (.dvc/config). S3's credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), never from the URL.")
+    remote_add.add_argument("url", help="a folder (kept as an absolute path), s3://bucket/path, ssh://host/path, ...")
+    remote_add.add_argument("--name", default="storage", help="the remote's name (default: storage)")
+    remote_add.add_argument("--endpoint-url", help="an S3-compatible server's address (MinIO, Ceph), for an s3:// URL")
     sub.add_parser("serve", add_help=False, help="schedule the pipeline: a Prefect deployment served from here (--cron EXPR or --interval SECONDS; serve --help)")
     return parser
 
@@ -143,6 +149,16 @@ def run_command(args: argparse.Namespace) -> int:
         from mergeflow.plan import print_plan
 
         return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure, calibration=args.calibration)
+    if args.command == "remote":
+        from mergeflow.remote import add_remote, default_remote
+
+        if args.remote_command == "add":
+            remote = add_remote(args.url, args.name, args.endpoint_url)
+            print(f"default remote: {remote}, in .dvc/config (commit it); `dvc push` sends the run's outputs there, `dvc pull` restores them")
+        else:
+            remote = default_remote()
+            print(f"default remote: {remote}" if remote else "no DVC remote: the outputs live in this machine's cache only (`mergeflow remote add URL`)")
+        return 0
     if args.command == "verify":
         from mergeflow.verify import verify
 

@@ -68,6 +68,15 @@ class Layout:
     def results(self) -> Path:
         return self._p("results")
 
+    @property
+    def headline(self) -> Path:
+        """metrics/headline/: a small file per method (<method>.json; a regime variant's under <variant>/), in git."""
+        return self._p("metrics", "headline")
+
+    def verdicts(self, study: str) -> Path:
+        """metrics/verdicts/<study>.json: a study's verdict counts, in git (the claims are in metrics/studies)."""
+        return self._p("metrics", "verdicts", f"{study}.json")
+
     # ------------------------------------------------------------ training-time regimes (stage regime@<regime>)
     def regime(self, regime: str) -> Path:
         """regimes/<regime>/<variant>/: vectors/<task>.safetensors (tau_t = theta_t - theta0) and stats.json,

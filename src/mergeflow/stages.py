@@ -527,7 +527,8 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
 # ---------------------------------------------------------------- report
 def regime_evaluations(params: Params, layout: Layout) -> dict[str, dict]:
     """Each regime variant's own task models' test accuracies and its methods' evaluations:
-    {variant: {"regime": name, "individual": {task: acc}, "evaluations": {method: metrics/.../evaluate/<m>.json}}}."""
+    {variant: {"regime": name, "individual": {task: acc}, "evaluations": {method: metrics/.../evaluate/<m>.json},
+    "val_averages": {method: its choice's validation average}}}."""
     out = {}
     for name in params.regimes.run:
         cfg = params.regimes.config(name)
@@ -537,24 +538,26 @@ def regime_evaluations(params: Params, layout: Layout) -> dict[str, dict]:
                 "regime": name,
                 "individual": {t: measured[variant]["individual"][t]["test"] for t in params.suite.tasks},
                 "evaluations": {m: read_json(layout.merge_run(m, name, variant).evaluation) for m in params.regimes.methods_of(name)},
+                "val_averages": {m: read_json(layout.merge_run(m, name, variant).choice).get("val_average") for m in params.regimes.methods_of(name)},
             }
     return out
 
 
 def report(params: Params, layout: Layout = Layout()) -> dict:
     """Summary table (Markdown, CSV, JSON), the accuracy heatmap and the sorted averages; the headline metrics
-    (metrics/summary.json) that `dvc exp show` and `dvc metrics diff` compare. The standard regime's rows come
-    first; each training-time regime's variant adds its individual models and its methods (the regime column)."""
+    (metrics/headline/, a small file per method) that `dvc metrics show`, `dvc exp show` and `dvc metrics diff`
+    compare. The standard regime's rows come first; each training-time regime's variant adds its individual models
+    and its methods (the regime column)."""
     tasks = params.suite.tasks
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
     negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
     rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations})
-    headline = headline_metrics(rows, ev)
+    headline = headline_metrics(rows, ev, {m: read_json(layout.metrics("merge", m)).get("val_average") for m in ev})
     for variant, r in regime_evaluations(params, layout).items():
         variant_rows = summary_rows(tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"])
         rows += variant_rows
-        headline[variant] = regime_headline(variant_rows, r["evaluations"])
+        headline |= regime_headline(variant, variant_rows, r["evaluations"], r["val_averages"])
     labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
     with atomic_path(layout.results, directory=True) as tmp:
         (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
@@ -563,14 +566,18 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])
         plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png")
         plot_averages(labelled, tmp / "averages.png")
-    write_json(layout.metrics("summary"), headline)
+    with atomic_path(layout.headline, directory=True) as tmp:
+        for name, entry in headline.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            write_json(tmp / f"{name}.json", entry)
     return {"rows": rows, "negation": negations, "headline": headline}
 
 
 # ---------------------------------------------------------------- study
 def study(params: Params, name: str, layout: Layout = Layout()) -> dict:
     """Stage study@<name>: one of the papers' analyses (mergeflow.studies) on the pipeline's outputs. Writes
-    studies/<name>/report.md (its verdict per claim, tables, figures) and metrics/studies/<name>.json."""
+    studies/<name>/report.md (its verdict per claim, tables, figures), metrics/studies/<name>.json (the claims)
+    and metrics/verdicts/<name>.json (their counts, in git)."""
     from mergeflow.studies import REGISTRY as STUDIES, StudyContext, verdict_table
 
     params.check_study(name)
@@ -580,7 +587,9 @@ def study(params: Params, name: str, layout: Layout = Layout()) -> dict:
         result = spec.fn(StudyContext(params, layout, params.studies.settings(name), tmp, device))
         (tmp / "report.md").write_text(f"# {spec.title}\n\n{spec.paper}\n\n## Verdicts\n\n{verdict_table(result.claims)}\n{result.body}")
     verdicts = [c.verdict for c in result.claims]
-    metrics = {"study": name, "paper": spec.paper, "holds": verdicts.count("holds"), "fails": verdicts.count("fails"), "not_measured": verdicts.count("not measured"), "claims": [c.record() for c in result.claims]}
+    counts = {"holds": verdicts.count("holds"), "fails": verdicts.count("fails"), "not_measured": verdicts.count("not measured")}
+    metrics = {"study": name, "paper": spec.paper} | counts | {"claims": [c.record() for c in result.claims]}
     write_json(layout.metrics("studies", name), metrics)
+    write_json(layout.verdicts(name), counts)
     write_json(layout.timing("study", name), timer.record())
     return metrics

@@ -14,38 +14,49 @@ def percent(fraction: float | None) -> float | None:
     return None if fraction is None else round(100 * float(fraction), 2)
 
 
-def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
-    """Per method: test average, the share of the probe-to-individual gap recovered (both %) and the values chosen
-    on validation; the probe's and the individual models' averages beside them. ``rows`` are
-    evaluation.summary_rows (Pretrained, Individual, then one per merge method); task negation's average is over
-    its targets (each task's accuracy with that task negated), and its gap recovered, by the same formula, is
-    negative when it forgets. A gap recovered is None when the individual models do not beat the probe
-    (evaluation.MIN_GAP)."""
+def choice_label(searched: Mapping) -> str | None:
+    """The values chosen on validation as one short string ("rank_ratio=0.16 lam=1.6"): one column in `dvc metrics
+    show` whatever the method's hyperparameters are called. A per-task choice (TALL's lambda_t, one value per task)
+    is left out: it is in metrics/evaluate. None when nothing was searched."""
+    parts = [f"{k}={v}" for k, v in searched.items() if isinstance(v, (int, float, str))]
+    return " ".join(parts) or None
+
+
+def _entry(test_avg: float, gap: float | None, searched: Mapping, val_avg: float | None = None) -> dict:
+    entry = {"test_avg": percent(test_avg), "val_avg": percent(val_avg), "gap": percent(gap), "choice": choice_label(searched)}
+    return {k: v for k, v in entry.items() if v is not None or k == "gap"}
+
+
+def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}) -> dict[str, dict]:
+    """The headline, one small entry per name (metrics/headline/<name>.json, a row each in `dvc metrics show`):
+    "probe" and "individual" with their test average; per method its test average, the validation average of
+    its choice (``val_averages``, fractions), the share of the probe-to-individual gap recovered ("gap") and the
+    values chosen on validation ("choice"), all %. ``rows`` are evaluation.summary_rows (Pretrained, Individual,
+    then one per merge method); task negation's average is over its targets (each task's accuracy with that task
+    negated), with its controls' average beside it, and its gap, by the same formula, is negative when it
+    forgets. A gap is None when the individual models do not beat the probe (evaluation.MIN_GAP)."""
     probe, individual = rows[0]["average"], rows[1]["average"]
     by_method = {r["method"]: r for r in rows[2:]}
     headline = {"probe": {"test_avg": percent(probe)}, "individual": {"test_avg": percent(individual)}}
     for method, ev in evaluations.items():
         if ev["kind"] == "negation":
             target = ev["average"]["target"]
-            entry = {"test_avg": percent(target), "gap_recovered": percent(gap_recovered(target, probe, individual)), "control_avg": percent(ev["average"]["control"])}
+            headline[method] = _entry(target, gap_recovered(target, probe, individual), ev["searched"]) | {"control_avg": percent(ev["average"]["control"])}
         else:
             row = by_method[method]
-            entry = {"test_avg": percent(row["average"]), "gap_recovered": percent(row["gap_recovered"])}
-        # scalars only: a per-task choice (TALL's lambda_t) is one value per task, kept in metrics/evaluate
-        entry |= {k: v for k, v in ev["searched"].items() if isinstance(v, (int, float, str))}
-        headline[method] = entry
+            headline[method] = _entry(row["average"], row["gap_recovered"], ev["searched"], val_averages.get(method))
     return headline
 
 
-def regime_headline(rows: list[dict], evaluations: Mapping[str, dict]) -> dict:
-    """One regime variant's headline: its individual models' test average, then per method its test average, gap
-    recovered (of the standard fine-tune's probe-to-individual gap) and the values chosen on validation.
+def regime_headline(variant: str, rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}) -> dict[str, dict]:
+    """One regime variant's headline entries, named "<variant>/<name>": its individual models' test average, then
+    per method as in headline_metrics (the gap is of the standard fine-tune's probe-to-individual gap).
     ``rows``: evaluation.summary_rows of the variant (Individual, then one per method)."""
     by_method = {r["method"]: r for r in rows[1:]}
-    headline = {"individual": {"test_avg": percent(rows[0]["average"])}}
+    headline = {f"{variant}/individual": {"test_avg": percent(rows[0]["average"])}}
     for method, ev in evaluations.items():
         row = by_method[method]
-        headline[method] = {"test_avg": percent(row["average"]), "gap_recovered": percent(row["gap_recovered"])} | {k: v for k, v in ev["searched"].items() if isinstance(v, (int, float, str))}
+        headline[f"{variant}/{method}"] = _entry(row["average"], row["gap_recovered"], ev["searched"], val_averages.get(method))
     return headline
 
 
