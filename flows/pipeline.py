@@ -15,6 +15,7 @@ See docs/scaling.md; ``python -m flows.serve`` (``mergeflow serve``) schedules t
 # parameter model from the signature; string annotations (Runner) would not resolve there
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -34,6 +35,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from mergeflow.checkouts import check_source, pull_dependencies, pull_outputs, record_stage, source
 from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
@@ -131,11 +133,13 @@ def _enter_task_runner(stack: contextlib.ExitStack, runner: str, workers: int, d
 
 
 @flow(name="mergeflow-pipeline")
-def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] | None = None, runner: Runner = "thread", dask_address: str | None = None) -> list[str]:
+def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] | None = None, runner: Runner = "thread", dask_address: str | None = None, worker_checkouts: bool = False) -> list[str]:
     """Run every stale stage. ``overrides`` are ``key.path=value`` settings written into params.yaml first, as
     ``dvc exp run -S`` takes them; every name is checked (mergeflow check) before any stage runs. ``runner``:
     "thread" (a thread pool here) or "dask" (a LocalCluster of ``workers`` processes, or the cluster at
-    ``dask_address``); ``workers``: stages at once (default: one per GPU, else one per CPU core). The run ends
+    ``dask_address``); ``workers``: stages at once (default: one per GPU, else one per CPU core).
+    ``worker_checkouts`` (Dask only): each worker runs its stages in a checkout of its own, their inputs and
+    outputs moved by the DVC remote, for a cluster without a shared file system (mergeflow.checkouts). The run ends
     by publishing the Markdown artifact mergeflow-summary: the summary table and the MLflow run, or what failed."""
     logger = get_run_logger()
     try:
@@ -145,6 +149,9 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         if overrides:
             apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
         _, notices = check_project(root)
+        if worker_checkouts and runner != "dask":
+            raise MergeflowError("worker checkouts need --runner dask")
+        commit = check_source(root) if worker_checkouts else None
     except MergeflowError as err:
         publish_summary(failure_markdown(None, f"error: {err}"))
         raise
@@ -179,7 +186,28 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
             logger.info("runner: %s, %d stages at once%s", runner if not dask_address else f"dask at {dask_address}", workers, f", GPUs {', '.join(gpus)}" if gpus else "")
 
             def parameters(node: StageNode) -> dict:
-                return {"node": node, "root": root, "env": env | served, "gpus": gpus, "gpu_workers": gpu_workers}
+                checkout = {"source": source(root, commit)} if commit else {}  # dvc.lock as it is now, upstream recorded
+                return {"node": node, "root": root, "env": env | served, "gpus": gpus, "gpu_workers": gpu_workers} | checkout
+
+            def record(address: str) -> None:
+                if commit and address not in here:
+                    record_stage(root, address, futures[address].result())
+                    repo._reset()  # dvc.lock changed behind DVC's back: its index is read again
+                else:
+                    commit_stage(repo, address)
+
+            # with worker checkouts, a stage with no outputs (track) runs here, where MLflow's store is, on its
+            # inputs pulled from the remote
+            here = {n.address for n in to_run if commit and not n.outs}
+
+            def run_here(node: StageNode) -> concurrent.futures.Future:
+                future = concurrent.futures.Future()
+                try:
+                    pull_dependencies(repo, node.address)
+                    future.set_result(run_stage_task(**(parameters(node) | {"source": None})))
+                except Exception as err:  # noqa: BLE001 - the outcome names it, as a worker's failure
+                    future.set_exception(err)
+                return future
 
             with contextlib.ExitStack() as stack:
                 # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)
@@ -190,13 +218,15 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
 
                 def submit(node: StageNode, upstream: list):
                     # wait_for on finished futures: no waiting, but the UI draws the graph's edges
-                    futures[node.address] = task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
+                    futures[node.address] = run_here(node) if node.address in here else task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
                     return futures[node.address]
 
                 on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
                 # on this machine's CPU, as many stages as their threads leave cores for; on GPUs, one a GPU
                 cores, capacity = stage_cores(root) if runner == "thread" and not gpus else (None, None)
-                outcome = run_graph(to_run, submit, lambda address: commit_stage(repo, address), None if dask_address else workers, on_stop, cores, capacity)
+                outcome = run_graph(to_run, submit, record, None if dask_address else workers, on_stop, cores, capacity)
+            if commit:  # the outputs the workers pushed, into this working tree
+                pull_outputs(repo, [a for a in outcome.done if a not in here])
     if outcome.failed or outcome.not_run:
         for address in outcome.failed:
             logger.error("failed: %s, %s: %s", address, outcome.status(address), outcome.error_line(address))
@@ -318,6 +348,7 @@ class OneLineParser(argparse.ArgumentParser):
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", choices=RUNNERS, default="thread", help="where stages run: a thread pool here (default) or a Dask cluster")
     parser.add_argument("--dask-address", default=None, metavar="tcp://HOST:PORT", help="with --runner dask: an existing cluster's scheduler (default: a LocalCluster of --workers processes)")
+    parser.add_argument("--worker-checkouts", action="store_true", help="with --runner dask: each worker runs stages in a checkout of its own, inputs and outputs moved by the DVC remote (no shared file system)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         try:
-            pipeline(root=args.root, workers=args.workers, overrides=args.overrides, runner=args.runner, dask_address=args.dask_address)
+            pipeline(root=args.root, workers=args.workers, overrides=args.overrides, runner=args.runner, dask_address=args.dask_address, worker_checkouts=args.worker_checkouts)
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             outcome["error"] = err
 

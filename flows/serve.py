@@ -37,9 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def deployment_parameters(root: str, workers: int | None, runner: str, overrides: list[str], dask_address: str | None) -> dict:
+def deployment_parameters(root: str, workers: int | None, runner: str, overrides: list[str], dask_address: str | None, worker_checkouts: bool = False) -> dict:
     """The deployment's default parameters (a run started from the UI or API may change any of them)."""
-    return {"root": str(Path(root).resolve()), "workers": workers, "runner": runner, "overrides": list(overrides), "dask_address": dask_address}
+    return {"root": str(Path(root).resolve()), "workers": workers, "runner": runner, "overrides": list(overrides), "dask_address": dask_address, "worker_checkouts": worker_checkouts}
 
 
 def _sigterm_like_ctrl_c() -> None:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline.serve(
         name=args.name,
         schedules=[schedule] if schedule else None,
-        parameters=deployment_parameters(args.root, args.workers, args.runner, args.overrides, args.dask_address),
+        parameters=deployment_parameters(args.root, args.workers, args.runner, args.overrides, args.dask_address, args.worker_checkouts),
         # one run at a time; a run that comes due while another runs waits for it
         global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         tags=["mergeflow"],

@@ -5,6 +5,7 @@ import time
 
 from prefect import get_run_logger, task
 
+from mergeflow.checkouts import Source, run_in_checkout
 from mergeflow.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
 
 quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's
@@ -48,10 +49,11 @@ def stop_worker_stages(flow_run_id: str) -> int:
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_if_transient, task_run_name="{node.address}")
-def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[str] | None = None, gpu_workers: int | None = None) -> dict:
+def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[str] | None = None, gpu_workers: int | None = None, source: Source | None = None) -> dict:
     """Run one stage. With ``gpus``, the stage gets one of them to itself (CUDA_VISIBLE_DEVICES) from this
     process's pool, waiting while every one is taken; on a Dask LocalCluster of ``gpu_workers`` workers each
-    worker hands out its own share of them."""
+    worker hands out its own share of them. With ``source``, it runs in this worker's own checkout of it, its
+    inputs and outputs moved by the DVC remote (mergeflow.checkouts)."""
     logger = get_run_logger()
     worker = dask_worker_index()
     if stopping() and _stopped_flow_run not in (None, env.get("PREFECT__FLOW_RUN_ID")):
@@ -61,7 +63,11 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
         if device_env:
             logger.info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
         try:
-            result = run_stage(node, root, env | device_env)
+            if source is None:
+                result = run_stage(node, root, env | device_env)
+            else:
+                result = run_in_checkout(node, source, env | device_env)
+                root = result["checkout"]
         except StageFailed as err:
             seconds = time.monotonic() - started
             kind = " (bad input)" if err.bad_input else " (transient)" if err.transient else ""
@@ -69,6 +75,8 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
             if (last := last_lines(err.output)) != err.tail:  # more than its error line
                 logger.error("%s output (last lines):\n%s", node.address, last)
             raise
+    if source is not None:
+        logger.info("%s ran in the checkout %s", node.address, root)
     logger.info("%s", completed_line(node, root, time.monotonic() - started))
     if last := last_lines(result["stdout"]):
         logger.info("%s output (last lines):\n%s", node.address, last)

@@ -53,6 +53,8 @@ LAYER = {
     "mergeflow.scheduler": "orchestration",  # the stale stages run as a graph, several at once, and their threads
     "mergeflow.verify": "orchestration",  # every output hashed again against dvc.lock (mergeflow verify)
     "mergeflow.remote": "orchestration",  # the DVC remote: set up, pushed to after a flow run
+    "mergeflow.compare": "orchestration",  # DVC experiments side by side (mergeflow compare)
+    "mergeflow.checkouts": "orchestration",  # stages in a Dask worker's own checkout, outputs moved by the DVC remote
     "mergeflow.stage_server": "orchestration",  # the stages forked from one process that imported torch once
     "mergeflow.plan": "orchestration",  # which stages will run, their time and memory
     "tasks": "flows",  # the Prefect task that runs one stage

@@ -4,8 +4,11 @@ that `dvc status` finds nothing to do; with a local folder and with an S3 server
 credentials come from the environment and never reach git."""
 
 import hashlib
-import os
+import json
+import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +49,7 @@ def _clone(src, dst, env):
     return dst
 
 
-def test_remote_urls_are_checked(tmp_path, tiny_env):
+def test_remote_urls_are_checked(tmp_path, tiny_env, monkeypatch):
     with pytest.raises(MergeflowError, match=r"has a password, which would go into \.dvc/config"):
         check_url("s3://key:secret@bucket/path")
     with pytest.raises(MergeflowError, match="unknown scheme 'ftp'"):
@@ -57,11 +60,8 @@ def test_remote_urls_are_checked(tmp_path, tiny_env):
         add_remote("/shared/dvc", endpoint_url="http://127.0.0.1:9000", root=tmp_path)
     assert default_remote(tmp_path) is None
     # a relative folder is kept absolute: the same place whatever directory DVC runs from
-    os.chdir(tmp_path)
-    try:
-        remote = add_remote("../store", root=tmp_path)
-    finally:
-        os.chdir(os.path.dirname(__file__))
+    monkeypatch.chdir(tmp_path)
+    remote = add_remote("../store", root=tmp_path)
     assert remote.url == str(tmp_path.parent / "store") and default_remote(tmp_path) == remote
     assert f"url = {tmp_path.parent / 'store'}" in (tmp_path / ".dvc" / "config").read_text()
 
@@ -71,9 +71,10 @@ def test_a_fresh_clone_shows_the_committed_headline(committed_run, tiny_env, tmp
     assert not (clone / "merged").exists()  # nothing pulled, nothing run
     table = _stdout(["dvc", "metrics", "show"], clone, tiny_env)
     ta = (committed_run / "metrics" / "headline" / "task_arithmetic.json").read_text()
-    assert "metrics/headline/task_arithmetic.json" in table and str(__import__("json").loads(ta)["test_avg"]) in table
-    shown = _stdout(["dvc", "exp", "show", "--json"], clone, tiny_env)
-    assert '"metrics/headline/ties.json"' in shown and '"error"' not in shown
+    assert "metrics/headline/task_arithmetic.json" in table and str(json.loads(ta)["test_avg"]) in table
+    for row in json.loads(_stdout(["dvc", "exp", "show", "--json"], clone, tiny_env)):  # the workspace and HEAD
+        metrics = row["data"]["metrics"]
+        assert row["error"] is None and metrics["metrics/headline/task_arithmetic.json"]["data"] == json.loads(ta), row["rev"]
 
 
 @pytest.mark.parametrize("kind", ["folder", "s3"])
@@ -117,3 +118,91 @@ def s3_server():
     s3.create_bucket(Bucket="mergeflow-results")
     yield endpoint
     server.stop()
+
+
+# ---------------------------------------------------------------- scale-out without a shared file system
+def test_worker_checkouts_need_a_remote_and_committed_code(committed_run, tiny_env, tmp_path):
+    from mergeflow.checkouts import check_source
+
+    project = copy_project(committed_run, tmp_path / "project")
+    with pytest.raises(MergeflowError, match=r"worker checkouts need a DVC remote .*`mergeflow remote add URL`"):
+        check_source(project)
+    add_remote(str(tmp_path / "store"), root=project)
+    with pytest.raises(MergeflowError, match=r"\.dvc/config differs from the last commit, which is what the workers check out: commit it first"):
+        check_source(project)
+    run("git add .dvc/config && git commit -qm remote", project, tiny_env)
+    assert check_source(project) == run(["git", "rev-parse", "HEAD"], project, tiny_env).strip()
+
+
+def test_a_stage_a_worker_ran_is_recorded_whole(tmp_path):
+    """record_stage: the small outputs a worker kept in git replace the flow's (a folder whole: a method no
+    longer run leaves no file behind), and the stage's entry goes into dvc.lock beside the others."""
+    import yaml
+
+    from mergeflow.checkouts import record_stage
+
+    (tmp_path / "metrics" / "headline").mkdir(parents=True)
+    (tmp_path / "metrics" / "headline" / "gone.json").write_text("{}")
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare"}}}))
+    entry = {"cmd": "mergeflow report", "outs": [{"path": "metrics/headline", "hash": "md5", "md5": "0" * 32 + ".dir"}]}
+    result = {"lock_entry": entry, "uncached_outs": ["metrics/headline", "metrics/verdicts/mima.json"], "uncached": {"metrics/headline/ties.json": '{"test_avg": 71.7}', "metrics/headline/mima_n4/ties.json": "{}", "metrics/verdicts/mima.json": '{"holds": 7}'}}
+    record_stage(tmp_path, "report", result)
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "metrics").rglob("*.json")) == ["metrics/headline/mima_n4/ties.json", "metrics/headline/ties.json", "metrics/verdicts/mima.json"]
+    assert (tmp_path / "metrics" / "headline" / "ties.json").read_text() == '{"test_avg": 71.7}'
+    assert yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"] == {"prepare": {"cmd": "mergeflow prepare"}, "report": entry}
+
+
+@pytest.mark.e2e
+def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_env, prefect_server, tmp_path):
+    """`--runner dask --worker-checkouts` on the pushed reference run with merge.ties.k = 0.1: each stage runs in
+    a Dask worker's own clone (its local directory, none of the project's files), pulling its inputs from the
+    remote and pushing its outputs; the flow records each in dvc.lock and pulls the outputs at the end, so that
+    its working tree is the whole run and `dvc status` is clean; a fresh clone pulls the new merge too."""
+    import yaml
+
+    env = tiny_env | {"PREFECT_API_URL": prefect_server}
+    project = copy_project(committed_run, tmp_path / "project")
+    run(["mergeflow", "remote", "add", str(tmp_path / "store")], project, env)
+    run("git add .dvc/config && git commit -qm remote && dvc push -q", project, env)
+    # no regime and no study runs: their outputs go, as a clone has none of them (report and track read the folders)
+    run("git clean -qfdX metrics/regime metrics/regime_merge logs/regime_merge regimes metrics/studies studies", project, env)
+    start = time.perf_counter()
+    out = run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--worker-checkouts", "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env, timeout=900)
+    print(f"flow run with worker checkouts (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
+    assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]
+    # merge@ties and report on the workers, each in a clone in its Dask local directory; track here, where MLflow's
+    # store is, on its inputs pulled
+    checkouts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"(merge@ties|report|track) ran in the checkout (\S+)", out)}
+    assert set(checkouts) == {"merge@ties", "report"}, out[-3000:]
+    assert all(c.name == "mergeflow-checkout" and not c.is_relative_to(project) for c in checkouts.values()), checkouts
+    assert "Task run 'track' - Finished in state Completed()" in out and "Pushed to the DVC remote **storage**" in out
+    assert "Data and pipelines are up to date." in run(["dvc", "status"], project, env)
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["merge@ties"]["params"]["params.yaml"]["merge.ties"]["k"] == 0.1
+    headline = json.loads((project / "metrics" / "headline" / "ties.json").read_text())
+    assert headline["test_avg"] == round(100 * json.loads((project / "metrics" / "evaluate" / "ties.json").read_text())["average"], 2)
+    # the run travels: a clone of the commit with this dvc.lock pulls the new merge
+    run("git add dvc.lock params.yaml metrics && git commit -qm 'ties k=0.1'", project, env)
+    clone = _clone(project, tmp_path / "clone", env)
+    run(["dvc", "pull", "merged/ties.safetensors"], clone, env)
+    assert hashlib.md5((clone / "merged" / "ties.safetensors").read_bytes()).hexdigest() == hashlib.md5((project / "merged" / "ties.safetensors").read_bytes()).hexdigest()
+
+
+def test_a_flow_run_says_where_its_outputs_went(tmp_path, tiny_env):
+    """The flow's summary artifact: this machine's cache when no remote is set; what `dvc push` sent to the remote;
+    a push that fails is named, and fails the run (flows.pipeline raises on the error)."""
+    from flows.pipeline import push_section
+
+    run("git init -q && dvc init -q && echo weights > model.bin && dvc add -q model.bin", tmp_path, tiny_env)
+    text, error = push_section(tmp_path)
+    assert error is None and "no DVC remote is set" in text and "mergeflow remote add URL" in text
+    add_remote(str(tmp_path.parent / f"{tmp_path.name}-store"), root=tmp_path)
+    text, error = push_section(tmp_path)
+    assert error is None and text.startswith("Pushed to the DVC remote **storage**") and ": 1 files sent" in text
+    assert push_section(tmp_path)[0].count(": 0 files sent") == 1  # nothing new: nothing sent again
+    (tmp_path.parent / "not-a-folder").write_text("")
+    add_remote(str(tmp_path.parent / "not-a-folder" / "store"), root=tmp_path)
+    (tmp_path / "model.bin").unlink()
+    run("echo other > model.bin && dvc add -q model.bin", tmp_path, tiny_env)
+    text, error = push_section(tmp_path)
+    assert text.startswith("**Not pushed**: dvc push to storage (") and error and "\n" not in error

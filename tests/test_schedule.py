@@ -196,7 +196,7 @@ def test_served_deployment_runs_on_its_schedule(tmp_path, tiny_reference, tiny_e
     try:
         deployment = _wait_for(lambda: _deployment(prefect_server, name), 120, "no deployment registered", proc, log)
         _check_limit_of_one(deployment)
-        assert deployment["parameters"] == {"root": str(root), "workers": 2, "runner": "thread", "overrides": [], "dask_address": None}
+        assert deployment["parameters"] == {"root": str(root), "workers": 2, "runner": "thread", "overrides": [], "dask_address": None, "worker_checkouts": False}
         assert deployment["schedules"][0]["schedule"]["interval"] == 5.0 and deployment["schedules"][0]["active"]
 
         def completed():
@@ -282,7 +282,9 @@ def test_dask_runner_reruns_only_what_changed(tmp_path, tiny_reference, tiny_env
     own share of two pretend GPUs), each committed to dvc.lock by the flow; `dvc status` is clean after."""
     root = copy_project(tiny_reference[0], tmp_path / "dask")
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": "7,9"}  # no such devices: stages run on the CPU
+    start = time.perf_counter()
     out = _run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600)
+    print(f"flow run on a shared working tree (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
     assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
     assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `distributed.deploy.local.LocalCluster`" in out
     assert "Data and pipelines are up to date." in _run(["dvc", "status"], root, env)

@@ -85,5 +85,6 @@ def push_outputs(root: str | Path = ".", jobs: int | None = None) -> int:
     try:
         with Repo(str(root)) as repo:
             return repo.push(jobs=jobs)
-    except DvcException as err:
-        raise MergeflowError(f"dvc push to {remote}: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - DVC's, the file system's or a cloud client's: one line either way
+        kind = "" if isinstance(err, DvcException) else f"{type(err).__name__}: "
+        raise MergeflowError(f"dvc push to {remote}: {kind}{(str(err).splitlines() or ['failed'])[0]}") from None
