@@ -86,10 +86,19 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     table = _stdout(["dvc", "metrics", "show"], root, tiny_env).splitlines()
     assert len(table) == 1 + len(first) + len(STUDIES) and max(map(len, table)) <= 160, table
     # the studies' verdict counts are metrics too, a row each
-    shown = _json(["dvc", "metrics", "show", "--json"], root, tiny_env)["workspace"]["data"]
+    (shown,) = [ws["data"] for ws in _json(["dvc", "metrics", "show", "--json"], root, tiny_env).values()]
     counts = {path: m["data"] for path, m in shown.items() if path.startswith("metrics/verdicts/")}
     assert set(counts) == {f"metrics/verdicts/{s}.json" for s in STUDIES}
     assert all(c == {k: read_json(root / "metrics" / "studies" / Path(path).name)[k] for k in c} and set(c) == {"holds", "fails", "not_measured"} for path, c in counts.items())
+
+    # the experiments side by side in a terminal: a column each, a row per value that differs
+    table = _stdout(["mergeflow", "compare"], root, tiny_env).splitlines()
+    order = table[0].split()  # the workspace, the commit (its branch's name), its experiments
+    assert order[0] == "workspace" and sorted(order[2:]) == ["ties-k01", "ties-k05"], table
+    rows = {line.split()[0]: dict(zip(order, line.split()[1:])) for line in table[1:]}
+    assert rows["merge.ties.k"] == {"workspace": "0.5", order[1]: "0.2", "ties-k01": "0.1", "ties-k05": "0.5"}
+    assert rows["ties"] == {"workspace": str(second["ties"]["test_avg"]), order[1]: str(baseline["ties"]["test_avg"]), "ties-k01": str(first["ties"]["test_avg"]), "ties-k05": str(second["ties"]["test_avg"])}
+    assert "task_arithmetic" not in rows and max(map(len, table)) <= 160
 
     diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
     assert diff["metrics/headline/ties.json"]["test_avg"]["old"] == baseline["ties"]["test_avg"]
@@ -120,6 +129,16 @@ def test_every_declared_plot_renders(project, tiny_env):
     labels = {(r["regime"], r["method"]): r["method"] if r["regime"] == "standard" else f"{r['method']} ({r['regime']})" for r in rows}
     assert {b["method"]: b["test_avg"] for b in bars} == {labels[r["regime"], r["method"]]: round(100 * r["average"], 2) for r in rows}
     assert {r["regime"] for r in rows} == {"standard", "one_epoch", "mima_n2"}
+
+
+def test_the_plots_page_draws_offline(project, tiny_env, tmp_path):
+    """`dvc plots show` fills .dvc/plots.html (.dvc/config: plots.html_template), which carries Vega, Vega-Lite and
+    Vega-Embed itself: the page loads no script from the network, and every chart is drawn by the inlined vegaEmbed."""
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], project, tiny_env)
+    page = (tmp_path / "plots" / "index.html").read_text()
+    assert "<script src" not in page and "https://cdn" not in page
+    charts = [name for name, [plot] in _json(["dvc", "plots", "show", "--json"], project, tiny_env)["data"].items() if plot["type"] != "image"]
+    assert "window.vegaEmbed=" in page and page.count("vegaEmbed('#") == len(charts) > 0  # the PNGs are <img>
 
 
 def test_a_failed_stage_loses_nothing_and_a_rerun_with_the_same_outputs_stales_nothing(project, tiny_env):

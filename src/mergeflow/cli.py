@@ -117,6 +117,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
     ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    compare = sub.add_parser("compare", help="DVC experiments side by side, a column each: the parameters and headline numbers that differ", description="The DVC experiments (`dvc exp show`) side by side, one column each: the parameters that differ, then each method's headline number that differs (and each study's verdict counts), a row each; fits a terminal where `dvc exp show` cannot.")
+    compare.add_argument("--metric", default="test_avg", choices=("test_avg", "val_avg", "gap"), help="the headline number shown (default: test_avg)")
+    compare.add_argument("--all", action="store_true", help="every row, not only those that differ")
+    compare.add_argument("--md", action="store_true", help="a Markdown table")
     remote = sub.add_parser("remote", help="the DVC remote the run's outputs travel by: `remote add URL` sets it, `remote` shows it", description="Show the project's default DVC remote, or set one (`remote add URL`: a folder, s3://bucket/path, or any URL a DVC plugin reads) in .dvc/config, which git tracks; credentials stay in the environment. Then `dvc push` after a run, `dvc pull` on a clone.")
     remote_sub = remote.add_subparsers(dest="remote_command", metavar="ACTION")
     remote_add = remote_sub.add_parser("add", help="make URL the default remote", description="Make URL the project's default DVC remote (.dvc/config). S3's credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), never from the URL.")
@@ -149,6 +153,11 @@ def run_command(args: argparse.Namespace) -> int:
         from mergeflow.plan import print_plan
 
         return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure, calibration=args.calibration)
+    if args.command == "compare":
+        from mergeflow.compare import compare
+
+        print(compare(args.metric, args.all, args.md))
+        return 0
     if args.command == "remote":
         from mergeflow.remote import add_remote, default_remote
 
