@@ -6,7 +6,7 @@ from mergeflow.compare import comparison, render
 
 def _rev(rev, name, k, ties, ta, holds):
     return {"rev": rev, "name": name, "data": {
-        "params": {"params.yaml": {"data": {"seed": 0, "merge": {"ties": {"k": k}}}}},
+        "params": {"params.yaml": {"data": {"seed": 0, "merge": {"ties": {"k": k, "lam": [0.8, 1.0, 1.2, 1.5, 2.0, 2.5, 3.0]}}}}},
         "metrics": {
             "metrics/headline/ties.json": {"data": {"test_avg": ties, "gap": 20.0}},
             "metrics/headline/mima_n4/task_arithmetic.json": {"data": {"test_avg": ta}},
@@ -28,7 +28,9 @@ def test_experiments_side_by_side():
     ]
     # the same gap everywhere: no row for it
     assert [r[0] for r in comparison(shown, "gap")] == ["", "merge.ties.k", "mima (holds/fails)"]
-    assert [r[0] for r in comparison(shown, every_row=True)][1:] == ["seed", "merge.ties.k", "ties", "mima_n4/task_arithmetic", "mima (holds/fails)"]
+    every_row = comparison(shown, every_row=True)
+    assert [r[0] for r in every_row][1:] == ["seed", "merge.ties.k", "merge.ties.lam", "ties", "mima_n4/task_arithmetic", "mima (holds/fails)"]
+    assert every_row[3][1] == "[0.8, 1.0, 1.2, 1.5, 2.…"  # a grid cut to 24 characters
     # the names left-aligned (18 wide), the values right-aligned under their experiment, two spaces between
     assert render(table).splitlines()[1] == "merge.ties.k" + " " * 6 + "  " + "0.1".rjust(9) + "  " + "0.2".rjust(4) + "  " + "0.1".rjust(8)
     assert render(table, markdown=True).splitlines()[:2] == ["|                    | workspace | main | ties-k01 |", "|--------------------|-----------|------|----------|"]

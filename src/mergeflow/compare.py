@@ -14,6 +14,7 @@ from mergeflow.errors import MergeflowError
 HEADLINE = "metrics/headline/"
 VERDICTS = "metrics/verdicts/"
 METRICS = ("test_avg", "val_avg", "gap")
+CELL = 24  # a value's width at most: a grid or a task list would take a line
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
@@ -40,6 +41,12 @@ def _columns(shown: list[dict]) -> list[tuple[str, dict]]:
     return columns
 
 
+def _cell(value: object, width: int = CELL) -> str:
+    """A value as shown: "-" when absent, a long one (a grid, a task list) cut to ``width`` characters."""
+    text = "-" if value is None else str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def comparison(shown: list[dict], metric: str = "test_avg", every_row: bool = False) -> list[list[str]]:
     """The table's rows, a header first: the parameters, then each headline entry's ``metric`` and each study's
     verdict counts, for every experiment; only the rows whose values differ unless ``every_row``."""
@@ -58,7 +65,7 @@ def comparison(shown: list[dict], metric: str = "test_avg", every_row: bool = Fa
                 put(path[len(HEADLINE):].removesuffix(".json"), i, values.get(metric))
             elif path.startswith(VERDICTS):
                 put(f"{path[len(VERDICTS):].removesuffix('.json')} (holds/fails)", i, f"{values.get('holds')}/{values.get('fails')}")
-    shown_rows = [[name, *("-" if v is None else str(v) for v in values)] for name, values in rows.items() if every_row or len({json.dumps(v) for v in values}) > 1]
+    shown_rows = [[name, *(_cell(v) for v in values)] for name, values in rows.items() if every_row or len({json.dumps(v) for v in values}) > 1]
     return [["", *(label for label, _ in columns)], *shown_rows]
 
 
