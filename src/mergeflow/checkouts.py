@@ -20,6 +20,7 @@ from mergeflow.orchestration import StageNode, run_stage
 from mergeflow.yaml_files import parse_yaml
 
 CHECKOUT_ENV = "MERGEFLOW_CHECKOUT"  # where a worker keeps its checkout (default: its Dask local directory)
+REPOSITORY_ENV = "MERGEFLOW_REPOSITORY"  # what workers clone (default: the flow's repository path)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def _git(args: list[str], cwd: str | Path) -> str:
     return proc.stdout.strip()
 
 
-def check_source(root: str | Path, repository: str | None = None) -> str:
+def check_source(root: str | Path) -> str:
     """The commit workers check out, or a one-line error: the code and dvc.yaml must be committed (a worker sees
     the commit, not this working tree) and a DVC remote must be set (it carries every output between machines)."""
     from mergeflow.remote import default_remote
@@ -54,10 +55,13 @@ def check_source(root: str | Path, repository: str | None = None) -> str:
     return _git(["rev-parse", "HEAD"], root)
 
 
-def source(root: str | Path, commit: str, repository: str | None = None) -> Source:
+def source(root: str | Path, commit: str) -> Source:
+    """What a stage sent now is run from: $MERGEFLOW_REPOSITORY (a URL the workers clone, where the commit was
+    pushed), else the flow's repository itself (a path the workers reach), with params.yaml and dvc.lock as now."""
     root = Path(root)
     lock = root / "dvc.lock"
-    return Source(repository or str(root.resolve()), commit, (root / "params.yaml").read_text(), lock.read_text() if lock.exists() else "")
+    repository = os.environ.get(REPOSITORY_ENV) or str(root.resolve())
+    return Source(repository, commit, (root / "params.yaml").read_text(), lock.read_text() if lock.exists() else "")
 
 
 def checkout_dir() -> Path:
