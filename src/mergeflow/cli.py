@@ -102,7 +102,8 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("report", help="stage: the summary table (results/summary.md) and plots", description="The summary table of every method (results/summary.md, .csv, .json) and its plots.")
     sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
     sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
-    sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
+    methods = sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
+    methods.add_argument("--list", action="store_true", help="only the names of every method that can merge params.yaml's tasks (SLERP takes two), as the list merge.methods takes: dvc exp run -S \"merge.methods=$(mergeflow methods --list)\" runs them all")
     plan = sub.add_parser("plan", help="which stages will run, each one's estimated time and peak memory on this device, and the total", description="Which stages of dvc.yaml will run (out of date) and which are up to date, with each one's estimated wall time and peak memory on runtime.device (measured in seconds on the backbone's architecture, then kept per machine under ~/.cache/mergeflow/plan), and the total; stages whose peak exceeds the machine's memory are flagged (mergeflow.plan).")
     plan.add_argument("--all", action="store_true", help="estimate every stage, up to date or not")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -144,6 +145,13 @@ def _stage_item(given: str | None, stage: str, what: str) -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "methods":
+        if args.list:
+            from mergeflow.config import load_params
+            from mergeflow.merging import REGISTRY
+
+            tasks = len(load_params(args.params).suite.tasks)
+            print(f"[{','.join(sorted(name for name, m in REGISTRY.items() if m.tasks in (None, tasks)))}]")
+            return 0
         return print_methods(args.params)
     if args.command == "regimes":
         return print_regimes(args.params)

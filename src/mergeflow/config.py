@@ -446,6 +446,16 @@ class Params(_Strict):
                 raise ValueError(f"finetune.checkpoints.{task}: {spec!r} is not hf:<owner>/<repo>[@<revision>]")
         return self
 
+    @model_validator(mode="after")
+    def _task_counts(self) -> Params:
+        """A method that merges only so many task vectors (SLERP: two) against the suite's task count."""
+        from mergeflow.merging import REGISTRY
+
+        for name in self.merge.methods:
+            if REGISTRY[name].tasks not in (None, len(self.suite.tasks)):
+                raise ValueError(f"merge.methods: {name} merges exactly {REGISTRY[name].tasks} task models, and suite.tasks has {len(self.suite.tasks)}")
+        return self
+
     def check_task(self, task: str) -> None:
         if task not in self.suite.tasks:
             raise MergeflowError(f"params.yaml: suite.tasks has no task '{task}' (tasks: {', '.join(self.suite.tasks)})")

@@ -134,6 +134,7 @@ class MergeMethod:
     # a rule across hyperparameters: (all hyperparameters) -> what is wrong with them, or None
     joint: Callable[[Mapping[str, Any]], str | None] | None = None
     reads: str | None = None  # a key of DATA: what the method reads besides the weights
+    tasks: int | None = None  # the number of task vectors the method merges, when it takes only that many (SLERP: 2)
     data: MergeData | None = None  # bound by with_data
 
     def with_data(self, data: MergeData) -> MergeMethod:
@@ -204,6 +205,7 @@ def register(
     ranges: Mapping[str, Constraint] | None = None,
     joint: Callable[[Mapping[str, Any]], str | None] | None = None,
     reads: str | None = None,
+    tasks: int | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
@@ -218,7 +220,7 @@ def register(
             raise RuntimeError(f"merge method '{name}': ranges must name every hyperparameter, and only those")
         if reads not in DATA or (reads is not None and kind != "model"):
             raise RuntimeError(f"merge method '{name}': reads must be one of {list(DATA)[1:]} (model methods only)")
-        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads)
+        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads, tasks)
         method.check(method.defaults)  # a default outside its own range is a bug of the method's module
         REGISTRY[name] = method
         return fn

@@ -41,7 +41,7 @@ def along(tau: torch.Tensor, vectors: str) -> torch.Tensor:
     return tau if vectors == "rows" else tau.transpose(0, -1)
 
 
-@register("nuslerp", paper="mergekit's nuslerp (SLERP: Shoemake 1985)", defaults={"t": 0.5, "vectors": "tensor"}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION, "vectors": Choice(("tensor", "rows", "columns"))})
+@register("nuslerp", paper="mergekit's nuslerp (SLERP: Shoemake 1985)", defaults={"t": 0.5, "vectors": "tensor"}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION, "vectors": Choice(("tensor", "rows", "columns"))}, tasks=2)
 def nuslerp(pretrained, task_vectors, *, t, vectors):
     from mergeflow.merging._tensors import map_tensors
 

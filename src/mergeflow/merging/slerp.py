@@ -28,7 +28,7 @@ def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) ->
     return (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
 
 
-@register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION})
+@register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION}, tasks=2)
 def slerp(pretrained, task_vectors, *, t):
     from mergeflow.merging._tensors import map_tensors
 
