@@ -143,7 +143,10 @@ def test_download_anywhere_on_the_line_lets_the_stages_download(monkeypatch, rep
     from mergeflow.cli import _allow_downloads
     from mergeflow.config import DOWNLOAD_ENV, parse_params
 
-    monkeypatch.delenv(DOWNLOAD_ENV, raising=False)
+    # set, then removed: monkeypatch records the variable's absence and restores it (a delenv of an absent variable
+    # records nothing, and the 1 _allow_downloads sets would outlive this test)
+    monkeypatch.setenv(DOWNLOAD_ENV, "0")
+    monkeypatch.delenv(DOWNLOAD_ENV)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert _allow_downloads(["repro", "-f"]) == ["repro", "-f"] and DOWNLOAD_ENV not in os.environ
     assert _allow_downloads(["repro", "--download", "-f"]) == ["repro", "-f"]
