@@ -46,6 +46,21 @@ def test_fisher_two_entries_by_hand():
     torch.testing.assert_close(merged, torch.tensor([2.25, 4.0]))
 
 
+def test_fisher_per_model_weights_by_hand():
+    # the example above with lambda_a = 3 (lambda_b = 1, not named): entry 0: (3*3*2 + 1*1*(-1)) / (9 + 1) = 1.7 away;
+    # entry 1: both at the floor, weights 3e-6 and 1e-6 -> (3 * 0 + 1 * 4) / 4 = 1 away
+    theta0 = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    taus = {"a": {"w": torch.tensor([2.0, 0.0], dtype=torch.float64)}, "b": {"w": torch.tensor([-1.0, 4.0], dtype=torch.float64)}}
+    fishers = {"a": {"w": torch.tensor([3.0, 0.0])}, "b": {"w": torch.tensor([1.0, 1e-9])}}
+    data = _stats(**{t: {"fisher_sampled": fishers[t], "fisher_empirical": fishers[t]} for t in taus})
+    merged = REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"a": 3.0})["w"]
+    torch.testing.assert_close(merged, torch.tensor([2.7, 3.0], dtype=torch.float64), rtol=0, atol=1e-12)
+    # equal weights are the plain merge; a task not merged is named
+    torch.testing.assert_close(REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"a": 2.0, "b": 2.0})["w"], REGISTRY["fisher"].with_data(data)(theta0, taus)["w"])
+    with pytest.raises(ValueError, match="merge.fisher.weights: no task 'c' among the merged tasks"):
+        REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"c": 1.0})
+
+
 def test_fisher_with_fusionbench_normalisation_and_floor_by_hand():
     # |F_a| = 3, |F_b| = 1: c = (1/3, 1) / (4/3) = (1/4, 3/4) (the 1e-6 guards aside); F + 1e-6
     #   entry 0: weights 0.75, 0.75 -> theta0 + (0.75 * 2 - 0.75 * 1) / 1.5 = 1.5
