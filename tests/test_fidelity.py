@@ -16,7 +16,7 @@ import torch
 
 from mergeflow.config import parse_params
 from mergeflow.errors import MergeflowError
-from mergeflow.merging import REGISTRY, Choice, Range
+from mergeflow.merging import REGISTRY, Choice, PerTask, Range
 from mergeflow.merging._rounding import top_k_count
 from mergeflow.merging._tensors import rank_of_ratio, seed_of
 from mergeflow.merging.dare import keep_cut
@@ -380,6 +380,9 @@ def _outside(constraint):
     """A value the constraint rejects, or None (a coefficient: any number)."""
     if isinstance(constraint, Choice):
         return "bogus"
+    if isinstance(constraint, PerTask):  # one task's value out of range
+        inner = _outside(constraint.each)
+        return None if inner is None else {"digits": inner}
     if constraint.low is not None:
         return constraint.low if constraint.low_open else constraint.low - 1
     if constraint.high is not None:

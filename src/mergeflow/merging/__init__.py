@@ -108,7 +108,20 @@ class Choice:
         return "one of " + ", ".join(map(repr, self.options))
 
 
-Constraint = Range | Choice
+@dataclass(frozen=True)
+class PerTask:
+    """A mapping task -> value, each value admitted by ``each`` (a per-model weight); {} names no task."""
+
+    each: Range
+
+    def admits(self, value: Any) -> bool:
+        return isinstance(value, Mapping) and all(isinstance(k, str) and self.each.admits(v) for k, v in value.items())
+
+    def __str__(self) -> str:
+        return f"a mapping task -> {self.each}"
+
+
+Constraint = Range | Choice | PerTask
 ANY_NUMBER = Range("a number")  # a coefficient: any finite real (the search merges at 0 and 1 to interpolate)
 FRACTION = Range("a fraction", 0, 1)  # [0, 1]
 POSITIVE_FRACTION = Range("a fraction", 0, 1, low_open=True)  # (0, 1]
@@ -156,7 +169,8 @@ class MergeMethod:
         where = where or f"merge.{self.name}"
         for key, value in hyperparameters.items():
             constraint = self.ranges.get(key)
-            for v in value.values() if isinstance(value, Mapping) else [value]:
+            # a per-task choice (a mapping) is checked value by value; a PerTask hyperparameter is one mapping
+            for v in value.values() if isinstance(value, Mapping) and not isinstance(constraint, PerTask) else [value]:
                 if constraint is not None and not constraint.admits(v):
                     raise ValueError(f"{where}.{key}: expected {constraint}, got {v!r}")
         problem = self.joint(hyperparameters) if joint and self.joint else None

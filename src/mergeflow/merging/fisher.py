@@ -16,7 +16,7 @@ multiply task t's Fisher: theta = theta0 + sum_t lambda_t F_t tau_t / sum_t lamb
 scaling coefficients and the paper's "merging with different weights" (section 2) do; all equal is the plain merge.
 """
 
-from mergeflow.merging import Choice, Range, register
+from mergeflow.merging import Choice, PerTask, Range, register
 
 
 @register(
@@ -29,7 +29,7 @@ from mergeflow.merging import Choice, Range, register
         "floor": Range("a Fisher floor", 0, low_open=True),
         "floor_rule": Choice(("max", "add")),
         "normalize": Choice(("none", "global_norm")),
-        "weights": Range("a model's weight", 0, low_open=True),
+        "weights": PerTask(Range("a model's weight", 0, low_open=True)),
     },
     reads="train_statistics",
 )
