@@ -278,7 +278,7 @@ def push_section(root: Path) -> tuple[str, str | None]:
         remote = default_remote(root)
         if remote is None:
             return f"In this machine's DVC cache only (`{root}/.dvc/cache`): no DVC remote is set. `mergeflow remote add URL` sets one, and each run then pushes its outputs there.", None
-        sent = push_outputs(root)
+        sent = push_outputs(root, remote=remote)
     except MergeflowError as err:
         return f"**Not pushed**: {err}. The outputs are in this machine's DVC cache; `dvc push` sends them once the remote answers.", str(err)
     return (

@@ -34,9 +34,12 @@ class Source:
     lock: str
 
 
-def _git(args: list[str], cwd: str | Path) -> str:
+def _git(args: list[str], cwd: str | Path, check: bool = True) -> str | None:
+    """git's output; on failure a one-line error, or None when not ``check`` (a question git answers by failing)."""
     proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
+        if not check:
+            return None
         raise MergeflowError(f"git {' '.join(args)} in {cwd}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['failed']}")
     return proc.stdout.strip()
 
@@ -83,9 +86,8 @@ def prepare_checkout(src: Source, where: Path) -> Path:
     if fresh:
         where.parent.mkdir(parents=True, exist_ok=True)
         _git(["clone", "-q", "--no-checkout", src.repository, str(where)], where.parent)
-    head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=where, capture_output=True, text=True).stdout.strip()
-    if fresh or head != src.commit:
-        if subprocess.run(["git", "cat-file", "-e", f"{src.commit}^{{commit}}"], cwd=where, capture_output=True).returncode != 0:
+    if fresh or _git(["rev-parse", "--verify", "-q", "HEAD"], where, check=False) != src.commit:
+        if _git(["cat-file", "-e", f"{src.commit}^{{commit}}"], where, check=False) is None:
             _git(["fetch", "-q", "origin"], where)
         _git(["checkout", "-q", "--force", src.commit], where)
     (where / "params.yaml").write_text(src.params)
@@ -166,8 +168,7 @@ def record_stage(root: str | Path, address: str, result: dict) -> None:
     lock_path = root / "dvc.lock"
     lock = parse_yaml(lock_path.read_text(), str(lock_path)) if lock_path.exists() else {"schema": "2.0", "stages": {}}
     lock.setdefault("stages", {})[address] = result["lock_entry"]
-    with atomic_path(lock_path) as tmp:
-        tmp.write_text(yaml.safe_dump(lock, sort_keys=False), encoding="utf-8")
+    lockfile.write_atomically(lock_path, yaml.safe_dump(lock, sort_keys=False))
     lockfile.keep_good_copy(root, check=False)
 
 

@@ -62,7 +62,7 @@ def _git_head_lock(root: Path) -> str | None:
     return proc.stdout if proc.returncode == 0 and readable(proc.stdout) else None
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     from mergeflow.io import atomic_path  # here: mergeflow.io imports torch, which `mergeflow check` does not need
 
     with atomic_path(path) as tmp:
@@ -176,12 +176,12 @@ def keep_good_copy(root: str | Path = ".", check: bool = True) -> None:
         return
     if not check:
         copy.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(copy, text)
+        write_atomically(copy, text)
         return
     good = _good_text(copy)
     if good != text and readable(text) and cut_short(text, root, good) is None:
         copy.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(copy, text)
+        write_atomically(copy, text)
 
 
 def recover(root: str | Path = ".") -> str | None:
@@ -200,7 +200,7 @@ def recover(root: str | Path = ".") -> str | None:
         if why is None:
             if good != text:
                 copy.parent.mkdir(parents=True, exist_ok=True)
-                _write_atomically(copy, text)
+                write_atomically(copy, text)
             return None
         base, source = (good, str(copy)) if good is not None and cut_short(good, root) is None else (_git_head_lock(root), "git HEAD")
         if base is None:
@@ -217,7 +217,7 @@ def recover(root: str | Path = ".") -> str | None:
         raise MergeflowError(f"{lock}: unreadable ({len(text)} bytes) and no good copy to restore it from: check it out again from git")
     broken = lock.with_name(f".{LOCKFILE}.broken")
     shutil.copyfile(lock, broken)
-    _write_atomically(lock, restored)
+    write_atomically(lock, restored)
     keep_good_copy(root, check=False)  # whole: a good copy, HEAD's, or mended
     return f"{lock}: {what} (the broken file is kept as {broken.name}); stages whose records were lost will run again"
 

@@ -73,13 +73,14 @@ def default_remote(root: str | Path = ".") -> Remote | None:
         return Remote(name, repo.config["remote"][name]["url"])
 
 
-def push_outputs(root: str | Path = ".", jobs: int | None = None) -> int:
-    """`dvc push`: every cached output dvc.lock records, to the default remote. Returns how many files went (those
-    already there are not sent again). A remote that cannot be reached is a one-line error naming it."""
+def push_outputs(root: str | Path = ".", jobs: int | None = None, remote: Remote | None = None) -> int:
+    """`dvc push`: every cached output dvc.lock records, to the default remote (``remote``, when the caller has
+    looked it up). Returns how many files went (those already there are not sent again). A remote that cannot be
+    reached is a one-line error naming it."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    remote = default_remote(root)
+    remote = remote or default_remote(root)
     if remote is None:
         raise MergeflowError("no DVC remote to push to: set one with `mergeflow remote add URL`")
     try:
