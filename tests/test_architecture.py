@@ -37,6 +37,7 @@ LAYER = {
     "mergeflow.weights_header": "models",  # a weights file's naming and shapes from its header alone (no torch)
     "mergeflow.zeroshot": "models",  # CLIP's zero-shot heads
     "mergeflow.mlflow_model": "models",  # a merged model as an MLflow model
+    "mergeflow.lora": "models",  # LoRA adapters on the backbone, and LoRA task vectors as their factors
     "mergeflow.training": "training",  # probe, fine-tuning, pretraining loops
     "mergeflow.regimes": "training",  # training-time regimes: other ways to make the task models
     "mergeflow.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge

@@ -225,11 +225,11 @@ def test_a_run_killed_after_a_round_resumes_to_the_same_weights(name, hyperparam
     assert [r.update_norms for r in resumed.rounds] == [r.update_norms for r in uninterrupted.rounds]
 
 
-EXAMPLE_HYPERPARAMETERS = {"standard": {"steps": 4}, "one_epoch": {}, "atm": {"rounds": 2, "steps": 2}, "mima": {"rounds": 2, "total_steps": 4}}
+EXAMPLE_HYPERPARAMETERS = {"standard": {"steps": 4}, "one_epoch": {}, "atm": {"rounds": 2, "steps": 2}, "mima": {"rounds": 2, "total_steps": 4}, "lora": {"rank": 1, "steps": 4}}
 
 
 def test_every_regime_is_registered_with_its_formula_and_paper():
-    assert set(REGISTRY) == {"standard", "one_epoch", "atm", "mima"} == set(EXAMPLE_HYPERPARAMETERS)
+    assert set(REGISTRY) == {"standard", "one_epoch", "atm", "mima", "lora"} == set(EXAMPLE_HYPERPARAMETERS)
     for regime in REGISTRY.values():
         assert "=" in regime.formula and "theta" in regime.formula, regime.name
         assert regime.paper and regime.name in regime.describe()

@@ -267,6 +267,21 @@ class AtmRegimeConfig(_RegimeRunConfig):
         return {f"{regime}_r{r}": {"rounds": r, "steps": steps(r), "alpha": self.alpha} for r in self.rounds}
 
 
+class LoraRegimeConfig(_RegimeRunConfig):
+    ranks: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [4, 16, 64], min_length=1, max_length=MAX_GRID)  # r; one set of task vectors per rank
+    alpha: float | None = Field(None, gt=0)  # scale alpha / r; empty (null): alpha = r, a scale of 1 at every rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
+    targets: list[str] = Field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"], min_length=1)  # linear layers, by the last part of their name
+    lr: float | None = Field(None, gt=0)  # the adapters' learning rate; empty (null): finetune.lr
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        return {f"{regime}_rank{r}": {"rank": r, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets), "lr": self.lr, "steps": None} for r in self.ranks}
+
+
+def _lora_methods() -> list[str]:
+    return ["task_arithmetic", "ties", "tsv_m", "knots"]  # the KnOTS paper's comparison, and TSV-M, on LoRA task vectors
+
+
 def _seed_001_methods() -> list[str]:
     return ["weight_averaging", "task_arithmetic", "ties"]  # seed 001's Table 1: UA, TA, TIES
 
@@ -278,8 +293,9 @@ class RegimeMethodsConfig(_Strict):
     one_epoch: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
     mima: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
     atm: list[str] = Field(default_factory=lambda: ["atm", "task_arithmetic", "ties"], min_length=1)
+    lora: list[str] = Field(default_factory=_lora_methods, min_length=1)
 
-    @field_validator("one_epoch", "mima", "atm")
+    @field_validator("one_epoch", "mima", "atm", "lora")
     @classmethod
     def _unique_methods(cls, methods: list[str]) -> list[str]:
         return _unique_names(methods, "method")
@@ -289,11 +305,12 @@ class RegimesConfig(_Strict):
     """Training-time regimes run beside the standard fine-tune (finetune above): each makes its own task vectors,
     merged with its own methods (mergeflow.regimes)."""
 
-    run: list[Literal["one_epoch", "mima", "atm"]] = Field(default_factory=list)  # a DVC stage regime@<name> each
+    run: list[Literal["one_epoch", "mima", "atm", "lora"]] = Field(default_factory=list)  # a DVC stage regime@<name> each
     methods: RegimeMethodsConfig = RegimeMethodsConfig()
     one_epoch: OneEpochRegimeConfig = OneEpochRegimeConfig()
     mima: MimaRegimeConfig = MimaRegimeConfig()
     atm: AtmRegimeConfig = AtmRegimeConfig()
+    lora: LoraRegimeConfig = LoraRegimeConfig()
 
     @field_validator("run")
     @classmethod
@@ -307,12 +324,13 @@ class RegimesConfig(_Strict):
     def _known_methods(self) -> RegimesConfig:
         from mergeflow.merging import REGISTRY
 
-        for regime in ("one_epoch", "mima", "atm"):
-            own = {regime} if regime != "one_epoch" else set()
+        for regime in ("one_epoch", "mima", "atm", "lora"):
+            own = {regime} if regime in ("mima", "atm") else set()
             for method in getattr(self.methods, regime):
                 if method not in REGISTRY and method not in own:
                     allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + sorted(own)
-                    raise ValueError(f"regimes.methods.{regime}: unknown method {method!r} (a merge method, or '{regime}' for the regime's own model: {', '.join(allowed)})")
+                    what = f"a merge method, or '{regime}' for the regime's own model" if own else "a merge method"
+                    raise ValueError(f"regimes.methods.{regime}: unknown method {method!r} ({what}: {', '.join(allowed)})")
                 if method in REGISTRY and REGISTRY[method].reads == "train_statistics":
                     raise ValueError(f"regimes.methods.{regime}: {method!r} reads the standard fine-tunes' statistics (stage statistics), which a regime's task models do not have")
                 if method in REGISTRY and REGISTRY[method].kind == "negation":

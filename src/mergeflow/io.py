@@ -297,7 +297,7 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 
 def tensor_specs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    if isinstance(state, LazyStateDict):
+    if isinstance(state, LazyStateDict) or hasattr(state, "specs"):  # a lazy file, or a LoRA task vector (mergeflow.lora)
         return state.specs()
     return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
 

@@ -26,10 +26,11 @@ from mergeflow.merging.binding import bind_data
 from mergeflow.merging.search import negation_search, search
 from mergeflow.parent_death import process_pool
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
+from mergeflow.lora import split_factors
 from mergeflow.regimes._checkpoint import regime_identity, resume_from
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import headline_metrics, regime_headline, validation_records
-from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes, statistics as vector_statistics, task_vector
+from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, save_task_vectors, state_bytes as _bytes, statistics as vector_statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
 
@@ -285,6 +286,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     starts again from its last finished round, and a finished one removes its checkpoints."""
     from mergeflow.regimes import REGISTRY as REGIMES, save_checkpoint
     from mergeflow.regimes._pool import PoolTrainer
+    from mergeflow.regimes.lora import adapter_spec
 
     params.check_regime(name)
     cfg = params.regimes.config(name)
@@ -323,7 +325,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
                 result = REGIMES[name](theta0, list(tasks), train, on_round_end=on_round_end, resume=resume, **kwargs)
 
             def accuracies(state, task):
-                model = build_backbone(params.backbone, state)
+                model = build_backbone(params.backbone, split_factors(state)[0])
                 return {s: accuracy(model, heads[task], tasks[task].split(s).images, tasks[task].split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
 
             individual = {t: accuracies(result.task_states[t], t) for t in tasks}
@@ -346,10 +348,10 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
             results[variant] = result
     with atomic_path(layout.regime(name), directory=True) as tmp:
         for variant, result in results.items():
-            tvs = {t: task_vector(theta0, result.task_states[t], pretrained_name=str(layout.pretrained), finetuned_name=f"{variant} {t}") for t in tasks}
             meta = {"regime": name, "variant": variant}
-            for t, tv in tvs.items():
-                save_state_dict(tmp / variant / "vectors" / f"{t}.safetensors", tv, meta | {"task": t})
+            adapter = adapter_spec(**variants_out[variant]["hyperparameters"]) if name == "lora" else None
+            tvs, storage = save_task_vectors(tmp / variant / "vectors", theta0, result.task_states, adapter=adapter, meta=meta, pretrained_name=str(layout.pretrained))
+            variants_out[variant]["storage_bytes"] = storage
             write_json(tmp / variant / "vectors" / "stats.json", vector_statistics(theta0, tvs))
             if result.model is not None:
                 save_state_dict(tmp / variant / "model.safetensors", result.model, backbone_metadata(params.backbone) | meta)

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from mergeflow.config import Params
-from mergeflow.io import LazyStateDict, StateDict, check_compatible, tensor_specs
+from mergeflow.io import LazyStateDict, StateDict, check_compatible, save_state_dict, tensor_specs
 from mergeflow.layout import Layout
+from mergeflow.lora import AdapterSpec, LoraTaskVector, factor_bytes, is_adapter, load_adapter, save_adapter, split_factors
 
 # Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
 # candidate, and re-reading a small model costs more than holding it. Larger inputs are read tensor by tensor.
@@ -66,14 +67,47 @@ def state_bytes(state) -> int:
     return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values())
 
 
+def read_task_vector(path: Path, pretrained) -> Mapping[str, torch.Tensor]:
+    """One task vector file, lazily: a dense one tensor by tensor (io.LazyStateDict), a LoRA one (mergeflow.lora's
+    factors) as its factors, each adapted weight's s B A formed when it is read."""
+    if is_adapter(path):
+        factors, scale = load_adapter(path)
+        return LoraTaskVector(factors, scale, tensor_specs(pretrained), source=str(path))
+    return LazyStateDict(path)
+
+
 def load_task_vectors(params: Params, layout: Layout, directory: Path | None = None):
     """The task vectors in ``directory`` (default: the standard regime's, vectors/), and theta0. Lazy
-    (io.LazyStateDict): a merge reads one tensor of each at a time. Keys and shapes are checked from the headers."""
+    (io.LazyStateDict, lora.LoraTaskVector): a merge reads one tensor of each at a time. Keys and shapes are checked
+    from the headers."""
     pretrained = LazyStateDict(layout.pretrained)
-    vectors = {t: LazyStateDict((directory or layout.vectors) / f"{t}.safetensors") for t in params.suite.tasks}
-    for tv in vectors.values():
+    paths = {t: (directory or layout.vectors) / f"{t}.safetensors" for t in params.suite.tasks}
+    vectors = {t: read_task_vector(path, pretrained) for t, path in paths.items()}
+    for t, tv in vectors.items():
         # task vectors are float32 whatever the checkpoint's dtype: keys and shapes must agree
-        check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(tv.path), dtypes=False)
+        check_compatible(pretrained, tv, reference_name=str(pretrained.path), other_name=str(paths[t]), dtypes=False)
     if state_bytes(pretrained) + sum(state_bytes(tv) for tv in vectors.values()) <= IN_MEMORY_INPUT_BYTES:
         return materialise(pretrained), {t: materialise(tv) for t, tv in vectors.items()}
     return pretrained, vectors
+
+
+def save_task_vectors(directory: Path, pretrained: StateDict, states: Mapping[str, StateDict], *, adapter: AdapterSpec | None, meta: Mapping[str, str], pretrained_name: str) -> tuple[dict[str, StateDict], dict[str, float]]:
+    """Write each task model's vector into ``directory`` as ``<task>.safetensors``: theta_t - theta0, or, for a LoRA
+    trainer's states (factors beside the weights), the factors themselves (lora.save_adapter, with ``adapter``'s
+    scale). Returns the dense vectors (for the statistics) and the bytes a task vector takes on disk, with a full
+    one's beside it."""
+    dense_bytes = state_bytes(pretrained) if all(v.dtype == torch.float32 for v in pretrained.values()) else sum(v.numel() * 4 for v in pretrained.values())
+    vectors, stored = {}, []
+    for task, state in states.items():
+        weights, factors = split_factors(state)
+        if factors:
+            if adapter is None:
+                raise ValueError(f"task {task}: LoRA factors without their adapter's scale")
+            save_adapter(directory / f"{task}.safetensors", factors, adapter, dict(meta) | {"task": task})
+            vectors[task] = materialise(LoraTaskVector(factors, adapter.scale, tensor_specs(pretrained), source=f"{meta} {task}"))
+            stored.append(factor_bytes(factors))
+        else:
+            vectors[task] = task_vector(pretrained, weights, pretrained_name=pretrained_name, finetuned_name=f"{dict(meta).get('variant', '')} {task}")
+            save_state_dict(directory / f"{task}.safetensors", vectors[task], dict(meta) | {"task": task})
+            stored.append(state_bytes(vectors[task]))
+    return vectors, {"task_vector": sum(stored) / len(stored), "full_task_vector": dense_bytes}

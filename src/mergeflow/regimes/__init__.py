@@ -90,8 +90,9 @@ def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None
 
 
 def difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
-    """a - b, key by key (floating tensors; others are taken from a)."""
-    return {k: a[k] - b[k] if a[k].is_floating_point() else a[k] for k in a}
+    """a - b, key by key over b's keys (floating tensors; others are taken from a): tensors a has beyond b (a LoRA
+    trainer's factors) are not part of the model's change."""
+    return {k: a[k] - b[k] if a[k].is_floating_point() else a[k] for k in b}
 
 
 def uniform_average(states: Sequence[Mapping[str, torch.Tensor]]) -> StateDict:

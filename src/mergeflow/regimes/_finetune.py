@@ -13,6 +13,7 @@ from torch import nn
 
 from mergeflow.config import BackboneConfig, FinetuneConfig
 from mergeflow.io import StateDict
+from mergeflow.lora import attach, merge_in
 from mergeflow.models import backbone_state, build_backbone
 from mergeflow.regimes import Budget, Trainer
 from mergeflow.training import FeatureAnchor, finetune, total_steps
@@ -51,7 +52,11 @@ def finetune_trainer(
     schedule with a data order drawn from (task seed, ``budget.round``); a call at ``schedule_start`` p > 0 continues
     a schedule begun by equal calls in earlier rounds (MIMA's one_schedule: round i at (i-1)K), so it takes
     batches p.. of the order drawn in round ``budget.round - p // steps``. The rounds of one schedule thus see the
-    batches one fine-tune of the whole schedule sees, and every call is a function of its arguments only."""
+    batches one fine-tune of the whole schedule sees, and every call is a function of its arguments only.
+
+    LoRA (``budget.adapter``): only the adapters of the named linear layers train (A drawn from the data order's
+    seed), at the adapter's learning rate when it has one; the returned state is W0 + s B A with the factors beside
+    it under their peft keys."""
     with torch.random.fork_rng(devices=[]):  # the template's random init is overwritten on every call
         template = build_backbone(backbone_cfg)
 
@@ -63,6 +68,8 @@ def finetune_trainer(
             call_cfg = cfg.model_copy(update={"epochs": budget.epochs})
         else:
             call_cfg = cfg
+        if budget.adapter is not None and budget.adapter.lr is not None:
+            call_cfg = call_cfg.model_copy(update={"lr": budget.adapter.lr})
         steps = total_steps(call_cfg, len(images), call_cfg.optimizer == "gd")
         if budget.schedule_start % steps:
             raise ValueError(f"{task}: a call of {steps} steps at schedule position {budget.schedule_start}: a schedule's calls must be of equal steps")
@@ -71,12 +78,16 @@ def finetune_trainer(
             raise ValueError(f"{task}: round {budget.round} at schedule position {budget.schedule_start} would continue a schedule begun before round 1")
         backbone = copy.deepcopy(template)
         backbone.net.load_state_dict(state)
+        seed = data_seed(seeds[task], first_round)
+        if budget.adapter is not None:
+            attach(backbone.net, budget.adapter, seed=seed)
         curve = finetune(
             backbone, copy.deepcopy(heads[task]), images, labels, call_cfg,
-            seed=data_seed(seeds[task], first_round), device=device, desc=f"finetune {task} round {budget.round}",
+            seed=seed, device=device, desc=f"finetune {task} round {budget.round}",
             anchor=anchors.get(task) if anchors is not None else None,
             start=budget.schedule_start, schedule_length=budget.schedule_length, optimizer_state=carry,
         )
-        return backbone_state(backbone.cpu()), curve.optimizer_state
+        factors = merge_in(backbone.net) if budget.adapter is not None else {}
+        return backbone_state(backbone.cpu()) | {k: v.cpu() for k, v in factors.items()}, curve.optimizer_state
 
     return train

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergeflow.io import StateDict
+from mergeflow.lora import AdapterSpec
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Budget:
     schedule_start: int = 0
     schedule_length: int | None = None  # None: this call's own length (steps, or epochs in steps)
     round: int = 1  # 1-based; lets the trainer draw a fresh data order each round
+    # train a LoRA adapter instead of every weight: the trainer then returns W0 + s B A in the state, and the factors
+    # beside it under their peft keys (mergeflow.lora.split_factors separates them)
+    adapter: AdapterSpec | None = None
 
     @classmethod
     def of_steps(cls, steps: int, *, round: int = 1, schedule_start: int = 0, schedule_length: int | None = None) -> Budget:
