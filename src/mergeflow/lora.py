@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mergeflow.errors import MergeflowError
-from mergeflow.io import StateDict, load_metadata, load_state_dict, save_state_dict
+from mergeflow.io import StateDict, load_metadata, load_state_dict, save_state_dict, tensor_specs
 
 DEFAULT_TARGETS = ("qkv", "proj", "fc1", "fc2")  # timm ViT: attention qkv and projection, MLP fc1 and fc2
 A_KEY, B_KEY = "lora_A.weight", "lora_B.weight"
@@ -202,11 +202,21 @@ def load_adapter(path: str | Path) -> tuple[StateDict, float]:
     return factors, float(meta["scale"])
 
 
-def read_peft_adapter(directory: str | Path) -> tuple[StateDict, float]:
-    """(factors keyed by the model's module names, scale) of a peft LoRA adapter folder: ``adapter_config.json``
-    (r, lora_alpha, use_rslora) and ``adapter_model.safetensors`` (keys ``base_model.model.<module>.lora_A.weight``)."""
-    directory = Path(directory)
-    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+def is_peft_adapter(path: str | Path) -> bool:
+    """A peft adapter's weights file (``adapter_model.safetensors``, or a safetensors file beside an
+    ``adapter_config.json``) or its folder."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    return (folder / "adapter_config.json").is_file() and (path.is_dir() or path.suffix == ".safetensors")
+
+
+def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
+    """(factors keyed by the model's module names, scale) of a peft LoRA adapter (its folder or its weights file):
+    ``adapter_config.json`` (r, lora_alpha, use_rslora) and ``adapter_model.safetensors`` (keys
+    ``base_model.model.<module>.lora_A.weight``)."""
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    config_path, weights_path = directory / "adapter_config.json", path if path.is_file() else directory / "adapter_model.safetensors"
     for needed in (config_path, weights_path):
         if not needed.is_file():
             raise MergeflowError(f"{directory}: not a peft adapter folder (no {needed.name})")
@@ -228,6 +238,14 @@ def read_peft_adapter(directory: str | Path) -> tuple[StateDict, float]:
         factors[name] = value
     adapted_weights(factors)
     return factors, scale
+
+
+def apply_adapter(pretrained: Mapping[str, torch.Tensor], factors: Mapping[str, torch.Tensor], scale: float, *, source: str) -> StateDict:
+    """theta0 + s B A on the adapted weights, theta0 elsewhere: an adapter made a fine-tuned model (each module name
+    must be the model's own; one line names the first that is not)."""
+    tv = LoraTaskVector(factors, scale, tensor_specs(pretrained), source=source)
+    adapted = set(tv.adapted)
+    return {k: (v.float() + tv[k]).to(v.dtype) if k in adapted else v.clone() for k, v in pretrained.items()}
 
 
 def concatenate(adapters: Sequence[tuple[Mapping[str, torch.Tensor], float]], weights: Sequence[float]) -> StateDict:

@@ -12,6 +12,7 @@ from mergeflow.checkpoints.reader import read_tensors
 from mergeflow.checkpoints.unpickler import _printable
 from mergeflow.errors import MergeflowError
 from mergeflow.io import StateDict, check_compatible, load_state_dict
+from mergeflow.lora import apply_adapter, is_peft_adapter, read_peft_adapter
 from mergeflow.weights_header import clip_naming
 
 
@@ -100,12 +101,20 @@ def read_checkpoint(
     """A fine-tuned (or pretrained) CLIP image tower in timm's naming, ready to be a task's backbone.
 
     ``path_or_state``: a safetensors file, a PyTorch checkpoint (read by :func:`read_tensors`, never unpickled by
-    torch), or tensors already in memory; the naming (open_clip, Hugging Face, timm) is told by the keys.
+    torch), or tensors already in memory; the naming (open_clip, Hugging Face, timm) is told by the keys. A peft
+    LoRA adapter (``adapter_model.safetensors`` beside its ``adapter_config.json``, modules named as the backbone
+    names them) gives ``reference`` + s B A on its modules (mergeflow.lora).
     ``projection_from``: a timm CLIP state (the pretrained backbone's) whose ``head`` stands in for a missing
     projection (FusionBench's ``CLIPVisionModel`` files: the projection was frozen, its task vector is zero).
     ``reference``: the pipeline's pretrained timm state; the result must match its keys and shapes, and takes
     its floating dtypes. ``source`` names the checkpoint in errors (its path by default).
     """
+    if not isinstance(path_or_state, Mapping) and is_peft_adapter(path_or_state):  # a LoRA fine-tune: theta0 + s B A
+        source = source or str(path_or_state)
+        if reference is None:
+            raise MergeflowError(f"{source}: a peft LoRA adapter needs the pretrained backbone (reference) to be applied to")
+        factors, scale = read_peft_adapter(path_or_state)
+        return apply_adapter(reference, factors, scale, source=source)
     if isinstance(path_or_state, Mapping):
         source = source or "checkpoint"
         state = dict(path_or_state)

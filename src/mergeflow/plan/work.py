@@ -216,7 +216,7 @@ def regime_work(params: Params, regime: str) -> Work:
         else:
             variant_steps = steps
         w.train_images += tasks * variant_steps * per_step
-        w.forward_images += tasks * (s.n_val + s.n_test) * (1 if regime == "one_epoch" else 3)  # + the own model's, every task
+        w.forward_images += tasks * (s.n_val + s.n_test) * (1 if regime in ("one_epoch", "lora") else 3)  # + the own model's, every task
     return w
 
 
