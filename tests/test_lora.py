@@ -157,6 +157,9 @@ def test_knots_ties_by_hand():
     kw = {"k": 1 / 3, "trim_scope": "global", "rounding": "floor", "lam": 1.0}
     expected = torch.tensor([[1.2, -1.8, 0.0], [1.6, -2.4, 0.0]], dtype=torch.float64)
     assert torch.allclose(KNOTS(pretrained, tvs, base="ties", **kw)["w.weight"], expected, atol=1e-12)
+    # tensors no task changed (a LoRA task vector's zeros) are merged apart: they do not widen the coefficients' trim
+    padded = KNOTS(pretrained | {"b.bias": torch.zeros(30, dtype=torch.float64)}, {t: tv | {"b.bias": torch.zeros(30, dtype=torch.float64)} for t, tv in tvs.items()}, base="ties", **kw)
+    assert torch.allclose(padded["w.weight"], expected, atol=1e-12) and not padded["b.bias"].any()
     # TIES on the dense entries (2 of 6 each) keeps tau_x's 1.6 and -1.52, tau_y's -2.4 and -1.8: another merge
     dense = TIES(pretrained, tvs, **kw)["w.weight"]
     assert torch.allclose(dense, torch.tensor([[0.0, -1.8, 0.0], [1.6, -1.96, 0.0]], dtype=torch.float64), atol=1e-12)

@@ -53,22 +53,29 @@ def knots(pretrained, task_vectors, *, base, k, trim_scope, rounding, lam):
     from mergeflow.merging._tensors import as_compute, is_matrix, stack
 
     tasks = list(task_vectors)
-    bases, coefficients = {}, {t: {} for t in tasks}
+    # the aligned matrices' coefficients and the other tensors are merged apart (as the authors' code does): a global
+    # trim over the coefficients alone, not diluted by the zeros a LoRA task vector has everywhere else
+    bases, coefficients, others = {}, {t: {} for t in tasks}, {t: {} for t in tasks}
     for key in pretrained:
         taus = stack(task_vectors, key)
         found = aligned(key, taus) if is_matrix(key, pretrained[key]) else None
         if found is None:
             for t, tau in zip(tasks, taus):
-                coefficients[t][key] = tau
+                others[t][key] = tau
         else:
             bases[key], blocks = found
             for t, block in zip(tasks, blocks):
                 coefficients[t][key] = block.contiguous()
-    first = coefficients[tasks[0]]
-    if base == "ties":
-        merged = ties({key: torch.zeros_like(c) for key, c in first.items()}, coefficients, k=k, trim_scope=trim_scope, rounding=rounding, lam=lam)
-    else:
-        merged = {key: lam * torch.stack([coefficients[t][key] for t in tasks]).sum(0) for key in first}
+
+    def merge(parts):
+        first = parts[tasks[0]]
+        if not first:
+            return {}
+        if base == "ties":
+            return ties({key: torch.zeros_like(c) for key, c in first.items()}, parts, k=k, trim_scope=trim_scope, rounding=rounding, lam=lam)
+        return {key: lam * torch.stack([parts[t][key] for t in tasks]).sum(0) for key in first}
+
+    merged = merge(coefficients) | merge(others)
     out = {}
     for key, theta0 in pretrained.items():
         update = bases[key] @ merged[key] if key in bases else merged[key]

@@ -129,9 +129,11 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
         point.storage = (record.get("storage_bytes") or {}).get("task_vector")
         point.seconds = ((timing.get("variants") or {}).get(variant) or {}).get("wall_time_s")
         for m in methods:
-            value = _normalized(_json(layout.merge_run(m, REGIME, variant).evaluation), individual)
+            run = layout.merge_run(m, REGIME, variant)
+            value = _normalized(_json(run.evaluation), individual)
             if value is not None:
                 point.normalized[m] = value
+            notes += _edge_notes(variant, m, _json(run.choice))
         lora_vectors = {t: read_task_vector(layout.regime_vectors(REGIME, variant) / f"{t}.safetensors", pretrained) for t in tasks}
         keys = next(iter(lora_vectors.values())).adapted
         point.alignment, _ = _alignments(lora_vectors, keys, rank)
@@ -139,6 +141,19 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
             point.full_alignment, point.energy = _alignments(full_vectors, keys, rank)
         points.append(point)
     return points, full, notes
+
+
+def _edge_notes(variant: str, method: str, choice: dict | None) -> list[str]:
+    """A searched value chosen at its grid's end: the best may lie beyond it (LoRA task vectors are smaller than the
+    full ones the grids were set for)."""
+    notes = []
+    for key, grid in ((choice or {}).get("grid") or {}).items():
+        values = [v for v in grid if isinstance(v, (int, float))]
+        chosen = (choice.get("searched") or {}).get(key)
+        if len(values) > 2 and chosen in (min(values), max(values)):
+            end = "largest" if chosen == max(values) else "smallest"
+            notes.append(f"{variant} {method}: {key} = {chosen:g} is its grid's {end} value (widen merge.{method}.{key} to search beyond it)")
+    return notes
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -244,7 +259,7 @@ def lora_study(context: StudyContext) -> StudyResult:
         "",
     ]
     if notes:
-        body += ["Missing inputs:", ""] + [f"- {n}" for n in notes] + [""]
+        body += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     body += ["## By rank", "", _table(points, full)]
     if figures:
         body += ["![merged accuracy and alignment by rank](lora_by_rank.png)", ""]
