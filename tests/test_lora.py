@@ -56,6 +56,7 @@ def test_full_rank_lora_reaches_the_least_squares_solution():
     for _ in range(5):
         opt.step(closure)
     factors = merge_in(net)
+    assert isinstance(net[0], nn.Linear) and net[0].weight.requires_grad  # the base layer back, trainable as before
     w_star = torch.linalg.lstsq(x, y).solution.T  # the closed form: argmin_W |X W^T - Y|^2
     assert torch.allclose(net[0].weight, w_star, atol=1e-6)
     assert torch.allclose(w0 + delta(factors["0.lora_A.weight"], factors["0.lora_B.weight"], 1.0), w_star, atol=1e-6)

@@ -81,6 +81,7 @@ def attach(net: nn.Module, spec: AdapterSpec, *, seed: int) -> list[str]:
     if not names:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
         raise MergeflowError(f"LoRA targets {list(spec.targets)} match no linear layer of the backbone (its linear layers end in: {', '.join(linear)})")
+    net._lora_requires_grad = {n: p.requires_grad for n, p in net.named_parameters()}  # merge_in restores them
     net.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     for name in names:
@@ -94,8 +95,8 @@ def attach(net: nn.Module, spec: AdapterSpec, *, seed: int) -> list[str]:
 
 
 def merge_in(net: nn.Module) -> StateDict:
-    """Undo ``attach``: each LoraLinear becomes its base layer with W0 + s B A, every parameter trainable again.
-    Returns the factors, keyed as peft keys them (``<module>.lora_A.weight``, ``<module>.lora_B.weight``)."""
+    """Undo ``attach``: each LoraLinear becomes its base layer with W0 + s B A, every parameter as trainable as it
+    was before. Returns the factors, keyed as peft keys them (``<module>.lora_A.weight``, ``<module>.lora_B.weight``)."""
     factors: StateDict = {}
     for name, module in list(net.named_modules()):
         if not isinstance(module, LoraLinear):
@@ -106,7 +107,9 @@ def merge_in(net: nn.Module) -> StateDict:
             module.base.weight += delta(a, b, module.scale).to(module.base.weight.dtype)
         parent, _, leaf = name.rpartition(".")
         setattr(net.get_submodule(parent) if parent else net, leaf, module.base)
-    net.requires_grad_(True)
+    previous = net.__dict__.pop("_lora_requires_grad", {})
+    for name, param in net.named_parameters():
+        param.requires_grad_(previous.get(name, True))
     return factors
 
 

@@ -96,7 +96,7 @@ def save_task_vectors(directory: Path, pretrained: StateDict, states: Mapping[st
     trainer's states (factors beside the weights), the factors themselves (lora.save_adapter, with ``adapter``'s
     scale). Returns the dense vectors (for the statistics) and the bytes a task vector takes on disk, with a full
     one's beside it."""
-    dense_bytes = state_bytes(pretrained) if all(v.dtype == torch.float32 for v in pretrained.values()) else sum(v.numel() * 4 for v in pretrained.values())
+    dense_bytes = sum(v.numel() * (8 if v.dtype == torch.float64 else 4) for v in pretrained.values())  # task_vector's dtypes
     vectors, stored = {}, []
     for task, state in states.items():
         weights, factors = split_factors(state)
@@ -104,7 +104,7 @@ def save_task_vectors(directory: Path, pretrained: StateDict, states: Mapping[st
             if adapter is None:
                 raise ValueError(f"task {task}: LoRA factors without their adapter's scale")
             save_adapter(directory / f"{task}.safetensors", factors, adapter, dict(meta) | {"task": task})
-            vectors[task] = materialise(LoraTaskVector(factors, adapter.scale, tensor_specs(pretrained), source=f"{meta} {task}"))
+            vectors[task] = materialise(LoraTaskVector(factors, adapter.scale, tensor_specs(pretrained), source=f"{dict(meta).get('variant', '')} {task}"))
             stored.append(factor_bytes(factors))
         else:
             vectors[task] = task_vector(pretrained, weights, pretrained_name=pretrained_name, finetuned_name=f"{dict(meta).get('variant', '')} {task}")
