@@ -120,7 +120,8 @@ IDENTITY_SETTINGS = {
     "nearswap": {"t": 10.0},  # every entry nearer than t: weights 1
     "lines": {"beta": 0.0},  # alpha = 1/T scales the summed copies back to one
     "wudi": {"solver": "exact"},
-    "knots": {"k": 1.0, "lam": 1.0},  # copies share one basis and one set of coefficients: their disjoint mean
+    "knots": {"k": 1.0, "lam": 1.0},
+    "adarank": {},  # copies: the centred directions are zero, theta_avg is the model  # copies share one basis and one set of coefficients: their disjoint mean
     "pcb": None,  # its min-max weights drop each task's weakest entry even at ratio 1 (the authors' scaling)
     "doge_ta": None,  # each task's layer scaled to norm lam, and theta0 outside the matrices  # tau is its own least-interference point (Adam's 300 small steps stop short of it)
 }

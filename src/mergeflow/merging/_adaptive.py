@@ -85,15 +85,20 @@ def _batches(inputs: Mapping[str, torch.Tensor], batch_size: int, generator: tor
         yield batch
 
 
-def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: EntropyObjective, *, layer_wise: bool, init: float, lr: float, steps: int, batch_size: int, split: str, seed: int, data) -> StateDict:
+def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: EntropyObjective, *, layer_wise: bool, init: float, lr: float, steps: int, batch_size: int, split: str, seed: int, data, parametrise=None) -> StateDict:
     """Learn the coefficients with Adam; return the merged model, appending to ``data.learned`` the coefficients and
     the mean entropy per task at every step, and to ``data.timing`` the steps per second (one record per call: a
-    search over a grid calls once per candidate)."""
+    search over a grid calls once per candidate). ``parametrise(base, directions, device)``: a module of another
+    parametrisation than MergedParameters' (AdaRank's masks), with ``tasks``, ``coefficients()`` and a forward that
+    gives the merged tensors; every trainable parameter of it is learned."""
     dtypes = {k: v.dtype for k, v in base.items()}
     base = {k: as_compute(v) for k, v in base.items()}
     directions = {t: {k: as_compute(v) for k, v in d.items()} for t, d in directions.items()}
     dtype = next(iter(base.values())).dtype
-    merged = MergedParameters(base, directions, layer_wise=layer_wise, init=init, device=objective.device)
+    if parametrise is None:
+        merged = MergedParameters(base, directions, layer_wise=layer_wise, init=init, device=objective.device)
+    else:
+        merged = parametrise(base, directions, objective.device)
     objective.backbone.to(device=objective.device, dtype=dtype).eval()
     for head in objective.heads.values():
         head.to(device=objective.device, dtype=dtype).requires_grad_(False)
@@ -102,7 +107,7 @@ def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: Entro
     if smallest < batch_size:
         raise ValueError(f"adamerging: batch_size {batch_size} is more than the {smallest} {split} inputs of a task")
     stream = _batches(inputs, batch_size, torch.Generator().manual_seed(seed))
-    optimizer = torch.optim.Adam([merged.lam], lr=lr)
+    optimizer = torch.optim.Adam([p for p in merged.parameters() if p.requires_grad], lr=lr)
     entropy = []
     start = time.perf_counter()
     for _ in range(steps):
@@ -114,7 +119,10 @@ def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: Entro
     if objective.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    data.learned.append({"layer_wise": layer_wise, "split": split, "coefficients": merged.coefficients(), "entropy": entropy})
+    record = {"layer_wise": layer_wise, "split": split, "coefficients": merged.coefficients(), "entropy": entropy}
+    if hasattr(merged, "kept"):  # AdaRank: the singular components each task keeps, per matrix
+        record["kept"] = merged.kept()
+    data.learned.append(record)
     data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
     with torch.no_grad():
         return {k: v.detach().cpu().to(dtypes[k]) for k, v in merged().items()}
