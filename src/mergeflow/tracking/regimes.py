@@ -39,6 +39,8 @@ def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individu
     }
     if "wall_time_s" in times:
         metrics["wall_time_s"] = float(times["wall_time_s"])
+    if storage := record.get("storage_bytes"):  # a task vector on disk (LoRA: its factors), and a full one
+        metrics |= {"task_vector_bytes": float(storage["task_vector"]), "full_task_vector_bytes": float(storage["full_task_vector"])}
     if own := record.get("model"):
         test = own["average"]["test"]
         metrics |= {
