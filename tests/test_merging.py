@@ -120,27 +120,52 @@ IDENTITY_SETTINGS = {
     "nearswap": {"t": 10.0},  # every entry nearer than t: weights 1
     "lines": {"beta": 0.0},  # alpha = 1/T scales the summed copies back to one
     "wudi": {"solver": "exact"},
-    "knots": {"k": 1.0, "lam": 1.0},
-    "adarank": {},  # copies: the centred directions are zero, theta_avg is the model  # copies share one basis and one set of coefficients: their disjoint mean
+    "knots": {"k": 1.0, "lam": 1.0},  # copies share one basis and one set of coefficients: their disjoint mean
+    "adarank": {},  # copies: the centred directions are zero, theta_avg is the model
+    "regmean_plusplus": {},  # copies: every task's weights are the model's, and so is their regression mean
     "pcb": None,  # its min-max weights drop each task's weakest entry even at ratio 1 (the authors' scaling)
     "doge_ta": None,  # each task's layer scaled to norm lam, and theta0 outside the matrices  # tau is its own least-interference point (Adam's 300 small steps stop short of it)
 }
 PAIRS_ONLY = {"slerp", "nuslerp"}
 
 
+class _BiasNorm(torch.nn.Module):
+    """A layer norm whose only parameter is its bias (_random_models has no norm weight)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:]) + self.bias
+
+
+class _ToyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.qkv = torch.nn.Linear(4, 12, bias=False)
+        self.norm1 = _BiasNorm(4)
+
+    def forward(self, x):
+        return self.attn.qkv(self.norm1(x))
+
+
 class _ToyNet(torch.nn.Module):
-    """A network whose parameters carry _random_models' names: the data-aware methods' forward on it."""
+    """A network whose parameters carry _random_models' names: the data-aware methods' forward on it, shaped as a
+    timm ViT (patch_embed, _pos_embed, patch_drop, norm_pre, blocks) for RegMean++'s block-by-block pass."""
 
     def __init__(self):
         super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Module()])
-        self.blocks[0].attn = torch.nn.Module()
-        self.blocks[0].attn.qkv = torch.nn.Linear(4, 12, bias=False)
-        self.blocks[0].norm1 = torch.nn.LayerNorm(4)
+        self.blocks = torch.nn.ModuleList([_ToyBlock()])
         self.pos_embed = torch.nn.Parameter(torch.zeros(1, 3, 4))
+        self.patch_embed = self.patch_drop = self.norm_pre = torch.nn.Identity()
+
+    def _pos_embed(self, x):
+        return x + self.pos_embed
 
     def forward(self, x):
-        return self.blocks[0].attn.qkv(self.blocks[0].norm1(x + self.pos_embed)).mean(1)
+        return self.blocks[0](self._pos_embed(x)).mean(1)
 
 
 class _ToyBackbone(torch.nn.Module):
@@ -170,7 +195,8 @@ def _toy_data(tasks):
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(12, 3) for t in tasks}
     inputs = {t: torch.randn(32, 3, 4, generator=g) for t in tasks}
-    return MergeData(statistics=stats, objective=EntropyObjective(_ToyBackbone(), heads, {"test": inputs, "val": inputs}, torch.device("cpu")))
+    objective = EntropyObjective(_ToyBackbone(), heads, {"test": inputs, "val": inputs}, torch.device("cpu"))
+    return MergeData(statistics=stats, objective=objective, backbone=_ToyBackbone(), train_inputs=inputs)
 
 
 def models_of(name, theta0, tvs, **hp):

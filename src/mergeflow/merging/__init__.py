@@ -12,8 +12,9 @@ Kinds of method:
   rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
 What a method reads besides the weights (``reads``, see ``DATA``): nothing (data-free), per-task statistics of the
-labelled training split (Fisher diagonals, layer-input Grams; the stage ``statistics`` computes them once), or
-unlabelled test inputs (test-time adaptation, not comparable with data-free merging). A data-aware method's function
+labelled training split (Fisher diagonals, layer-input Grams; the stage ``statistics`` computes them once),
+unlabelled training examples run through the model as it is merged (RegMean++), or unlabelled test inputs
+(test-time adaptation, not comparable with data-free merging). A data-aware method's function
 takes ``data`` (a ``MergeData``) as well; the merge stage binds it (``MergeMethod.with_data``), so that the search
 calls every method alike.
 Every hyperparameter declares its allowed values in ``ranges`` (a ``Range`` of numbers or a ``Choice`` of names),
@@ -49,6 +50,7 @@ DATA = {
     None: "none",
     "train_statistics": "train stats",  # per-task Fisher diagonals and layer-input Grams on labelled train examples
     "test_inputs": "test inputs (TTA)",  # unlabelled inputs of each task's test split: test-time adaptation
+    "train_inputs": "train inputs",  # unlabelled training examples run through the model while it is merged (RegMean++)
 }
 
 
@@ -64,6 +66,8 @@ class MergeData:
 
     statistics: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None
     objective: Any = None
+    backbone: Any = None  # reads="train_inputs": the backbone's architecture (its weights are replaced)
+    train_inputs: Mapping[str, Any] | None = None  # {task: uint8 images}, the first statistics.examples of its train split
     learned: list[dict] = field(default_factory=list)
     timing: list[dict] = field(default_factory=list)
 

@@ -1,6 +1,7 @@
 """The data a data-aware method reads, bound by the merge stage (``MergeMethod.with_data``): the statistics stage's
 per-task Fisher diagonals and Grams for ``reads="train_statistics"``, AdaMerging's entropy objective on each task's
-unlabelled validation and test inputs for ``reads="test_inputs"``."""
+unlabelled validation and test inputs for ``reads="test_inputs"``, the backbone and each task's first training
+examples for ``reads="train_inputs"``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> Mer
             state = load_state_dict(path)
             stats[t] = {kind: {k.removeprefix(f"{kind}/"): v for k, v in state.items() if k.startswith(f"{kind}/")} for kind in KINDS}
         return MergeData(statistics=stats)
+    if spec.reads == "train_inputs":
+        from mergeflow.data import load_tasks
+
+        n = params.statistics.examples
+        train = {t: d.split("train").images[:n] for t, d in load_tasks(params, layout, ("train",)).items()}
+        return MergeData(backbone=build_backbone(params.backbone), train_inputs=train)
     inputs = {s: {t: d.split(s).images for t, d in tasks.items()} for s in ("val", "test")}
     objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
     return MergeData(objective=objective)

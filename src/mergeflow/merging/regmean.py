@@ -14,6 +14,22 @@ from mergeflow.merging import FRACTION, register
 ALPHA_GRID = [0.1, 0.5, 0.8, 0.9, 0.95, 1.0]
 
 
+def regression_mean(weights, grams, alpha: float, *, key: str, method: str = "regmean"):
+    """(sum_t W_t G~_t)(sum_t G~_t)^-1, G~ = alpha G + (1 - alpha) diag(G), in float64 (a Gram of thousands of rows
+    is ill-conditioned in float32), returned in the weights' dtype."""
+    import torch
+
+    shrunk = []
+    for g in grams:
+        g = g.double()
+        shrunk.append(alpha * g + (1 - alpha) * torch.diag(torch.diagonal(g)))
+    weighted = sum(w.double() @ g for w, g in zip(weights, shrunk))
+    try:
+        return torch.linalg.solve(sum(shrunk), weighted.T).T.to(weights[0].dtype)
+    except RuntimeError:  # torch.linalg.LinAlgError
+        raise ValueError(f"merge.{method}: the Gram of {key}'s inputs is singular at alpha={alpha} (an input never varies); use alpha < 1") from None
+
+
 @register(
     "regmean",
     paper="Jin et al. 2023, Dataless knowledge fusion by merging weights of language models (arXiv:2212.09849)",
@@ -23,8 +39,6 @@ ALPHA_GRID = [0.1, 0.5, 0.8, 0.9, 0.95, 1.0]
     reads="train_statistics",
 )
 def regmean(pretrained, task_vectors, *, data, alpha):
-    import torch
-
     from mergeflow.merging._tensors import map_tensors
 
     grams = [data.statistics[t]["gram"] for t in task_vectors]
@@ -32,15 +46,6 @@ def regmean(pretrained, task_vectors, *, data, alpha):
     def merge(key, theta0, taus):
         if key not in grams[0]:
             return theta0 + taus.mean(0)
-        # float64: a Gram of thousands of rows is ill-conditioned in float32
-        shrunk = []
-        for g in grams:
-            g = g[key].double()
-            shrunk.append(alpha * g + (1 - alpha) * torch.diag(torch.diagonal(g)))
-        weighted = sum((theta0.double() + tau.double()) @ g for tau, g in zip(taus, shrunk))
-        try:
-            return torch.linalg.solve(sum(shrunk), weighted.T).T.to(taus.dtype)
-        except RuntimeError:  # torch.linalg.LinAlgError
-            raise ValueError(f"merge.regmean: the Gram of {key}'s inputs is singular at alpha={alpha} (an input never varies); use alpha < 1") from None
+        return regression_mean([theta0 + tau for tau in taus], [g[key] for g in grams], alpha, key=key)
 
     return map_tensors(pretrained, task_vectors, merge)

@@ -184,6 +184,9 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         w.adaptation_images += calls * hp["steps"] * tasks * hp["batch_size"]
         w.adaptation_passes += calls * hp["steps"] * 2 * tasks
         w.trains = True
+    if spec.reads == "train_inputs":  # RegMean++: each task's examples through its own and the merged blocks
+        w.forward_images += calls * 2 * tasks * min(params.statistics.examples, params.suite.n_train)
+        w.load_bytes += _task_bytes(params, ("train",))
     if spec.reads == "train_statistics":
         w.load_bytes += 3 * tasks * model_shape(params).parameters * 4  # two Fishers and the Grams per task
     return w
