@@ -46,6 +46,6 @@ def regmean(pretrained, task_vectors, *, data, alpha):
     def merge(key, theta0, taus):
         if key not in grams[0]:
             return theta0 + taus.mean(0)
-        return regression_mean([theta0 + tau for tau in taus], [g[key] for g in grams], alpha, key=key)
+        return regression_mean([theta0.double() + tau.double() for tau in taus], [g[key] for g in grams], alpha, key=key).to(taus.dtype)
 
     return map_tensors(pretrained, task_vectors, merge)
