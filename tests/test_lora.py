@@ -122,7 +122,16 @@ def test_factor_file_round_trip_and_peft_layout(tmp_path):
     save_state_dict(peft / "adapter_model.safetensors", {f"base_model.model.{k}": v for k, v in factors.items()})
     (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_rslora": True}))
     read, scale = read_peft_adapter(peft)
-    assert scale == pytest.approx(8 / 2**0.5) and read.keys() == factors.keys()
+    assert scale == 1.0 and read.keys() == factors.keys()  # each module's scale folded into its B
+    assert torch.allclose(read["blocks.0.mlp.fc1.lora_B.weight"], factors["blocks.0.mlp.fc1.lora_B.weight"] * 8 / 2**0.5)
+    # peft's per-module patterns: fc1 at its own alpha; a rank the config does not give is refused
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "alpha_pattern": {"mlp.fc1": 2}}))
+    read, _ = read_peft_adapter(peft)
+    assert torch.allclose(read["blocks.0.mlp.fc1.lora_B.weight"], factors["blocks.0.mlp.fc1.lora_B.weight"] * 1.0)
+    assert torch.allclose(read["blocks.0.attn.qkv.lora_B.weight"], factors["blocks.0.attn.qkv.lora_B.weight"] * 4.0)
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "rank_pattern": {"attn.qkv": 4}}))
+    with pytest.raises(MergeflowError, match=r"'blocks.0.attn.qkv.lora_A.weight' has rank 2, adapter_config.json gives blocks.0.attn.qkv rank 4$"):
+        read_peft_adapter(peft)
     with pytest.raises(MergeflowError, match=r"^x: factors of 'blocks.0.mlp.fc1.weight' give shape \(5, 4\) \(rank 2\), expected \(4, 5\)"):
         LoraTaskVector(factors, 1.0, SPECS | {"blocks.0.mlp.fc1.weight": ((4, 5), torch.float32)}, source="x")
     with pytest.raises(MergeflowError, match=r"has no 'blocks.0.attn.qkv.lora_B.weight'"):
@@ -208,3 +217,13 @@ def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
     save_state_dict(folder / "adapter_model.safetensors", {"base_model.model.blocks.0.attn.q_proj.lora_A.weight": torch.zeros(2, 32), "base_model.model.blocks.0.attn.q_proj.lora_B.weight": torch.zeros(32, 2)})
     with pytest.raises(MergeflowError, match=r"^finetune.checkpoints.count: adapts 'blocks.0.attn.q_proj.weight', which the model does not have$"):
         read_checkpoint(folder / "adapter_model.safetensors", reference=THETA0, source="finetune.checkpoints.count")
+
+
+def test_a_float64_lora_task_vector_stays_float64():
+    factors = {k: v.double() for k, v in _factors(2, 0).items()}
+    specs = SPECS | {"norm.weight": ((4,), torch.float64)}
+    tv = LoraTaskVector(factors, 0.5, specs, source="x")
+    assert tv["blocks.0.attn.qkv.weight"].dtype == torch.float64 and tv.specs()["blocks.0.attn.qkv.weight"][1] == torch.float64
+    assert tv["norm.weight"].dtype == torch.float64 and tv["blocks.0.attn.qkv.bias"].dtype == torch.float32
+    a, b = factors["blocks.0.attn.qkv.lora_A.weight"], factors["blocks.0.attn.qkv.lora_B.weight"]
+    assert torch.equal(tv["blocks.0.attn.qkv.weight"], 0.5 * (b @ a))

@@ -151,7 +151,9 @@ class LoraTaskVector(Mapping[str, torch.Tensor]):
     def __init__(self, factors: Mapping[str, torch.Tensor], scale: float, model_specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *, source: str):
         self.factors, self.scale, self.source = dict(factors), scale, source
         self._weights = adapted_weights(self.factors)
-        self._specs = {k: (tuple(shape), torch.float32) for k, (shape, _) in model_specs.items()}
+        # a dense task vector's dtypes: float64 where the model (or, for an adapted weight, a factor) is, else float32
+        wide = {k for k, (a, b) in self._weights.items() if torch.float64 in (self.factors[a].dtype, self.factors[b].dtype)}
+        self._specs = {k: (tuple(shape), torch.float64 if dtype == torch.float64 or k in wide else torch.float32) for k, (shape, dtype) in model_specs.items()}
         for key, (a_key, b_key) in self._weights.items():
             if key not in self._specs:
                 raise MergeflowError(f"{source}: adapts '{key}', which the model does not have")
@@ -166,7 +168,7 @@ class LoraTaskVector(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._weights:
             a_key, b_key = self._weights[key]
-            return delta(self.factors[a_key], self.factors[b_key], self.scale)
+            return delta(self.factors[a_key], self.factors[b_key], self.scale).to(self._specs[key][1])
         shape, dtype = self._specs[key]
         return torch.zeros(shape, dtype=dtype)
 
@@ -213,10 +215,20 @@ def is_peft_adapter(path: str | Path) -> bool:
     return (folder / "adapter_config.json").is_file() and (path.is_dir() or path.suffix == ".safetensors")
 
 
+def _pattern_value(pattern: Mapping[str, float], module: str, default: float) -> float:
+    """peft's ``rank_pattern`` / ``alpha_pattern``: the value of the first key that is the module's name or ends it."""
+    for key, value in pattern.items():
+        if module == key or module.endswith("." + key):
+            return value
+    return default
+
+
 def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
-    """(factors keyed by the model's module names, scale) of a peft LoRA adapter (its folder or its weights file):
-    ``adapter_config.json`` (r, lora_alpha, use_rslora) and ``adapter_model.safetensors`` (keys
-    ``base_model.model.<module>.lora_A.weight``)."""
+    """(factors keyed by the model's module names, scale 1) of a peft LoRA adapter (its folder or its weights file):
+    ``adapter_config.json`` (r, lora_alpha, use_rslora, rank_pattern, alpha_pattern) and
+    ``adapter_model.safetensors`` (keys ``base_model.model.<module>.lora_A.weight``). Each module's own scale
+    (alpha / r, or alpha / sqrt(r) for rsLoRA, from the patterns where they name it) is folded into its B, and each
+    A must have that module's rank."""
     path = Path(path)
     directory = path if path.is_dir() else path.parent
     config_path, weights_path = directory / "adapter_config.json", path if path.is_file() else directory / "adapter_model.safetensors"
@@ -230,7 +242,6 @@ def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
         raise MergeflowError(f"{config_path}: no usable r and lora_alpha ({err!r})") from None
     if config.get("peft_type", "LORA") != "LORA":
         raise MergeflowError(f"{config_path}: peft_type {config['peft_type']!r}, only LORA adapters are read")
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     raw = load_state_dict(weights_path)
     factors = {}
     for key, value in raw.items():
@@ -239,8 +250,14 @@ def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
         if not is_factor(name):
             raise MergeflowError(f"{weights_path}: tensor '{key}' is not a LoRA factor (lora_A.weight / lora_B.weight)")
         factors[name] = value
-    adapted_weights(factors)
-    return factors, scale
+    for weight, (a_key, b_key) in adapted_weights(factors).items():
+        module = weight[: -len(".weight")]
+        r = int(_pattern_value(config.get("rank_pattern") or {}, module, rank))
+        a = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha))
+        if factors[a_key].shape[0] != r:
+            raise MergeflowError(f"{weights_path}: '{a_key}' has rank {factors[a_key].shape[0]}, adapter_config.json gives {module} rank {r}")
+        factors[b_key] = factors[b_key] * (a / math.sqrt(r) if config.get("use_rslora") else a / r)
+    return factors, 1.0
 
 
 def apply_adapter(pretrained: Mapping[str, torch.Tensor], factors: Mapping[str, torch.Tensor], scale: float, *, source: str) -> StateDict:
@@ -248,7 +265,8 @@ def apply_adapter(pretrained: Mapping[str, torch.Tensor], factors: Mapping[str, 
     must be the model's own; one line names the first that is not)."""
     tv = LoraTaskVector(factors, scale, tensor_specs(pretrained), source=source)
     adapted = set(tv.adapted)
-    return {k: (v.float() + tv[k]).to(v.dtype) if k in adapted else v.clone() for k, v in pretrained.items()}
+    wide = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in pretrained.items()}  # the compute dtype
+    return {k: (v.to(wide[k]) + tv[k].to(wide[k])).to(v.dtype) if k in adapted else v.clone() for k, v in pretrained.items()}
 
 
 def concatenate(adapters: Sequence[tuple[Mapping[str, torch.Tensor], float]], weights: Sequence[float]) -> StateDict:

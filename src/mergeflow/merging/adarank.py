@@ -9,8 +9,9 @@ masks and the λ are learned with Adam by minimising each task's prediction entr
 gradient taken through the sigmoid (straight-through). The logits m start at +0.1 for the first
 floor(``rank_ratio`` r) of each task's components and -0.1 for the rest; λ at ``init``. Every 2-D weight is masked
 (the authors': the attention and MLP weights of the blocks). Defaults are the authors' ViT-B/32
-8-task CART setting (λ 2.3, rank ratio 0.16, temperature 10, Adam lr 1e-3, batch 16); with ``base: ta`` they use
-λ 0.3 and rank ratio 1. Their code picks the best step by its test accuracy; here the last step is the merge (the
+8-task CART setting (λ 2.3, rank ratio 0.16, temperature 10, Adam lr 1e-3, batch 16; with ``base: ta`` they use
+λ 0.3 and rank ratio 1) but for the steps: AdaMerging's 500, where they run 10,000 (at lr 1e-3 and temperature 10
+a mask flips only after about 100 steps of gradients of one sign, so 500 steps move few). Their code picks the best step by its test accuracy; here the last step is the merge (the
 test labels are never read). Test-time adaptation: not comparable with data-free merging (the summary's "data").
 """
 

@@ -2,7 +2,7 @@
 
 Stoica et al., "Model merging with SVD to tie the KnOTS", ICLR 2025 (arXiv:2410.19735). Per weight matrix the
 task updates are concatenated column-wise and decomposed once, [tau_1 | ... | tau_T] = U S [V_1^T | ... | V_T^T]
-(thin SVD, its numerical rank kept), so that tau_t = U (S V_t^T): each task's update becomes coefficients
+(thin SVD, its null directions dropped), so that tau_t = U (S V_t^T): each task's update becomes coefficients
 c_t = S V_t^T in the shared basis U. The c_t are merged by ``base``: ``ties`` (KnOTS-TIES, the paper's main
 method: one top-k trim per task over all its coefficients, elected sign, disjoint mean, times lam) or ``ta``
 (lam sum_t c_t, which is task arithmetic itself: U U^T tau_t = tau_t); the merged update is U times them.
@@ -10,8 +10,9 @@ Tensors that are not matrices (biases, norms, embeddings) are merged by ``base``
 ``merge_other_params``); for LoRA task vectors they are zero. Written for LoRA task vectors (rank T r at most per
 matrix); on full ones the coefficients are as large as the task vectors, all held in memory.
 
-The authors' code keeps singular values above an absolute 1e-5; here the numerical rank is kept
-(s > s_max max(m, T n) eps), which does not depend on the vectors' scale. Defaults: their ViT-B/32 rank-16 setting
+The authors' code keeps singular values above an absolute 1e-5 (in float64); here those above 16 eps s_max,
+which does not depend on the vectors' scale: the null directions of a rank-deficient concatenation (T r < m for LoRA
+task vectors) are dropped, every weak real one kept. Defaults: their ViT-B/32 rank-16 setting
 (top-k 20%, coefficient 0.6).
 """
 
@@ -34,7 +35,7 @@ def aligned(key, taus):
     u, s, vh = svd(torch.cat(list(taus), dim=1))
     if s.numel() == 0 or float(s[0]) == 0.0:
         return None
-    keep = s > s[0] * max(taus.shape[1], taus.shape[0] * n) * torch.finfo(s.dtype).eps
+    keep = s > s[0] * 16 * torch.finfo(s.dtype).eps  # above rounding: a weak direction is kept, a null one dropped
     u, coefficients = u[:, keep], s[keep, None] * vh[keep]
     return u.to(taus.device), list(coefficients.to(taus.device).split(n, dim=1))
 
