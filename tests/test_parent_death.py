@@ -125,6 +125,14 @@ def test_without_asking_the_stage_outlives_dvc(tmp_path):
     assert left, "the stand-in died with dvc without asking"
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    """A process's command line, empty once it has ended (a zombie between the listing and this read)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _run_processes(root: Path) -> list[psutil.Process]:
     """Processes working in ``root`` (dvc, the stage, its workers), this one aside."""
     found = []
@@ -150,8 +158,11 @@ def test_the_real_prepare_stage_dies_with_plain_dvc_repro(tmp_path, tiny_env, si
         deadline = time.monotonic() + HANG_S
         workers = []
         while dvc.poll() is None and time.monotonic() < deadline:
-            stage = [p for p in _run_processes(root) if "prepare" in " ".join(p.cmdline())]
-            workers = [c for p in stage for c in p.children() if "spawn_main" in " ".join(c.cmdline())]
+            stage = [p for p in _run_processes(root) if "prepare" in _cmdline(p)]
+            workers = []
+            for p in stage:
+                with contextlib.suppress(psutil.Error):  # the stage may end between the listing and this
+                    workers += [c for c in p.children() if "spawn_main" in _cmdline(c)]
             if workers:
                 break
             time.sleep(0.1)
@@ -161,7 +172,7 @@ def test_the_real_prepare_stage_dies_with_plain_dvc_repro(tmp_path, tiny_env, si
         deadline = time.monotonic() + HANG_S
         while (left := _run_processes(root)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert left == [], f"still running after dvc got {signal.Signals(sig).name}: {[p.cmdline() for p in left]}"
+        assert left == [], f"still running after dvc got {signal.Signals(sig).name}: {[_cmdline(p) for p in left]}"
         # ended by the kill, not by finishing its minutes of work after it (the tiny profile's would be seconds)
         assert not (root / "metrics" / "prepare.json").exists(), "prepare ran on to its end after dvc was killed"
     finally:
