@@ -42,10 +42,9 @@ def fisher_diagonal(backbone: Backbone, head: nn.Linear, images: torch.Tensor, l
     return {k: state.get(k, torch.zeros(v.shape)) for k, v in backbone.net.state_dict().items()}
 
 
-@torch.no_grad()
-def input_grams(backbone: Backbone, images: torch.Tensor, *, batch_size: int, device: torch.device) -> StateDict:
-    """{<linear>.weight: X^T X} over every row the layer sees (examples x tokens), in float64 then float32."""
-    backbone.eval().to(device)
+def linear_input_grams(module: nn.Module, run) -> dict[str, torch.Tensor]:
+    """{<linear>.weight: X^T X} (float64) of every linear layer in ``module`` over all the rows (examples x tokens)
+    it sees while ``run()`` runs."""
     grams: dict[str, torch.Tensor] = {}
     hooks = []
 
@@ -56,13 +55,24 @@ def input_grams(backbone: Backbone, images: torch.Tensor, *, batch_size: int, de
 
         return record
 
-    for name, module in backbone.net.named_modules():
-        if isinstance(module, nn.Linear):
-            hooks.append(module.register_forward_hook(hook(f"{name}.weight")))
+    for name, linear in module.named_modules():
+        if isinstance(linear, nn.Linear):
+            hooks.append(linear.register_forward_hook(hook(f"{name}.weight")))
     try:
-        for i in range(0, len(images), batch_size):
-            backbone(images[i : i + batch_size].to(device))
+        run()
     finally:
         for h in hooks:
             h.remove()
-    return {k: v.float().cpu() for k, v in grams.items()}
+    return grams
+
+
+@torch.no_grad()
+def input_grams(backbone: Backbone, images: torch.Tensor, *, batch_size: int, device: torch.device) -> StateDict:
+    """{<linear>.weight: X^T X} over every row the layer sees (examples x tokens), in float64 then float32."""
+    backbone.eval().to(device)
+
+    def run():
+        for i in range(0, len(images), batch_size):
+            backbone(images[i : i + batch_size].to(device))
+
+    return {k: v.float().cpu() for k, v in linear_input_grams(backbone.net, run).items()}

@@ -31,28 +31,9 @@ def _embedded(backbone, images):
 
 def _grams(block, hidden):
     """{<linear>.weight: X^T X} of every linear layer's inputs in ``block`` over ``hidden``'s rows and tokens."""
-    import torch
-    from torch import nn
+    from mergeflow.statistics import linear_input_grams
 
-    grams, hooks = {}, []
-
-    def hook(name):
-        def record(_module, inputs, _output):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            grams[name] = grams.get(name, 0) + x.T @ x
-
-        return record
-
-    for name, module in block.named_modules():
-        if isinstance(module, nn.Linear):
-            hooks.append(module.register_forward_hook(hook(f"{name}.weight")))
-    try:
-        for i in range(0, len(hidden), BATCH):
-            block(hidden[i : i + BATCH])
-    finally:
-        for h in hooks:
-            h.remove()
-    return grams
+    return linear_input_grams(block, lambda: _forward(block, hidden))
 
 
 def _forward(block, hidden):

@@ -67,16 +67,26 @@ def _normalized(evaluation: dict | None, individual: dict[str, float]) -> float 
 
 
 @no_grad
-def _alignments(vectors: dict, keys: list[str], rank: int) -> tuple[float, float]:
-    """(median pairwise alignment of the top-``rank`` left singular subspaces, median share of the energy in them)."""
+def _spectra(vectors: dict, keys: list[str]) -> dict:
+    """{key: {task: (U, s)}}: each task vector's left singular vectors and values, per matrix, computed once."""
     import torch
 
-    aligned, energy = [], []
-    tasks = list(vectors)
+    out = {}
     for key in keys:
+        out[key] = {}
+        for t, tv in vectors.items():
+            u, s, _ = torch.linalg.svd(tv[key].double(), full_matrices=False)
+            out[key][t] = (u, s)
+    return out
+
+
+def _measured(spectra: dict, rank: int) -> tuple[float, float]:
+    """(median pairwise alignment of the top-``rank`` left singular subspaces, median share of the energy in them)."""
+    aligned, energy = [], []
+    for per_task in spectra.values():
+        tasks = list(per_task)
         bases = {}
-        for t in tasks:
-            u, s, _ = torch.linalg.svd(vectors[t][key].double(), full_matrices=False)
+        for t, (u, s) in per_task.items():
             k = min(rank, s.numel())
             bases[t] = u[:, :k]
             total = float((s**2).sum())
@@ -86,6 +96,10 @@ def _alignments(vectors: dict, keys: list[str], rank: int) -> tuple[float, float
                 aligned.append(float((bases[a].T @ bases[b]).square().sum()) / bases[a].shape[1])
     finite = [e for e in energy if math.isfinite(e)]
     return median(aligned), (median(finite) if finite else math.nan)
+
+
+def _alignments(vectors: dict, keys: list[str], rank: int) -> tuple[float, float]:
+    return _measured(_spectra(vectors, keys), rank)
 
 
 def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
@@ -115,7 +129,7 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
         return [], full, notes + [f"{layout.metrics('regime', REGIME)}: not found (run regime@{REGIME})"]
     pretrained = LazyStateDict(layout.pretrained)
     full_vectors = {t: read_task_vector(layout.vectors / f"{t}.safetensors", pretrained) for t in tasks} if layout.vectors.is_dir() else None
-    points = []
+    points, full_spectra = [], None
     for variant, kwargs in params.regimes.config(REGIME).variants(REGIME, params.finetune.steps).items():
         rank = kwargs["rank"]
         point = Point(rank)
@@ -138,7 +152,9 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
         keys = next(iter(lora_vectors.values())).adapted
         point.alignment, _ = _alignments(lora_vectors, keys, rank)
         if full_vectors is not None:
-            point.full_alignment, point.energy = _alignments(full_vectors, keys, rank)
+            if full_spectra is None:  # the full vectors' SVDs serve every rank
+                full_spectra = _spectra(full_vectors, keys)
+            point.full_alignment, point.energy = _measured(full_spectra, rank)
         points.append(point)
     return points, full, notes
 
