@@ -122,6 +122,8 @@ IDENTITY_SETTINGS = {
     "wudi": {"solver": "exact"},
     "knots": {"k": 1.0, "lam": 1.0},  # copies share one basis and one set of coefficients: their disjoint mean
     "adarank": {},  # copies: the centred directions are zero, theta_avg is the model
+    "fw_merging": {"init": "base", "steps": 1, "step_size": 1.0, "scaling": 1.0, "examples": 8},  # gamma = 1 onto a copy
+    "surgery": None,  # its base runs at its own defaults (AdaMerging's lambda 0.3, not 1/T)
     "regmean_plusplus": {},  # copies: every task's weights are the model's, and so is their regression mean
     "pcb": None,  # its min-max weights drop each task's weakest entry even at ratio 1 (the authors' scaling)
     "doge_ta": None,  # each task's layer scaled to norm lam, and theta0 outside the matrices  # tau is its own least-interference point (Adam's 300 small steps stop short of it)
@@ -195,8 +197,9 @@ def _toy_data(tasks):
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(12, 3) for t in tasks}
     inputs = {t: torch.randn(32, 3, 4, generator=g) for t in tasks}
-    objective = EntropyObjective(_ToyBackbone(), heads, {"test": inputs, "val": inputs}, torch.device("cpu"))
-    return MergeData(statistics=stats, objective=objective, backbone=_ToyBackbone(), train_inputs=inputs)
+    objective = EntropyObjective(_ToyBackbone(), heads, {"test": inputs, "val": inputs, "train": inputs}, torch.device("cpu"))
+    labels = {t: torch.randint(0, 3, (32,), generator=g) for t in tasks}
+    return MergeData(statistics=stats, objective=objective, backbone=_ToyBackbone(), train_inputs=inputs, train_labels=labels)
 
 
 def models_of(name, theta0, tvs, **hp):
@@ -327,7 +330,7 @@ class FakeEvaluator:
     def __call__(self, state):
         return {t: self._score(t, state) for t in self.targets}
 
-    def per_task(self, model_of):
+    def per_task(self, model_of, feature_maps=None):
         return {t: self._score(t, model_of(t)) for t in self.targets}
 
 

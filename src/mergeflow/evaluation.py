@@ -55,15 +55,18 @@ class MultiTaskEvaluator:
         feats = extract_features(self._model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
         return {t: head_accuracy(self.heads[t], f, y) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
 
-    def task(self, task: str, state: StateDict) -> float:
-        """One task, on its own split only."""
+    def task(self, task: str, state: StateDict, feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+        """One task, on its own split only; ``feature_map``: applied to the features before the head (Surgery)."""
         self._model.net.load_state_dict(state)
         feats = extract_features(self._model, self._images[self._slices[task]], batch_size=self.batch_size, device=self.device, bf16=self.bf16)
+        if feature_map is not None:
+            with torch.no_grad():
+                feats = feature_map(feats)
         return head_accuracy(self.heads[task], feats, self._task_labels[task])
 
-    def per_task(self, model_of: Callable[[str], StateDict]) -> dict[str, float]:
-        """Each task with its own model (per-task methods)."""
-        return {t: self.task(t, model_of(t)) for t in self.tasks}
+    def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]:
+        """Each task with its own model (per-task methods), and its own map on the features where the method has one."""
+        return {t: self.task(t, model_of(t), feature_maps(t) if feature_maps else None) for t in self.tasks}
 
 
 def mean(values) -> float:

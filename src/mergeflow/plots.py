@@ -511,8 +511,9 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
         smooth = np.convolve(entropy, np.ones(window) / window, mode="valid")
         right.plot(range(window, len(entropy) + 1), smooth, color="#c44e52", lw=2, label=f"mean of {window} steps")
     right.set_xlabel("adaptation step")
-    right.set_ylabel(f"mean entropy per task ({learned['split']} inputs, nats)")
-    right.set_title("entropy minimised")
+    what = learned.get("objective", "entropy")  # FW-Merging records its cross-entropy, Surgery its L1 distance
+    right.set_ylabel(f"mean {what} per task ({learned['split']} inputs, {learned.get('unit', 'nats')})")
+    right.set_title(f"{what} minimised")
     right.legend(frameon=False)
     fig.suptitle(f"{merge_metrics['method']}: validation average {_pct(merge_metrics['val_average']):.1f}%")
     _save(fig, path)

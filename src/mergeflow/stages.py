@@ -507,7 +507,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
                 }
         elif spec.kind == "per_task":
             pretrained = load_state_dict(layout.pretrained)
-            acc = evaluator.per_task(lambda t: spec.reconstruct(output, pretrained, t))
+            acc = evaluator.per_task(lambda t: spec.reconstruct(output, pretrained, t), spec.feature_maps(output))
         else:
             acc = evaluator(output)
     metrics = {"method": method, "kind": spec.kind, "hyperparameters": chosen["hyperparameters"], "searched": chosen["searched"]}

@@ -10,6 +10,8 @@ Kinds of method:
 - ``model``: the function returns the one merged model;
 - ``per_task``: it returns a shared store (a flat state dict) from which ``reconstruct(store, pretrained, task)``
   rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
+  ``features(store, task)``, where given, is a map on that task's features before its head (Representation
+  Surgery's correction), applied wherever the task's model is evaluated;
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
 What a method reads besides the weights (``reads``, see ``DATA``): nothing (data-free), per-task statistics of the
 labelled training split (Fisher diagonals, layer-input Grams; the stage ``statistics`` computes them once),
@@ -51,6 +53,7 @@ DATA = {
     "train_statistics": "train stats",  # per-task Fisher diagonals and layer-input Grams on labelled train examples
     "test_inputs": "test inputs (TTA)",  # unlabelled inputs of each task's test split: test-time adaptation
     "train_inputs": "train inputs",  # unlabelled training examples run through the model while it is merged (RegMean++)
+    "train_examples": "train examples",  # labelled training examples: the loss of the model while it is merged (FW-Merging)
 }
 
 
@@ -68,6 +71,7 @@ class MergeData:
     objective: Any = None
     backbone: Any = None  # reads="train_inputs": the backbone's architecture (its weights are replaced)
     train_inputs: Mapping[str, Any] | None = None  # {task: uint8 images}, the first statistics.examples of its train split
+    train_labels: Mapping[str, Any] | None = None  # reads="train_examples": {task: labels} of objective.inputs["train"]
     learned: list[dict] = field(default_factory=list)
     timing: list[dict] = field(default_factory=list)
 
@@ -153,6 +157,12 @@ class MergeMethod:
     reads: str | None = None  # a key of DATA: what the method reads besides the weights
     tasks: int | None = None  # the number of task vectors the method merges, when it takes only that many (SLERP: 2)
     data: MergeData | None = None  # bound by with_data
+    # per_task: (store, task) -> a map on that task's features before its head (Surgery), or None
+    features: Callable[..., Callable[[Any], Any]] | None = None
+
+    def feature_maps(self, store: StateDict) -> Callable[[str], Callable[[Any], Any]] | None:
+        """(task) -> the map on that task's features before its head, for a method that corrects them; else None."""
+        return None if self.features is None else (lambda task: self.features(store, task))
 
     def with_data(self, data: MergeData) -> MergeMethod:
         """This method with its data bound: called as every other method is, (pretrained, task_vectors, **hp)."""
@@ -224,6 +234,7 @@ def register(
     joint: Callable[[Mapping[str, Any]], str | None] | None = None,
     reads: str | None = None,
     tasks: int | None = None,
+    features: Callable[..., Callable[[Any], Any]] | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
@@ -236,9 +247,11 @@ def register(
             raise RuntimeError(f"merge method '{name}': per_task_grid needs task_models, and names hyperparameters")
         if set(ranges or {}) != set(defaults or {}):
             raise RuntimeError(f"merge method '{name}': ranges must name every hyperparameter, and only those")
-        if reads not in DATA or (reads is not None and kind != "model"):
-            raise RuntimeError(f"merge method '{name}': reads must be one of {list(DATA)[1:]} (model methods only)")
-        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads, tasks)
+        if reads not in DATA or (reads is not None and kind == "negation"):
+            raise RuntimeError(f"merge method '{name}': reads must be one of {list(DATA)[1:]} (not a negation)")
+        if features is not None and kind != "per_task":
+            raise RuntimeError(f"merge method '{name}': features (a map on each task's features) is a per_task method's")
+        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads, tasks, features=features)
         method.check(method.defaults)  # a default outside its own range is a bug of the method's module
         REGISTRY[name] = method
         return fn

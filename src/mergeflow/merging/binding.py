@@ -1,7 +1,8 @@
 """The data a data-aware method reads, bound by the merge stage (``MergeMethod.with_data``): the statistics stage's
 per-task Fisher diagonals and Grams for ``reads="train_statistics"``, AdaMerging's entropy objective on each task's
 unlabelled validation and test inputs for ``reads="test_inputs"``, the backbone and each task's first training
-examples for ``reads="train_inputs"``."""
+examples for ``reads="train_inputs"``, the backbone, heads and each task's labelled training split for
+``reads="train_examples"``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> Mer
         n = params.statistics.examples
         train = {t: d.split("train").images[:n] for t, d in load_tasks(params, layout, ("train",)).items()}
         return MergeData(backbone=build_backbone(params.backbone), train_inputs=train)
+    if spec.reads == "train_examples":
+        from mergeflow.data import load_tasks
+
+        train = {t: d.split("train") for t, d in load_tasks(params, layout, ("train",)).items()}
+        objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, {"train": {t: s.images for t, s in train.items()}}, device)
+        return MergeData(objective=objective, train_labels={t: s.labels for t, s in train.items()})
     inputs = {s: {t: d.split(s).images for t, d in tasks.items()} for s in ("val", "test")}
     objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
     return MergeData(objective=objective)

@@ -27,7 +27,8 @@ class Scorer(Protocol):
 
     def task(self, task: str, state: StateDict) -> float: ...  # one task, on its own examples only
 
-    def per_task(self, model_of: Callable[[str], StateDict]) -> dict[str, float]: ...  # each task with its own model
+    # each task with its own model, and its own map on the features before the head where the method has one
+    def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]: ...
 
 
 def mean(values) -> float:
@@ -196,7 +197,7 @@ def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_
     def score(hp: dict, output) -> dict:
         nonlocal best
         if method.kind == "per_task":
-            acc = evaluate.per_task(lambda t: method.reconstruct(output, pretrained, t))
+            acc = evaluate.per_task(lambda t: method.reconstruct(output, pretrained, t), method.feature_maps(output))
         else:
             acc = evaluate(output)
         row = {"hyperparameters": {k: v for k, v in hp.items() if k not in per_task}, "accuracy": acc, "average": mean(acc.values())}

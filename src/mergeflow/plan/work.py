@@ -187,6 +187,11 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
     if spec.reads == "train_inputs":  # RegMean++: each task's examples through its own and the merged blocks
         w.forward_images += calls * 2 * tasks * min(params.statistics.examples, params.suite.n_train)
         w.load_bytes += _task_bytes(params, ("train",))
+    if spec.reads == "train_examples":  # FW-Merging: forward and backward over each task's examples per step
+        hp = fixed
+        w.train_images += calls * hp["steps"] * tasks * min(hp["examples"], params.suite.n_train)
+        w.load_bytes += _task_bytes(params, ("train",))
+        w.trains = True
     if spec.reads == "train_statistics":
         w.load_bytes += 3 * tasks * model_shape(params).parameters * 4  # two Fishers and the Grams per task
     return w
