@@ -64,6 +64,12 @@ class MultiTaskEvaluator:
                 feats = feature_map(feats)
         return head_accuracy(self.heads[task], feats, self._task_labels[task])
 
+    def network(self, build: Callable[[nn.Module], nn.Module]) -> dict[str, float]:
+        """Every task through one network that ``build(backbone)`` makes (a routed method's), images -> features."""
+        model = build(self._model)
+        feats = extract_features(model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
+        return {t: head_accuracy(self.heads[t], f, y) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
+
     def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]:
         """Each task with its own model (per-task methods), and its own map on the features where the method has one."""
         return {t: self.task(t, model_of(t), feature_maps(t) if feature_maps else None) for t in self.tasks}

@@ -490,6 +490,7 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
     names = list(coefficients[tasks[0]])
     values = np.array([[coefficients[t][n] for n in names] for t in tasks])
     fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.8), layout="constrained", width_ratios=[2.2, 1])
+    base = f"its base ({learned['base']}): " if "base" in learned else ""  # Surgery: the λ are its base merge's
     if learned["layer_wise"]:
         image = left.imshow(values, aspect="auto", cmap="viridis", interpolation="nearest")
         ticks, labels = _block_ticks(names)
@@ -497,17 +498,17 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
         left.set_yticks(range(len(tasks)), tasks)
         left.set_xlabel(f"tensor ({len(names)}, by name)")
         fig.colorbar(image, ax=left, fraction=0.04, label="λ (task, tensor)")
-        left.set_title("learned λ per task and tensor")
+        left.set_title(f"{base}learned λ per task and tensor")
     else:
         left.barh(range(len(tasks)), values[:, 0], color="#4c72b0")
         left.set_yticks(range(len(tasks)), tasks)
         left.invert_yaxis()
         left.set_xlabel("λ (task)")
-        left.set_title("learned λ per task")
+        left.set_title(f"{base}learned λ per task")
     entropy = learned["entropy"]
     right.plot(range(1, len(entropy) + 1), entropy, color="#999999", lw=0.8, label="per step")
     window = max(1, len(entropy) // 20)
-    if len(entropy) >= window:
+    if window > 1:
         smooth = np.convolve(entropy, np.ones(window) / window, mode="valid")
         right.plot(range(window, len(entropy) + 1), smooth, color="#c44e52", lw=2, label=f"mean of {window} steps")
     right.set_xlabel("adaptation step")

@@ -457,7 +457,7 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
             "val_curve": curve,
             "per_task_curves": per_task["curves"],
         }
-        if spec.kind == "per_task":
+        if spec.kind in ("per_task", "routed"):
             uses_theta0 = not any(k.startswith(BASE_PREFIX) for k in output)
             model_bytes = _bytes(pretrained)
             metrics |= {"storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0), "model_bytes": model_bytes}
@@ -508,6 +508,8 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
         elif spec.kind == "per_task":
             pretrained = load_state_dict(layout.pretrained)
             acc = evaluator.per_task(lambda t: spec.reconstruct(output, pretrained, t), spec.feature_maps(output))
+        elif spec.kind == "routed":
+            acc = evaluator.network(lambda backbone: spec.network(output, backbone))
         else:
             acc = evaluator(output)
     metrics = {"method": method, "kind": spec.kind, "hyperparameters": chosen["hyperparameters"], "searched": chosen["searched"]}
@@ -520,7 +522,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
             "average": mean(acc.values()),
             "normalized": normalized(acc, individual),
             "normalized_average": normalized_average(acc, individual),
-            "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if spec.kind == "per_task" else 1.0,
+            "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if "storage_bytes" in chosen else 1.0,
         }
     write_json(run.evaluation, metrics)
     return metrics | {"wall_time_s": timer.seconds}

@@ -12,6 +12,8 @@ Kinds of method:
   rebuilds each task's own model (TALL masks, EMR, CART-Indexing, TSV-C);
   ``features(store, task)``, where given, is a map on that task's features before its head (Representation
   Surgery's correction), applied wherever the task's model is evaluated;
+- ``routed``: it returns a store from which ``network(store, backbone)`` builds one network whose weights depend on
+  its input (WEMoE's per-sample routing): uint8 images -> features, every task through it with its own head;
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
 What a method reads besides the weights (``reads``, see ``DATA``): nothing (data-free), per-task statistics of the
 labelled training split (Fisher diagonals, layer-input Grams; the stage ``statistics`` computes them once),
@@ -146,7 +148,7 @@ class MergeMethod:
     # the hyperparameter the merged model is affine in (theta = base + c * direction): a sweep over it merges
     # twice (c = 0 and c = 1) and interpolates instead of merging once per value
     coefficient: str | None = None
-    kind: str = "model"  # "model" | "per_task" | "negation"
+    kind: str = "model"  # "model" | "per_task" | "routed" | "negation"
     reconstruct: Callable[..., StateDict] | None = None  # per_task: (store, pretrained, task) -> that task's model
     per_task_grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # chosen per task, on that task's val
     # (pretrained, task_vectors, **hp) -> ((task, per-task hp) -> the model a per-task choice is made on)
@@ -159,6 +161,7 @@ class MergeMethod:
     data: MergeData | None = None  # bound by with_data
     # per_task: (store, task) -> a map on that task's features before its head (Surgery), or None
     features: Callable[..., Callable[[Any], Any]] | None = None
+    network: Callable[..., Any] | None = None  # routed: (store, backbone) -> the network, images -> features
 
     def feature_maps(self, store: StateDict) -> Callable[[str], Callable[[Any], Any]] | None:
         """(task) -> the map on that task's features before its head, for a method that corrects them; else None."""
@@ -235,14 +238,17 @@ def register(
     reads: str | None = None,
     tasks: int | None = None,
     features: Callable[..., Callable[[Any], Any]] | None = None,
+    network: Callable[..., Any] | None = None,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
             raise RuntimeError(f"merge method '{name}' registered twice")
         if coefficient is not None and coefficient not in (defaults or {}):
             raise RuntimeError(f"merge method '{name}': coefficient '{coefficient}' is not a hyperparameter")
-        if (kind == "per_task") != (reconstruct is not None) or kind not in ("model", "per_task", "negation"):
+        if (kind == "per_task") != (reconstruct is not None) or kind not in ("model", "per_task", "routed", "negation"):
             raise RuntimeError(f"merge method '{name}': a per_task method, and only one, needs reconstruct")
+        if (kind == "routed") != (network is not None):
+            raise RuntimeError(f"merge method '{name}': a routed method, and only one, needs network")
         if bool(per_task_grid) != (task_models is not None) or not set(per_task_grid or {}) <= set(defaults or {}):
             raise RuntimeError(f"merge method '{name}': per_task_grid needs task_models, and names hyperparameters")
         if set(ranges or {}) != set(defaults or {}):
@@ -251,7 +257,7 @@ def register(
             raise RuntimeError(f"merge method '{name}': reads must be one of {list(DATA)[1:]} (not a negation)")
         if features is not None and kind != "per_task":
             raise RuntimeError(f"merge method '{name}': features (a map on each task's features) is a per_task method's")
-        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads, tasks, features=features)
+        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads, tasks, features=features, network=network)
         method.check(method.defaults)  # a default outside its own range is a bug of the method's module
         REGISTRY[name] = method
         return fn

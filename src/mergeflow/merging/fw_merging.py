@@ -98,7 +98,7 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
     began = time.perf_counter()
     for step in range(steps):
         loss, grad = _cross_entropy_gradient(objective, model(coefficients), inputs, labels, batch_size)
-        losses.append(round(loss / len(tasks), 6))
+        losses.append(round(loss, 6))  # the mean over every task's examples
         # <g_p, v_p> for every vertex v and tensor p: <g_p, theta0_p> + corners @ <g_p, tau_t,p>
         products = torch.zeros(len(vertices), len(keys), dtype=torch.float64)
         grad_norms = torch.zeros(len(keys), dtype=torch.float64)
@@ -127,7 +127,7 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
         "layer_wise": granularity == "layer",
         "split": "train",
         "coefficients": {t: {n: round(float(shown[i, j]), 6) for j, n in enumerate(names)} for i, t in enumerate(tasks)},
-        "entropy": losses,  # the plot's objective per step: here the mean cross-entropy per task
+        "entropy": losses,  # the plot's objective per step: here the mean cross-entropy
         "objective": "cross-entropy",
         "selected": chosen,
         "examples": {t: len(y) for t, y in labels.items()},

@@ -27,6 +27,8 @@ class Scorer(Protocol):
 
     def task(self, task: str, state: StateDict) -> float: ...  # one task, on its own examples only
 
+    def network(self, build: Callable[[Any], Any]) -> dict[str, float]: ...  # every task through build(backbone)
+
     # each task with its own model, and its own map on the features before the head where the method has one
     def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]: ...
 
@@ -198,6 +200,8 @@ def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_
         nonlocal best
         if method.kind == "per_task":
             acc = evaluate.per_task(lambda t: method.reconstruct(output, pretrained, t), method.feature_maps(output))
+        elif method.kind == "routed":
+            acc = evaluate.network(lambda backbone: method.network(output, backbone))
         else:
             acc = evaluate(output)
         row = {"hyperparameters": {k: v for k, v in hp.items() if k not in per_task}, "accuracy": acc, "average": mean(acc.values())}

@@ -222,7 +222,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
                     client.log_artifact(run_id, str(plot), "plots")
                 if log_ckpt and mm["kind"] == "model":
                     _log_merged_model(rec, run_id, layout.merged(method), _out_md5(lock.get(name), layout.merged(method), root), params)
-                elif log_ckpt and mm["kind"] == "per_task":
+                elif log_ckpt and mm["kind"] in ("per_task", "routed"):  # a store, not a timm model
                     weights(run_id, name, {layout.merged(method): "merged"})
         if read_json(layout.metrics("merge", method))["kind"] == "model":
             single_models[method] = rec.stage_runs[name]
