@@ -16,7 +16,7 @@ from tests.test_merging import models_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-SVD_METHODS = ["cart", "cart_indexing", "iso_c", "iso_cts", "low_rank_ta", "tsv_c", "tsv_m"]
+SVD_METHODS = ["cart", "cart_indexing", "iso_c", "iso_cts", "low_rank_ta", "svc", "tsv_c", "tsv_m"]
 CUDA = torch.device("cuda")
 SMALL = BackboneConfig(kwargs={"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2})
 

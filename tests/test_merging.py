@@ -123,6 +123,7 @@ IDENTITY_SETTINGS = {
     "knots": {"k": 1.0, "lam": 1.0},  # copies share one basis and one set of coefficients: their disjoint mean
     "adarank": {},  # copies: the centred directions are zero, theta_avg is the model
     "fw_merging": {"init": "base", "steps": 1, "step_size": 1.0, "scaling": 1.0, "examples": 8},  # gamma = 1 onto a copy
+    "svc": {"base": "weight_averaging"},  # copies: s = 1 everywhere, gamma = 1, their average
     "surgery": None,
     "wemoe": None,  # not a state dict of the backbone: tests/test_wemoe.py (constant routing is task arithmetic)  # its base runs at its own defaults (AdaMerging's lambda 0.3, not 1/T)
     "regmean_plusplus": {},  # copies: every task's weights are the model's, and so is their regression mean

@@ -40,9 +40,14 @@ def _routed_mlp(mlp, experts, router):
                 self.register_buffer(k.replace(".", "_"), v, persistent=False)
 
         def linear(self, x, name, weights):
+            """Each sample's own weight W0 + sum_t w_t T_t, formed first: B T O I + B N I O multiply-adds, where
+            mixing each expert's output (x T_t^T) would take B T N I O."""
             layer = getattr(self.mlp, name)
-            out = layer(x) + torch.einsum("bt,bni,toi->bno", weights, x, getattr(self, f"{name}_weight"))
-            return out + (weights @ getattr(self, f"{name}_bias"))[:, None] if hasattr(self, f"{name}_bias") else out
+            weight = layer.weight + torch.einsum("bt,toi->boi", weights, getattr(self, f"{name}_weight"))
+            if layer.bias is None:  # an MLP without biases
+                return torch.bmm(x, weight.transpose(1, 2))
+            bias = layer.bias + weights @ getattr(self, f"{name}_bias")
+            return torch.baddbmm(bias[:, None], x, weight.transpose(1, 2))
 
         def forward(self, x):
             weights = self.router(x).mean(1)  # [B, T]: the tokens' routing averaged, one mix per sample
