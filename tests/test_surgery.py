@@ -90,3 +90,38 @@ def test_a_batch_larger_than_a_tasks_inputs_is_refused():
     theta0, taus, objective = _tiny_setup()
     with pytest.raises(ValueError, match="surgery: batch_size 25 is more than the 24 test inputs of a task"):
         _run(theta0, taus, objective, steps=1, batch_size=25)
+
+
+def test_the_evaluation_applies_each_tasks_correction_and_a_routed_network():
+    """MultiTaskEvaluator: a per-task model's features pass through its task's map before the head; a routed
+    method's network is evaluated as one model. Checked against the head applied by hand."""
+    from mergeflow.data import Split, TaskData
+    from mergeflow.evaluation import MultiTaskEvaluator
+    from mergeflow.merging.wemoe import network
+
+    from .test_data_aware import TINY_VIT
+
+    theta0, taus, objective = _tiny_setup()
+    g = torch.Generator().manual_seed(4)
+    tasks = {}
+    for t, head in objective.heads.items():
+        images = objective.inputs["test"][t]
+        tasks[t] = TaskData(t, [str(i) for i in range(head.out_features)], None, None, Split(images, torch.randint(0, head.out_features, (len(images),), generator=g)))
+    evaluator = MultiTaskEvaluator(TINY_VIT, tasks, objective.heads, "test", torch.device("cpu"))
+
+    def by_hand(features_of):
+        return {t: float((objective.heads[t](features_of(t)).argmax(1) == d.test.labels).float().mean()) for t, d in tasks.items()}
+
+    store, _ = _run(theta0, taus, objective, steps=40, lr=5e-2, rank=8)
+    surgery = REGISTRY["surgery"]
+    acc = evaluator.per_task(lambda t: surgery.reconstruct(store, theta0, t), surgery.feature_maps(store))
+    with torch.no_grad():
+        expected = by_hand(lambda t: surgery.features(store, t)(_own_features(objective, surgery.reconstruct(store, theta0, t), tasks[t].test.images).float()))
+    assert acc == pytest.approx(expected)
+
+    routed = REGISTRY["wemoe"].with_data(MergeData(objective=copy.copy(objective)))(theta0, taus, steps=3, batch_size=8, lr=0.05)
+    acc = evaluator.network(lambda backbone: network(routed, backbone))
+    model = network(routed, objective.backbone)
+    with torch.no_grad():
+        expected = by_hand(lambda t: model(tasks[t].test.images))
+    assert acc == pytest.approx(expected)
