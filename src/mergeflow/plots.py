@@ -503,8 +503,8 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
         left.barh(range(len(tasks)), values[:, 0], color="#4c72b0")
         left.set_yticks(range(len(tasks)), tasks)
         left.invert_yaxis()
-        left.set_xlabel("λ (task)")
-        left.set_title(f"{base}learned λ per task")
+        left.set_xlabel(learned.get("coefficient", "λ") + " (task)")
+        left.set_title(f"{base}learned {learned.get('coefficient', 'λ')} per task")
     entropy = learned["entropy"]
     right.plot(range(1, len(entropy) + 1), entropy, color="#999999", lw=0.8, label="per step")
     window = max(1, len(entropy) // 20)

@@ -182,7 +182,8 @@ def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split,
     for l, block in enumerate(model.net.blocks):
         for name, p in block.mlp.router.state_dict().items():
             store[f"router/{l}/{name}"] = p.detach().cpu().to(store[f"router/{l}/{name}"].dtype)
-    data.learned.append({"layer_wise": False, "split": split, "coefficients": _mean_routing(model, inputs, tasks), "entropy": entropy})
+    coefficient = "routing weight of its own task vector"  # averaged over blocks and its inputs
+    data.learned.append({"layer_wise": False, "split": split, "coefficients": _mean_routing(model, inputs, tasks), "coefficient": coefficient, "entropy": entropy})
     data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
     return store
 
