@@ -37,8 +37,12 @@ class EntropyObjective:
         images = torch.cat([batches[t] for t in tasks]).to(self.device)
         dtype = next(iter(params.values())).dtype
         features = self.backbone.embed(functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),)))
+        return self.entropy(features, {t: len(batches[t]) for t in tasks})
+
+    def entropy(self, features: torch.Tensor, counts: Mapping[str, int]) -> torch.Tensor:
+        """Sum over tasks of the mean entropy of each task's head on its rows of ``features`` (``counts``' order)."""
         total = features.new_zeros(())
-        for t, f in zip(tasks, features.split([len(batches[t]) for t in tasks])):
+        for t, f in zip(counts, features.split(list(counts.values()))):
             log_p = torch.log_softmax(self.heads[t](f), -1)
             total = total - (log_p.exp() * log_p).sum(-1).mean()
         return total

@@ -170,10 +170,7 @@ def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split,
     for _ in range(steps):
         batch = next(stream)
         features = model(torch.cat([batch[t] for t in tasks]).to(objective.device))
-        loss = features.new_zeros(())
-        for t, f in zip(tasks, features.split([len(batch[t]) for t in tasks])):
-            log_p = torch.log_softmax(objective.heads[t](f), -1)
-            loss = loss - (log_p.exp() * log_p).sum(-1).mean()
+        loss = objective.entropy(features, {t: len(batch[t]) for t in tasks})
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
