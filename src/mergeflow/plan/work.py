@@ -53,6 +53,9 @@ STAGE_SETUP_S = 1.0
 # profile's regime stages took 9-10 s with ~0.5 s of work and 2 workers.
 REGIME_POOL_START_S = 8.0
 
+# a ViT block's MLP holds about 2/3 of its parameters (2 x 4 D^2 of 12 D^2): WEMoE forms those per image
+MLP_SHARE = 2 / 3
+
 # SVDs per 2-D weight and method call, as a function of the number of tasks T (merging/<method>.py)
 SVDS_PER_MATRIX = {
     "low_rank_ta": lambda t: t,  # SVD_k of every tau_t
@@ -178,12 +181,15 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
     w.search_images += candidates * val
     w.param_passes += calls * merge_passes + (candidates * 2 if coefficient else 0) + (candidates + 1) * (tasks if spec.kind == "per_task" else 0)
     w.svds = calls * svd_units
-    if spec.reads == "test_inputs":  # AdaMerging: Adam steps on the coefficients through the merged model
-        hp = fixed
-        w.train_images += calls * hp["steps"] * tasks * hp["batch_size"]
-        w.adaptation_images += calls * hp["steps"] * tasks * hp["batch_size"]
-        w.adaptation_passes += calls * hp["steps"] * 2 * tasks
-        w.trains = True
+    if method == "surgery":  # its base merge at the base's defaults, then features; its own steps are on features
+        base = REGISTRY[fixed["base"]]
+        w.add(_adaptation(base.defaults, tasks, calls) if base.reads == "test_inputs" else Work(param_passes=calls * merge_passes))
+        w.forward_images += calls * 2 * test  # the merged and each task's own model on the task's inputs
+    elif method == "wemoe":  # AdaMerging's steps, and each image's MLP weights formed from T task vectors
+        w.add(_adaptation(fixed, tasks, calls))
+        w.param_passes += calls * fixed["steps"] * tasks * fixed["batch_size"] * tasks * 3 * MLP_SHARE  # forward, 2 back
+    elif spec.reads == "test_inputs":  # AdaMerging: Adam steps on the coefficients through the merged model
+        w.add(_adaptation(fixed, tasks, calls))
     if spec.reads == "train_inputs":  # RegMean++: each task's examples through its own and the merged blocks
         w.forward_images += calls * 2 * tasks * min(params.statistics.examples, params.suite.n_train)
         w.load_bytes += _task_bytes(params, ("train",))
@@ -195,6 +201,12 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
     if spec.reads == "train_statistics":
         w.load_bytes += 3 * tasks * model_shape(params).parameters * 4  # two Fishers and the Grams per task
     return w
+
+
+def _adaptation(hp, tasks: int, calls: int) -> Work:
+    """AdaMerging's Adam steps (``hp``: steps, batch_size) through the merged model, ``calls`` times."""
+    images = calls * hp["steps"] * tasks * hp["batch_size"]
+    return Work(train_images=images, adaptation_images=images, adaptation_passes=calls * hp["steps"] * 2 * tasks, trains=True)
 
 
 def statistics_work(params: Params) -> Work:
