@@ -54,6 +54,19 @@ def test_merge_work_counts_grid_candidates_times_tasks_times_val():
     assert ada.train_images == 3 * 3 * 2 and ada.trains  # steps x tasks x batch
 
 
+def test_surgery_wemoe_and_fw_merging_work_by_hand():
+    p = small_params(methods=["surgery", "wemoe", "fw_merging"], surgery={"base": "task_arithmetic"}, wemoe={"steps": 4, "batch_size": 2},
+                     fw_merging={"steps": 2, "examples": 1000})
+    test = 3 * 20
+    surgery = P.stage_work(p, "merge@surgery")  # TA at its defaults (no adaptation), then two feature passes
+    assert surgery.train_images == 0 and surgery.forward_images == 10 * 3 + test + 2 * test
+    wemoe = P.stage_work(p, "merge@wemoe")
+    assert wemoe.train_images == 4 * 3 * 2  # steps x tasks x batch, as AdaMerging
+    ada = P.stage_work(small_params(adamerging={"steps": 4, "batch_size": 2}), "merge@adamerging")
+    assert wemoe.param_passes - ada.param_passes == pytest.approx(4 * 3 * 2 * 3 * 3 * P.work.MLP_SHARE)  # x T task vectors, fwd + 2 back
+    assert P.stage_work(p, "merge@fw_merging").train_images == 2 * 3 * 100  # every train example (100 < 1000) a step
+
+
 def test_training_stage_work_by_hand():
     p = small_params()
     ft = P.stage_work(p, "finetune@a")
