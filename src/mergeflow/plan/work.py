@@ -53,7 +53,7 @@ STAGE_SETUP_S = 1.0
 # profile's regime stages took 9-10 s with ~0.5 s of work and 2 workers.
 REGIME_POOL_START_S = 8.0
 
-# a ViT block's MLP holds about 2/3 of its parameters (2 x 4 D^2 of 12 D^2): WEMoE forms those per image
+# a ViT block's MLP holds about 2/3 of its parameters (2 x 4 D^2 of 12 D^2): WEMoE runs every image through T of them
 MLP_SHARE = 2 / 3
 
 # SVDs per 2-D weight and method call, as a function of the number of tasks T (merging/<method>.py)
@@ -185,9 +185,9 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         base = REGISTRY[fixed["base"]]
         w.add(_adaptation(base.defaults, tasks, calls) if base.reads == "test_inputs" else Work(param_passes=calls * merge_passes))
         w.forward_images += calls * 2 * test  # the merged and each task's own model on the task's inputs
-    elif method == "wemoe":  # AdaMerging's steps, and each image's MLP weights formed from T task vectors
+    elif method == "wemoe":  # AdaMerging's steps, and every image through the MLPs of all T task vectors
         w.add(_adaptation(fixed, tasks, calls))
-        w.param_passes += calls * fixed["steps"] * tasks * fixed["batch_size"] * tasks * 3 * MLP_SHARE  # forward, 2 back
+        w.train_images += calls * fixed["steps"] * tasks * fixed["batch_size"] * tasks * MLP_SHARE
     elif spec.reads == "test_inputs":  # AdaMerging: Adam steps on the coefficients through the merged model
         w.add(_adaptation(fixed, tasks, calls))
     if spec.reads == "train_inputs":  # RegMean++: each task's examples through its own and the merged blocks
