@@ -61,7 +61,8 @@ def test_surgery_wemoe_and_fw_merging_work_by_hand():
     surgery = P.stage_work(p, "merge@surgery")  # TA at its defaults (no adaptation), then two feature passes
     assert surgery.train_images == 0 and surgery.forward_images == 10 * 3 + test + 2 * test
     wemoe = P.stage_work(p, "merge@wemoe")  # AdaMerging's steps x tasks x batch, and each image through T MLPs
-    assert wemoe.train_images == pytest.approx(4 * 3 * 2 * (1 + 3 * P.work.MLP_SHARE)) and wemoe.trains
+    assert wemoe.train_images == 4 * 3 * 2 and wemoe.trains
+    assert wemoe.forward_images == pytest.approx(10 * 3 + test + 4 * 3 * 2 * 3 * P.work.MLP_SHARE * 2)  # x T MLPs, fwd + input grad
     assert P.stage_work(p, "merge@fw_merging").train_images == 2 * 3 * 100  # every train example (100 < 1000) a step
 
 

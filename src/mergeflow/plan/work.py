@@ -185,9 +185,10 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         base = REGISTRY[fixed["base"]]
         w.add(_adaptation(base.defaults, tasks, calls) if base.reads == "test_inputs" else Work(param_passes=calls * merge_passes))
         w.forward_images += calls * 2 * test  # the merged and each task's own model on the task's inputs
-    elif method == "wemoe":  # AdaMerging's steps, and every image through the MLPs of all T task vectors
+    elif method == "wemoe":  # AdaMerging's steps, and every image through the MLPs of all T task vectors: forward and
+        # the inputs' gradient (the task vectors learn nothing), two forward passes' worth
         w.add(_adaptation(fixed, tasks, calls))
-        w.train_images += calls * fixed["steps"] * tasks * fixed["batch_size"] * tasks * MLP_SHARE
+        w.forward_images += calls * fixed["steps"] * tasks * fixed["batch_size"] * tasks * MLP_SHARE * 2
     elif spec.reads == "test_inputs":  # AdaMerging: Adam steps on the coefficients through the merged model
         w.add(_adaptation(fixed, tasks, calls))
     if spec.reads == "train_inputs":  # RegMean++: each task's examples through its own and the merged blocks
