@@ -35,9 +35,12 @@ class EntropyObjective:
         """Sum over tasks of the mean entropy of that task's head on its batch, the backbone at ``params``."""
         tasks = list(batches)
         images = torch.cat([batches[t] for t in tasks]).to(self.device)
+        return self.entropy(self.features(params, images), {t: len(batches[t]) for t in tasks})
+
+    def features(self, params: Mapping[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
+        """The backbone's features of uint8 ``images`` with ``params`` as its weights (differentiable in them)."""
         dtype = next(iter(params.values())).dtype
-        features = self.backbone.embed(functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),)))
-        return self.entropy(features, {t: len(batches[t]) for t in tasks})
+        return self.backbone.embed(functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),)))
 
     def entropy(self, features: torch.Tensor, counts: Mapping[str, int]) -> torch.Tensor:
         """Sum over tasks of the mean entropy of each task's head on its rows of ``features`` (``counts``' order)."""
@@ -89,6 +92,19 @@ def _batches(inputs: Mapping[str, torch.Tensor], batch_size: int, generator: tor
         yield batch
 
 
+def batch_stream(inputs: Mapping[str, torch.Tensor], batch_size: int, generator: torch.Generator, *, method: str, split: str):
+    """_batches, after checking that every task has ``batch_size`` inputs (one line naming ``method`` otherwise)."""
+    smallest = min(len(x) for x in inputs.values())
+    if smallest < batch_size:
+        raise ValueError(f"{method}: batch_size {batch_size} is more than the {smallest} {split} inputs of a task")
+    return _batches(inputs, batch_size, generator)
+
+
+def record_timing(data, steps: int, seconds: float, device: torch.device) -> None:
+    """A learned method's steps per second, kept apart from its outputs (``MergeData.timing``)."""
+    data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(device)})
+
+
 def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: EntropyObjective, *, layer_wise: bool, init: float, lr: float, steps: int, batch_size: int, split: str, seed: int, data, parametrise=None) -> StateDict:
     """Learn the coefficients with Adam; return the merged model, appending to ``data.learned`` the coefficients and
     the mean entropy per task at every step, and to ``data.timing`` the steps per second (one record per call: a
@@ -107,10 +123,7 @@ def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: Entro
     for head in objective.heads.values():
         head.to(device=objective.device, dtype=dtype).requires_grad_(False)
     inputs = {t: resident(objective.inputs[split][t], objective.device) for t in merged.tasks}  # on CUDA: copied once
-    smallest = min(len(x) for x in inputs.values())
-    if smallest < batch_size:
-        raise ValueError(f"adamerging: batch_size {batch_size} is more than the {smallest} {split} inputs of a task")
-    stream = _batches(inputs, batch_size, torch.Generator().manual_seed(seed))
+    stream = batch_stream(inputs, batch_size, torch.Generator().manual_seed(seed), method="adamerging", split=split)
     optimizer = torch.optim.Adam([p for p in merged.parameters() if p.requires_grad], lr=lr)
     entropy = []
     start = time.perf_counter()
@@ -127,6 +140,6 @@ def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: Entro
     if hasattr(merged, "kept"):  # AdaRank: the singular components each task keeps, per matrix
         record["kept"] = merged.kept()
     data.learned.append(record)
-    data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
+    record_timing(data, steps, seconds, objective.device)
     with torch.no_grad():
         return {k: v.detach().cpu().to(dtypes[k]) for k, v in merged().items()}

@@ -24,17 +24,13 @@ INITIAL = "initial"  # the starting model, a vertex too (FusionBench's)
 def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
     """(mean cross-entropy over every task's examples, its gradient {key: tensor}) at ``params``."""
     import torch
-    from torch.func import functional_call
 
-    backbone = objective.backbone
     leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in params.items()}
     count = sum(len(y) for y in labels.values())
     total = 0.0
     for t, x in inputs.items():
         for i in range(0, len(x), batch_size):
-            images = x[i : i + batch_size].to(objective.device)
-            dtype = next(iter(leaves.values())).dtype
-            features = backbone.embed(functional_call(backbone.net, leaves, (backbone.normalise(images).to(dtype),)))
+            features = objective.features(leaves, x[i : i + batch_size].to(objective.device))
             loss = torch.nn.functional.cross_entropy(objective.heads[t](features), labels[t][i : i + batch_size].to(objective.device), reduction="sum") / count
             loss.backward()
             total += float(loss.detach())
@@ -63,6 +59,7 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
 
     import torch
 
+    from mergeflow.merging._adaptive import record_timing
     from mergeflow.merging._tensors import as_compute
 
     objective = data.objective
@@ -132,6 +129,6 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
         "selected": chosen,
         "examples": {t: len(y) for t, y in labels.items()},
     })
-    data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
+    record_timing(data, steps, seconds, objective.device)
     with torch.no_grad():
         return {k: v.to(pretrained[k].dtype) for k, v in model(coefficients).items()}

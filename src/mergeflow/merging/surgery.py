@@ -14,7 +14,8 @@ same steps as recomputing them). A per-task method: the store holds the merged m
 two matrices; storage is one model plus 2 rank D numbers per task.
 """
 
-from mergeflow.merging import SEED, Choice, Range, register
+from mergeflow.merging import Choice, Range, register
+from mergeflow.merging.adamerging import ADAPTIVE_RANGES
 
 BASES = ("adamerging", "task_arithmetic", "ties")
 BATCH = 256  # images a forward pass when computing features
@@ -41,18 +42,12 @@ def features(store, task):
 
 
 def _features(objective, state, images):
+    """The backbone's features of ``images`` at ``state``, BATCH images a forward pass, without gradients."""
     import torch
-    from torch.func import functional_call
 
-    backbone = objective.backbone
-    dtype = next(iter(state.values())).dtype
     params = {k: v.to(objective.device) for k, v in state.items()}
     with torch.no_grad():
-        out = [
-            backbone.embed(functional_call(backbone.net, params, (backbone.normalise(images[i : i + BATCH].to(objective.device)).to(dtype),)))
-            for i in range(0, len(images), BATCH)
-        ]
-    return torch.cat(out)
+        return torch.cat([objective.features(params, images[i : i + BATCH].to(objective.device)) for i in range(0, len(images), BATCH)])
 
 
 @register(
@@ -62,15 +57,7 @@ def _features(objective, state, images):
     reconstruct=reconstruct,
     features=features,
     defaults={"base": "adamerging", "rank": 16, "lr": 1e-3, "steps": 1000, "batch_size": 16, "split": "test", "seed": 0},
-    ranges={
-        "base": Choice(BASES),
-        "rank": Range("a rank", 1),
-        "lr": Range("a learning rate", 0),
-        "steps": Range("a number of steps", 0),
-        "batch_size": Range("a batch size", 1),
-        "split": Choice(("test", "val")),
-        "seed": SEED,
-    },
+    ranges={"base": Choice(BASES), "rank": Range("a rank", 1), **{k: v for k, v in ADAPTIVE_RANGES.items() if k != "init"}},
     reads="test_inputs",
 )
 def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size, split, seed):
@@ -80,7 +67,7 @@ def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size
     import torch
 
     from mergeflow.merging import REGISTRY
-    from mergeflow.merging._adaptive import _batches
+    from mergeflow.merging._adaptive import batch_stream, record_timing
     from mergeflow.merging._tensors import BASE_PREFIX, as_compute
 
     objective = data.objective
@@ -100,14 +87,11 @@ def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size
         merged_z[t] = _features(objective, {k: as_compute(v) for k, v in merged.items()}, inputs[t])
         own_z[t] = _features(objective, {k: theta0[k] + as_compute(task_vectors[t][k]) for k in theta0}, inputs[t])
     width = merged_z[tasks[0]].shape[1]
-    smallest = min(len(z) for z in merged_z.values())
-    if smallest < batch_size:
-        raise ValueError(f"surgery: batch_size {batch_size} is more than the {smallest} {split} inputs of a task")
     generator = torch.Generator().manual_seed(seed)
     down = {t: torch.nn.init.kaiming_uniform_(torch.empty(rank, width, dtype=dtype), a=math.sqrt(5), generator=generator).to(objective.device).requires_grad_() for t in tasks}
     up = {t: torch.zeros(width, rank, dtype=dtype, device=objective.device, requires_grad=True) for t in tasks}
     optimizer = torch.optim.Adam([*down.values(), *up.values()], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    stream = _batches({t: torch.arange(len(z)) for t, z in merged_z.items()}, batch_size, generator)
+    stream = batch_stream({t: torch.arange(len(z)) for t, z in merged_z.items()}, batch_size, generator, method="surgery", split=split)
     losses = []
     began = time.perf_counter()
     for _ in range(steps):
@@ -125,7 +109,7 @@ def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size
     record = base_record or {"layer_wise": False, "coefficients": {t: {"all": float(method.defaults.get("lam", 1.0))} for t in tasks}}
     record = record | {"base": base, "base_objective": record.get("entropy"), "split": split, "entropy": losses, "objective": "L1 feature distance", "unit": "per feature"}
     data.learned.append(record)
-    data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
+    record_timing(data, steps, seconds, objective.device)
     store = {f"{BASE_PREFIX}{k}": v for k, v in merged.items()}
     stored = next(iter(pretrained.values())).dtype
     for t in tasks:

@@ -16,7 +16,8 @@ storage is reported in models, like the per-task methods'. A timm ViT (``blocks.
 
 import re
 
-from mergeflow.merging import ANY_NUMBER, SEED, Choice, Range, register
+from mergeflow.merging import register
+from mergeflow.merging.adamerging import ADAPTIVE_RANGES
 
 MLP = re.compile(r"blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)$")
 
@@ -117,14 +118,7 @@ def _Network(backbone):
     kind="routed",
     network=network,
     defaults={"init": 0.3, "lr": 1e-4, "steps": 1000, "batch_size": 16, "split": "test", "seed": 0},
-    ranges={
-        "init": ANY_NUMBER,
-        "lr": Range("a learning rate", 0),
-        "steps": Range("a number of steps", 0),
-        "batch_size": Range("a batch size", 1),
-        "split": Choice(("test", "val")),
-        "seed": SEED,
-    },
+    ranges=ADAPTIVE_RANGES,
     reads="test_inputs",
 )
 def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed):
@@ -133,7 +127,7 @@ def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split,
     import torch
 
     from mergeflow.devices import resident
-    from mergeflow.merging._adaptive import _batches
+    from mergeflow.merging._adaptive import batch_stream, record_timing
     from mergeflow.merging._tensors import BASE_PREFIX, as_compute
 
     objective = data.objective
@@ -163,10 +157,7 @@ def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split,
     for head in objective.heads.values():
         head.to(device=objective.device, dtype=dtype).requires_grad_(False)
     inputs = {t: resident(objective.inputs[split][t], objective.device) for t in tasks}
-    smallest = min(len(x) for x in inputs.values())
-    if smallest < batch_size:
-        raise ValueError(f"wemoe: batch_size {batch_size} is more than the {smallest} {split} inputs of a task")
-    stream = _batches(inputs, batch_size, generator)
+    stream = batch_stream(inputs, batch_size, generator, method="wemoe", split=split)
     optimizer = torch.optim.Adam(routers, lr=lr)
     entropy = []
     began = time.perf_counter()
@@ -184,7 +175,7 @@ def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split,
             store[f"router/{l}/{name}"] = p.detach().cpu().to(store[f"router/{l}/{name}"].dtype)
     coefficient = "routing weight of its own task vector"  # averaged over blocks and its inputs
     data.learned.append({"layer_wise": False, "split": split, "coefficients": _mean_routing(model, inputs, tasks), "coefficient": coefficient, "entropy": entropy})
-    data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(objective.device)})
+    record_timing(data, steps, seconds, objective.device)
     return store
 
 
