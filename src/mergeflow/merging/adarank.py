@@ -13,16 +13,27 @@ floor(``rank_ratio`` r) of each task's components and -0.1 for the rest; λ at `
 λ 0.3 and rank ratio 1) but for the steps: AdaMerging's 500, where they run 10,000 (at lr 1e-3 and temperature 10
 a mask flips only after about 100 steps of gradients of one sign, so 500 steps move few). Their code picks the best step by its test accuracy; here the last step is the merge (the
 test labels are never read). Test-time adaptation: not comparable with data-free merging (the summary's "data").
+
+``base: iso_cts`` (the paper's tables quote AdaRank on Iso-CTS; the released code has no such base, so this is our
+reading): the components are Iso-CTS's own (merging.iso, at ``common_space_fraction``): per matrix the orthonormal
+columns u_j, v_j of its common subspace and of each task's subspace, each at the isotropic sigma, every one kept at
+the start. theta = theta0 + sum_j lam_{o(j),l} b_j sigma u_j v_j^T on the matrices, where o(j) is the task whose
+subspace column j belongs to and a common column takes the mean of the tasks' λ; theta0 + sum_t lam_t,l tau_t / T
+elsewhere. With nothing learned it is Iso-CTS at alpha = init (set ``init`` to Iso-CTS's validated alpha, about 1-2;
+2.3 is CART's). The masks only prune here: Iso-CTS's columns already span the full rank.
 """
 
-from mergeflow.merging import FRACTION, Choice, Range, register
+from mergeflow.merging import FRACTION, POSITIVE_FRACTION, Choice, Range, register
 from mergeflow.merging.adamerging import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES
 
-BASE = Choice(("cart", "ta"))
+BASE = Choice(("cart", "ta", "iso_cts"))
+COMMON = "common subspace"  # ``kept``'s entry for Iso-CTS's shared components
 
 
-def parametrisation(rank_ratio: float, init: float, temperature: float):
-    """``adapt``'s parametrise: the merged tensors as functions of the masks' logits and the layer-wise λ."""
+def parametrisation(rank_ratio: float, init: float, temperature: float, isotropic_fraction: float | None = None):
+    """``adapt``'s parametrise: the merged tensors as functions of the masks' logits and the layer-wise λ. With
+    ``isotropic_fraction`` (``base: iso_cts``) each matrix's components are Iso-CTS's (at that common space fraction),
+    all kept at the start; otherwise each direction's own SVD, its first floor(rank_ratio r) kept."""
     import torch
     from torch import nn
 
@@ -30,23 +41,30 @@ def parametrisation(rank_ratio: float, init: float, temperature: float):
         def __init__(self, base, directions, device):
             super().__init__()
             from mergeflow.merging._tensors import is_matrix, svd
+            from mergeflow.merging.iso import iso_cts_factors
 
             self.tasks = list(directions)
             self.keys = [k for k in base if k in directions[self.tasks[0]]]
             self.base = {k: v.to(device) for k, v in base.items()}
-            self.factors, self.stacked, logits = {}, {}, {}
+            self.factors, self.owners, self.stacked, logits = {}, {}, {}, {}
             for k in self.keys:
                 stack = torch.stack([directions[t][k] for t in self.tasks])
-                if is_matrix(k, base[k]):
+                if not is_matrix(k, base[k]):
+                    self.stacked[k] = stack.to(device)
+                    continue
+                if isotropic_fraction is not None:  # one basis for all tasks: the common columns, then each task's
+                    u, v, sigma, owner = iso_cts_factors(stack, isotropic_fraction)
+                    self.factors[k] = (u.to(device), sigma.to(device) * torch.ones(owner.shape, dtype=u.dtype, device=device), v.T.to(device))
+                    self.owners[k] = torch.where(owner < 0, len(self.tasks), owner).to(device)
+                    start = torch.full(owner.shape, 0.1, dtype=u.dtype, device=device)
+                else:
                     parts = [svd(d) for d in stack]
                     u, s, vh = (torch.stack([p[i] for p in parts]).to(device) for i in range(3))
                     self.factors[k] = (u, s, vh)
                     kept = int(rank_ratio * s.shape[1] + 1e-9)  # the authors' int(): floor
                     start = torch.full(s.shape, -0.1, dtype=s.dtype, device=device)
                     start[:, :kept] = 0.1
-                    logits[k.replace(".", "/")] = nn.Parameter(start)
-                else:
-                    self.stacked[k] = stack.to(device)
+                logits[k.replace(".", "/")] = nn.Parameter(start)
             self.logits = nn.ParameterDict(logits)
             dtype = next(iter(self.base.values())).dtype
             self.lam = nn.Parameter(torch.full((len(self.tasks), len(self.keys)), float(init), dtype=dtype, device=device))
@@ -59,7 +77,11 @@ def parametrisation(rank_ratio: float, init: float, temperature: float):
             out = dict(self.base)
             for i, k in enumerate(self.keys):
                 lam = self.lam[:, i]
-                if k in self.factors:
+                if k in self.owners:  # a task's components by its λ, the common ones by the tasks' mean λ
+                    u, s, vh = self.factors[k]
+                    lam_of = torch.cat([lam, lam.mean().reshape(1)])[self.owners[k]]
+                    out[k] = self.base[k] + (u * (lam_of * self.masks(k) * s)) @ vh
+                elif k in self.factors:
                     u, s, vh = self.factors[k]
                     weighted = (lam[:, None] * self.masks(k) * s)[:, None, :]
                     out[k] = self.base[k] + ((u * weighted) @ vh).sum(0)
@@ -72,7 +94,10 @@ def parametrisation(rank_ratio: float, init: float, temperature: float):
             return {t: {k: round(float(lam[i, j]), 6) for j, k in enumerate(self.keys)} for i, t in enumerate(self.tasks)}
 
         def kept(self):
-            """{task: {matrix: components kept}}."""
+            """{task: {matrix: components kept}} (with Iso-CTS, the common subspace's too, under COMMON)."""
+            if self.owners:
+                owners = {**dict(enumerate(self.tasks)), len(self.tasks): COMMON}
+                return {name: {k: int((self.masks(k)[self.owners[k] == i] > 0.5).sum()) for k in self.factors} for i, name in owners.items()}
             return {t: {k: int((self.masks(k)[i] > 0.5).sum()) for k in self.factors} for i, t in enumerate(self.tasks)}
 
     return MaskedComponents
@@ -81,15 +106,15 @@ def parametrisation(rank_ratio: float, init: float, temperature: float):
 @register(
     "adarank",
     paper="Lee et al. 2025, AdaRank: Adaptive Rank Pruning for Enhanced Model Merging (ICML 2025, arXiv:2503.22178)",
-    defaults={**ADAPTIVE_DEFAULTS, "base": "cart", "init": 2.3, "rank_ratio": 0.16, "temperature": 10.0},
-    ranges={**ADAPTIVE_RANGES, "base": BASE, "rank_ratio": FRACTION, "temperature": Range("a temperature", 0, low_open=True)},
+    defaults={**ADAPTIVE_DEFAULTS, "base": "cart", "init": 2.3, "rank_ratio": 0.16, "temperature": 10.0, "common_space_fraction": 0.8},
+    ranges={**ADAPTIVE_RANGES, "base": BASE, "rank_ratio": FRACTION, "temperature": Range("a temperature", 0, low_open=True), "common_space_fraction": POSITIVE_FRACTION},
     reads="test_inputs",
 )
-def adarank(pretrained, task_vectors, *, data, base, init, lr, steps, batch_size, split, seed, rank_ratio, temperature):
+def adarank(pretrained, task_vectors, *, data, base, init, lr, steps, batch_size, split, seed, rank_ratio, temperature, common_space_fraction):
     import torch
 
     from mergeflow.merging._adaptive import adapt
-    from mergeflow.merging._tensors import as_compute
+    from mergeflow.merging._tensors import as_compute, is_matrix
     from mergeflow.merging.cart import centred
 
     tasks = list(task_vectors)
@@ -101,8 +126,10 @@ def adarank(pretrained, task_vectors, *, data, base, init, lr, steps, batch_size
             taus = centred(taus)
         else:
             origin[key] = theta0
+            if base == "iso_cts" and not is_matrix(key, theta0):
+                taus = taus / len(tasks)  # Iso-CTS's mean of tau_t, at λ = init
         for t, d in zip(tasks, taus):
             directions[t][key] = d
-    parametrise = parametrisation(rank_ratio, init, temperature)
+    parametrise = parametrisation(rank_ratio, init, temperature, common_space_fraction if base == "iso_cts" else None)
     merged = adapt(origin, directions, data.objective, layer_wise=True, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data, parametrise=parametrise)
     return merged

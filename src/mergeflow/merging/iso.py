@@ -47,7 +47,9 @@ def subspace_sizes(r: int, n_tasks: int, common_space_fraction: float) -> tuple[
     return r - n_tasks * per_task, per_task
 
 
-def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Tensor:
+def iso_cts_factors(taus: torch.Tensor, common_space_fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Iso-CTS's parts: (U [m, r], V [n, r], sigma, owner [r]), the merged matrix sigma U V^T. Column j of U and V
+    comes from the common subspace (owner -1) or from task owner[j]'s block (tasks in the order of ``taus``)."""
     import torch
 
     from mergeflow.merging._tensors import polar, top_singular
@@ -61,8 +63,13 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
             residual = tau - u_common @ (u_common.T @ tau)  # off the common left subspace
             ut, st, vht = top_singular(residual, per_task)
             us.append(ut), vs.append(vht.T), kept.append(st)
-    u_hat, v_hat = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
-    return (torch.cat(kept).mean() * (u_hat @ v_hat.T)).to(taus.device)
+    owner = torch.cat([torch.full((len(s),), i - 1, dtype=torch.long) for i, s in enumerate(kept)])
+    return polar(torch.cat(us, 1)), polar(torch.cat(vs, 1)), torch.cat(kept).mean(), owner
+
+
+def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Tensor:
+    u_hat, v_hat, sigma, _ = iso_cts_factors(taus, common_space_fraction)
+    return (sigma * (u_hat @ v_hat.T)).to(taus.device)
 
 
 @register("iso_c", paper=PAPER, defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
