@@ -20,7 +20,7 @@ from mergeflow.merging import REGISTRY, Choice, PerTask, Range
 from mergeflow.merging._rounding import top_k_count
 from mergeflow.merging._tensors import rank_of_ratio, seed_of
 from mergeflow.merging.dare import keep_cut
-from mergeflow.merging.iso import iso_cts_matrix, subspace_sizes
+from mergeflow.merging.iso import iso_cts_factors, iso_cts_matrix, subspace_sizes
 
 from .test_methods_by_hand import _dare_words
 
@@ -76,6 +76,20 @@ def test_iso_cts_is_full_rank_with_the_kept_singular_values_mean_where_tasks_do_
     assert np.allclose(merged.numpy(), expected, rtol=0, atol=1e-12)
     all_mean = torch.linalg.svdvals(taus.sum(0)).mean().item()
     assert abs(sigma - all_mean) > 1e-3 * all_mean  # the scale differs from the mean of all of M's singular values
+
+
+def test_iso_cts_left_factor_falls_back_to_the_whole_basis_where_a_residual_has_too_low_a_rank():
+    # above, full-rank tau_t: [U_c, polar(W)] matched the whole basis' polar factor by hand. Here each tau_t has rank
+    # 1 and keeps s = 2 directions: its second is any unit vector off its residual's range, U_c's span included, so
+    # the identity does not hold and the whole basis is orthogonalised; U stays orthonormal.
+    g = torch.Generator().manual_seed(3)
+    taus = torch.stack([torch.outer(torch.randn(40, generator=g), torch.randn(32, generator=g)) for _ in range(4)]).double()
+    c, s = subspace_sizes(32, 4, 0.75)
+    assert (c, s) == (24, 2)
+    u, v, sigma, owner = iso_cts_factors(taus, 0.75)
+    eye = torch.eye(32, dtype=torch.float64)
+    torch.testing.assert_close(u.T @ u, eye, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v.T @ v, eye, rtol=0, atol=1e-12)
 
 
 # ------------------------------------------------------------------ CART's rank: ceil(gamma r)
