@@ -31,7 +31,10 @@ $(BIN)/mergeflow: $(VENV)/.locked pyproject.toml
 	$(BIN)/pip check
 	touch $@
 
+# mergeflow's own bytecode, compiled here: this machine's PYTHONDONTWRITEBYTECODE=1 would have every command compile
+# its ~150 modules again (`mergeflow check` 1.3 s instead of 0.8); quick when nothing changed
 install: $(BIN)/mergeflow
+	$(BIN)/python -m compileall -q src flows tasks > /dev/null
 
 # Update requirements.lock from pyproject.toml (dev extra included) for Linux x86_64, Python 3.11, keeping the
 # lock's current versions where they still fit; LOCK_ARGS=--upgrade (or --upgrade-package NAME) moves them.

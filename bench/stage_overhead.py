@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies")
-DEFAULT_STAGES = ("vectors", "merge@weight_averaging", "merge@task_arithmetic", "report", "finetune@digits")
+DEFAULT_STAGES = ("vectors", "merge@weight_averaging", "merge@task_arithmetic", "finetune@digits")  # stages with a timer (logs/timing)
 
 
 def _wall(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
@@ -42,7 +42,7 @@ def _inside(root: Path, address: str) -> float:
     stage, _, item = address.partition("@")
     path = root / "logs" / "timing" / (f"{stage}/{item}.json" if item else f"{stage}.json")
     timing = json.loads(path.read_text())
-    return float(timing["wall_time_s"]) + float(timing.get("evaluate_wall_time_s", 0.0))
+    return float(timing["wall_time_s"])  # a merge's evaluation is inside its timer (evaluate_wall_time_s: its share)
 
 
 def _copy_project(src: Path, dst: Path) -> Path:
@@ -74,6 +74,8 @@ def main() -> int:
         parts = {
             "python -c pass": [sys.executable, "-c", "pass"],
             "mergeflow --version": [mergeflow, "--version"],
+            "mergeflow --help": [mergeflow, "--help"],
+            "mergeflow check": [mergeflow, "check"],
             "import torch": [sys.executable, "-c", "import torch"],
             "import torch, timm": [sys.executable, "-c", "import torch, timm"],
             "import mergeflow.stages": [sys.executable, "-c", "import mergeflow.stages"],

@@ -93,7 +93,7 @@ def _prepared(params: Params, root: Path) -> bool:
     the current ones and every task's file (data/tasks/<task>.safetensors) exists. DVC then does not run it for
     them, and the raw data it read need not be here (a finished run fetched with `dvc pull`)."""
     try:
-        recorded = read_yaml(Path(root) / "dvc.lock")["stages"]["prepare"]["params"]["params.yaml"]
+        recorded = lockfile.read(root)["stages"]["prepare"]["params"]["params.yaml"]
         current = params.model_dump(mode="json")
         for dotted, value in recorded.items():
             node = current

@@ -15,6 +15,7 @@ Not recognised: a cut inside the last params value of a stage with no outputs an
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -41,13 +42,33 @@ def good_copy(root: str | Path) -> Path:
     return Path(root) / ".dvc" / "tmp" / "dvc.lock.good"
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str):
+    """``_load`` once per text, for the checks that only read it (`check` parses the lock and its good copy, most
+    often the same text, in three of them): never to be modified."""
+    return _load(text)
+
+
+def read(root: str | Path = ".") -> dict:
+    """dvc.lock's contents (DVC writes it: libyaml's reader, not params.yaml's duplicate-key checking one); a
+    MergeflowError naming it when it is missing or not YAML."""
+    path = Path(root) / LOCKFILE
+    try:
+        data = _load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise MergeflowError(f"{path}: cannot be read ({type(err).__name__})") from None
+    if not isinstance(data, dict):
+        raise MergeflowError(f"{path}: not a mapping")
+    return data
+
+
 def readable(text: str) -> bool:
     """A dvc.lock that DVC can load: YAML that DVC's own lock-file schema accepts (an empty file is not)."""
     from dvc.schema import COMPILED_LOCKFILE_SCHEMA
     from voluptuous import Invalid
 
     try:
-        data = _load(text)
+        data = _parsed(text)
         COMPILED_LOCKFILE_SCHEMA(data)
     except (yaml.YAMLError, Invalid):
         return False
@@ -119,11 +140,11 @@ def cut_short(text: str, root: str | Path = ".", good: str | None = None) -> str
     copy's text, if any."""
     if not text.endswith("\n"):
         return "it does not end with a newline"
-    stages = (_load(text) or {}).get("stages") or {}
+    stages = (_parsed(text) or {}).get("stages") or {}
     for address, entry in stages.items():
         if problem := _entry_problem(entry):
             return f"stage {address}: {problem}"
-    good_stages = ((_load(good) or {}).get("stages") or {}) if good else {}
+    good_stages = ((_parsed(good) or {}).get("stages") or {}) if good else {}
     try:
         dvc_yaml = _load((Path(root) / "dvc.yaml").read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
