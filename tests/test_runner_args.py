@@ -140,14 +140,15 @@ def _silent_listener():
         server.close()
 
 
-def test_a_scheduler_that_never_answers_is_one_line_within_15_s():
+def test_a_scheduler_that_never_answers_is_one_line_after_the_timeout():
+    # the probe's timeout (10 s by default) at 2 s; only a lower bound on the wait: a busy machine may take longer
     with _silent_listener() as port:
         started = time.monotonic()
         with pytest.raises(MergeflowError) as err:
-            probe_dask_scheduler(f"tcp://127.0.0.1:{port}")
+            probe_dask_scheduler(f"tcp://127.0.0.1:{port}", timeout=2.0)
         took = time.monotonic() - started
-    assert str(err.value) == f"--dask-address tcp://127.0.0.1:{port}: no Dask scheduler answers there (TimeoutError after 10 s)"
-    assert 9 < took < 15, took
+    assert str(err.value) == f"--dask-address tcp://127.0.0.1:{port}: no Dask scheduler answers there (TimeoutError after 2 s)"
+    assert took > 1.5, took  # it waited for the handshake, not failed at once
 
 
 @pytest.mark.parametrize(
