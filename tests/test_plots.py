@@ -253,3 +253,20 @@ def test_cosine_heatmap(tmp_path):
     plots.plot_cosine_heatmap(stats, tmp_path / "cosine.png")
     width, height = png_size(tmp_path / "cosine.png")
     assert width > 300 and height > 300
+
+
+def test_masks_learned_add_the_components_kept_per_task_and_matrix(tmp_path):
+    kept = {"a": {"blocks.0.attn.qkv.weight": 3, "blocks.0.mlp.fc1.weight": 0}, "b": {"blocks.0.attn.qkv.weight": 1, "blocks.0.mlp.fc1.weight": 2}, "common subspace": {"blocks.0.attn.qkv.weight": 40, "blocks.0.mlp.fc1.weight": 37}}
+    learned = {"layer_wise": True, "split": "test", "entropy": [0.5, 0.4, 0.3], "coefficients": {t: {"blocks.0.attn.qkv.weight": 0.3, "blocks.0.mlp.fc1.weight": 0.4} for t in "ab"}}
+    metrics = {"method": "adarank", "val_average": 0.7, "learned": learned}
+    plain, masked = tmp_path / "plain.png", tmp_path / "masked.png"
+    plots.plot_learned_coefficients(metrics, plain)
+    plots.plot_learned_coefficients({**metrics, "learned": {**learned, "kept": kept}}, masked)
+    assert png_size(masked)[0] > png_size(plain)[0] * 1.3  # a third panel
+    plt = plots._pyplot()
+    fig, ax = plt.subplots()
+    plots._plot_kept(fig, ax, kept)
+    assert ax.images[0].get_array().tolist() == [[3, 0], [1, 2], [40, 37]]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "common subspace"]
+    assert ax.get_title() == "singular components kept per matrix (83 in all)"
+    plt.close(fig)

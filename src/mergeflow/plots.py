@@ -479,8 +479,9 @@ def _block_ticks(names: list[str]) -> tuple[list[float], list[str]]:
 
 
 def plot_learned_coefficients(merge_metrics: dict, path) -> None:
-    """A learned merge (``merge_metrics["learned"]``): its coefficients lambda per task (and tensor, layer-wise) and
-    the mean prediction entropy per task over the adaptation steps."""
+    """A learned merge (``merge_metrics["learned"]``): its coefficients lambda per task (and tensor, layer-wise),
+    the singular components each task kept per matrix where it learned masks (AdaRank: ``learned["kept"]``) and the
+    mean prediction entropy per task over the adaptation steps."""
     plt = _pyplot()
     import numpy as np
 
@@ -489,7 +490,11 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
     tasks = list(coefficients)
     names = list(coefficients[tasks[0]])
     values = np.array([[coefficients[t][n] for n in names] for t in tasks])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.8), layout="constrained", width_ratios=[2.2, 1])
+    if "kept" in learned:
+        fig, (left, middle, right) = plt.subplots(1, 3, figsize=(19, 4.8), layout="constrained", width_ratios=[2.2, 1.6, 1])
+        _plot_kept(fig, middle, learned["kept"])
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.8), layout="constrained", width_ratios=[2.2, 1])
     base = f"its base ({learned['base']}): " if "base" in learned else ""  # Surgery: the λ are its base merge's
     if learned["layer_wise"]:
         image = left.imshow(values, aspect="auto", cmap="viridis", interpolation="nearest")
@@ -518,3 +523,23 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
     right.legend(frameon=False)
     fig.suptitle(f"{merge_metrics['method']}: validation average {_pct(merge_metrics['val_average']):.1f}%")
     _save(fig, path)
+
+
+def _plot_kept(fig, ax, kept: dict) -> None:
+    """Components kept per task (rows; AdaRank on Iso-CTS adds its common subspace) and matrix (columns)."""
+    import numpy as np
+
+    rows = list(kept)
+    matrices = list(kept[rows[0]])
+    from matplotlib.colors import SymLogNorm
+
+    counts = np.array([[kept[r][m] for m in matrices] for r in rows])
+    # log-like: a common subspace keeps ~30x a task's columns; 0 (a matrix a task dropped whole) stays readable
+    norm = SymLogNorm(linthresh=1, vmin=0, vmax=max(1, int(counts.max())), base=10)
+    image = ax.imshow(counts, aspect="auto", cmap="magma", interpolation="nearest", norm=norm)
+    ticks, labels = _block_ticks(matrices)
+    ax.set_xticks(ticks, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel(f"matrix ({len(matrices)}, by name)")
+    fig.colorbar(image, ax=ax, fraction=0.05, label="singular components kept")
+    ax.set_title(f"singular components kept per matrix ({int(counts.sum()):,} in all)")
