@@ -32,7 +32,7 @@ $(BIN)/mergeflow: $(VENV)/.locked pyproject.toml
 	touch $@
 
 # mergeflow's own bytecode, compiled here: this machine's PYTHONDONTWRITEBYTECODE=1 would have every command compile
-# its ~150 modules again (`mergeflow check` 1.3 s instead of 0.8); quick when nothing changed
+# its ~150 modules again (`mergeflow check` took 1.31 s without, 1.14 s with); quick when nothing changed
 install: $(BIN)/mergeflow
 	$(BIN)/python -m compileall -q src flows tasks > /dev/null
 

@@ -497,12 +497,7 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
         fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.8), layout="constrained", width_ratios=[2.2, 1])
     base = f"its base ({learned['base']}): " if "base" in learned else ""  # Surgery: the λ are its base merge's
     if learned["layer_wise"]:
-        image = left.imshow(values, aspect="auto", cmap="viridis", interpolation="nearest")
-        ticks, labels = _block_ticks(names)
-        left.set_xticks(ticks, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
-        left.set_yticks(range(len(tasks)), tasks)
-        left.set_xlabel(f"tensor ({len(names)}, by name)")
-        fig.colorbar(image, ax=left, fraction=0.04, label="λ (task, tensor)")
+        _by_tensor(fig, left, values, tasks, names, "tensor", "λ (task, tensor)", cmap="viridis", fraction=0.04)
         left.set_title(f"{base}learned λ per task and tensor")
     else:
         left.barh(range(len(tasks)), values[:, 0], color="#4c72b0")
@@ -525,21 +520,25 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
     _save(fig, path)
 
 
+def _by_tensor(fig, ax, values, rows: list[str], names: list[str], what: str, label: str, *, cmap: str, fraction: float, norm=None) -> None:
+    """A heatmap of ``values`` [rows, names], the names ticked by block (``_block_ticks``), with its colour bar."""
+    image = ax.imshow(values, aspect="auto", cmap=cmap, interpolation="nearest", norm=norm)
+    ticks, labels = _block_ticks(names)
+    ax.set_xticks(ticks, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel(f"{what} ({len(names)}, by name)")
+    fig.colorbar(image, ax=ax, fraction=fraction, label=label)
+
+
 def _plot_kept(fig, ax, kept: dict) -> None:
     """Components kept per task (rows; AdaRank on Iso-CTS adds its common subspace) and matrix (columns)."""
     import numpy as np
+    from matplotlib.colors import SymLogNorm
 
     rows = list(kept)
     matrices = list(kept[rows[0]])
-    from matplotlib.colors import SymLogNorm
-
     counts = np.array([[kept[r][m] for m in matrices] for r in rows])
     # log-like: a common subspace keeps ~30x a task's columns; 0 (a matrix a task dropped whole) stays readable
     norm = SymLogNorm(linthresh=1, vmin=0, vmax=max(1, int(counts.max())), base=10)
-    image = ax.imshow(counts, aspect="auto", cmap="magma", interpolation="nearest", norm=norm)
-    ticks, labels = _block_ticks(matrices)
-    ax.set_xticks(ticks, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel(f"matrix ({len(matrices)}, by name)")
-    fig.colorbar(image, ax=ax, fraction=0.05, label="singular components kept")
+    _by_tensor(fig, ax, counts, rows, matrices, "matrix", "singular components kept", cmap="magma", fraction=0.05, norm=norm)
     ax.set_title(f"singular components kept per matrix ({int(counts.sum()):,} in all)")
