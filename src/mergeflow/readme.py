@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 
+from mergeflow import lockfile
 from mergeflow.errors import MergeflowError
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -26,7 +26,7 @@ def recorded_results(lock: Path) -> str | None:
     """dvc.lock's hash of the report stage's ``results`` output (``<md5>.dir``), or None."""
     if not lock.is_file():
         return None
-    stage = ((yaml.safe_load(lock.read_text()) or {}).get("stages") or {}).get("report") or {}
+    stage = ((lockfile.parse(lock.read_text()) or {}).get("stages") or {}).get("report") or {}
     return next((out.get("md5") for out in stage.get("outs") or [] if out.get("path") == "results"), None)
 
 

@@ -42,7 +42,8 @@ STAGE_COMMANDS = frozenset({"prepare", "pretrain", "finetune", "vectors", "stati
 # environment variables that libraries read when they are imported: a command whose values differ runs on its own
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TORCH", "PYTORCH_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "NUMBA_", "TIMM_", "PYTHON", "LD_", "MERGEFLOW_DOWNLOAD")
 _HEADER = struct.Struct("!I")
-_PRELOAD = ("torch", "timm", "mergeflow.stages", "mergeflow.cli", "mergeflow.merging._kernels", "sklearn.linear_model", "matplotlib.pyplot")
+# (track's MLflow store: 1.5 s of sqlalchemy and alembic a run, which every experiment ends with)
+_PRELOAD = ("torch", "timm", "mergeflow.stages", "mergeflow.cli", "mergeflow.merging._kernels", "sklearn.linear_model", "matplotlib.pyplot", "mergeflow.tracking", "mlflow.store.tracking.sqlalchemy_store")
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:

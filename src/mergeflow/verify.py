@@ -75,7 +75,7 @@ def check_outputs(root: str | Path = ".", skip: set[str] | frozenset[str] = froz
     were read; the outputs of the stages in ``skip`` (about to run again) are not read."""
     root = Path(root)
     try:
-        lock = lockfile._load((root / lockfile.LOCKFILE).read_text(encoding="utf-8")) or {}
+        lock = lockfile.parse((root / lockfile.LOCKFILE).read_text(encoding="utf-8")) or {}
     except OSError:
         raise MergeflowError(f"{root / lockfile.LOCKFILE}: not found (no stage has run here)") from None
     found: list[Changed] = []
