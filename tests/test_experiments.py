@@ -6,9 +6,11 @@ that gives the same outputs stales nothing downstream."""
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from mergeflow.io import read_json
 
@@ -56,7 +58,9 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     before = (root / "params.yaml").read_text().splitlines()
     baseline = _headline(root)
 
-    run(["dvc", "exp", "run", "-n", "ties-k01", "-S", "merge.ties.k=0.1"], root, tiny_env)
+    out = run(["dvc", "exp", "run", "-n", "ties-k01", "-S", "merge.ties.k=0.1"], root, tiny_env)
+    # only what reads merge.ties ran again (every regime merges with TIES; the studies read the merges)
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "regime_merge@mima", "regime_merge@one_epoch", "report", *(f"study@{s}" for s in STUDIES), "track"}
     after = (root / "params.yaml").read_text().splitlines()
     assert [(a, b) for a, b in zip(before, after) if a != b] == [(l, l.replace("k: 0.2", "k: 0.1")) for l in before if "ties: {k: 0.2" in l]
     assert len(before) == len(after)
@@ -103,6 +107,13 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
     assert diff["metrics/headline/ties.json"]["test_avg"]["old"] == baseline["ties"]["test_avg"]
     assert diff["metrics/headline/ties.json"]["test_avg"]["new"] == second["ties"]["test_avg"]
+
+    # each experiment's track logged its TIES merge again (and nothing that did not change), in the workspace's store
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id], max_results=500)
+    merges = sorted((r for r in runs if r.data.tags["mergeflow.stage"] == "merge"), key=lambda r: r.info.start_time)
+    assert [r.data.params["k"] for r in merges if r.data.tags["mergeflow.item"] == "ties"] == ["0.2", "0.1", "0.5"]
+    assert len(merges) == len(TINY["merge"]["methods"]) + 2
 
     # the first experiment's outputs were not lost when the second ran
     run(["dvc", "exp", "apply", "ties-k01"], root, tiny_env)

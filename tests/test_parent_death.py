@@ -151,7 +151,7 @@ def test_the_real_prepare_stage_dies_with_plain_dvc_repro(tmp_path, tiny_env, si
 
     from .conftest import make_tiny_project, run
 
-    root = make_tiny_project(tmp_path / "p", tiny_env, suite={"n_train": 50000, "pretrain_images": 200000})  # minutes of work left when killed
+    root = make_tiny_project(tmp_path / "p", tiny_env, suite={"n_train": 50000, "pretrain_images": 200000}, runtime={"threads": None})  # minutes of work left when killed; a worker process per core
     env = {k: v for k, v in tiny_env.items() if k != SERVER_ENV}
     dvc = subprocess.Popen(["dvc", "repro", "prepare"], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
