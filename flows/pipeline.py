@@ -39,7 +39,7 @@ from mergeflow.checkouts import check_source, pull_dependencies, pull_outputs, r
 from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_argument
+from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_argument
 from mergeflow.remote import default_remote, push_outputs
 from mergeflow.scheduler import RunOutcome, run_graph, stage_cores
 from mergeflow.stage_server import SERVER_ENV, running_server
@@ -88,7 +88,7 @@ def make_task_runner(runner: str, workers: int, dask_address: str | None = None)
     cluster = {"n_workers": workers, "threads_per_worker": 1, "processes": True, "memory_limit": 0, "dashboard_address": ":0"}
     if api_url := _ephemeral_api_url():
         cluster["env"] = {"PREFECT_API_URL": api_url}
-    return DaskTaskRunner(cluster_kwargs=cluster)
+    return DaskTaskRunner(cluster_class=local_cluster, cluster_kwargs=cluster)
 
 
 def _ephemeral_api_url() -> str | None:
@@ -210,8 +210,9 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
                 return future
 
             with contextlib.ExitStack() as stack:
-                # on this machine the stages fork from one process that has imported torch and timm (mergeflow.stage_server)
-                address = stack.enter_context(running_server()) if runner == "thread" else None
+                # on this machine (a thread pool, or a LocalCluster's workers) the stages fork from one process that
+                # has imported torch and timm (mergeflow.stage_server)
+                address = stack.enter_context(running_server()) if not dask_address else None
                 served = {SERVER_ENV: address} if address else {}
                 task_runner = _enter_task_runner(stack, runner, workers, dask_address)
                 futures: dict = {}

@@ -93,6 +93,25 @@ def test_local_cluster_workers_split_the_devices():
     assert process_device_pool(["0", "1"]) is process_device_pool(("0", "1"))  # the thread runner: one pool per process
 
 
+def test_local_cluster_workers_keep_the_thread_settings(monkeypatch):
+    """Dask's nannies set OMP_NUM_THREADS (and MKL's, OpenBLAS's) to 1 in their workers: the flow's LocalCluster
+    leaves this process's values, so that a stage on a worker gets every core as under `mergeflow repro`, and its
+    import-time environment is the stage server's (the stage forks from it instead of importing torch again)."""
+    from distributed import Client
+
+    from mergeflow.orchestration import local_cluster
+    from mergeflow.stage_server import _import_time_env, _same_imports
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    with local_cluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+        (worker,) = client.run(lambda: dict(__import__("os").environ)).values()  # by value: the worker imports no test
+    assert "OMP_NUM_THREADS" not in worker and "OPENBLAS_NUM_THREADS" not in worker and worker["MKL_NUM_THREADS"] == "2"
+    assert worker["PYTHONHASHSEED"] == "6640"  # Dask's own, which the server does not compare
+    assert _same_imports(_import_time_env(worker), _import_time_env(dict(os.environ)), {})
+
+
 def test_stage_tasks_on_a_thread_pool_get_a_gpu_each(tmp_path, prefect_server):
     """The Prefect task as the flow submits it, four at once on two (pretend) GPUs: each stage sees its own
     CUDA_VISIBLE_DEVICES, never one another stage is using, and no more than two run at once."""
@@ -286,7 +305,7 @@ def test_dask_runner_reruns_only_what_changed(tmp_path, tiny_reference, tiny_env
     out = _run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600)
     print(f"flow run on a shared working tree (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
     assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
-    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `distributed.deploy.local.LocalCluster`" in out
+    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.orchestration.local_cluster`" in out
     assert "Data and pipelines are up to date." in _run(["dvc", "status"], root, env)
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert lock["stages"]["merge@ties"]["params"]["params.yaml"]["merge.ties"]["k"] == 0.1

@@ -569,3 +569,16 @@ def completed_line(node: StageNode, root: str, seconds: float, most: int = 6) ->
             numbers += [f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     shown = ", ".join(numbers[:most]) + (", ..." if len(numbers) > most else "")
     return f"{node.address} completed in {seconds:.1f} s" + (f": {shown}" if shown else "")
+
+
+def local_cluster(**kwargs):
+    """A Dask LocalCluster whose workers keep this process's thread settings: Dask's nannies otherwise set
+    OMP_NUM_THREADS, MKL_NUM_THREADS and OPENBLAS_NUM_THREADS to 1 in every worker, and a stage (a worker's child)
+    would run on one thread where `mergeflow repro` uses every core (slower, other bytes), and never fork from the
+    stage server, whose imports read those variables."""
+    import dask
+    from distributed import LocalCluster
+
+    keep = {k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items() if not k.endswith("_NUM_THREADS")}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": keep}):
+        return LocalCluster(**kwargs)

@@ -46,8 +46,12 @@ _HEADER = struct.Struct("!I")
 _PRELOAD = ("torch", "timm", "mergeflow.stages", "mergeflow.cli", "mergeflow.merging._kernels", "sklearn.linear_model", "matplotlib.pyplot", "mergeflow.tracking", "mlflow.store.tracking.sqlalchemy_store")
 
 
+# ... but for the hash seed of str, which no stage's result may depend on (Dask's workers set it to their own)
+_ANY_VALUE = frozenset({"PYTHONHASHSEED"})
+
+
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in _ANY_VALUE}
 
 
 def _same_imports(command_env: dict[str, str], server_env: dict[str, str], set_by_imports: dict[str, str]) -> bool:
