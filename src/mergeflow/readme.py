@@ -15,7 +15,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 from mergeflow import lockfile
 from mergeflow.errors import MergeflowError
 

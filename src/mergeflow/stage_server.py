@@ -41,17 +41,15 @@ SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRES
 STAGE_COMMANDS = frozenset({"prepare", "pretrain", "finetune", "vectors", "statistics", "merge", "regime", "regime_merge", "study", "report", "track"})
 # environment variables that libraries read when they are imported: a command whose values differ runs on its own
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TORCH", "PYTORCH_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "NUMBA_", "TIMM_", "PYTHON", "LD_", "MERGEFLOW_DOWNLOAD")
+# ... but for str's hash seed, which no stage's result may depend on (Dask's workers set one of their own)
+_NOT_COMPARED = frozenset({"PYTHONHASHSEED"})
 _HEADER = struct.Struct("!I")
 # (track's MLflow store: 1.5 s of sqlalchemy and alembic a run, which every experiment ends with)
 _PRELOAD = ("torch", "timm", "mergeflow.stages", "mergeflow.cli", "mergeflow.merging._kernels", "sklearn.linear_model", "matplotlib.pyplot", "mergeflow.tracking", "mlflow.store.tracking.sqlalchemy_store")
 
 
-# ... but for the hash seed of str, which no stage's result may depend on (Dask's workers set it to their own)
-_ANY_VALUE = frozenset({"PYTHONHASHSEED"})
-
-
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in _ANY_VALUE}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in _NOT_COMPARED}
 
 
 def _same_imports(command_env: dict[str, str], server_env: dict[str, str], set_by_imports: dict[str, str]) -> bool:
