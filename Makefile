@@ -58,7 +58,7 @@ flow: install
 # everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both)
 test: install
 	$(BIN)/mergeflow check
-	$(BIN)/pytest -q -m "not faults"
+	$(BIN)/pytest -q -m "not faults" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 test-faults: install
 	$(BIN)/pytest -q -m faults

@@ -1,9 +1,11 @@
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -21,9 +23,40 @@ def repo_root() -> Path:
     return REPO
 
 
+# `make test` runs on pytest-xdist workers (-n auto): the cores are shared among them
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+SHARED_ENV = "MERGEFLOW_TEST_SHARED"  # the folder every worker of one run shares
+
+
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: -n auto --dist loadfile) the controller makes a folder the workers share:
+    the tiny reference run and the Prefect server are made there once for the whole run."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="mergeflow-tests-")
+
+
+def pytest_unconfigure(config):
+    """The controller stops the Prefect server a worker started for the run, and removes the shared folder."""
+    shared = os.environ.get(SHARED_ENV)
+    if shared and not os.environ.get("PYTEST_XDIST_WORKER"):
+        pid = Path(shared, "prefect-server.pid")
+        if pid.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid.read_text()), signal.SIGTERM)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On xdist workers, the modules that use the tiny reference run or the Prefect server go first (a module is one
+    unit of work, its module fixtures built once): the longest units start early instead of ending the run last."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heavy = {item.path for item in items if {"tiny_reference", "prefect_server"} & set(item.fixturenames)}
+        items.sort(key=lambda item: item.path not in heavy)
 
 
 def run(cmd, cwd, env, timeout=None, check=True):
@@ -81,10 +114,18 @@ def make_tiny_project(dst: Path, env: dict[str, str], **override) -> Path:
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory, tiny_env):
     """One `mergeflow repro` of the tiny profile on a fresh project (stages at once, as `make pipeline` runs them),
-    run once per test session: (root, its output). Tests that change a project work on a copy (copy_project)."""
-    root = make_tiny_project(tmp_path_factory.mktemp("reference"), tiny_env)
-    out = run("mergeflow repro", root, tiny_env)
-    return root, out
+    run once per test session, whichever xdist worker asks first: (root, its output). Tests that change a project work
+    on a copy (copy_project)."""
+    from filelock import FileLock
+
+    shared = Path(os.environ.get(SHARED_ENV) or tmp_path_factory.getbasetemp())
+    root, output = shared / "tiny-reference", shared / "tiny-reference.out"
+    with FileLock(f"{root}.lock"):
+        if not output.exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
+            root.mkdir()
+            output.write_text(run("mergeflow repro", make_tiny_project(root, tiny_env), tiny_env))
+    return root, output.read_text()
 
 
 def copy_project(src: Path, dst: Path) -> Path:
@@ -92,25 +133,48 @@ def copy_project(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory, tiny_env):
-    """A running Prefect server (`prefect server start`), started once per test session: the flows' PREFECT_API_URL."""
+def _start_prefect_server(home: Path, env: dict[str, str], pid_file: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`prefect server start` on a free port, in a process group of its own (its id written to ``pid_file``); (its
+    process, its API URL) once it answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server_env = tiny_env | {"PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-server-home"))}
-    proc = subprocess.Popen(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env | {"PREFECT_HOME": str(home)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    if pid_file:
+        pid_file.write_text(str(proc.pid))
     url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
-                time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+    while True:  # no deadline: pytest-timeout ends a hang, and a busy machine may take long
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return proc, url
+        except OSError:
+            assert proc.poll() is None, "prefect server did not start"
+            time.sleep(1)
+
+
+_SHARED_SERVERS: list[subprocess.Popen] = []  # a worker's handle on the run's server, which the controller stops
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory, tiny_env):
+    """A running Prefect server, started once per test run (under xdist by the first worker that asks, and stopped
+    by the controller): the flows' PREFECT_API_URL."""
+    shared = os.environ.get(SHARED_ENV)
+    if not shared:
+        proc, url = _start_prefect_server(tmp_path_factory.mktemp("prefect-server-home"), tiny_env)
+        try:
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        return
+    from filelock import FileLock
+
+    url_file = Path(shared, "prefect-server.url")
+    with FileLock(f"{url_file}.lock"):
+        if not url_file.exists():
+            proc, url = _start_prefect_server(Path(shared, "prefect-server-home"), tiny_env, Path(shared, "prefect-server.pid"))
+            _SHARED_SERVERS.append(proc)
+            url_file.write_text(url)
+    yield url_file.read_text()
