@@ -55,13 +55,15 @@ pipeline: install
 flow: install
 	$(BIN)/python -m flows.pipeline
 
-# everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both)
+# everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both); on pytest-xdist
+# workers, one a core (at most 4), a test module a unit of work: the tiny reference run and the Prefect server are
+# made once for all of them (tests/conftest.py), the modules that use them start first
 test: install
 	$(BIN)/mergeflow check
 	$(BIN)/pytest -q -m "not faults" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 test-faults: install
-	$(BIN)/pytest -q -m faults
+	$(BIN)/pytest -q -m faults -n auto --maxprocesses 4 --dist load
 
 # a fresh clone of the committed HEAD reproduces dvc.lock's data and pretrained model (minutes; CI runs it)
 reproduce: install
