@@ -28,9 +28,12 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 SHARED_ENV = "MERGEFLOW_TEST_SHARED"  # the folder every worker of one run shares
 
 
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))  # a worker's share of the cores, for torch in-process
+
+
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+    torch.set_num_threads(THREADS)
 
 
 def pytest_configure(config):
@@ -53,10 +56,12 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     """On xdist workers, the modules that use the tiny reference run or the Prefect server go first (a module is one
-    unit of work, its module fixtures built once): the longest units start early instead of ending the run last."""
+    unit of work, its module fixtures built once): the longest units start early instead of ending the run last.
+    While one worker makes the reference run (two stages at once), the other waits for it: running the ta8-shaped
+    module beside it instead took both 2x longer (threads that wait spin under OpenMP)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        heavy = {item.path for item in items if {"tiny_reference", "prefect_server"} & set(item.fixturenames)}
-        items.sort(key=lambda item: item.path not in heavy)
+        shared = {item.path for item in items if {"tiny_reference", "prefect_server"} & set(item.fixturenames)}
+        items.sort(key=lambda item: item.path not in shared)
 
 
 def run(cmd, cwd, env, timeout=None, check=True):

@@ -22,12 +22,14 @@ from mergeflow.data import benchmark, load_task
 from mergeflow.evaluation import MIN_GAP, gap_cell
 from mergeflow.io import load_state_dict, read_json
 from mergeflow.stages import Layout
+from .conftest import THREADS
 from tests.standins import PER_CLASS, USED, write_standins
 
 open_clip = pytest.importorskip("open_clip")
 transformers = pytest.importorskip("transformers")
 
 TA8 = benchmark.SUITES["ta8"]
+pytestmark = pytest.mark.e2e
 # a data-free method of each family and one that learns on test inputs; at ViT-B widths the SVD methods and the
 # statistics stage take half a minute each on 2 cores, and the embedded suite's end-to-end test runs them
 METHODS = ["weight_averaging", "task_arithmetic", "ties", "adamerging"]
@@ -59,7 +61,7 @@ def ta8_run(repo_root, tmp_path_factory):
     raw["backbone"] |= {"kwargs": {"depth": 1}, "pretrained": str(tmp / "clip_b32.safetensors"), "text": "random"}
     raw["finetune"] |= {"steps": 2, "batch_size": 8, "warmup_steps": 0, "lr": 1e-4, "checkpoints": {"MNIST": str(tmp / "mnist_finetuned.safetensors")}}
     raw["merge"] |= {"methods": METHODS, "task_arithmetic": {"lam": [0.3, 1.0]}, "ties": {"k": 0.2, "lam": [1.0]}, "adamerging": {"steps": 3, "batch_size": 4}}
-    raw["runtime"]["eval_batch_size"] = 64
+    raw["runtime"] |= {"eval_batch_size": 64, "threads": THREADS}  # a worker's share of the cores under xdist
     params = parse_params(raw, "profiles/ta8.yaml (tiny)")
     layout = Layout(tmp / "repo")
 

@@ -60,8 +60,7 @@ def _assert_recoverable(root, env):
 
 
 @pytest.mark.faults
-def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_reference, tiny_env, prefect_server):
-    reference, _ = tiny_reference
+def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_env, prefect_server, request):
     root = make_tiny_project(tmp_path, tiny_env)
     env = tiny_env | {"PREFECT_API_URL": prefect_server}
     rng = random.Random(16)
@@ -116,7 +115,9 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_refer
     (root / "dvc.lock").write_text(lock[:cut])
     (root / "data" / ".pretrain.safetensors.tmp-999999-x").write_bytes(b"half a file")
     faults.append("dvc.lock cut in half")
-    # 5. one `mergeflow repro` brings every stage back to the uninterrupted run's results
+    # 5. one `mergeflow repro` brings every stage back to the uninterrupted run's results (asked for only now: under
+    # xdist another worker makes the reference run while this one kills)
+    reference, _ = request.getfixturevalue("tiny_reference")
     out = run(["mergeflow", "repro"], root, env)
     assert "restored from" in out
     assert "up to date" in run(["dvc", "status"], root, env)
