@@ -26,10 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-# the ephemeral server's telemetry write can collide with the flow's first writes to its SQLite database
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# a first start (fresh PREFECT_HOME: migrations; fresh venv: bytecode) can outlast Prefect's 20 s default
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run

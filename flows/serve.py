@@ -16,8 +16,6 @@ import signal
 import sys
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 DEPLOYMENT = "scheduled"
 
 
