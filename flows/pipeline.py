@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner

@@ -26,8 +26,6 @@ def repo_root() -> Path:
 # `make test` runs on pytest-xdist workers (-n auto): the cores are shared among them
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 SHARED_ENV = "MERGEFLOW_TEST_SHARED"  # the folder every worker of one run shares
-
-
 THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))  # a worker's share of the cores, for torch in-process
 
 

@@ -29,7 +29,6 @@ open_clip = pytest.importorskip("open_clip")
 transformers = pytest.importorskip("transformers")
 
 TA8 = benchmark.SUITES["ta8"]
-pytestmark = pytest.mark.e2e
 # a data-free method of each family and one that learns on test inputs; at ViT-B widths the SVD methods and the
 # statistics stage take half a minute each on 2 cores, and the embedded suite's end-to-end test runs them
 METHODS = ["weight_averaging", "task_arithmetic", "ties", "adamerging"]
