@@ -139,3 +139,55 @@ def test_an_empty_lock_as_a_full_disk_leaves_it_comes_back(project):
     (project / "dvc.lock").write_text("")
     assert "unreadable (0 bytes" in lockfile.recover(project)
     assert (project / "dvc.lock").read_text() == whole and _dvc(project, "status").returncode == 0
+
+
+def _run_and_commit(root, commit) -> None:
+    """New inputs, then each stage's command run by hand and recorded by ``commit(address)``."""
+    (root / "in.txt").write_text("2")
+    for address, args in (("one", ["one"]), ("two@p", ["two", "p"]), ("two@q", ["two", "q"])):
+        subprocess.run([sys.executable, "make.py", *args], cwd=root, check=True)
+        commit(address)
+
+
+def test_commits_that_skip_reading_their_own_lock_write_dvcs_own_bytes(project, tmp_path, monkeypatch):
+    """mergeflow's commits read dvc.lock with DVC's round-trip reader only when this process did not write the
+    file as it stands (lockfile._modify_lock); the lock they leave is byte for byte the one plain `dvc commit`
+    leaves after the same work."""
+    import shutil
+
+    from dvc.utils.serialize import _yaml
+
+    from mergeflow.orchestration import commit_stage, locked_repo
+
+    plain = tmp_path / "plain"
+    shutil.copytree(project, plain)
+    _run_and_commit(plain, lambda address: subprocess.run([DVC, "commit", "-f", "-q", address], cwd=plain, check=True))
+
+    monkeypatch.chdir(project)  # as `mergeflow repro` runs
+    reads = []
+    original = _yaml.parse_yaml_for_update
+    monkeypatch.setattr(_yaml, "parse_yaml_for_update", lambda text, path: reads.append(path) or original(text, path))
+    with locked_repo(project) as repo:
+        _run_and_commit(project, lambda address: commit_stage(repo, address))
+    assert len(reads) == 1  # the first commit's; the next two read what it wrote back with libyaml
+    assert (project / "dvc.lock").read_text() == (plain / "dvc.lock").read_text()
+    assert lockfile._written == {}  # forgotten when the context ends
+
+
+def test_a_lock_changed_between_commits_is_read_again(project, monkeypatch):
+    """A dvc.lock that changed after mergeflow's last write (here: a comment someone added) is read as it is now:
+    DVC's round-trip reader keeps the comment through the next commit."""
+    from mergeflow.orchestration import commit_stage, locked_repo
+
+    monkeypatch.chdir(project)
+    with locked_repo(project) as repo:
+        (project / "in.txt").write_text("3")
+        subprocess.run([sys.executable, "make.py", "one"], cwd=project, check=True)
+        commit_stage(repo, "one")
+        lock = project / "dvc.lock"
+        lock.write_text("# kept by hand\n" + lock.read_text())
+        subprocess.run([sys.executable, "make.py", "two", "p"], cwd=project, check=True)
+        commit_stage(repo, "two@p")
+    text = lock.read_text()
+    assert text.startswith("# kept by hand\n")
+    assert yaml.safe_load(text)["stages"]["two@p"]["deps"][0]["md5"] == yaml.safe_load(text)["stages"]["one"]["outs"][0]["md5"]
