@@ -170,3 +170,16 @@ def test_a_pool_runs_each_rounds_finetunes_at_once_with_the_same_results():
     equal(pooled.model, alone.model)
     for a, b in zip(pooled.rounds, alone.rounds):
         assert (a.update_norms, a.update_cosines, a.task_vector_cosines) == (b.update_norms, b.update_cosines, b.task_vector_cosines)
+
+
+def test_lazy_anchors_build_each_task_once_and_only_when_asked():
+    from mergeflow.regimes._finetune import LazyAnchors
+
+    built = []
+    anchors = LazyAnchors(["digits", "signs"], lambda t: built.append(t) or f"anchor of {t}")
+    assert list(anchors) == ["digits", "signs"] and len(anchors) == 2 and built == []
+    assert anchors["digits"] == anchors.get("digits") == "anchor of digits"
+    assert built == ["digits"]  # once, and signs never
+    assert anchors.get("count") is None
+    with pytest.raises(KeyError):
+        anchors["count"]

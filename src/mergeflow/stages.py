@@ -266,13 +266,13 @@ def regime_trainer(params: Params, layout: Layout, device: str):
     """The regimes' trainer (regimes._finetune.finetune_trainer) on the pipeline's data: each task's training split,
     its probe head (frozen) and seed, and the feature-preservation anchor the standard fine-tune uses, so that a
     one-round regime of finetune.steps is that fine-tune."""
-    from mergeflow.regimes._finetune import finetune_trainer
+    from mergeflow.regimes._finetune import LazyAnchors, finetune_trainer
 
     tasks = _load_tasks(params, layout)
     backbone = load_backbone(params.backbone, layout.pretrained)
     heads = _load_heads(params, layout, backbone.num_features, tasks)
     seeds = {t: _task_seed(params.seed, t) for t in tasks}
-    anchors = {t: _feature_anchor(params, layout, backbone, seeds[t], torch.device(device)) for t in tasks}
+    anchors = LazyAnchors(tasks, lambda t: _feature_anchor(params, layout, backbone, seeds[t], torch.device(device)))
     return finetune_trainer(params.backbone, heads, {t: (d.train.images, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=torch.device(device), anchors=anchors)
 
 

