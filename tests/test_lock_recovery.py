@@ -191,3 +191,31 @@ def test_a_lock_changed_between_commits_is_read_again(project, monkeypatch):
     text = lock.read_text()
     assert text.startswith("# kept by hand\n")
     assert yaml.safe_load(text)["stages"]["two@p"]["deps"][0]["md5"] == yaml.safe_load(text)["stages"]["one"]["outs"][0]["md5"]
+
+
+def test_libyaml_writes_what_dvcs_dumper_writes_or_leaves_it_to_dvc():
+    """lockfile._libyaml_dump: the bytes of DVC's ruamel dumper for what it accepts (the repository's own lock
+    included), None for what the two could write or read back differently."""
+    import collections
+    import io
+
+    from dvc.utils.serialize._yaml import _dump
+
+    def dvc_text(data):
+        stream = io.StringIO()
+        _dump(data, stream)
+        return stream.getvalue()
+
+    accepted = [
+        lockfile.parse((REPO / "dvc.lock").read_text()),
+        {"schema": "2.0", "stages": {"s@x": {"cmd": "mergeflow merge", "params": {"params.yaml": {"a.b": None, "c": [1, 2.5, True, "2.0", "a b"], "d": {}, "e": []}}}}},
+        {"outs": [{"path": "m/x.json", "hash": "md5", "md5": "0f1762dc8a0b5499597d66583e5d3076.dir", "size": 40229, "nfiles": 11}]},
+        {"stages": {"one": collections.OrderedDict([("cmd", "python make.py one"), ("deps", [])])}},  # DVC's entries
+    ]
+    for data in accepted:
+        assert lockfile._libyaml_dump(data) == dvc_text(data)
+    # 1.1 against 1.2 (yes, 1e5, 0o7, 1:30), exponents, None in a list, long or quoted-by-style strings
+    for value in ("yes", "1e5", "0o7", "1:30", 1e-05, float("inf"), "x" * 61, "a: b", "", "é"):
+        assert lockfile._libyaml_dump({"k": value}) is None, value
+    assert lockfile._libyaml_dump({"k": [None]}) is None
+    assert lockfile._libyaml_dump({"k": [1, None]}) is None
