@@ -18,6 +18,7 @@ import collections
 import contextlib
 import functools
 import io
+import math
 import os
 import re
 import shutil
@@ -246,13 +247,22 @@ def recover(root: str | Path = ".") -> str | None:
     return f"{lock}: {what} (the broken file is kept as {broken.name}); stages whose records were lost will run again"
 
 
-# dvc.lock's path -> the text this process last wrote there, when libyaml reads that text back as the data it was
-# dumped from (then that fast read stands in for DVC's round-trip one)
-_written: dict[str, str] = {}
+# dvc.lock's path -> (the text this process last wrote there, libyaml's reading of it) when that reading is the
+# data it was dumped from: then it stands in for DVC's round-trip read of the same text
+_written: dict[str, tuple[str, dict]] = {}
 
 
 # a string of characters that neither emitter quotes or breaks on
 _SIMPLE = re.compile(r"[A-Za-z0-9_./@=+-]+( [A-Za-z0-9_./@=+-]+)*")
+
+
+@functools.cache
+def _resolvers():
+    """libyaml's (YAML 1.1, PyYAML's resolver) and DVC's ruamel (1.2) implicit resolvers, with ruamel's node type."""
+    from ruamel.yaml.nodes import ScalarNode
+    from ruamel.yaml.resolver import VersionedResolver
+
+    return yaml.resolver.Resolver(), VersionedResolver(version=(1, 2)), ScalarNode
 
 
 @functools.lru_cache(maxsize=65536)
@@ -260,13 +270,11 @@ def _same_string(value: str) -> bool:
     """A string that libyaml and DVC's ruamel write alike: simple characters, and bare for both or quoted for both
     (libyaml's YAML 1.1 resolver and ruamel's 1.2 one agree whether it would read back as a string: '2.0' is
     quoted by both; yes, on, 1e5 or 0o7 would be bare for one of them)."""
-    from ruamel.yaml.nodes import ScalarNode
-    from ruamel.yaml.resolver import VersionedResolver
-
     if len(value) > 60 or not _SIMPLE.fullmatch(value):
         return False
+    yaml11, yaml12, ruamel_scalar = _resolvers()
     tag = "tag:yaml.org,2002:str"
-    return (yaml.resolver.Resolver().resolve(yaml.ScalarNode, value, (True, False)) == tag) == (VersionedResolver(version=(1, 2)).resolve(ScalarNode, value, (True, False)) == tag)
+    return (yaml11.resolve(yaml.ScalarNode, value, (True, False)) == tag) == (yaml12.resolve(ruamel_scalar, value, (True, False)) == tag)
 
 
 def _plain(data, in_list: bool = False) -> bool:
@@ -280,7 +288,7 @@ def _plain(data, in_list: bool = False) -> bool:
     if kind is str:
         return _same_string(data)
     if kind is float:
-        return "e" not in repr(data) and data == data and abs(data) != float("inf")
+        return "e" not in repr(data) and math.isfinite(data)
     if data is None:
         return not in_list
     return kind in (int, bool)
@@ -303,11 +311,11 @@ def _libyaml_dump(data) -> str | None:
 
 
 @contextlib.contextmanager
-def _modify_lock(path, fs=None):
+def _modify_lock(path):
     """DVC's ``modify_yaml`` for dvc.lock, without DVC's round-trip YAML read (0.8 s of each stage's 1.7 s commit
-    on the default run's 127 kB lock) when the file still holds what this process last wrote: that text is read
-    with libyaml instead, checked when written to give back exactly the data dumped (so YAML 1.1 against 1.2
-    readings cannot differ). libyaml writes it when the data holds only what it writes as DVC's dumper does
+    on the default run's 127 kB lock) when the file still holds what this process last wrote: libyaml's reading of
+    that text, taken when it was written and kept only if it gave back exactly the data dumped (so YAML 1.1 against
+    1.2 readings cannot differ), stands in. libyaml writes it when the data holds only what it writes as DVC's dumper does
     (``_libyaml_dump``), DVC's dumper otherwise: the bytes are DVC's either way."""
     from dvc.utils.serialize._yaml import _dump, parse_yaml_for_update
 
@@ -317,7 +325,7 @@ def _modify_lock(path, fs=None):
     except FileNotFoundError:
         text = None
     last = _written.pop(key, None)
-    data = {} if text is None else parse(text) if text == last else parse_yaml_for_update(text, path)
+    data = {} if text is None else last[1] if last is not None and text == last[0] else parse_yaml_for_update(text, path)
     yield data
     text = _libyaml_dump(data)
     if text is None:
@@ -325,8 +333,8 @@ def _modify_lock(path, fs=None):
         _dump(data, stream)
         text = stream.getvalue()
     write_atomically(Path(key), text)
-    if parse(text) == data:
-        _written[key] = text
+    if (reading := parse(text)) == data:  # a fresh object: DVC's next update may change it in place
+        _written[key] = (text, reading)
 
 
 @contextlib.contextmanager
