@@ -130,7 +130,8 @@ def golden_section(n: int, score: Callable[[int], float]) -> list[int]:
     """The indices of a sorted n-point grid that a golden-section search scores while narrowing the bracket round
     the maximum of a unimodal curve (``score(i)``, each called once), in grid order. Ties go to the left, so that a
     plateau keeps its first point, as the full grid's choice does. On the default suite's 16 one-dimensional curves
-    it scored 66 of 122 points and chose what the full grid chose on every one."""
+    it scored 66 of 122 points and chose what the full grid chose on every one; a curve with two peaks may keep the
+    lower (MIMA's TIES on 2026-11-28: docs/benchmarks.md)."""
     seen: dict[int, float] = {}
 
     def f(i: int) -> float:

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
             notices, quiet = logging.getLogger("mlflow.pyfunc"), _NoSignatureNotice()
             notices.addFilter(quiet)
             stack.callback(notices.removeFilter, quiet)
+            # and its warning that no input example is given: running the model on one would cost a load per model
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="An input example was not provided", category=UserWarning)
             features = _feature_count(backbone.read_text())
             info = mlflow.pyfunc.log_model(
                 name="model",
