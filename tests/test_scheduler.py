@@ -125,3 +125,31 @@ def test_a_stage_that_takes_every_core_runs_alone_and_items_pair_up():
         outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), lambda address: None, limit=4, cores=cores, capacity=2)
     assert len(outcome.done) == len(nodes)
     assert max(len(s) for s in together) == 2 and all(len(s) == 1 for s in together if {"vectors", "regime@r"} & s)
+
+
+def test_a_stage_that_does_not_wait_for_the_finished_one_starts_during_its_commit():
+    """One stage at a time: while merge@0 is committed, merge@1 (which needs only vectors) is already running;
+    report, which needs every merge, starts only after the last commit, and vectors' own commit comes before any
+    merge (they wait for it)."""
+    nodes = [StageNode("vectors", ("v",), ()), *(StageNode(f"merge@{i}", ("m",), ("vectors",)) for i in range(3)), StageNode("report", ("r",), tuple(f"merge@{i}" for i in range(3)))]
+    events, lock = [], threading.Lock()
+
+    def work(node):
+        with lock:
+            events.append(("start", node.address))
+        return {"stage": node.address}
+
+    def commit(address):
+        with lock:
+            events.append(("commit", address))
+        time.sleep(0.2)  # long enough for the pool to start the next stage
+        with lock:
+            events.append(("committed", address))
+
+    with ThreadPoolExecutor(1) as pool:
+        outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), commit, limit=1)
+    assert len(outcome.done) == len(nodes)
+    at = {event: i for i, event in enumerate(events)}
+    assert at[("start", "merge@0")] > at[("committed", "vectors")]  # downstream: after the commit
+    assert at[("commit", "merge@0")] < at[("start", "merge@1")] < at[("committed", "merge@0")]  # beside it
+    assert at[("start", "report")] > at[("committed", "merge@2")]

@@ -50,7 +50,8 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
     """Run ``nodes`` (stale stages, in dependency order): ``submit(node, upstream_futures)`` starts one and returns
     a future (concurrent.futures' or Prefect's); ``commit(address)`` records a finished one in dvc.lock, one at a
     time from this thread. A stage starts once every stage it waits for in this run has completed and been
-    committed, at most ``limit`` at once and, given ``cores(node)`` and ``capacity``, only while the cores of
+    committed (one that does not wait for the stage just finished starts while that one is committed), at most
+    ``limit`` at once and, given ``cores(node)`` and ``capacity``, only while the cores of
     the running stages leave it room (a stage that takes every core runs alone: more threads than cores only
     contend, and OpenMP's waiting threads spin). Of the stages ready at once, the one more stages wait on starts
     first, and none after it starts before it. One downstream of a failure never starts and is recorded as not
@@ -68,7 +69,9 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
             return False
         return not running or cores is None or capacity is None or sum(running.values()) + cores(node) <= capacity
 
-    def submit_ready() -> None:
+    def submit_ready(committing: str | None = None) -> None:
+        """Start what is ready; ``committing``: a finished stage not yet committed, whose downstream stages wait
+        for its commit (and keep their turn: none after them starts first)."""
         changed = True
         while changed:  # a stage recorded as not run makes the stages after it not run
             changed = False
@@ -78,6 +81,9 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
                 blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
                 if blocked or stopping():
                     outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the run was stopped"
+                elif committing in upstream:
+                    full = full or all(u in outcome.done or u == committing for u in upstream)
+                    continue
                 elif all(u in outcome.done for u in upstream) and not full and fits(node):
                     future = submit(node, [futures[u] for u in upstream])
                     futures[address] = future
@@ -106,6 +112,7 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
         except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
             outcome.failed[address] = err
         else:
+            submit_ready(committing=address)  # DVC's commit hashes the outputs: the next stage need not wait for it
             commit(result["stage"])
             outcome.done.append(address)
         submit_ready()

@@ -60,7 +60,7 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
             stack.callback(notices.removeFilter, quiet)
             # and its warning that no input example is given: running the model on one would cost a load per model
             stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message="An input example was not provided", category=UserWarning)
+            warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)  # after a colour code
             features = _feature_count(backbone.read_text())
             info = mlflow.pyfunc.log_model(
                 name="model",
