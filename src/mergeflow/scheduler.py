@@ -51,9 +51,9 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
     a future (concurrent.futures' or Prefect's); ``commit(address)`` records a finished one in dvc.lock, one at a
     time from this thread. A stage starts once every stage it waits for in this run has completed and been
     committed (one that does not wait for the stage just finished starts while that one is committed), at most
-    ``limit`` at once and, given ``cores(node)`` and ``capacity``, only while the cores of
-    the running stages leave it room (a stage that takes every core runs alone: more threads than cores only
-    contend, and OpenMP's waiting threads spin). Of the stages ready at once, the one more stages wait on starts
+    ``limit`` at once and, given ``cores(node)`` and ``capacity``, only while the cores of the running stages leave
+    it room (a stage that takes every core runs alone: more threads than cores only contend, and OpenMP's waiting
+    threads spin). Of the stages ready at once, the one more stages wait on starts
     first, and none after it starts before it. One downstream of a failure never starts and is recorded as not
     run, by address. The calling thread waits in short spells (Python runs signal handlers only on the main
     thread); ``on_stop`` is called once when the run is being stopped (stop_stages)."""
