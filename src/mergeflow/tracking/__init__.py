@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
@@ -120,6 +121,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
 
     track_started = time.time()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # log_model reads its files back: no bars in the stage's log
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its notices (tables and experiment created) are not the stage's news
     root = layout.root
     uri = tracking_uri(root)
     if notice := prepare_store(uri):
