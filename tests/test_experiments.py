@@ -57,6 +57,10 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     root = project
     before = (root / "params.yaml").read_text().splitlines()
     baseline = _headline(root)
+    # the committed run, before any experiment: nothing differs, so `dvc exp show --only-changed` is two columns wide
+    # (DVC's table is as wide as its text, whatever the terminal)
+    shown = _stdout(["dvc", "exp", "show", "--only-changed", "--no-pager"], root, tiny_env | {"COLUMNS": "1000"}).splitlines()
+    assert [line.split() for line in shown if line.strip() and not line.strip().startswith("─")][0] == ["Experiment", "Created"] and max(map(len, shown)) <= 160, shown
 
     out = run(["dvc", "exp", "run", "-n", "ties-k01", "-S", "merge.ties.k=0.1"], root, tiny_env)
     # only what reads merge.ties ran again (every regime merges with TIES; the studies read the merges)
