@@ -52,12 +52,15 @@ def default_workers() -> int:
     return len(visible_gpus()) or max(1, os.cpu_count() or 1)
 
 
-def check_runner(runner: str, dask_address: str | None = None) -> None:
-    """Refuse an unknown runner, or a Dask address without the Dask runner or prefect-dask (one line each)."""
+def check_runner(runner: str, dask_address: str | None = None, worker_checkouts: bool = False) -> None:
+    """Refuse an unknown runner, or a Dask address or worker checkouts without the Dask runner or prefect-dask
+    (one line each)."""
     if runner not in RUNNERS:
         raise MergeflowError(f"unknown runner {runner!r}: choose one of {', '.join(RUNNERS)}")
     if dask_address and runner != "dask":
         raise MergeflowError(f"a Dask scheduler address ({dask_address}) needs --runner dask")
+    if worker_checkouts and runner != "dask":
+        raise MergeflowError("worker checkouts need --runner dask")
     if runner == "dask":
         try:
             import prefect_dask  # noqa: F401
@@ -140,13 +143,11 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     try:
         check_repo(root)
         check_workers(workers, "workers")
-        check_runner(runner, dask_address)
+        check_runner(runner, dask_address, worker_checkouts)
+        commit = check_source(root) if worker_checkouts else None  # before params.yaml is written: a refusal leaves it
         if overrides:
             apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
         _, notices = check_project(root)
-        if worker_checkouts and runner != "dask":
-            raise MergeflowError("worker checkouts need --runner dask")
-        commit = check_source(root) if worker_checkouts else None
     except MergeflowError as err:
         publish_summary(failure_markdown(None, f"error: {err}"))
         raise
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     add_runner_arguments(parser)
     args = parser.parse_args(argv)
     try:  # bad input gets its one line here, before Prefect starts (the flow checks again: deployments start there)
-        check_runner(args.runner, args.dask_address)
+        check_runner(args.runner, args.dask_address, args.worker_checkouts)
         check_repo(args.root)
         check_project(args.root)
         if args.overrides:

@@ -64,6 +64,21 @@ def test_remote_urls_are_checked(tmp_path, tiny_env, monkeypatch):
     remote = add_remote("../store", root=tmp_path)
     assert remote.url == str(tmp_path.parent / "store") and default_remote(tmp_path) == remote
     assert f"url = {tmp_path.parent / 'store'}" in (tmp_path / ".dvc" / "config").read_text()
+    # an endpoint's password would be committed as well; a name must be one DVC can find again
+    with pytest.raises(MergeflowError, match=r"--endpoint-url http://127\.0\.0\.1\.\.\.: has a password"):
+        add_remote("s3://bucket/path", endpoint_url="http://AKIA:secret@127.0.0.1:9000", root=tmp_path)
+    with pytest.raises(MergeflowError, match=r"--name '': a remote's name is a plain word"):
+        add_remote("/shared/dvc", name="", root=tmp_path)
+    assert "secret" not in (tmp_path / ".dvc" / "config").read_text() and default_remote(tmp_path) == remote
+    # DVC's own errors are one line naming the place: not a repository, a config DVC cannot read
+    plain = tmp_path.with_name(f"{tmp_path.name}-plain")  # beside the repository, not in it
+    plain.mkdir()
+    with pytest.raises(MergeflowError, match=rf"{plain}: not a DVC repository"):
+        default_remote(plain)
+    config = tmp_path / ".dvc" / "config"
+    config.write_text(config.read_text().replace("[core]\n", "[core]\n    bogus = 1\n"))
+    proc = run(["mergeflow", "remote"], tmp_path, tiny_env, check=False)
+    assert proc.returncode == 2 and re.fullmatch(r"error: \.dvc/config: .*'bogus'.*\n", proc.stderr), proc.stderr
 
 
 def test_a_fresh_clone_shows_the_committed_headline(committed_run, tiny_env, tmp_path):
@@ -92,7 +107,9 @@ def test_push_then_pull_on_a_fresh_clone_restores_the_run(kind, committed_run, t
     config = (project / ".dvc" / "config").read_text()
     assert "testing" not in config  # the credentials stay in the environment
     run("git add .dvc/config && git commit -qm 'the results remote'", project, env)
-    assert "pushed" in run(["dvc", "push"], project, env)
+    pushed = run(["dvc", "push"], project, env)
+    assert "pushed" in pushed and "testing-secret" not in pushed
+    assert run(["git", "grep", "-l", "testing-secret"], project, env, check=False).returncode == 1  # in no tracked file
 
     clone = _clone(project, tmp_path / "clone", env)
     start = time.perf_counter()
@@ -132,6 +149,33 @@ def test_worker_checkouts_need_a_remote_and_committed_code(committed_run, tiny_e
         check_source(project)
     run("git add .dvc/config && git commit -qm remote", project, tiny_env)
     assert check_source(project) == run(["git", "rev-parse", "HEAD"], project, tiny_env).strip()
+    # a new file the commit lacks (a method being written) is refused like a changed one
+    (project / "src" / "mergeflow" / "merging" / "new_method.py").write_text("")
+    with pytest.raises(MergeflowError, match=r"src/mergeflow/merging/new_method\.py differs from the last commit"):
+        check_source(project)
+    (project / "src" / "mergeflow" / "merging" / "new_method.py").unlink()
+    # a remote only in .dvc/config.local: the workers' clones would not know it
+    run("git rm -q --cached .dvc/config && git checkout -q HEAD~1 -- .dvc/config && git commit -qm 'no remote'", project, tiny_env)
+    run(["dvc", "remote", "add", "--local", "-d", "mine", str(tmp_path / "store")], project, tiny_env)
+    assert default_remote(project).name == "mine"
+    with pytest.raises(MergeflowError, match=r"need a DVC remote in \.dvc/config .*config\.local"):
+        check_source(project)
+
+
+def test_a_refused_flow_run_leaves_params_alone(committed_run, tiny_env, tmp_path):
+    """Worker checkouts without Dask are refused before anything is written or Prefect starts."""
+    project = copy_project(committed_run, tmp_path / "project")
+    before = (project / "params.yaml").read_bytes()
+    proc = run([sys.executable, "-m", "flows.pipeline", "--worker-checkouts", "-S", "merge.ties.k=0.15"], project, tiny_env, check=False)
+    assert proc.returncode == 2 and proc.stderr == "error: worker checkouts need --runner dask\n", proc.stderr
+    assert (project / "params.yaml").read_bytes() == before
+
+
+def test_compare_needs_no_dvc_on_path(committed_run, tiny_env):
+    """`mergeflow compare` runs this environment's DVC, started by path as a scheduler would, with PATH bare."""
+    env = tiny_env | {"PATH": "/usr/bin:/bin"}
+    out = _stdout([str(Path(sys.executable).parent / "mergeflow"), "compare"], committed_run, env)
+    assert out.startswith("no experiment differs from the others"), out
 
 
 def test_a_stage_a_worker_ran_is_recorded_whole(tmp_path):

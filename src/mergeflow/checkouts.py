@@ -40,21 +40,24 @@ def _git(args: list[str], cwd: str | Path, check: bool = True) -> str | None:
     if proc.returncode != 0:
         if not check:
             return None
-        raise MergeflowError(f"git {' '.join(args)} in {cwd}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['failed']}")
+        raise MergeflowError(f"git {' '.join(args)} in {cwd}: {((proc.stderr or proc.stdout).strip().splitlines() or ['failed'])[-1]}")
     return proc.stdout.strip()
 
 
 def check_source(root: str | Path) -> str:
     """The commit workers check out, or a one-line error: the code and dvc.yaml must be committed (a worker sees
-    the commit, not this working tree) and a DVC remote must be set (it carries every output between machines)."""
+    the commit, not this working tree: a changed or new file is refused) and a DVC remote must be set in
+    .dvc/config itself (it carries every output between machines; a clone has no .dvc/config.local)."""
     from mergeflow.remote import default_remote
 
     root = Path(root)
-    if default_remote(root) is None:
-        raise MergeflowError("worker checkouts need a DVC remote to carry outputs between machines: set one with `mergeflow remote add URL`")
-    changed = _git(["diff", "--name-only", "HEAD", "--", "dvc.yaml", "src", "flows", "tasks", ".dvc/config"], root)
+    if default_remote(root, committed_only=True) is None:
+        where = " (this one is set in .dvc/config.local or the user's config, which the workers' clones lack)" if default_remote(root) else ""
+        raise MergeflowError(f"worker checkouts need a DVC remote in .dvc/config to carry outputs between machines{where}: set one with `mergeflow remote add URL`")
+    changed = _git(["status", "--porcelain", "--untracked-files=all", "--", "dvc.yaml", "src", "flows", "tasks", ".dvc/config"], root)
     if changed:
-        raise MergeflowError(f"{root}: {changed.splitlines()[0]} differs from the last commit, which is what the workers check out: commit it first")
+        path = changed.splitlines()[0].split(maxsplit=1)[1]  # "XY path" (stripped: " M" loses its space)
+        raise MergeflowError(f"{root}: {path} differs from the last commit, which is what the workers check out: commit it first")
     return _git(["rev-parse", "HEAD"], root)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Mapping
 
 from mergeflow.errors import MergeflowError
@@ -80,7 +81,7 @@ def render(table: list[list[str]], markdown: bool = False) -> str:
 def compare(metric: str = "test_avg", every_row: bool = False, markdown: bool = False, root: str = ".") -> str:
     if metric not in METRICS:
         raise MergeflowError(f"--metric {metric}: choose one of {', '.join(METRICS)}")
-    proc = subprocess.run(["dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True)  # this environment's DVC, on PATH or not
     if proc.returncode != 0:
         raise MergeflowError(f"dvc exp show: {(proc.stderr.strip().splitlines() or ['failed'])[-1]}")
     table = comparison(json.loads(proc.stdout), metric, every_row)
