@@ -254,6 +254,10 @@ def test_a_merged_model_says_what_it_takes(tracked):
         expected = module(images)
         assert expected.shape == (3, width) and torch.allclose(net(preprocess(images)), expected)
         assert preprocess(images).shape == (3, 3, 32, 32) and preprocess(images).dtype == torch.float32
+        # the preprocessing by hand (backbone.input_norm: center): NCHW in [0, 1], each channel centred, one scale an image
+        x = images.permute(0, 3, 1, 2).double() / 255
+        by_hand = (x - x.mean(dim=(2, 3), keepdim=True)) / (x.std(dim=(1, 2, 3), keepdim=True) + 0.05)
+        assert torch.allclose(preprocess(images).double(), by_hand, atol=1e-5) and torch.allclose(net(by_hand.float()), expected, atol=1e-5)
     pyfunc = mlflow.pyfunc.load_model(uri)
     assert np.allclose(pyfunc.predict(images.numpy()), expected.numpy(), atol=1e-6)
     with pytest.raises(Exception, match="uint8"):
