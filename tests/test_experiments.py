@@ -58,7 +58,7 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     before = (root / "params.yaml").read_text().splitlines()
     baseline = _headline(root)
     # the committed run, before any experiment: nothing differs, so `dvc exp show --only-changed` is two columns wide
-    # (DVC's table is as wide as its text, whatever the terminal)
+    # (COLUMNS wide enough that DVC's table elides no column: its full width is measured)
     shown = _stdout(["dvc", "exp", "show", "--only-changed", "--no-pager"], root, tiny_env | {"COLUMNS": "1000"}).splitlines()
     assert [line.split() for line in shown if line.strip() and not line.strip().startswith("─")][0] == ["Experiment", "Created"] and max(map(len, shown)) <= 160, shown
 
