@@ -34,10 +34,10 @@ from mergeflow.checkouts import check_source, pull_dependencies, pull_outputs, r
 from mergeflow.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, visible_gpus, workers_argument
+from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, workers_argument
 from mergeflow.remote import default_remote, push_outputs
-from mergeflow.scheduler import RunOutcome, run_graph, stage_cores
-from mergeflow.stage_server import SERVER_ENV, running_server
+from mergeflow.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
+from mergeflow.stage_server import SERVER_ENV, running_server, running_servers
 from mergeflow.verify import check_outputs
 from tasks.stages import run_stage_task, stop_worker_stages
 
@@ -45,11 +45,6 @@ quiet_failure_tracebacks()  # a failed stage or bad input is its one line in the
 
 Runner = Literal["thread", "dask"]
 RUNNERS: tuple[str, ...] = ("thread", "dask")
-
-
-def default_workers() -> int:
-    """Stages at once: one per GPU where there are GPUs, else one per CPU core."""
-    return len(visible_gpus()) or max(1, os.cpu_count() or 1)
 
 
 def check_runner(runner: str, dask_address: str | None = None, worker_checkouts: bool = False) -> None:
@@ -165,11 +160,11 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
         if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
             logger.warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
             stale = stale_stages(repo, nodes, also={c.stage for c in rotted})
-        workers = workers or default_workers()
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
         # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
         # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
-        gpus = [] if dask_address else visible_gpus()
+        gpus = [] if dask_address else stage_gpus(root)
+        workers = workers or len(gpus) or max(1, os.cpu_count() or 1)  # stages at once: one per GPU, else per core
         if gpus and runner == "dask" and not dask_address:
             workers = min(workers, len(gpus))
         gpu_workers = workers if gpus and runner == "dask" else None
@@ -183,7 +178,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
 
             def parameters(node: StageNode) -> dict:
                 checkout = {"source": source(root, commit)} if commit else {}  # dvc.lock as it is now, upstream recorded
-                return {"node": node, "root": root, "env": env | served, "gpus": gpus, "gpu_workers": gpu_workers} | checkout
+                return {"node": node, "root": root, "env": env | served, "gpus": gpus, "gpu_workers": gpu_workers, "servers": servers} | checkout
 
             def record(address: str) -> None:
                 if commit and address not in here:
@@ -207,8 +202,9 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
 
             with contextlib.ExitStack() as stack:
                 # on this machine (a thread pool, or a LocalCluster's workers) the stages fork from one process that
-                # has imported torch and timm (mergeflow.stage_server)
-                address = stack.enter_context(running_server()) if not dask_address else None
+                # has imported torch and timm (mergeflow.stage_server); where there are GPUs, from one per GPU
+                servers = stack.enter_context(running_servers(gpus))
+                address = stack.enter_context(running_server()) if not dask_address and not gpus else None
                 served = {SERVER_ENV: address} if address else {}
                 task_runner = _enter_task_runner(stack, runner, workers, dask_address)
                 futures: dict = {}

@@ -7,6 +7,7 @@ from prefect import get_run_logger, task
 
 from mergeflow.checkouts import Source, run_in_checkout
 from mergeflow.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
+from mergeflow.stage_server import served_env
 
 quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's
 
@@ -49,10 +50,11 @@ def stop_worker_stages(flow_run_id: str) -> int:
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_if_transient, task_run_name="{node.address}")
-def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[str] | None = None, gpu_workers: int | None = None, source: Source | None = None) -> dict:
+def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[str] | None = None, gpu_workers: int | None = None, source: Source | None = None, servers: dict[str, str | None] | None = None) -> dict:
     """Run one stage. With ``gpus``, the stage gets one of them to itself (CUDA_VISIBLE_DEVICES) from this
     process's pool, waiting while every one is taken; on a Dask LocalCluster of ``gpu_workers`` workers each
-    worker hands out its own share of them. With ``source``, it runs in this worker's own checkout of it, its
+    worker hands out its own share of them, and the stage forks from that GPU's stage server where ``servers``
+    names one (mergeflow.stage_server.running_servers). With ``source``, it runs in this worker's own checkout of it, its
     inputs and outputs moved by the DVC remote (mergeflow.checkouts)."""
     logger = get_run_logger()
     worker = dask_worker_index()
@@ -64,9 +66,9 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
             logger.info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
         try:
             if source is None:
-                result = run_stage(node, root, env | device_env)
+                result = run_stage(node, root, env | served_env(device_env, servers))
             else:
-                result = run_in_checkout(node, source, env | device_env)
+                result = run_in_checkout(node, source, env | served_env(device_env, servers))
                 root = result["checkout"]
         except StageFailed as err:
             seconds = time.monotonic() - started

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from mergeflow.orchestration import StageFailed, StageNode
 from mergeflow.scheduler import run_graph
@@ -153,3 +154,59 @@ def test_a_stage_that_does_not_wait_for_the_finished_one_starts_during_its_commi
     assert at[("start", "merge@0")] > at[("committed", "vectors")]  # downstream: after the commit
     assert at[("commit", "merge@0")] < at[("start", "merge@1")] < at[("committed", "merge@0")]  # beside it
     assert at[("start", "report")] > at[("committed", "merge@2")]
+
+
+GPU_STAGE = (
+    "import json, os, time\n"
+    "from mergeflow.stage_server import SERVER_ENV\n"
+    "start = time.time(); time.sleep(0.5)\n"
+    "env = {k: v for k, v in os.environ.items() if k not in ('DVC_STAGE', 'DVC_ROOT')}\n"
+    "item = os.environ['DVC_STAGE'].split('@')[1]\n"
+    "json.dump({'item': item, 'device': os.environ['CUDA_VISIBLE_DEVICES'], 'span': [start, time.time()], 'server': os.environ.get(SERVER_ENV), 'listening': os.path.exists(os.environ.get(SERVER_ENV, '')), 'env': env}, open(f'out/{item}.json', 'w'))\n"
+)
+
+
+def test_repro_gives_each_stage_a_gpu_to_itself_and_that_gpus_stage_server(tmp_path):
+    """Two pretend GPUs (CUDA_VISIBLE_DEVICES "6,9": on the CPU they are only handed out), three stages: two at
+    once, each with a GPU no running stage has, and the address of the stage server started for that GPU, whose
+    environment matches the stage's import-time variables (so a stage command forks from it rather than
+    importing torch again: mergeflow.stage_server)."""
+    from mergeflow.stage_server import SERVER_ENV, _import_time_env, _same_imports
+
+    root = _project(tmp_path, ["x", "y", "z"])
+    (root / "stage.py").write_text(GPU_STAGE)
+    stages = json.loads((root / "dvc.yaml").read_text())
+    stages["stages"]["make"]["do"]["cmd"] = f"{sys.executable} stage.py"
+    (root / "dvc.yaml").write_text(json.dumps(stages))
+    env = {k: v for k, v in os.environ.items() if k != SERVER_ENV} | {"CUDA_VISIBLE_DEVICES": "6,9"}
+    proc = subprocess.run([sys.executable, "-c", f"import sys; from mergeflow.scheduler import repro; sys.exit(repro({str(root)!r}))"], cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "4 of 4 stages to run, up to 2 at once on a GPU each (6, 9)" in proc.stdout and "Running stage 'make@x' on GPU " in proc.stdout
+    runs = [json.loads((root / f"out/{i}.json").read_text()) for i in "xyz"]
+    assert {r["device"] for r in runs} == {"6", "9"}
+    for a in runs:  # never two at once on one GPU
+        assert all(b is a or b["device"] != a["device"] or b["span"][0] >= a["span"][1] or a["span"][0] >= b["span"][1] for b in runs)
+    servers = {r["device"]: r["server"] for r in runs}
+    assert len(set(servers.values())) == 2 and all(r["listening"] for r in runs)
+    for r in runs:
+        own = _import_time_env(r["env"])
+        assert _same_imports(own, _import_time_env(env | {"CUDA_VISIBLE_DEVICES": r["device"]}), {})  # its server's
+        assert not _same_imports(own, _import_time_env(env), {})  # not a server started with both GPUs
+    assert not any(Path(s).exists() for s in servers.values())  # the servers ended with the run
+
+
+def test_stages_kept_on_the_cpu_by_params_get_no_gpu(tmp_path, monkeypatch, repo_root):
+    """runtime.device: cpu keeps every stage on the CPU: no GPU is handed out (the stages share the cores)."""
+    import yaml
+
+    from mergeflow.scheduler import stage_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,9")
+    params = yaml.safe_load((repo_root / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert stage_gpus(tmp_path) == ["6", "9"]  # runtime.device: auto
+    params["runtime"]["device"] = "cpu"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert stage_gpus(tmp_path) == []
+    (tmp_path / "params.yaml").write_text(json.dumps({"items": ["x"]}))
+    assert stage_gpus(tmp_path) == ["6", "9"]  # a DVC project of another kind: the GPUs this machine shows

@@ -196,21 +196,22 @@ def run_command(args: argparse.Namespace) -> int:
 
         from mergeflow.stage_server import SERVER_ENV, running_server
 
+        if not args.dvc_args:  # the whole pipeline, stages at once (the scheduler starts the stage servers)
+            from pathlib import Path
+
+            from mergeflow.scheduler import repro
+            from mergeflow.tracking.store import tracked_runs_lost
+
+            force = set()
+            if lost := tracked_runs_lost(Path.cwd()):
+                print(f"track: {lost}: logging every stage to MLflow again")
+                force.add("track")
+            with atomic_dvc_writes():
+                return repro(".", args.workers, force)
         # the stages fork from one process that has imported torch and timm (seconds saved a stage)
         with atomic_dvc_writes(), running_server() as address:
             if address:
                 os.environ[SERVER_ENV] = address
-            if not args.dvc_args:  # the whole pipeline, stages at once
-                from pathlib import Path
-
-                from mergeflow.scheduler import repro
-                from mergeflow.tracking.store import tracked_runs_lost
-
-                force = set()
-                if lost := tracked_runs_lost(Path.cwd()):
-                    print(f"track: {lost}: logging every stage to MLflow again")
-                    force.add("track")
-                return repro(".", args.workers, force)
             status = dvc_main(["repro", *args.dvc_args])
             if status == 0 and not [a for a in args.dvc_args if not a.startswith("-")]:  # the whole pipeline
                 from pathlib import Path

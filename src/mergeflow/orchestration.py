@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mergeflow import lockfile
 from mergeflow.errors import BAD_INPUT_STATUS, TRANSIENT_STATUS, MergeflowError
+from mergeflow.stage_server import CUDA_DEVICES_ENV
 
 # set to the flow's pid in a stage's environment: the stage asks the kernel to send it SIGTERM when the flow dies
 DIE_WITH_PARENT_ENV = "MERGEFLOW_DIE_WITH_PARENT"
@@ -452,7 +453,6 @@ def probe_dask_scheduler(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, 
 
 
 # ---------------------------------------------------------------- GPUs: one stage per device
-CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def parse_visible_devices(value: str) -> list[str]:

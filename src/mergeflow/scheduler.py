@@ -6,7 +6,8 @@ A stage starts when its upstream stages are done and the running stages' threads
 threads follow from params.yaml and the machine (``Params.stage_share``: the items of a foreach stage share the
 cores, at least 2 threads each), so they give the same bytes however they are run. On 2 cores every stage takes
 both and they run one at a time (a second stage on one thread each finished no sooner: 2026-11-26); on 16 cores
-eight fine-tunes run at once.
+eight fine-tunes run at once. Where there are GPUs, each running stage gets one to itself instead (as the flow
+does): a merge of the 8-task benchmark holds its 16 GB of images on the device, and eight at once would not fit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergeflow.orchestration import StageFailed, StageNode, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping
+from mergeflow.orchestration import DevicePool, StageFailed, StageNode, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping, visible_gpus
+from mergeflow.stage_server import CUDA_DEVICES_ENV, SERVER_ENV, running_server, running_servers, served_env
 
 @dataclass
 class RunOutcome:
@@ -140,6 +142,20 @@ def stage_cores(root: str | Path) -> tuple[Callable[[StageNode], int] | None, in
     return cores, capacity
 
 
+def stage_gpus(root: str | Path) -> list[str]:
+    """The GPUs a run's stages each get one of to themselves (orchestration.visible_gpus): none where params.yaml
+    keeps the stages on the CPU (runtime.device: cpu)."""
+    from mergeflow.config import load_params
+    from mergeflow.errors import MergeflowError
+
+    try:
+        if load_params(Path(root) / "params.yaml").runtime.device == "cpu":
+            return []
+    except MergeflowError:
+        pass  # a DVC project of another kind
+    return visible_gpus()
+
+
 def _downstream(nodes: list[StageNode], address: str) -> set[str]:
     """The stages of ``nodes`` that wait, directly or not, on the stage at ``address``."""
     found, frontier = set(), [address]
@@ -163,26 +179,37 @@ def _say(text: str, stream=None) -> None:
 
 def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = frozenset(), env: dict[str, str] | None = None) -> int:
     """Run every stale stage of the DVC project at ``root`` (and those in ``force``), ``workers`` at once (default:
-    one per core), each committed to dvc.lock as it completes. Each line a stage prints is shown as it comes,
-    after ``[<stage>]``. Returns the exit status: 0, 1 when a stage failed (each named with its status and last
-    line; what does not depend on it still ran), 130 when stopped by SIGINT or SIGTERM."""
+    one per GPU, else one per core), each committed to dvc.lock as it completes. Each line a stage prints is shown
+    as it comes, after ``[<stage>]``. Returns the exit status: 0, 1 when a stage failed (each named with its status
+    and last line; what does not depend on it still ran), 130 when stopped by SIGINT or SIGTERM."""
     root = Path(root).resolve()
-    workers = workers or os.cpu_count() or 1
+    gpus = stage_gpus(root)
+    workers = workers or len(gpus) or os.cpu_count() or 1
+    devices = DevicePool(gpus)
     # DVC names a stage relative to the working directory, and a stage learns its item from that name (DVC_STAGE)
-    with contextlib.chdir(root), locked_repo(root) as repo:
+    with contextlib.ExitStack() as stack:
+        # the stages fork from a process that has imported torch and timm (mergeflow.stage_server), seconds saved a
+        # stage; where there are GPUs, from one such process per GPU. Started first: they import while DVC reads.
+        servers = stack.enter_context(running_servers(gpus))
+        address = None if gpus else stack.enter_context(running_server())
+        stage_env = (env or {}) | ({SERVER_ENV: address} if address else {})
+        stack.enter_context(contextlib.chdir(root))
+        repo = stack.enter_context(locked_repo(root))
         nodes = stage_graph(repo)
         stale = stale_stages(repo, nodes) | set(force)
         to_run = [n for n in nodes if n.address in stale]
         if not to_run:
             _say("Data and pipelines are up to date.")
             return 0
-        cores, capacity = stage_cores(root)
-        _say(f"{len(to_run)} of {len(nodes)} stages to run, up to {min(workers, len(to_run))} at once on {capacity} cores")
+        cores, capacity = stage_cores(root) if not gpus else (None, None)
+        where = f"a GPU each ({', '.join(gpus)})" if gpus else f"{capacity} cores"
+        _say(f"{len(to_run)} of {len(nodes)} stages to run, up to {min(workers, len(to_run), len(gpus) or workers)} at once on {where}")
 
         def one(node: StageNode) -> dict:
-            _say(f"Running stage '{node.address}':")
-            started = time.monotonic()
-            result = run_stage(node, root, env, echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))
+            with devices.lease() as device_env:
+                _say(f"Running stage '{node.address}'" + (f" on GPU {device_env[CUDA_DEVICES_ENV]}:" if device_env else ":"))
+                started = time.monotonic()
+                result = run_stage(node, root, stage_env | served_env(device_env, servers), echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))
             _say(f"[{node.address}] done in {time.monotonic() - started:.1f} s")
             return result
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 SERVER_ENV = "MERGEFLOW_STAGE_SERVER"
+CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"  # a stage's GPU (mergeflow.orchestration.DevicePool hands them out)
 SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRESS`: the server (not a user command)
 # the commands a server runs: the stages (everything else is quick or starts its own processes)
 STAGE_COMMANDS = frozenset({"prepare", "pretrain", "finetune", "vectors", "statistics", "merge", "regime", "regime_merge", "study", "report", "track"})
@@ -269,12 +270,13 @@ def serve(address: str, entry: Callable[[list[str]], int]) -> None:
 
 
 @contextlib.contextmanager
-def running_server(env: dict[str, str] | None = None):
+def running_server(env: dict[str, str] | None = None, reuse: bool = True):
     """A server for the duration of the block (the caller's child, dying with it); yields its address, which the
-    block passes on in SERVER_ENV. The server's imports run while the caller goes on."""
+    block passes on in SERVER_ENV. The server's imports run while the caller goes on. ``reuse``: the server
+    SERVER_ENV already names, if there is one (it serves this run)."""
     import subprocess
 
-    if os.environ.get(SERVER_ENV) and os.path.exists(os.environ[SERVER_ENV]):  # one already serves this run
+    if reuse and os.environ.get(SERVER_ENV) and os.path.exists(os.environ[SERVER_ENV]):
         yield os.environ[SERVER_ENV]
         return
     folder = Path(tempfile.mkdtemp(prefix="mergeflow-stages-"))
@@ -296,3 +298,20 @@ def running_server(env: dict[str, str] | None = None):
             os.unlink(address)
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+@contextlib.contextmanager
+def running_servers(devices: list[str] | tuple[str, ...] = ()):
+    """The servers of a run whose stages each get a GPU of ``devices`` to themselves: one server per GPU, started
+    with CUDA_VISIBLE_DEVICES naming it, so that a stage given that GPU (CUDA_VISIBLE_DEVICES, an import-time
+    variable) finds a server whose environment is its own and forks from it. Yields {device: address}, an address
+    None where its server did not start; without devices, {} (the caller uses running_server)."""
+    with contextlib.ExitStack() as stack:
+        yield {d: stack.enter_context(running_server({**os.environ, CUDA_DEVICES_ENV: d}, reuse=False)) for d in devices}
+
+
+def served_env(device_env: dict[str, str], servers: dict[str, str | None] | None) -> dict[str, str]:
+    """A stage's device environment ({CUDA_VISIBLE_DEVICES: its GPU} or {}) with the address of that GPU's server,
+    where running_servers started one."""
+    address = (servers or {}).get(device_env.get(CUDA_DEVICES_ENV, ""))
+    return device_env | {SERVER_ENV: address} if address else device_env
