@@ -81,7 +81,7 @@ def test_training_stage_work_by_hand():
 def test_estimate_is_work_over_throughput():
     work = P.Work(forward_images=200, train_images=30, example_grads=4, param_passes=10, svds=5, load_bytes=P.LOAD_BYTES_PER_S, fixed_s=0.25)
     assert P.compute_seconds(work, FAKE) == pytest.approx(200 / 100 + 30 / 10 + 4 * 0.5 + 10 * 0.01 + 5 * 0.2 + 1 + 0.25)
-    assert P.overhead_seconds(FAKE) == pytest.approx(1.0 + P.DVC_BOOKKEEPING_S)
+    assert P.overhead_seconds(FAKE) == pytest.approx(P.STAGE_GAP_S) and P.overhead_seconds(FAKE, first=True) == pytest.approx(1.0 + P.STAGE_GAP_S)
     assert P.peak_bytes(P.Work(trains=True), FAKE, 10) == 100 + 1000
     assert P.peak_bytes(P.Work(held_models=2, held_bytes=7), FAKE, 10) == 100 + 500 + 2 * 10 * 4 + 7  # base + step + held
 
@@ -98,7 +98,7 @@ def test_will_run_marking_total_and_json_shape():
     assert [r["stage"] for r in plan["stages"]] == ["prepare", "finetune@a", "merge@task_arithmetic", "study@mima"]
     assert not rows["prepare"]["will_run"] and rows["prepare"]["seconds"] is None  # up to date: not estimated without --all
     merge = rows["merge@task_arithmetic"]
-    assert merge["will_run"] and merge["seconds"] == pytest.approx(P.compute_seconds(P.stage_work(p, "merge@task_arithmetic"), FAKE) + P.overhead_seconds(FAKE))
+    assert merge["will_run"] and merge["seconds"] == pytest.approx(P.compute_seconds(P.stage_work(p, "merge@task_arithmetic"), FAKE) + P.overhead_seconds(FAKE, first=True))
     assert rows["study@mima"]["will_run"] and not rows["study@mima"]["estimated"]
     assert plan["total_seconds"] == pytest.approx(merge["seconds"]) and plan["will_run"] == 2 and plan["not_estimated"] == ["study@mima"]
     everything = P.make_plan(p, _nodes(), {"merge@task_arithmetic"}, FAKE, include_all=True)
@@ -151,7 +151,7 @@ def test_a_fine_tune_estimate_by_hand():
     plan = P.make_plan(p, _nodes(), {"finetune@a"}, FAKE)
     row = next(r for r in plan["stages"] if r["stage"] == "finetune@a")
     assert row["compute_seconds"] == pytest.approx(compute)
-    assert row["seconds"] == pytest.approx(compute + 1.0 + 3.2)  # + the stage's start (import_s) + DVC's bookkeeping
+    assert row["seconds"] == pytest.approx(compute + 1.0 + 0.9)  # + the stage server's imports (import_s: the run's first stage) + the gap
     assert plan["total_seconds"] == pytest.approx(row["seconds"])
     n = P.model_shape(p).parameters
     held = (100 + 10 + 20) * 32 * 32 * 3  # one task's images, uint8

@@ -7,14 +7,14 @@ backbone architecture with random weights, in a few seconds and robustly to othe
 machine: ``cache`` keeps them (``mergeflow plan --remeasure`` measures again). ``report`` makes the plan (DVC's
 status, the estimates, the stages whose peak exceeds the machine's memory) and prints it.
 
-The estimate is for ``dvc repro``: one stage after another, each with the threads params.yaml gives it. The Prefect
-flow runs siblings at once on shared cores; its total wall time is lower, each stage's longer.
+The estimate is for ``mergeflow repro`` running one stage after another (as on one GPU or 2 cores), the stages
+forked from its stage server: ``work`` says more.
 """
 
 from mergeflow.plan.measure import ModelShape, Throughput, decode_seconds, fastest_time, measure_throughput, model_shape
 from mergeflow.plan.work import (
-    DVC_BOOKKEEPING_S,
     LOAD_BYTES_PER_S,
+    STAGE_GAP_S,
     Work,
     compute_seconds,
     finetune_work,
@@ -30,7 +30,7 @@ from mergeflow.plan.work import (
 from mergeflow.plan.report import device_line, machine_memory, make_plan, memory_warning, plan_table, print_plan, project_plan
 
 __all__ = [
-    "DVC_BOOKKEEPING_S", "LOAD_BYTES_PER_S", "ModelShape", "Throughput", "Work", "compute_seconds", "decode_seconds", "device_line", "fastest_time", "finetune_work",
+    "LOAD_BYTES_PER_S", "ModelShape", "STAGE_GAP_S", "Throughput", "Work", "compute_seconds", "decode_seconds", "device_line", "fastest_time", "finetune_work",
     "machine_memory", "make_plan", "measure_throughput", "memory_warning", "merge_work", "model_shape", "overhead_seconds", "peak_bytes", "plan_table", "print_plan",
     "project_plan", "regime_merge_work", "regime_work", "stage_work", "statistics_work", "vectors_work",
 ]

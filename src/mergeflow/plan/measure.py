@@ -98,7 +98,7 @@ class Throughput:
     forward_peak_bytes: int  # the same for an evaluation batch
     base_bytes: int  # a stage process's memory before any work (CPU: its RSS after imports, measured; CUDA: 0)
     memory_source: str
-    import_s: float  # a stage process's start: `python -m mergeflow.cli --help`
+    import_s: float  # a stage process's imports, `python -m mergeflow.cli --help` (under mergeflow repro: once, the stage server's)
     batches: dict = field(default_factory=dict)  # the configured batch sizes the speeds are for
     timed_at: dict = field(default_factory=dict)  # the batch sizes actually timed (two: extrapolated to `batches`)
     decode_s: float = 0.0  # one photo-sized JPEG decoded and resized (real data's prepare); 0 when not measured

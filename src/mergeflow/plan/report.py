@@ -11,7 +11,7 @@ from pathlib import Path
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.plan.measure import Throughput, model_shape
-from mergeflow.plan.work import DVC_BOOKKEEPING_S, compute_seconds, overhead_seconds, peak_bytes, stage_work
+from mergeflow.plan.work import STAGE_GAP_S, compute_seconds, overhead_seconds, peak_bytes, stage_work
 
 
 def machine_memory(tp: Throughput) -> tuple[int | None, str]:
@@ -54,7 +54,7 @@ def make_plan(params: Params, nodes, stale: set[str], tp: Throughput, *, include
             if work is None:
                 row["notes"] = ["not estimated"]
             else:
-                compute, overhead, peak = compute_seconds(work, tp), overhead_seconds(tp), peak_bytes(work, tp, n_params)
+                compute, overhead, peak = compute_seconds(work, tp), overhead_seconds(tp, first=will_run and not any(r["will_run"] and r["estimated"] for r in rows)), peak_bytes(work, tp, n_params)
                 row |= {"estimated": True, "seconds": compute + overhead, "compute_seconds": compute, "overhead_seconds": overhead, "peak_memory_bytes": peak,
                         "exceeds_memory": None if memory_bytes is None else peak > memory_bytes, "notes": work.notes,
                         "work": {k: v for k, v in asdict(work).items() if k not in ("notes", "trains") and v}}
@@ -128,7 +128,7 @@ def device_line(plan: dict) -> str:
     return (
         f"device {plan['device']}, {tp['threads']} threads; backbone {plan['parameters'] / 1e6:.2f} M parameters: forward {tp['forward_img_s']:.0f} img/s ({_batches(tp, 'forward')}), "
         f"train {tp['train_img_s']:.0f} img/s ({_batches(tp, 'train')}), per-example gradient {1000 * tp['example_grad_s']:.1f} ms, parameter pass {1000 * tp['param_pass_s']:.2f} ms, "
-        f"SVD {1000 * tp['svd_s']:.1f} ms; stage start {tp['import_s']:.1f} s + DVC {DVC_BOOKKEEPING_S:.1f} s; {when}{kept}; memory: {tp['memory_source']}"
+        f"SVD {1000 * tp['svd_s']:.1f} ms; stage server's imports {tp['import_s']:.1f} s once, {STAGE_GAP_S:.1f} s between stages; {when}{kept}; memory: {tp['memory_source']}"
     )
 
 
@@ -147,7 +147,7 @@ def plan_table(plan: dict):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="mergeflow plan (dvc repro, one stage after another)", title_justify="left")
+    table = Table(title="mergeflow plan (one stage after another, as mergeflow repro on one GPU or 2 cores)", title_justify="left")
     table.add_column("stage", no_wrap=True)
     table.add_column("will run")
     table.add_column("est. time", justify="right")

@@ -7,8 +7,11 @@ kept per machine (mergeflow.plan.cache). Stages that
 do not fit those units (prepare, report, track) take a few named constants, each measured on the 2-core machine
 the default run was made on; studies are not estimated.
 
-The estimate is for ``dvc repro``: one stage after another, each with the threads params.yaml gives it. The Prefect
-flow runs siblings at once on shared cores; its total wall time is lower, each stage's longer.
+The estimate is for ``mergeflow repro`` running one stage after another, as it does on one GPU or 2 cores, each
+stage with the threads params.yaml gives it and forked from the run's stage server (mergeflow.stage_server): the
+stages' imports once, then a short gap between stages. On more cores or GPUs, ``mergeflow repro`` and the Prefect
+flow run siblings at once; their total wall time is lower, each stage's longer. Plain ``dvc repro`` starts a
+process per stage, which imports torch each time (seconds a stage, not counted here).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from mergeflow.merging.search import golden_section, swept_key
 from mergeflow.plan.measure import Throughput, model_shape
 
 # ---------------------------------------------------------------- calibration constants (few, each measured)
-# dvc repro's own work between two stages (hashing and caching outputs, writing dvc.lock, starting the next
-# process) besides the import of mergeflow, which plan measures: the default run in /work/main had a median gap of
-# 5.2 s between one stage's end and the next one's start (logs/timing started/ended), ~2 s of it the import.
-DVC_BOOKKEEPING_S = 3.2
+# `mergeflow repro`'s time between two stages whose processes fork from its stage server (the command's start, the
+# fork, the stage's setup before its timer, the commit to dvc.lock beside the next stage): 36.5 and 39.7 s between
+# the 42 stages of two fresh clones' default runs on the 2-core machine (2026-11-28, docs/daily-loop.md).
+STAGE_GAP_S = 0.9
 # prepare: its process pool's start (the tiny profile's prepare took 5.8 s for 960 task and 800 corpus images),
 # then the embedded suite's generation per image (tasks' splits and the pretraining corpus) on 2 cores: 30.05 s in
 # all for 8 x 3700 task images + 60000 corpus images in /work/main (logs/timing/prepare.json).
@@ -324,9 +327,10 @@ def compute_seconds(work: Work, tp: Throughput) -> float:
     )
 
 
-def overhead_seconds(tp: Throughput) -> float:
-    """A stage's start and bookkeeping: the process and its imports (measured), DVC's (a constant)."""
-    return tp.import_s + DVC_BOOKKEEPING_S
+def overhead_seconds(tp: Throughput, first: bool = False) -> float:
+    """A stage's start and bookkeeping under `mergeflow repro` (STAGE_GAP_S); the run's ``first`` stage also waits
+    for the stage server's imports (measured: ``tp.import_s``)."""
+    return STAGE_GAP_S + (tp.import_s if first else 0.0)
 
 
 def peak_bytes(work: Work, tp: Throughput, n_params: int) -> int:
