@@ -211,3 +211,26 @@ def test_the_gpu_benchmark_runs_tiny_on_the_gpu(tmp_path):
 
     result = run_bench(tmp_path, "--device", "cuda")
     assert result["device"].startswith("cuda") and result["peak_bytes"] > 0
+
+
+@needs_cuda
+@pytest.mark.e2e
+def test_mergeflow_repro_runs_the_tiny_pipeline_a_gpu_a_stage(tmp_path, tiny_env):
+    """`mergeflow repro` on a GPU machine: one stage per GPU, each forked from the stage server started for its GPU
+    (a server that imported torch but never touched CUDA: a forked child initialises CUDA itself). Every stage
+    completes, and AdaMerging's loop, forked like the rest, ran on CUDA. Skipped where DVC is not installed (GPU
+    machines without the project's environment have run the rest of this module)."""
+    import json
+    import re
+
+    pytest.importorskip("dvc.repo")
+    from tests.conftest import make_tiny_project, run
+
+    env = {k: v for k, v in tiny_env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    root = make_tiny_project(tmp_path / "p", env)
+    out = run("mergeflow repro", root, env)
+    assert re.search(rf"stages to run, up to {torch.cuda.device_count()} at once on a GPU each \(", out), out[-2000:]
+    assert "Running stage 'merge@adamerging_cart' on GPU " in out and "stages ran; dvc.lock records them" in out, out[-2000:]
+    learning = json.loads((root / "logs/timing/merge/adamerging_cart.json").read_text())["learning"]
+    assert learning[0]["device"].startswith("cuda")
+    assert "Data and pipelines are up to date." in run(["dvc", "status"], root, env)
