@@ -187,6 +187,30 @@ def test_lazy_reader_names_the_tensor_when_the_file_shrinks_after_opening(tmp_pa
         lazy[last]
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_tensor_of_many_chunks_reads_whole_on_threads_and_a_short_file_is_named(tmp_path, monkeypatch, threads):
+    """A tensor larger than the read chunk is read in chunks on the stage's threads (a split's images): the same
+    bytes as on one thread, and a file cut short inside it still names the tensor."""
+    from safetensors.torch import save_file
+
+    from mergeflow import io
+
+    monkeypatch.setattr(io, "READ_CHUNK_BYTES", 1000)  # 64 MiB otherwise: 25 chunks here
+    images = torch.randint(0, 256, (25, 10, 10, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    save_file({"test_x": images}, str(tmp_path / "t.safetensors"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lazy = io.LazyStateDict(tmp_path / "t.safetensors")
+        assert torch.equal(lazy["test_x"], images)
+        data = (tmp_path / "t.safetensors").read_bytes()
+        (tmp_path / "t.safetensors").write_bytes(data[:-1500])  # the last two chunks' bytes, partly
+        with pytest.raises(MergeflowError, match=r"t.safetensors: file ends inside tensor 'test_x'"):
+            lazy["test_x"]
+    finally:
+        torch.set_num_threads(previous)
+
+
 # ---------------------------------------------------------------- backbone.pretrained: a file or the hub (issue 16)
 TINY_VIT = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}
 
