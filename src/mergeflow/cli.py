@@ -114,7 +114,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once as the cores allow, each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
     from mergeflow.orchestration import workers_argument  # no torch
 
-    repro.add_argument("--workers", type=workers_argument, default=None, metavar="N", help="stages at once (default: one per CPU core)")
+    repro.add_argument("--workers", type=workers_argument, default=None, metavar="N", help="stages at once (default: one per GPU, each stage a GPU to itself; else one per CPU core)")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
     ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
