@@ -234,3 +234,16 @@ def test_mergeflow_repro_runs_the_tiny_pipeline_a_gpu_a_stage(tmp_path, tiny_env
     learning = json.loads((root / "logs/timing/merge/adamerging_cart.json").read_text())["learning"]
     assert learning[0]["device"].startswith("cuda")
     assert "Data and pipelines are up to date." in run(["dvc", "status"], root, env)
+
+
+@needs_cuda
+def test_a_split_stacked_on_the_gpu_is_the_hosts_cat():
+    """The evaluator's images on the device: each task's part copied into its rows there (no cat on the host
+    first), the same bytes as the host's torch.cat."""
+    from mergeflow.devices import resident_stack
+
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randint(0, 256, (n, 8, 8, 3), dtype=torch.uint8, generator=g) for n in (5, 1, 7)]
+    stacked = resident_stack(parts, CUDA)
+    assert stacked.device.type == "cuda" and torch.equal(stacked.cpu(), torch.cat(parts))
+    assert resident_stack(parts, CUDA, share=0.0).device.type == "cpu"  # too large for the device: kept on the host

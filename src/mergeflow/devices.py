@@ -13,3 +13,20 @@ def resident(tensor: torch.Tensor, device: torch.device, share: float = 0.5) -> 
         return tensor
     free, _ = torch.cuda.mem_get_info(device)
     return tensor.to(device) if tensor.numel() * tensor.element_size() <= share * free else tensor
+
+
+def resident_stack(parts: list[torch.Tensor], device: torch.device, share: float = 0.5) -> torch.Tensor:
+    """``torch.cat(parts)``, made where ``resident`` would put it: on a CUDA ``device`` (when it takes at most
+    ``share`` of its free memory) each part is copied straight into its rows there, without the copy of every part
+    that the cat on the host makes first (13 GB for the 8-task benchmark's test splits); elsewhere, the host's cat."""
+    if device.type == "cuda" and parts:
+        free, _ = torch.cuda.mem_get_info(device)
+        rows = sum(len(p) for p in parts)
+        if rows * parts[0][0:1].numel() * parts[0].element_size() <= share * free:
+            out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
+            start = 0
+            for part in parts:
+                out[start : start + len(part)].copy_(part)
+                start += len(part)
+            return out
+    return torch.cat(parts)

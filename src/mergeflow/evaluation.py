@@ -18,7 +18,7 @@ from mergeflow.data import TaskData
 from mergeflow.io import StateDict
 from mergeflow.merging import DATA, REGISTRY
 from mergeflow.models import build_backbone
-from mergeflow.devices import resident
+from mergeflow.devices import resident_stack
 from mergeflow.training import extract_features, head_accuracy
 
 
@@ -40,7 +40,7 @@ class MultiTaskEvaluator:
 
     def __post_init__(self) -> None:
         parts = [self.tasks[t].split(self.split) for t in self.tasks]
-        self._images = resident(torch.cat([p.images for p in parts]), self.device)
+        self._images = resident_stack([p.images for p in parts], self.device)
         self._labels = [p.labels for p in parts]
         self._sizes = [len(p.labels) for p in parts]
         self._model = build_backbone(self.backbone_cfg)
