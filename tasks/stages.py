@@ -6,6 +6,7 @@ import time
 from prefect import get_run_logger, task
 
 from mergeflow.checkouts import Source, run_in_checkout
+from mergeflow.config import RUN_GPUS_ENV
 from mergeflow.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
 from mergeflow.stage_server import served_env
 
@@ -65,10 +66,12 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
         if device_env:
             logger.info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
         try:
+            # the stage's threads: the cores' share of one GPU (Params.stage_share)
+            stage_env = env | served_env(device_env, servers) | ({RUN_GPUS_ENV: str(len(gpus))} if device_env and gpus else {})
             if source is None:
-                result = run_stage(node, root, env | served_env(device_env, servers))
+                result = run_stage(node, root, stage_env)
             else:
-                result = run_in_checkout(node, source, env | served_env(device_env, servers))
+                result = run_in_checkout(node, source, stage_env)
                 root = result["checkout"]
         except StageFailed as err:
             seconds = time.monotonic() - started

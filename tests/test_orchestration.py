@@ -114,6 +114,32 @@ def test_a_foreach_stages_items_share_the_cores_by_params_alone(repo_root, monke
     assert params.threads() == 3
 
 
+def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root, monkeypatch):
+    """A stage with a GPU to itself runs beside as many stages as there are GPUs, not beside its foreach siblings:
+    on 16 cores and one GPU every stage takes every core (a ta8 merge's host work: TIES, DARE, Breadcrumbs); on
+    eight GPUs, two each. The count is the GPUs `mergeflow repro` hands out (MERGEFLOW_RUN_GPUS) or, under plain
+    `dvc repro`, the GPUs the stage sees: the same for both. No GPU path where the stages stay on the CPU."""
+    import torch
+
+    from mergeflow.config import RUN_GPUS_ENV, load_params
+
+    params = load_params(repo_root / "params.yaml")
+    stages = ("finetune@digits", "merge@ties", "vectors", "statistics")
+    assert [params.stage_share(a, cores=16, gpus=1) for a in stages] == [None] * 4
+    assert [params.stage_share(a, cores=16, gpus=8) for a in stages] == [2] * 4
+    assert params.stage_share("merge@ties", cores=16, gpus=3) == 5 and params.stage_share("merge@ties", cores=2, gpus=2) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv(RUN_GPUS_ENV, raising=False)
+    assert params.run_gpus() == 4  # plain dvc repro: the GPUs it sees
+    monkeypatch.setenv(RUN_GPUS_ENV, "2")
+    assert params.run_gpus() == 2 and params.stage_share("merge@ties", cores=16) == 8
+    on_cpu = params.model_copy(update={"runtime": params.runtime.model_copy(update={"device": "cpu"})})
+    assert on_cpu.run_gpus() == 0 and on_cpu.stage_share("merge@ties", cores=16) == 2  # the items' share again
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert params.run_gpus() == 0  # pretend GPUs on a machine without CUDA: the CPU's rule
+
+
 def _dvc_project(tmp_path):
     """A one-stage DVC project: `echo` into out.txt."""
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)

@@ -186,6 +186,7 @@ def test_repro_gives_each_stage_a_gpu_to_itself_and_that_gpus_stage_server(tmp_p
     assert {r["device"] for r in runs} == {"6", "9"}
     for a in runs:  # never two at once on one GPU
         assert all(b is a or b["device"] != a["device"] or b["span"][0] >= a["span"][1] or a["span"][0] >= b["span"][1] for b in runs)
+    assert all(r["env"]["MERGEFLOW_RUN_GPUS"] == "2" for r in runs)  # their threads: the cores' share of one GPU
     servers = {r["device"]: r["server"] for r in runs}
     assert len(set(servers.values())) == 2 and all(r["listening"] for r in runs)
     for r in runs:

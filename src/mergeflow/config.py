@@ -402,6 +402,8 @@ def task_seed(seed: int, task: str) -> int:
 # a foreach item's least threads: these models run 1.6x (a fine-tune) to 1.9x (a merge) faster on a second thread
 # (2026-11-26, 2 cores), so two items on one core each end no sooner than one after the other on two
 MIN_STAGE_THREADS = 2
+# the GPUs `mergeflow repro` and the flow hand out, one a running stage: set in each stage's environment
+RUN_GPUS_ENV = "MERGEFLOW_RUN_GPUS"
 
 
 class Params(_Strict):
@@ -433,20 +435,38 @@ class Params(_Strict):
             raise MergeflowError(f"MERGEFLOW_THREADS={env[:40]!r}: expected a whole number of threads from 1 to {MAX_THREADS:,} (it overrides runtime.threads)")
         return int(env)
 
-    def stage_share(self, address: str | None = None, cores: int | None = None) -> int | None:
+    def stage_share(self, address: str | None = None, cores: int | None = None, gpus: int | None = None) -> int | None:
         """The threads of the stage at ``address`` (default: DVC_STAGE, as DVC and the runners set it): the items
         of one foreach stage (the fine-tunes, the merges, the regime merges, the studies) share the cores, at
         least MIN_STAGE_THREADS each, so that on a larger machine `mergeflow repro` and the flow run several side
         by side; None for every other stage, and wherever the share would be every core anyway (torch's default;
         prepare and the regimes start a worker process per core themselves). The thread count decides the last bits
         of what a stage trains, so it follows from params.yaml and the machine alone: plain `dvc repro`,
-        `mergeflow repro` and the flow give the same bytes, whatever runs beside a stage."""
+        `mergeflow repro` and the flow give the same bytes, whatever runs beside a stage. On the GPU path (``gpus``,
+        default ``run_gpus()``) every stage runs alone on its GPU and takes the cores' share of one GPU instead."""
         address = os.environ.get("DVC_STAGE", "") if address is None else address
         stage, _, item = address.rpartition(":")[2].partition("@")
         items = {"finetune": len(self.suite.tasks), "merge": len(self.merge.methods), "regime_merge": len(self.regimes.run), "study": len(self.studies.run)}.get(stage) if item else None
         cores = cores or os.cpu_count() or 1
-        share = max(MIN_STAGE_THREADS, cores // min(cores, items)) if items else cores
+        gpus = self.run_gpus() if gpus is None else gpus
+        if gpus:  # each running stage has a GPU to itself (orchestration.DevicePool): the GPUs share the cores
+            share = max(MIN_STAGE_THREADS, cores // gpus)
+        else:
+            share = max(MIN_STAGE_THREADS, cores // min(cores, items)) if items else cores
         return share if share < cores else None
+
+    def run_gpus(self) -> int:
+        """How many stages run at once on the GPU path, a GPU each: RUN_GPUS_ENV where `mergeflow repro` or the flow
+        set it (the GPUs they hand out), else the GPUs this process sees (plain `dvc repro`, one stage at a time);
+        0 when the stages run on the CPU (runtime.device: cpu, or no CUDA)."""
+        if self.runtime.device == "cpu":
+            return 0
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0
+        env = os.environ.get(RUN_GPUS_ENV, "")
+        return int(env) if env.isdecimal() and int(env) > 0 else torch.cuda.device_count()
 
     @model_validator(mode="after")
     def _clip(self) -> Params:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mergeflow.config import RUN_GPUS_ENV
 from mergeflow.orchestration import DevicePool, StageFailed, StageNode, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping, visible_gpus
 from mergeflow.stage_server import CUDA_DEVICES_ENV, SERVER_ENV, running_server, running_servers, served_env
 
@@ -192,7 +193,8 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         # stage; where there are GPUs, from one such process per GPU. Started first: they import while DVC reads.
         servers = stack.enter_context(running_servers(gpus))
         address = None if gpus else stack.enter_context(running_server())
-        stage_env = (env or {}) | ({SERVER_ENV: address} if address else {})
+        # the stages' threads: the cores' share of one GPU, where each has one (Params.stage_share)
+        stage_env = (env or {}) | ({SERVER_ENV: address} if address else {}) | ({RUN_GPUS_ENV: str(len(gpus))} if gpus else {})
         stack.enter_context(contextlib.chdir(root))
         repo = stack.enter_context(locked_repo(root))
         nodes = stage_graph(repo)
