@@ -50,3 +50,20 @@ def test_the_merge_stage_reads_what_it_wrote_and_searches_the_whole_grid(tiny):
     assert 0 < m["read_share"] < 1
     parts = m["read_s"] + m["val_to_device_s"] + m["search_forward_s"] + m["merge_s"] + m["test_to_device_s"] + m["test_forward_s"]
     assert parts == pytest.approx(m["total_s"], rel=0.05)
+
+
+def test_the_session_script_keeps_the_benchmark_and_the_cuda_tests_output(tmp_path):
+    """bench/gpu_session.sh, the one call a short GPU lease makes, dry-run on the CPU: the benchmark's JSON (what
+    `mergeflow plan --calibration` reads), its table, and the CUDA tests' log (all skipped here), each in OUT."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", "--tiny", "--device", "cpu", "--workdir", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "out"
+    result = json.loads((out / "gpu-bench.json").read_text())
+    assert result["bench"] == "gpu" and result["tiny"] and result["device"].startswith("cpu")
+    assert "merge stage" in (out / "bench.log").read_text() and " skipped" in (out / "cuda-tests.log").read_text()
+    assert "cuda False" in (out / "gpu.txt").read_text() and "bench/gpu.py: exit 0; tests/test_cuda.py: exit 0" in proc.stdout
