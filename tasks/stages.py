@@ -6,7 +6,7 @@ import time
 from prefect import get_run_logger, task
 
 from mergeflow.checkouts import Source, run_in_checkout
-from mergeflow.config import RUN_GPUS_ENV
+from mergeflow.devices import RUN_GPUS_ENV
 from mergeflow.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
 from mergeflow.stage_server import served_env
 

@@ -217,8 +217,9 @@ def test_the_gpu_benchmark_runs_tiny_on_the_gpu(tmp_path):
 @pytest.mark.e2e
 def test_mergeflow_repro_runs_the_tiny_pipeline_a_gpu_a_stage(tmp_path, tiny_env):
     """`mergeflow repro` on a GPU machine: one stage per GPU, each forked from the stage server started for its GPU
-    (a server that imported torch but never touched CUDA: a forked child initialises CUDA itself). Every stage
-    completes, and AdaMerging's loop, forked like the rest, ran on CUDA. Skipped where DVC is not installed (GPU
+    (a server that imported torch but never touched CUDA: a forked child initialises CUDA itself; that a stage is
+    served by its GPU's server is checked on the CPU, tests/test_scheduler.py). Every stage completes, and
+    AdaMerging's loop ran on CUDA. Skipped where DVC is not installed (GPU
     machines without the project's environment have run the rest of this module)."""
     import json
     import re
@@ -247,3 +248,6 @@ def test_a_split_stacked_on_the_gpu_is_the_hosts_cat():
     stacked = resident_stack(parts, CUDA)
     assert stacked.device.type == "cuda" and torch.equal(stacked.cpu(), torch.cat(parts))
     assert resident_stack(parts, CUDA, share=0.0).device.type == "cpu"  # too large for the device: kept on the host
+    assert resident_stack([parts[0][:0], *parts], CUDA, share=0.0).device.type == "cpu"  # an empty first part: sized still
+    with pytest.raises(RuntimeError):  # parts that differ are torch.cat's error, not broadcast into the first's shape
+        resident_stack([parts[0], parts[1][..., :1]], CUDA)

@@ -13,7 +13,7 @@ import pytest
 
 from mergeflow import lockfile, orchestration
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import StageFailed, StageNode, locked_repo, run_stage, stage_graph
+from mergeflow.orchestration import StageFailed, StageNode, StageNotStarted, locked_repo, run_stage, stage_graph
 from tasks.stages import _retry_if_transient
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
@@ -87,7 +87,7 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
         # well short of the stage's 60 s sleep (SIGTERM after a 5 s grace), with room for a busy machine
         assert time.monotonic() - started < 50 and errors[0].returncode == -signal.SIGTERM
         assert not errors[0].transient  # stopped on purpose: not retried
-        with pytest.raises(StageFailed, match="the flow is stopping"):
+        with pytest.raises(StageNotStarted, match="not started: the run is stopping"):  # a StageFailed, recorded as not run
             run_stage(node, tmp_path)
     finally:
         orchestration._stopping.clear()
@@ -121,23 +121,25 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     `dvc repro`, the GPUs the stage sees: the same for both. No GPU path where the stages stay on the CPU."""
     import torch
 
-    from mergeflow.config import RUN_GPUS_ENV, load_params
+    from mergeflow.config import load_params
+    from mergeflow.devices import RUN_GPUS_ENV, run_gpus
 
     params = load_params(repo_root / "params.yaml")
     stages = ("finetune@digits", "merge@ties", "vectors", "statistics")
     assert [params.stage_share(a, cores=16, gpus=1) for a in stages] == [None] * 4
     assert [params.stage_share(a, cores=16, gpus=8) for a in stages] == [2] * 4
+    assert params.stage_share("prepare", cores=16, gpus=8) is None and params.stage_share("pretrain", cores=16, gpus=8) is None  # alone
     assert params.stage_share("merge@ties", cores=16, gpus=3) == 5 and params.stage_share("merge@ties", cores=2, gpus=2) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv(RUN_GPUS_ENV, raising=False)
-    assert params.run_gpus() == 4  # plain dvc repro: the GPUs it sees
+    assert run_gpus(params.runtime.device) == 4  # plain dvc repro: the GPUs it sees
     monkeypatch.setenv(RUN_GPUS_ENV, "2")
-    assert params.run_gpus() == 2 and params.stage_share("merge@ties", cores=16) == 8
+    assert run_gpus(params.runtime.device) == 2 and params.stage_share("merge@ties", cores=16) == 8
     on_cpu = params.model_copy(update={"runtime": params.runtime.model_copy(update={"device": "cpu"})})
-    assert on_cpu.run_gpus() == 0 and on_cpu.stage_share("merge@ties", cores=16) == 2  # the items' share again
+    assert run_gpus(on_cpu.runtime.device) == 0 and on_cpu.stage_share("merge@ties", cores=16) == 2  # the items' share again
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert params.run_gpus() == 0  # pretend GPUs on a machine without CUDA: the CPU's rule
+    assert run_gpus(params.runtime.device) == 0  # pretend GPUs on a machine without CUDA: the CPU's rule
 
 
 def _dvc_project(tmp_path):

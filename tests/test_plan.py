@@ -151,7 +151,7 @@ def test_a_fine_tune_estimate_by_hand():
     plan = P.make_plan(p, _nodes(), {"finetune@a"}, FAKE)
     row = next(r for r in plan["stages"] if r["stage"] == "finetune@a")
     assert row["compute_seconds"] == pytest.approx(compute)
-    assert row["seconds"] == pytest.approx(compute + 1.0 + 0.9)  # + the stage server's imports (import_s: the run's first stage) + the gap
+    assert row["seconds"] == pytest.approx(compute + 1.0 + P.STAGE_GAP_S)  # + the stage server's imports (import_s: the run's first stage) + the gap
     assert plan["total_seconds"] == pytest.approx(row["seconds"])
     n = P.model_shape(p).parameters
     held = (100 + 10 + 20) * 32 * 32 * 3  # one task's images, uint8

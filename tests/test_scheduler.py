@@ -211,3 +211,47 @@ def test_stages_kept_on_the_cpu_by_params_get_no_gpu(tmp_path, monkeypatch, repo
     assert stage_gpus(tmp_path) == []
     (tmp_path / "params.yaml").write_text(json.dumps({"items": ["x"]}))
     assert stage_gpus(tmp_path) == ["6", "9"]  # a DVC project of another kind: the GPUs this machine shows
+
+
+def test_a_stopped_gpu_run_records_the_stages_waiting_for_a_gpu_as_not_run(tmp_path):
+    """Five stages, four threads, two pretend GPUs: SIGINT while two run. The two running ones are stopped; the
+    ones waiting for a GPU (and the one never started) are not run, not failed; the run ends 130."""
+    import signal
+
+    root = _project(tmp_path, list("abcde"))
+    (root / "stage.py").write_text("import os, time\nprint('start', flush=True)\ntime.sleep(60)\n")
+    stages = json.loads((root / "dvc.yaml").read_text())
+    stages["stages"] = {"make": stages["stages"]["make"] | {"do": stages["stages"]["make"]["do"] | {"cmd": f"{sys.executable} stage.py"}}}
+    (root / "dvc.yaml").write_text(json.dumps(stages))
+    env = {k: v for k, v in os.environ.items() if k != "MERGEFLOW_STAGE_SERVER"} | {"CUDA_VISIBLE_DEVICES": "7,9"}
+    code = f"import sys; from mergeflow.scheduler import repro; sys.exit(repro({str(root)!r}, 4))"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if sum(text.endswith("] start\n") for text in lines) == 2:  # two stages run, the others wait for a GPU
+            proc.send_signal(signal.SIGINT)
+            break
+    out = "".join(lines) + proc.stdout.read()
+    assert proc.wait() == 130, out
+    failed = [line for line in out.splitlines() if line.startswith("failed: ")]
+    assert len(failed) == 2 and all("exit status -15" in line for line in failed), out  # the two that ran
+    not_run = next(line for line in out.splitlines() if line.startswith("not run: "))
+    assert not_run.count("(the run was stopped)") == 3, out
+
+
+def test_a_stage_given_a_gpu_forks_from_that_gpus_server_and_not_from_another(tmp_path, monkeypatch):
+    """The per-GPU stage servers: a stage command whose environment names GPU 9 and GPU 9's server is served by it
+    (forward returns the forked stage's exit status, here report's bad-input 2 in an empty folder); sent to GPU 7's
+    server instead, the server refuses it (its CUDA_VISIBLE_DEVICES differs: an import-time variable) and the
+    command would run in its own process (forward returns None)."""
+    from mergeflow.stage_server import SERVER_ENV, running_servers
+
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+    child = "import sys; from mergeflow.stage_server import forward; sys.exit(100 if (r := forward(['report'])) is None else r)"
+    with running_servers(["7", "9"]) as servers:
+        assert all(servers.values())
+        for server, expected in ((servers["9"], 2), (servers["7"], 100)):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "9", SERVER_ENV: server, "DVC_STAGE": "report", "DVC_ROOT": str(tmp_path)}
+            proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True)
+            assert proc.returncode == expected, proc.stderr[-1000:]

@@ -402,8 +402,6 @@ def task_seed(seed: int, task: str) -> int:
 # a foreach item's least threads: these models run 1.6x (a fine-tune) to 1.9x (a merge) faster on a second thread
 # (2026-11-26, 2 cores), so two items on one core each end no sooner than one after the other on two
 MIN_STAGE_THREADS = 2
-# the GPUs `mergeflow repro` and the flow hand out, one a running stage: set in each stage's environment
-RUN_GPUS_ENV = "MERGEFLOW_RUN_GPUS"
 
 
 class Params(_Strict):
@@ -443,30 +441,20 @@ class Params(_Strict):
         prepare and the regimes start a worker process per core themselves). The thread count decides the last bits
         of what a stage trains, so it follows from params.yaml and the machine alone: plain `dvc repro`,
         `mergeflow repro` and the flow give the same bytes, whatever runs beside a stage. On the GPU path (``gpus``,
-        default ``run_gpus()``) every stage runs alone on its GPU and takes the cores' share of one GPU instead."""
+        default ``devices.run_gpus``) each stage has a GPU to itself and takes the cores' share of one GPU instead."""
         address = os.environ.get("DVC_STAGE", "") if address is None else address
         stage, _, item = address.rpartition(":")[2].partition("@")
         items = {"finetune": len(self.suite.tasks), "merge": len(self.merge.methods), "regime_merge": len(self.regimes.run), "study": len(self.studies.run)}.get(stage) if item else None
         cores = cores or os.cpu_count() or 1
-        gpus = self.run_gpus() if gpus is None else gpus
-        if gpus:  # each running stage has a GPU to itself (orchestration.DevicePool): the GPUs share the cores
-            share = max(MIN_STAGE_THREADS, cores // gpus)
+        if gpus is None:
+            from mergeflow.devices import run_gpus  # torch: not at config's import
+
+            gpus = run_gpus(self.runtime.device)
+        if gpus and stage not in ("prepare", "pretrain"):  # (those two run alone: every other stage waits for them)
+            share = max(MIN_STAGE_THREADS, cores // gpus)  # each running stage has a GPU to itself: they share the cores
         else:
             share = max(MIN_STAGE_THREADS, cores // min(cores, items)) if items else cores
         return share if share < cores else None
-
-    def run_gpus(self) -> int:
-        """How many stages run at once on the GPU path, a GPU each: RUN_GPUS_ENV where `mergeflow repro` or the flow
-        set it (the GPUs they hand out), else the GPUs this process sees (plain `dvc repro`, one stage at a time);
-        0 when the stages run on the CPU (runtime.device: cpu, or no CUDA)."""
-        if self.runtime.device == "cpu":
-            return 0
-        import torch
-
-        if not torch.cuda.is_available():
-            return 0
-        env = os.environ.get(RUN_GPUS_ENV, "")
-        return int(env) if env.isdecimal() and int(env) > 0 else torch.cuda.device_count()
 
     @model_validator(mode="after")
     def _clip(self) -> Params:

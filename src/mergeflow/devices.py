@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# the GPUs `mergeflow repro` and the flow hand out, one a running stage: set in each stage's environment
+RUN_GPUS_ENV = "MERGEFLOW_RUN_GPUS"
+
+
+def run_gpus(device: str) -> int:
+    """How many stages run at once on the GPU path, a GPU each (``device``: runtime.device): RUN_GPUS_ENV where
+    `mergeflow repro` or the flow set it (the GPUs they hand out), else the GPUs this process sees (plain `dvc
+    repro`, one stage at a time); 0 when the stages run on the CPU (runtime.device: cpu, or no CUDA)."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    env = os.environ.get(RUN_GPUS_ENV, "")
+    return int(env) if env.isdecimal() and int(env) > 0 else torch.cuda.device_count()
 
 
 def resident(tensor: torch.Tensor, device: torch.device, share: float = 0.5) -> torch.Tensor:
@@ -19,10 +34,11 @@ def resident_stack(parts: list[torch.Tensor], device: torch.device, share: float
     """``torch.cat(parts)``, made where ``resident`` would put it: on a CUDA ``device`` (when it takes at most
     ``share`` of its free memory) each part is copied straight into its rows there, without the copy of every part
     that the cat on the host makes first (13 GB for the 8-task benchmark's test splits); elsewhere, the host's cat."""
-    if device.type == "cuda" and parts:
+    alike = all(p.shape[1:] == parts[0].shape[1:] and p.dtype == parts[0].dtype for p in parts)  # else cat's error
+    if device.type == "cuda" and parts and alike:
         free, _ = torch.cuda.mem_get_info(device)
         rows = sum(len(p) for p in parts)
-        if rows * parts[0][0:1].numel() * parts[0].element_size() <= share * free:
+        if rows * parts[0].shape[1:].numel() * parts[0].element_size() <= share * free:
             out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
             start = 0
             for part in parts:

@@ -151,6 +151,13 @@ class StageFailed(Exception):
         return self.returncode == BAD_INPUT_STATUS
 
 
+class StageNotStarted(StageFailed):
+    """A stage the run was stopped before (one that waited for a GPU, say): recorded as not run, not as failed."""
+
+    def __init__(self, address: str, returncode: int = -signal.SIGTERM, tail: str = "not started: the run is stopping", output: str = ""):
+        super().__init__(address, returncode, tail, output)
+
+
 class PipelineFailed(MergeflowError):
     """Stages of a flow run failed (each is reported with its own status and last line)."""
 
@@ -215,7 +222,7 @@ def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | Non
     DVC_ROOT set). ``echo(line, sys.stdout or sys.stderr)`` is given each line the stage prints as it comes.
     Raises StageFailed with the last line the command printed when it fails."""
     if _stopping.is_set():
-        raise StageFailed(node.address, -signal.SIGTERM, "not started: the flow is stopping")
+        raise StageNotStarted(node.address)
     root = Path(root).resolve()
     stage_env = {**os.environ, **(env or {}), "DVC_STAGE": node.address, "DVC_ROOT": str(root), DIE_WITH_PARENT_ENV: str(os.getpid())}
     with _running_lock:

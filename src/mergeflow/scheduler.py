@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergeflow.config import RUN_GPUS_ENV
-from mergeflow.orchestration import DevicePool, StageFailed, StageNode, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping, visible_gpus
+from mergeflow.devices import RUN_GPUS_ENV
+from mergeflow.orchestration import DevicePool, StageFailed, StageNode, StageNotStarted, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping, visible_gpus
 from mergeflow.stage_server import CUDA_DEVICES_ENV, SERVER_ENV, running_server, running_servers, served_env
 
 @dataclass
@@ -112,6 +112,8 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
         running.pop(address, None)
         try:
             result = future.result()
+        except StageNotStarted:  # it waited (for a GPU) while the run was being stopped
+            outcome.not_run[address] = "the run was stopped"
         except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
             outcome.failed[address] = err
         else:
@@ -209,6 +211,8 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
 
         def one(node: StageNode) -> dict:
             with devices.lease() as device_env:
+                if stopping():  # it waited for a GPU while the run was being stopped
+                    raise StageNotStarted(node.address)
                 _say(f"Running stage '{node.address}'" + (f" on GPU {device_env[CUDA_DEVICES_ENV]}:" if device_env else ":"))
                 started = time.monotonic()
                 result = run_stage(node, root, stage_env | served_env(device_env, servers), echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))

@@ -200,13 +200,18 @@ def serve(address: str, entry: Callable[[list[str]], int]) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def quit_now(signum, frame):  # during the imports nothing is forked yet: a run that ends waits for nothing
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, quit_now)
+    signal.signal(signal.SIGINT, quit_now)
     before = dict(os.environ)
     frozen = _import_time_env(before)  # what the imports below read
     for module in _PRELOAD:
         with contextlib.suppress(Exception):
             __import__(module)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     # what they set (KMP_*, TORCHINDUCTOR_CACHE_DIR): a child has them, as a process that imported them would
     set_by_imports = {k: v for k, v in os.environ.items() if k not in before}
     server_pid = os.getpid()

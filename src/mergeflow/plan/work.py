@@ -26,9 +26,9 @@ from mergeflow.plan.measure import Throughput, model_shape
 
 # ---------------------------------------------------------------- calibration constants (few, each measured)
 # `mergeflow repro`'s time between two stages whose processes fork from its stage server (the command's start, the
-# fork, the stage's setup before its timer, the commit to dvc.lock beside the next stage): 36.5 and 39.7 s between
-# the 42 stages of two fresh clones' default runs on the 2-core machine (2026-11-28, docs/daily-loop.md).
-STAGE_GAP_S = 0.9
+# fork, the stage's setup before its timer; the commit to dvc.lock runs beside the next stage): 11.7 s between the
+# 42 stages of a fresh clone's default run on the 2-core machine (fc6, 2026-11-28, docs/daily-loop.md).
+STAGE_GAP_S = 0.28
 # prepare: its process pool's start (the tiny profile's prepare took 5.8 s for 960 task and 800 corpus images),
 # then the embedded suite's generation per image (tasks' splits and the pretraining corpus) on 2 cores: 30.05 s in
 # all for 8 x 3700 task images + 60000 corpus images in /work/main (logs/timing/prepare.json).
