@@ -104,3 +104,18 @@ from mergeflow.stage_server import forward
 out = {}
 """)
     assert out["heavy"] == []
+
+
+@pytest.mark.skipif(__import__("mergeflow.devices", fromlist=["x"]).gpu_driver_present(), reason="a GPU driver here: torch is asked")
+def test_mergeflow_repro_on_a_machine_without_a_gpu_driver_imports_no_torch_to_find_none():
+    """`mergeflow repro` asks for the GPUs before it starts its stage servers, and the stages' threads ask how many
+    GPUs the run shares: where no GPU driver is installed both answer at once, without torch (1.2 s here)."""
+    out = fresh("""
+import os
+os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+from mergeflow.config import load_params
+from mergeflow.orchestration import visible_gpus
+params = load_params("params.yaml")
+out = {"gpus": visible_gpus(), "threads": params.stage_share("merge@ties", cores=16)}
+""")
+    assert out == {"gpus": [], "threads": 2, "heavy": []}

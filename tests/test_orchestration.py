@@ -130,6 +130,9 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     assert [params.stage_share(a, cores=16, gpus=8) for a in stages] == [2] * 4
     assert params.stage_share("prepare", cores=16, gpus=8) is None and params.stage_share("pretrain", cores=16, gpus=8) is None  # alone
     assert params.stage_share("merge@ties", cores=16, gpus=3) == 5 and params.stage_share("merge@ties", cores=2, gpus=2) is None
+    from mergeflow import devices
+
+    monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv(RUN_GPUS_ENV, raising=False)
@@ -140,6 +143,9 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     assert run_gpus(on_cpu.runtime.device) == 0 and on_cpu.stage_share("merge@ties", cores=16) == 2  # the items' share again
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert run_gpus(params.runtime.device) == 0  # pretend GPUs on a machine without CUDA: the CPU's rule
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "gpu_driver_present", lambda: False)
+    assert run_gpus(params.runtime.device) == 0  # no GPU driver on the machine: CUDA is not asked
 
 
 def _dvc_project(tmp_path):
