@@ -119,3 +119,14 @@ params = load_params("params.yaml")
 out = {"gpus": visible_gpus(), "threads": params.stage_share("merge@ties", cores=16)}
 """)
     assert out == {"gpus": [], "threads": 2, "heavy": []}
+
+
+def test_the_check_for_lost_mlflow_runs_imports_no_torch(tmp_path):
+    """`mergeflow repro` asks, before any stage, whether MLflow's store still holds track's run: without
+    mergeflow.tracking's imports (torch and timm: 2.8 s of each run's start on this machine)."""
+    out = fresh(f"""
+from pathlib import Path
+from mergeflow.mlflow_store import tracked_runs_lost
+out = {{"lost": tracked_runs_lost(Path({str(tmp_path)!r}))}}
+""")
+    assert out == {"lost": None, "heavy": []}  # no results/ yet: nothing to have lost

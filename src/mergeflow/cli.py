@@ -200,7 +200,7 @@ def run_command(args: argparse.Namespace) -> int:
             from pathlib import Path
 
             from mergeflow.scheduler import repro
-            from mergeflow.tracking.store import tracked_runs_lost
+            from mergeflow.mlflow_store import tracked_runs_lost
 
             force = set()
             if lost := tracked_runs_lost(Path.cwd()):
@@ -216,7 +216,7 @@ def run_command(args: argparse.Namespace) -> int:
             if status == 0 and not [a for a in args.dvc_args if not a.startswith("-")]:  # the whole pipeline
                 from pathlib import Path
 
-                from mergeflow.tracking.store import tracked_runs_lost
+                from mergeflow.mlflow_store import tracked_runs_lost
 
                 if lost := tracked_runs_lost(Path.cwd()):
                     print(f"track: {lost}: logging every stage to MLflow again")
