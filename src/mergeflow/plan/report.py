@@ -128,7 +128,7 @@ def device_line(plan: dict) -> str:
     return (
         f"device {plan['device']}, {tp['threads']} threads; backbone {plan['parameters'] / 1e6:.2f} M parameters: forward {tp['forward_img_s']:.0f} img/s ({_batches(tp, 'forward')}), "
         f"train {tp['train_img_s']:.0f} img/s ({_batches(tp, 'train')}), per-example gradient {1000 * tp['example_grad_s']:.1f} ms, parameter pass {1000 * tp['param_pass_s']:.2f} ms, "
-        f"SVD {1000 * tp['svd_s']:.1f} ms; stage server's imports {tp['import_s']:.1f} s once, {STAGE_GAP_S:.1f} s between stages; {when}{kept}; memory: {tp['memory_source']}"
+        f"SVD {1000 * tp['svd_s']:.1f} ms; stage server's imports {tp['import_s']:.1f} s once, {STAGE_GAP_S:.2f} s between stages; {when}{kept}; memory: {tp['memory_source']}"
     )
 
 
