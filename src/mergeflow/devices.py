@@ -26,14 +26,27 @@ def run_gpus(device: str) -> int:
     """How many stages run at once on the GPU path, a GPU each (``device``: runtime.device): RUN_GPUS_ENV where
     `mergeflow repro` or the flow set it (the GPUs they hand out), else the GPUs this process sees (plain `dvc
     repro`, one stage at a time); 0 when the stages run on the CPU (runtime.device: cpu, or no CUDA)."""
-    if device == "cpu" or not gpu_driver_present():
+    seen = cuda_devices() if device != "cpu" else 0
+    env = os.environ.get(RUN_GPUS_ENV, "")
+    return int(env) if seen and env.isdecimal() and int(env) > 0 else seen
+
+
+def cuda_devices() -> int:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied); 0 without CUDA, and without importing
+    torch where no GPU driver is installed."""
+    if not gpu_driver_present():
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        return 0
-    env = os.environ.get(RUN_GPUS_ENV, "")
-    return int(env) if env.isdecimal() and int(env) > 0 else torch.cuda.device_count()
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _fits(nbytes: int, device: torch.device, share: float) -> bool:
+    """Whether ``nbytes`` take at most ``share`` of the CUDA ``device``'s free memory."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= share * free
 
 
 def resident(tensor: torch.Tensor, device: torch.device, share: float = 0.5) -> torch.Tensor:
@@ -42,10 +55,7 @@ def resident(tensor: torch.Tensor, device: torch.device, share: float = 0.5) -> 
     images at 224 px is 19 MB); as it is elsewhere (the CPU, or too large: then each batch is copied as before)."""
     if device.type != "cuda" or tensor.device == device:
         return tensor
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(device)
-    return tensor.to(device) if tensor.numel() * tensor.element_size() <= share * free else tensor
+    return tensor.to(device) if _fits(tensor.numel() * tensor.element_size(), device, share) else tensor
 
 
 def resident_stack(parts: list[torch.Tensor], device: torch.device, share: float = 0.5) -> torch.Tensor:
@@ -56,9 +66,8 @@ def resident_stack(parts: list[torch.Tensor], device: torch.device, share: float
 
     alike = all(p.shape[1:] == parts[0].shape[1:] and p.dtype == parts[0].dtype for p in parts)  # else cat's error
     if device.type == "cuda" and parts and alike:
-        free, _ = torch.cuda.mem_get_info(device)
         rows = sum(len(p) for p in parts)
-        if rows * parts[0].shape[1:].numel() * parts[0].element_size() <= share * free:
+        if _fits(rows * parts[0].shape[1:].numel() * parts[0].element_size(), device, share):
             out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
             start = 0
             for part in parts:

@@ -478,13 +478,9 @@ def visible_gpus() -> list[str]:
     torch sees ("0", "1", ...); none on a machine without CUDA."""
     if CUDA_DEVICES_ENV in os.environ:
         return parse_visible_devices(os.environ[CUDA_DEVICES_ENV])
-    from mergeflow.devices import gpu_driver_present
+    from mergeflow.devices import cuda_devices  # without torch's import where there is no GPU driver (seconds)
 
-    if not gpu_driver_present():  # no GPU driver: none, without torch's import (seconds)
-        return []
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return [str(i) for i in range(cuda_devices())]
 
 
 def worker_devices(devices: list[str] | tuple[str, ...], worker: int, workers: int) -> list[str]:

@@ -7,7 +7,8 @@ threads follow from params.yaml and the machine (``Params.stage_share``: the ite
 cores, at least 2 threads each), so they give the same bytes however they are run. On 2 cores every stage takes
 both and they run one at a time (a second stage on one thread each finished no sooner: 2026-11-26); on 16 cores
 eight fine-tunes run at once. Where there are GPUs, each running stage gets one to itself instead (as the flow
-does): a merge of the 8-task benchmark holds its 16 GB of images on the device, and eight at once would not fit.
+does): a merge of the 8-task benchmark keeps its 13 GB of images on the device (14.7 GiB at its peak on an H100), and
+eight at once would not fit.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.io import atomic_path, process_alive
-from mergeflow.mlflow_store import read_one as _read_one, tracked_runs_lost, tracking_uri  # noqa: F401 - the store's API
+from mergeflow.mlflow_store import read_one, tracked_runs_lost, tracking_uri  # noqa: F401 - the store's API
 
 
 def _migrate(path: Path) -> None:
@@ -68,7 +68,7 @@ def prepare_store(uri: str) -> str | None:
         if why is not None:
             raise MergeflowError(f"{path}: the MLflow store cannot be read whole ({why}); it is left as it is: restore it from a backup, or move it away and run `mergeflow repro` to log every stage anew")
     head = _get_latest_schema_revision()
-    if path.is_file() and _read_one(path, "SELECT version_num FROM alembic_version") == head:
+    if path.is_file() and read_one(path, "SELECT version_num FROM alembic_version") == head:
         return None
     notice = None
     with atomic_path(path) as tmp:  # a kill leaves the old file (or none) and a temporary the next stage sweeps
