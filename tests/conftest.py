@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+import mergeflow  # noqa: F401 - before torch: the deterministic mode's kernels, pinned as every stage has them
 import torch
 import yaml
 

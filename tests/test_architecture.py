@@ -28,6 +28,7 @@ LAYER = {
     "mergeflow.homes": "foundation",  # the tools' home folders (Prefect's) made sure of before their import
     "mergeflow.layout": "foundation",  # where every stage reads and writes
     "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
+    "mergeflow.reproducibility": "foundation",  # the deterministic mode: pinned kernels, GEMMs on OpenBLAS, machine records
     "mergeflow.mlflow_store": "foundation",  # where MLflow's store is, whether it still holds track's run (no torch)
     "mergeflow.config": "config",  # params.yaml, validated; the environment's settings
     "mergeflow.imports": "config",  # imports/<task>: an imported checkpoint file as its fine-tune's dependency

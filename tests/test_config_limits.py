@@ -197,7 +197,7 @@ def test_a_count_written_as_1e29_in_params_yaml_through_the_cli(tmp_path, repo_r
 
 
 def test_threads_from_the_environment_are_bounded_too(raw, monkeypatch):
-    params = parse_params(raw)
+    params = parse_params(raw | {"runtime": raw["runtime"] | {"deterministic": False}})
     for env in ("0", "1e30", "abc", str(10**30)):
         monkeypatch.setenv("MERGEFLOW_THREADS", env)
         with pytest.raises(MergeflowError) as err:
@@ -205,6 +205,9 @@ def test_threads_from_the_environment_are_bounded_too(raw, monkeypatch):
         assert str(err.value) == f"MERGEFLOW_THREADS={env!r}: expected a whole number of threads from 1 to 4,096 (it overrides runtime.threads)"
     monkeypatch.setenv("MERGEFLOW_THREADS", "3")
     assert params.threads() == 3
+    # deterministic: the count decides the bits, so it comes from params.yaml alone (2 unless runtime.threads says)
+    assert parse_params(raw).threads() == 2 and parse_params(raw).torch_threads() == 1
+    assert parse_params(raw | {"runtime": raw["runtime"] | {"threads": 5}}).threads() == 5
 
 
 def test_a_large_seed_reaches_the_probe_within_scikit_learns_range():

@@ -99,6 +99,11 @@ def test_a_foreach_stages_items_share_the_cores_by_params_alone(repo_root, monke
     from mergeflow.config import load_params
 
     params = load_params(repo_root / "params.yaml")  # 8 tasks, 24 methods, 2 regimes, 2 studies
+    # deterministic (the default): two threads a stage whatever the machine; the share below is the fast mode's
+    with monkeypatch.context() as m:
+        m.setattr(os, "cpu_count", lambda: 16)
+        assert params.threads() == 2
+    params = params.model_copy(update={"runtime": params.runtime.model_copy(update={"deterministic": False})})
     items = ("finetune@digits", "merge@ties", "regime_merge@mima", "study@mima")
     lone = ("prepare", "pretrain", "vectors", "statistics", "regime@mima", "report", "track", "")
     assert [params.stage_share(a, cores=2) for a in items + lone] == [None] * 12  # 2 cores: every stage takes both

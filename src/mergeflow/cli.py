@@ -241,10 +241,18 @@ def run_command(args: argparse.Namespace) -> int:
         from mergeflow.tracking import track
 
         track(params)
-    elif item:
+        return 0
+    from mergeflow.reproducibility.machine import describe, record_stage, summary
+
+    device = configure_stage(params)
+    address = f"{args.command}@{name}" if item else args.command
+    machine = describe(in_use=True, device=device)
+    print(f"{address}: {summary(machine)}", flush=True)
+    if item:
         getattr(stages, args.command)(params, name)
     else:
         getattr(stages, args.command)(params)
+    record_stage(".", address, machine)  # what wrote its outputs (provenance.json)
     return 0
 
 
@@ -388,9 +396,31 @@ def _forwarded(argv: list[str]) -> int | None:
     return forward(argv)
 
 
+def _params_path(argv: list[str]) -> str:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--params", default="params.yaml")
+    return pre.parse_known_args(argv)[0].params
+
+
+def configure_stage(params) -> str:
+    """This stage process's kernels and threads (mergeflow.reproducibility.configure), before any stage work; its
+    device ('cpu' or 'cuda')."""
+    from mergeflow.devices import cuda_devices
+    from mergeflow.reproducibility import configure
+
+    device = "cuda" if params.runtime.device != "cpu" and cuda_devices() else "cpu"
+    configure(params.runtime.deterministic, params.threads(), device)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     as_command = argv is None  # the `mergeflow` command itself, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
+    from mergeflow.reproducibility import pin_environment, requested
+
+    # before anything imports torch or numpy (here, the stage server, DVC's stage commands): the deterministic
+    # mode's kernels, or the machine's own where params.yaml sets runtime.deterministic: false
+    pin_environment(requested(_params_path(argv)))
     if argv[:1] == ["_serve-stages"] and len(argv) == 2:  # mergeflow.stage_server.running_server starts it
         from mergeflow.stage_server import serve
 

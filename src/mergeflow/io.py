@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mergeflow.errors import MergeflowError
+from mergeflow.reproducibility import stage_threads
 
 StateDict = dict[str, torch.Tensor]
 
@@ -273,7 +274,7 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         if len(view) != end - begin:
             raise MergeflowError(f"{self.path}: tensor '{key}' holds {end - begin} bytes, not the {len(view)} its shape and dtype need")
         starts = range(0, len(view), READ_CHUNK_BYTES)
-        threads = min(len(starts), torch.get_num_threads(), MAX_READ_THREADS)
+        threads = min(len(starts), stage_threads(), MAX_READ_THREADS)
         if threads > 1:  # a split's images, gigabytes at 224 px: pread releases the GIL, and copying is per core
             with ThreadPoolExecutor(threads, thread_name_prefix="read") as pool:
                 list(pool.map(lambda start: self._read_range(key, view, start, min(start + READ_CHUNK_BYTES, len(view)), begin), starts))

@@ -41,7 +41,7 @@ SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRES
 # the commands a server runs: the stages (everything else is quick or starts its own processes)
 STAGE_COMMANDS = frozenset({"prepare", "pretrain", "finetune", "vectors", "statistics", "merge", "regime", "regime_merge", "study", "report", "track"})
 # environment variables that libraries read when they are imported: a command whose values differ runs on its own
-IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TORCH", "PYTORCH_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "NUMBA_", "TIMM_", "PYTHON", "LD_", "MERGEFLOW_DOWNLOAD")
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NPY_", "CUDA_", "NUMBA_", "TIMM_", "PYTHON", "LD_", "MERGEFLOW_DOWNLOAD", "MERGEFLOW_DETERMINISTIC")
 # ... but for str's hash seed, which no stage's result may depend on (Dask's workers set one of their own)
 _NOT_COMPARED = frozenset({"PYTHONHASHSEED"})
 _HEADER = struct.Struct("!I")

@@ -35,7 +35,7 @@ from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features,
 
 
 def _setup(params: Params, seed: int) -> torch.device:
-    seed_everything(seed, params.threads())
+    seed_everything(seed, params.torch_threads())
     return select_device(params.runtime.device)
 
 
@@ -302,7 +302,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     threads = params.threads() or torch.get_num_threads()
     workers = 1 if device.type == "cuda" else min(len(tasks), threads)
     build = functools.partial(regime_trainer, params, layout, str(device))
-    with Timer() as timer, PoolTrainer(build, workers, max(1, threads // workers)) if workers > 1 else contextlib.nullcontext(build()) as train:
+    with Timer() as timer, PoolTrainer(build, workers, max(1, threads // workers), params.runtime.deterministic) if workers > 1 else contextlib.nullcontext(build()) as train:
         print(f"regime {name}: each round's {len(tasks)} fine-tunes on {workers} {'processes' if workers > 1 else 'process'} ({device})", flush=True)
         results = {}
         for variant, kwargs in cfg.variants(name, params.finetune.steps).items():

@@ -120,6 +120,27 @@ def verify(root: str | Path = ".", report=None) -> str:
         return f"ok: every output dvc.lock records matches its bytes ({read} files hashed)"
     for c in found:
         (report or print)(f"{c.why}: {c.path} (stage {c.stage})")
+    for line in machine_lines(root, sorted({c.stage for c in found if c.why != "missing"})):
+        (report or print)(line)
     stages = sorted({c.stage for c in found})
     shown = "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in found)
     raise MergeflowError(f"{len(found)} file{'s' if len(found) > 1 else ''} differ from dvc.lock: {shown}; `dvc repro --force --single-item {' '.join(stages)}` (or the Prefect flow) makes them again")
+
+
+def machine_lines(root: str | Path, stages: list[str]) -> list[str]:
+    """For stages whose bytes differ: the machine provenance.json says wrote them, beside this one, and what
+    differs between the two (the CPU's maker or features, the kernels, the mode, the threads, the versions)."""
+    from mergeflow.reproducibility.machine import describe, differences, recorded, summary
+
+    entries = recorded(root)
+    current = describe()
+    lines = []
+    for stage in stages:
+        if (written := entries.get(stage)) is None:
+            lines.append(f"{stage}: provenance.json has no record of the machine that wrote it")
+            continue
+        comparable = {k: written.get(k) for k in current}  # this process has not the stage's kernels in use
+        changed = [d for d in differences(comparable, current) if not d.startswith("kernels.")] or ["nothing recorded"]
+        lines.append(f"{stage}: written on {summary(written)}")
+        lines.append(f"{stage}: this machine: {summary(current)}; differs in {'; '.join(changed)}")
+    return lines

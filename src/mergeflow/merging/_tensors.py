@@ -25,6 +25,7 @@ import torch
 
 from mergeflow.io import StateDict, tensor_specs
 from mergeflow.merging._kernels import add_scaled
+from mergeflow.reproducibility import stage_threads
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,7 +107,7 @@ def map_stacked(
     For each key, theta0's and the T task vectors' tensors are read into one reused buffer (read_stacks, in the
     key's compute_dtype: numba compiles each kernel once per dtype);
     ``states[t] = prepare(key, t, tau_t)`` sees task t's tensor in its shape (for per-tensor quantities:
-    thresholds, random masks), on torch.get_num_threads() threads (kernels and numpy release the GIL); then
+    thresholds, random masks), on the stage's threads (reproducibility.stage_threads) (kernels and numpy release the GIL); then
     ``fn(theta0 flattened, taus, states)``, taus a tuple of the T flat tensors (numpy views of the buffer), returns
     the merged tensor, flattened, in memory of its own.
     """
@@ -123,8 +124,9 @@ def map_stacked(
         merged = merged.reshape(shape)
         return merged.to(dtype) if cast else merged
 
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # for the parallel kernels
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+    threads = stage_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # for the parallel kernels
+    with ThreadPoolExecutor(threads) as pool:
         return {key: merge_key(key, stack, pool) for key, stack in read_stacks(pretrained, task_vectors)}
 
 
@@ -254,7 +256,7 @@ def _gram_eigh(matrix: torch.Tensor, k: int, floor: float = GRAM_FLOOR) -> tuple
     x = a if floor >= POLAR_FLOOR else a.double()
     gram = (x.T @ x).double().numpy()
     n = gram.shape[0]
-    with threadpoolctl.threadpool_limits(torch.get_num_threads(), user_api="blas"):  # scipy's BLAS: the stage's share
+    with threadpoolctl.threadpool_limits(stage_threads(), user_api="blas"):  # scipy's BLAS: the stage's share
         if 2 * k > n:
             w, q = scipy.linalg.eigh(gram, driver="evd", overwrite_a=True, check_finite=False)
         else:

@@ -17,14 +17,15 @@ import torch
 from safetensors.torch import load as load_bytes, save as save_bytes
 
 from mergeflow.io import StateDict
+from mergeflow.reproducibility import configure
 from mergeflow.regimes import Budget, Trainer
 
 _worker_trainer: Trainer | None = None
 
 
-def _start_worker(build: Callable[[], Trainer], threads: int) -> None:
+def _start_worker(build: Callable[[], Trainer], threads: int, deterministic: bool) -> None:
     global _worker_trainer
-    torch.set_num_threads(threads)
+    configure(deterministic, threads)  # as the stage's own process is (mergeflow.reproducibility)
     _worker_trainer = build()
 
 
@@ -39,10 +40,10 @@ def _train_in_worker(task: str, state: bytes, budget: Budget, carry: Any) -> tup
 
 class PoolTrainer:
     """``train(task, state, budget, carry)`` and ``train.map(calls)`` on ``workers`` processes of ``threads``
-    threads each. Use as a context manager: the workers stop when it closes."""
+    threads each (deterministic: their GEMMs', torch on one). Use as a context manager: the workers stop when it closes."""
 
-    def __init__(self, build: Callable[[], Trainer], workers: int, threads: int):
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(build, threads))
+    def __init__(self, build: Callable[[], Trainer], workers: int, threads: int, deterministic: bool = False):
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(build, threads, deterministic))
 
     def map(self, calls: Sequence[tuple[str, StateDict, Budget, Any]]) -> list[tuple[StateDict, Any]]:
         futures = [self._pool.submit(_train_in_worker, task, save_bytes({k: v.contiguous() for k, v in state.items()}), budget, carry) for task, state, budget, carry in calls]
