@@ -76,9 +76,10 @@ test: install
 test-faults: install
 	$(BIN)/pytest -q -m faults -n auto --maxprocesses 4 --dist load
 
-# a fresh clone of the committed HEAD reproduces dvc.lock's data and pretrained model (minutes; CI runs it)
+# the pretraining, a fine-tune and a merge re-run in a scratch copy (on a fresh clone: with every stage upstream of
+# them, minutes): the bytes dvc.lock records, on any x86-64 machine (mergeflow reproduce; CI runs it)
 reproduce: install
-	MERGEFLOW_REPRODUCE=1 $(BIN)/pytest -q tests/test_reproduce.py
+	$(BIN)/mergeflow reproduce
 
 bench: install
 	$(BIN)/python bench/merge.py

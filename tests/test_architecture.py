@@ -55,6 +55,7 @@ LAYER = {
     "mergeflow.checks": "orchestration",  # what must hold before any stage or DVC command
     "mergeflow.scheduler": "orchestration",  # the stale stages run as a graph, several at once, and their threads
     "mergeflow.verify": "orchestration",  # every output hashed again against dvc.lock (mergeflow verify)
+    "mergeflow.reproduce": "orchestration",  # chosen stages re-run in a scratch copy, compared with dvc.lock (mergeflow reproduce)
     "mergeflow.remote": "orchestration",  # the DVC remote: set up, pushed to after a flow run
     "mergeflow.compare": "orchestration",  # DVC experiments side by side (mergeflow compare)
     "mergeflow.checkouts": "orchestration",  # stages in a Dask worker's own checkout, outputs moved by the DVC remote

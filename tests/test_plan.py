@@ -146,7 +146,7 @@ def test_a_fine_tune_estimate_by_hand():
     assert features == 32  # embed_dim: the probe's input width
     forward = (100 + 10 + 20 + 40) + (10 + 20)  # the splits' and anchors' features, then val and test accuracies
     train = 5 * (8 + 4)  # steps x (batch + anchor batch)
-    probe = 1 * 10 * 100 * 32 * 0.55 / (3 * 150 * 3000 * 128)  # C values x iterations x examples x features x s/unit
+    probe = 1 * 100 * 32 * 32 * 0.8 / (3000 * 128**2)  # Newton: C values x examples x features^2 x s/unit
     compute = forward / 100.0 + train / 10.0 + probe + 1.0  # + the stage's setup (STAGE_SETUP_S)
     plan = P.make_plan(p, _nodes(), {"finetune@a"}, FAKE)
     row = next(r for r in plan["stages"] if r["stage"] == "finetune@a")

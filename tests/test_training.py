@@ -151,3 +151,26 @@ def test_feature_anchor_keeps_features_on_its_images():
         finetune(backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"), anchor=anchor)
         change[weight] = (extract_features(backbone, anchor.images, batch_size=5, device=torch.device("cpu")) - anchor.features).pow(2).mean().item()
     assert change[30.0] < 0.5 * change[0.0]
+
+
+def test_the_probe_reaches_the_optimum_so_last_bits_barely_move_it():
+    """Newton's method ends at the L2-regularised optimum, where the objective's gradient (C x sum of cross-entropies
+    + |W|^2 / 2, by hand in float64) vanishes; features perturbed by 1e-6 (last bits) then move the head by well
+    under 1e-3 (L-BFGS stopped on its path moved the default suite's heads by ~1e-2)."""
+    from mergeflow.config import ProbeConfig
+    from mergeflow.training import fit_probe
+
+    g = torch.Generator().manual_seed(0)
+    centres = 1.5 * torch.randn(4, 16, generator=g)
+    y = torch.arange(400) % 4
+    x = centres[y] + torch.randn(400, 16, generator=g)
+    xp = x * (1 + 1e-6 * torch.randn(x.shape, generator=g))
+    cfg = ProbeConfig(c_grid=[10.0], max_iter=100)
+    head, moved = fit_probe(x[:300], y[:300], x[300:], y[300:], cfg, seed=0).head, fit_probe(xp[:300], y[:300], xp[300:], y[300:], cfg, seed=0).head
+    mu, sd = x[:300].mean(0).double(), x[:300].std(0).double() + 1e-6
+    xs = (x[:300].double() - mu) / sd
+    coef, bias = head.weight.detach().double() * sd, head.bias.detach().double() + head.weight.detach().double() @ mu
+    residual = torch.softmax(xs @ coef.T + bias, 1) - torch.nn.functional.one_hot(y[:300], 4).double()
+    grad_w, grad_b = 10.0 * residual.T @ xs + coef, 10.0 * residual.sum(0)
+    assert grad_w.abs().max() / coef.abs().max() < 1e-2 and grad_b.abs().max() < 1e-2  # the solver's tolerance, float32 heads
+    assert ((head.weight - moved.weight).abs().max() / head.weight.abs().max()).item() < 1e-3

@@ -23,6 +23,7 @@ EPILOG = """common commands (from the repository root):
   python -m flows.pipeline        the same with Prefect: stages at once, a summary artifact
   mergeflow plan                  which stages will run, each one's estimated time and memory here
   mergeflow verify                hash every output again: name each file whose bytes changed
+  mergeflow reproduce             re-run the pretraining, a fine-tune and a merge: same bytes as dvc.lock?
   mergeflow methods               the methods: grids params.yaml sets, beside the papers' defaults
   mergeflow regimes               the training-time regimes and studies params.yaml runs
   mergeflow ui                    the MLflow UI on what `track` logged (http://127.0.0.1:5000)
@@ -110,6 +111,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
     plan.add_argument("--calibration", metavar="JSON", help="estimate from a GPU benchmark's figures (python bench/gpu.py --json JSON on that machine) instead of measuring here")
     sub.add_parser("verify", help="hash every output dvc.lock records again from its bytes; name each file that changed or is missing", description="Hash every output dvc.lock records again, reading every byte (DVC itself trusts a file whose size and mtime are unchanged), and name each file that changed, is missing or was added to a folder output: exit status 2 if any. The Prefect flow runs it before its stages and re-runs the stages whose outputs changed.")
+    reproduce = sub.add_parser("reproduce", help="re-run chosen stages in a scratch copy: same bytes as dvc.lock? each headline metric beside its recorded value", description="Re-run STAGES (default: the pretraining, the first task's fine-tune and one merge) in a scratch copy of this workspace, with whatever upstream stages the copy lacks, and print for each output whether its bytes are the ones dvc.lock records, and for each headline metric the recorded value, the re-run's and the difference; where bytes differ, the machine that wrote them beside this one. Exit status 1 past the tolerance: any other bytes when the deterministic mode on the CPU wrote them and runs here, else a metric that moved more than --tolerance points.")
+    reproduce.add_argument("stages", nargs="*", metavar="STAGE", help="stages to re-run (finetune@digits, merge@ties, ...)")
+    reproduce.add_argument("--tolerance", type=float, default=None, metavar="POINTS", help="the largest accepted change of a test accuracy, in points (default: 0 where the same bytes are expected, else 2)")
+    reproduce.add_argument("--scratch", metavar="DIR", help="re-run in DIR and keep it (default: a temporary folder, removed after)")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once as the cores allow, each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
     from mergeflow.orchestration import workers_argument  # no torch
@@ -175,6 +180,15 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             remote = default_remote()
             print(f"default remote: {remote}" if remote else "no DVC remote: the outputs live in this machine's cache only (`mergeflow remote add URL`)")
+        return 0
+    if args.command == "reproduce":
+        from mergeflow.reproduce import reproduce
+
+        report = reproduce(".", args.stages or None, args.tolerance, args.scratch)
+        if failures := report.failures():
+            print(f"error: not reproduced ({'the same bytes expected' if report.expect_bytes else f'tolerance {report.tolerance:g} points'}): {'; '.join(failures[:8])}{'; ...' if len(failures) > 8 else ''}", file=sys.stderr)
+            return 1
+        print(f"ok: {'every output the same bytes, ' if report.expect_bytes else ''}every metric within {report.tolerance:g} points")
         return 0
     if args.command == "verify":
         from mergeflow.verify import verify

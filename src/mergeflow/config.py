@@ -173,8 +173,17 @@ class PretrainConfig(ScheduleConfig):
     pass
 
 
+# the probe's Newton solver on more unknowns (features x classes) than this would build a Hessian of over 130 MB:
+# L-BFGS runs instead
+NEWTON_MAX_UNKNOWNS = 4096
+
+
 class ProbeConfig(_Strict):
     c_grid: list[Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0], min_length=1, max_length=MAX_GRID)  # inverse L2 strengths, chosen on val
+    # newton-cholesky: Newton's method to the optimum (~10 iterations), which last-bit differences in the features
+    # move by ~1e-5; lbfgs, stopped on its path, moved by 1e-2 (training.fit_probe). Above NEWTON_MAX_UNKNOWNS
+    # features x classes (its Hessian's side), L-BFGS runs instead
+    solver: Literal["newton-cholesky", "lbfgs"] = "newton-cholesky"
     max_iter: Annotated[int, _at_most(MAX_STEPS, "iterations")] = Field(500, ge=10, le=MAX_STEPS)
 
 

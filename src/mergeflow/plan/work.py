@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from mergeflow.config import Params
+from mergeflow.config import NEWTON_MAX_UNKNOWNS, Params
 from mergeflow.merging.search import golden_section, swept_key
 from mergeflow.plan.measure import Throughput, model_shape
 
@@ -34,9 +34,12 @@ STAGE_GAP_S = 0.28
 # all for 8 x 3700 task images + 60000 corpus images in /work/main (logs/timing/prepare.json).
 PREPARE_POOL_START_S = 5.5
 PREPARE_S_PER_IMAGE = (30.05 - PREPARE_POOL_START_S) / (8 * 3700 + 60000)
-# the linear probe (scikit-learn L-BFGS, one BLAS thread): per C value, L-BFGS iteration, training example and
-# feature; a probe of 3 C values x 150 iterations on 3000 x 128 features took 0.4-0.7 s (training.fit_probe).
+# the linear probe (scikit-learn, one BLAS thread). L-BFGS: per C value, iteration, training example and feature;
+# 3 C values x 150 iterations on 3000 x 128 features took 0.4-0.7 s. Newton (probe.solver's default): per C value,
+# training example and feature squared (its Hessian), about ten iterations; 0.3-1.7 s a C value on the default
+# suite's 3000 x 128 features, 0.8 s on average (training.fit_probe, 2026-11-28)
 PROBE_S_PER_UNIT = 0.55 / (3 * 150 * 3000 * 128)
+PROBE_NEWTON_S_PER_UNIT = 0.8 / (3000 * 128**2)
 # reading a task's safetensors file and checking it (data.load_task), bytes per second: 8 task files of 11 MB
 # loaded in ~0.9 s in a merge stage (weight_averaging's 2.0 s less its 1.1 s of evaluation) on the 2-core machine.
 LOAD_BYTES_PER_S = 100e6
@@ -136,8 +139,10 @@ def finetune_work(params: Params, task: str | None = None) -> Work:
     anchor = cfg.preserve_features.images if cfg.preserve_features.weight > 0 and steps else 0
     probe = cfg.head == "probe"
     features = (s.n_train if probe else 0) + s.n_val + s.n_test + anchor
-    fit = len(params.probe.c_grid) * params.probe.max_iter * s.n_train * model_shape(params).features if probe else 0
-    return Work(forward_images=features + s.n_val + s.n_test, train_images=steps * per_step, fixed_s=fit * PROBE_S_PER_UNIT, trains=bool(steps),
+    d = model_shape(params).features
+    newton = params.probe.solver == "newton-cholesky" and d * 10 <= NEWTON_MAX_UNKNOWNS  # (taken as 10 classes)
+    fit_s = len(params.probe.c_grid) * s.n_train * (d * d * PROBE_NEWTON_S_PER_UNIT if newton else params.probe.max_iter * d * PROBE_S_PER_UNIT) if probe else 0
+    return Work(forward_images=features + s.n_val + s.n_test, train_images=steps * per_step, fixed_s=fit_s, trains=bool(steps),
                 held_bytes=_task_bytes(params) / len(s.tasks))
 
 
