@@ -73,6 +73,8 @@ def main() -> None:
         path.mkdir()
         _copy_sources(path, mode, args.steps)
     nodes = stage_graph(copies[True])
+    name = lambda address: address.rpartition(":")[2]  # noqa: E731 - the graph of another folder names its stages path:dvc.yaml:stage
+    nodes = [type(n)(name(n.address), n.argv, tuple(name(u) for u in n.upstream), n.outs) for n in nodes]
     wanted = set(args.stages.split(",")) if args.stages else {n.address for n in nodes}
     by_address = {n.address: n for n in nodes}
     needed, frontier = set(), list(wanted)
