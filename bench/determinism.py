@@ -50,7 +50,8 @@ def _timing(root: Path, address: str) -> float | None:
 
 def _run(root: Path, address: str) -> float:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "repro", "--single-item", address], cwd=root, capture_output=True, text=True)
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}  # the stages' `mergeflow`
+    proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "repro", "--single-item", address], cwd=root, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"{address} failed in {root}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return time.perf_counter() - started
