@@ -23,7 +23,7 @@ EPILOG = """common commands (from the repository root):
   python -m flows.pipeline        the same with Prefect: stages at once, a summary artifact
   mergeflow plan                  which stages will run, each one's estimated time and memory here
   mergeflow verify                hash every output again: name each file whose bytes changed
-  mergeflow reproduce             re-run the pretraining, a fine-tune and a merge: same bytes as dvc.lock?
+  mergeflow reproduce             re-run pretrain, a fine-tune and a merge: dvc.lock's bytes again?
   mergeflow methods               the methods: grids params.yaml sets, beside the papers' defaults
   mergeflow regimes               the training-time regimes and studies params.yaml runs
   mergeflow ui                    the MLflow UI on what `track` logged (http://127.0.0.1:5000)
@@ -100,6 +100,8 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     regime_merge.add_argument("--regime", metavar="REGIME", help="the regime: one of regimes.run; default: from DVC_STAGE=regime_merge@<regime>")
     study = sub.add_parser("study", help="stage: one of the papers' studies, a report with a verdict per claim (studies/<name>/report.md)", description="Run one study (studies.run in params.yaml): studies/<name>/report.md with a verdict per claim, computed from the measurements.")
     study.add_argument("name", nargs="?", metavar="NAME", help=f"the study: {studies_help}; default: from DVC_STAGE=study@<name>")
+    replicate = sub.add_parser("replicate", help="stage: the fine-tunes and merges again with another seed (seeds in params.yaml), for the spread over seeds", description="Fine-tune every task and merge with every method of merge.methods again with SEED (one of seeds in params.yaml), on the run's data and pretrained backbone, under replicates/<seed>/; the report gives each method's mean and spread over the seeds.")
+    replicate.add_argument("--seed", metavar="SEED", help="the seed: one of seeds in params.yaml; default: from DVC_STAGE=replicate@<seed>")
     sub.add_parser("report", help="stage: the summary table (results/summary.md) and plots", description="The summary table of every method (results/summary.md, .csv, .json) and its plots.")
     sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
     sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
@@ -247,7 +249,7 @@ def run_command(args: argparse.Namespace) -> int:
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)
 
     params = load_params(args.params)
-    item = {"finetune": "task", "merge": "method", "regime": "regime", "regime_merge": "regime", "study": "name"}.get(args.command)
+    item = {"finetune": "task", "merge": "method", "regime": "regime", "regime_merge": "regime", "study": "name", "replicate": "seed"}.get(args.command)
     if item:  # the stage's address, by hand as under DVC: its share of the cores (Params.stage_share) follows from it
         name = _stage_item(getattr(args, item), args.command, item)
         os.environ["DVC_STAGE"] = f"{args.command}@{name}"
@@ -262,7 +264,11 @@ def run_command(args: argparse.Namespace) -> int:
     address = f"{args.command}@{name}" if item else args.command
     machine = describe(in_use=True, device=device)
     print(f"{address}: {summary(machine)}", flush=True)
-    if item:
+    if args.command == "replicate":
+        if not name.isdecimal():
+            raise MergeflowError(f"replicate: seed {name!r} is not a whole number (seeds in {args.params})")
+        stages.replicate(params, int(name))
+    elif item:
         getattr(stages, args.command)(params, name)
     else:
         getattr(stages, args.command)(params)

@@ -419,6 +419,9 @@ MIN_STAGE_THREADS = 2
 
 class Params(_Strict):
     seed: Annotated[int, _at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)")] = Field(0, ge=0, le=MAX_SEED)
+    # more seeds to repeat the fine-tunes and merges with (a stage replicate@<seed> each, on the same data and
+    # backbone): the summary gives each method's mean and spread over seed and these
+    seeds: list[Annotated[int, _at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)"), Field(ge=0, le=MAX_SEED)]] = Field(default_factory=list, max_length=MAX_GRID)
     suite: SuiteConfig
     backbone: BackboneConfig = BackboneConfig()
     pretrain: PretrainConfig = PretrainConfig()
@@ -508,6 +511,18 @@ class Params(_Strict):
     def check_task(self, task: str) -> None:
         if task not in self.suite.tasks:
             raise MergeflowError(f"params.yaml: suite.tasks has no task '{task}' (tasks: {', '.join(self.suite.tasks)})")
+
+    @model_validator(mode="after")
+    def _replicate_seeds(self) -> Params:
+        if self.seed in self.seeds:
+            raise ValueError(f"seeds: {self.seed} is the run's own seed (seed); seeds lists the others to repeat the fine-tunes and merges with")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds: {next(s for s in self.seeds if self.seeds.count(s) > 1)} is listed twice")
+        return self
+
+    def check_replicate(self, seed: int) -> None:
+        if seed not in self.seeds:
+            raise MergeflowError(f"params.yaml: seeds has no seed {seed} (seeds: {', '.join(map(str, self.seeds)) or 'none'})")
 
     @model_validator(mode="after")
     def _regime_budgets(self) -> Params:

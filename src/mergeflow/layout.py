@@ -13,14 +13,30 @@ class Layout:
     """Where every stage reads and writes, relative to the repository root."""
 
     root: Path = Path(".")
+    replica: int | None = None  # a replicate@<seed>'s layout: its outputs under replicates/<seed>/ (``replicate``)
 
     def _p(self, *parts: str) -> Path:
+        if self.replica is not None and parts[:1] != ("data",) and parts != ("models", "pretrained.safetensors"):
+            return self.root.joinpath("replicates", str(self.replica), *parts)  # the data and backbone: the run's own
         return self.root.joinpath(*parts)
+
+    # ------------------------------------------------------------ more seeds (stage replicate@<seed>)
+    def replicate(self, seed: int) -> Layout:
+        """Where replicate@<seed> writes its fine-tunes, task vectors, statistics and merges: the same paths under
+        replicates/<seed>/, reading the run's data and pretrained backbone."""
+        return Layout(self.root, seed)
+
+    def replicate_root(self, seed: int) -> Path:
+        return self.root / "replicates" / str(seed)
+
+    def replicate_summary(self, seed: int) -> Path:
+        """metrics/replicates/<seed>.json: one seed's individual, probe and per-method test averages."""
+        return self.root / "metrics" / "replicates" / f"{seed}.json"
 
     @property
     def output_roots(self) -> list[Path]:
         """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints")]
+        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints", "replicates")]
 
     @property
     def pretrain_corpus(self) -> Path:

@@ -190,7 +190,8 @@ def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance
         upstream = _upstream(nodes, targets)
         order = [n.address for n in nodes if n.address in targets or (n.address in upstream and n.address in stale)]
         echo(f"re-running {', '.join(order)} in {scratch}")
-        proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "repro", "--force", "--single-item", "--no-run-cache", *order], cwd=scratch, capture_output=True, text=True)
+        env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the stages' `mergeflow`
+        proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "repro", "--force", "--single-item", "--no-run-cache", *order], cwd=scratch, capture_output=True, text=True, env=env)
         ran = re.findall(r"^Running stage '([^']+)'", proc.stdout, flags=re.M)
         if proc.returncode != 0:
             tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]

@@ -29,7 +29,7 @@ from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_
 from mergeflow.lora import split_factors
 from mergeflow.regimes._checkpoint import regime_identity, resume_from
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
-from mergeflow.summary import headline_metrics, regime_headline, validation_records
+from mergeflow.summary import SPREAD_SDS, headline_metrics, over_seeds, pooled_sd, regime_headline, seeds_markdown, validation_records
 from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, save_task_vectors, state_bytes as _bytes, statistics as vector_statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
@@ -563,10 +563,14 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         rows += variant_rows
         headline |= regime_headline(variant, variant_rows, r["evaluations"], r["val_averages"])
     labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
+    spread = seed_spread(params, layout)
+    for name, entry in spread.items():  # with more seeds: each name's mean and spread beside the run's own
+        headline[name] |= {"seeds": entry["seeds"], "test_avg_mean": entry["mean"], "test_avg_sd": entry["sd"]}
     with atomic_path(layout.results, directory=True) as tmp:
-        (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
+        seeds_section = seeds_markdown(spread, [params.seed, *params.seeds]) if spread else ""
+        (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
-        write_json(tmp / "summary.json", {"rows": rows, "negation": negations})
+        write_json(tmp / "summary.json", {"rows": rows, "negation": negations} | ({"seeds": spread, "pooled_sd": pooled_sd(spread)} if spread else {}))
         write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])
         plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png")
         plot_averages(labelled, tmp / "averages.png")
@@ -577,18 +581,63 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     return {"rows": rows, "negation": negations, "headline": headline}
 
 
+# ---------------------------------------------------------------- replicate
+def replicate(params: Params, seed: int, layout: Layout = Layout()) -> dict:
+    """Stage replicate@<seed>: the fine-tunes and merges again with another seed (params.seeds), on the run's data
+    and pretrained backbone: every task's probe and fine-tune, the task vectors (and statistics, for the data-aware
+    methods), every method of merge.methods, under replicates/<seed>/ (Layout.replicate); then the seed's headline
+    (individual, probe, each method's test average) in metrics/replicates/<seed>.json, which the report sets beside
+    the run's own."""
+    from mergeflow.merging import REGISTRY as METHODS
+
+    params.check_replicate(seed)
+    seeded = params.model_copy(update={"seed": seed})
+    at = layout.replicate(seed)
+    with Timer() as timer:
+        for task in params.suite.tasks:
+            finetune(seeded, task, at)
+        vectors(seeded, at)
+        if any(METHODS[m].reads for m in params.merge.methods):
+            statistics(seeded, at)
+        for method in params.merge.methods:
+            merge(seeded, method, at)
+    headline = _headline(params, at)
+    write_json(layout.replicate_summary(seed), {"seed": seed, "headline": headline})
+    write_json(layout.timing("replicate", str(seed)), timer.record())
+    return headline
+
+
+def _headline(params: Params, layout: Layout) -> dict[str, dict]:
+    """The standard regime's headline (probe, individual, each method) from the fine-tunes' and merges' metrics."""
+    tasks = params.suite.tasks
+    ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
+    ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
+    rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if e["kind"] != "negation"})
+    return headline_metrics(rows, ev, {m: read_json(layout.metrics("merge", m)).get("val_average") for m in ev})
+
+
+def seed_spread(params: Params, layout: Layout) -> dict[str, dict]:
+    """Each headline name's test average over seed and params.seeds (summary.over_seeds); {} with one seed."""
+    if not params.seeds:
+        return {}
+    per_seed = {params.seed: _headline(params, layout)} | {s: read_json(layout.replicate_summary(s))["headline"] for s in params.seeds}
+    return over_seeds(per_seed)
+
+
 # ---------------------------------------------------------------- study
 def study(params: Params, name: str, layout: Layout = Layout()) -> dict:
     """Stage study@<name>: one of the papers' analyses (mergeflow.studies) on the pipeline's outputs. Writes
     studies/<name>/report.md (its verdict per claim, tables, figures), metrics/studies/<name>.json (the claims)
     and metrics/verdicts/<name>.json (their counts, in git)."""
-    from mergeflow.studies import REGISTRY as STUDIES, StudyContext, verdict_table
+    from mergeflow.studies import REGISTRY as STUDIES, StudyContext, against_spread, verdict_table
 
     params.check_study(name)
     spec = STUDIES[name]
     device = _setup(params, params.seed)
+    spread = seed_spread(params, layout)
     with Timer() as timer, atomic_path(layout.study(name), directory=True) as tmp:
         result = spec.fn(StudyContext(params, layout, params.studies.settings(name), tmp, device))
+        result.claims = [against_spread(c, pooled_sd(spread), 1 + len(params.seeds), SPREAD_SDS) for c in result.claims]
         (tmp / "report.md").write_text(f"# {spec.title}\n\n{spec.paper}\n\n## Verdicts\n\n{verdict_table(result.claims)}\n{result.body}")
     verdicts = [c.verdict for c in result.claims]
     counts = {"holds": verdicts.count("holds"), "fails": verdicts.count("fails"), "not_measured": verdicts.count("not measured")}

@@ -90,3 +90,43 @@ def validation_records(merge_metrics: Mapping, coefficient: str | None) -> list[
             "chosen": all(hp[k] == chosen[k] for k in grid),
         })
     return records
+
+
+# a margin is inside the seeds' spread when it is smaller than this many pooled standard deviations of a method's
+# test average over the seeds (about the 95% band of one run's number)
+SPREAD_SDS = 2.0
+
+
+def over_seeds(per_seed: Mapping[int, Mapping[str, dict]]) -> dict[str, dict]:
+    """Each headline name's test average over the seeds (``per_seed``: seed -> its headline entries), for the names
+    every seed has: {name: {"seeds": n, "mean", "sd" (sample; None for one seed), "min", "max", "values": {seed: v}}}, %."""
+    import statistics
+
+    names = [n for n in next(iter(per_seed.values()), {}) if all(n in h and h[n].get("test_avg") is not None for h in per_seed.values())]
+    table = {}
+    for name in names:
+        values = {seed: float(h[name]["test_avg"]) for seed, h in per_seed.items()}
+        v = list(values.values())
+        table[name] = {"seeds": len(v), "mean": round(statistics.fmean(v), 2), "sd": round(statistics.stdev(v), 2) if len(v) > 1 else None,
+                       "min": min(v), "max": max(v), "values": {str(s): x for s, x in values.items()}}
+    return table
+
+
+def pooled_sd(table: Mapping[str, dict], exclude: tuple[str, ...] = ("probe", "individual", "task_negation")) -> float | None:
+    """The merge methods' pooled standard deviation over seeds (root mean variance), %; None without two seeds."""
+    sds = [e["sd"] for name, e in table.items() if e.get("sd") is not None and name not in exclude]
+    return round(mean([s * s for s in sds]) ** 0.5, 2) if sds else None
+
+
+def seeds_markdown(table: Mapping[str, dict], seeds: list[int]) -> str:
+    """The summary's section over seeds: each method's test average, mean ± sd, range and per-seed values."""
+    sd = pooled_sd(table)
+    lines = [f"\n### Over {len(seeds)} seeds ({', '.join(map(str, seeds))}): test accuracy, %\n",
+             f"Pooled standard deviation of a method's test average: **{sd if sd is not None else 'n/a'}** points; a difference between two methods smaller than "
+             f"{SPREAD_SDS:g} x that ({'n/a' if sd is None else f'{SPREAD_SDS * sd:.2f}'}) is inside the spread.\n",
+             "| method | mean ± sd | min | max | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|---|---|---|" + "---|" * len(seeds)]
+    for name, e in sorted(table.items(), key=lambda kv: -kv[1]["mean"]):
+        spread = f"{e['mean']:.2f} ± {e['sd']:.2f}" if e["sd"] is not None else f"{e['mean']:.2f}"
+        name = f"{name} (negated tasks' accuracy)" if name == "task_negation" else name
+        lines.append(f"| {name} | **{spread}** | {e['min']:.1f} | {e['max']:.1f} | " + " | ".join(f"{e['values'][str(s)]:.1f}" for s in seeds) + " |")
+    return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ not run (a regime or round count not in params.yaml): never written by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import pkgutil
@@ -41,6 +42,7 @@ class Claim:
     holds: bool | None  # None: not measured (what it needs was not run)
     numbers: Mapping[str, Any]  # the measurements the verdict is computed from
     detail: str = ""  # one line: the comparison made, with its numbers
+    margin: float | None = None  # the accuracy difference the verdict rests on (a fraction), set against the seeds' spread
 
     @property
     def verdict(self) -> str:
@@ -112,6 +114,20 @@ def no_grad(fn: Callable) -> Callable:
     return wrapper
 
 
+def against_spread(claim: Claim, sd: float | None, seeds: int, sds: float) -> Claim:
+    """The claim with its margin set against the spread over seeds (``sd``: the pooled standard deviation of a
+    method's test average, points, over ``seeds`` seeds): inside it when |margin| < ``sds`` x sd."""
+    if claim.margin is None or claim.holds is None:
+        return claim
+    points = 100 * claim.margin
+    if sd is None:
+        note = f"margin {points:+.1f} points; the spread over seeds is not measured (params.yaml's seeds: none)"
+        return dataclasses.replace(claim, detail=f"{claim.detail}; {note}", numbers={**claim.numbers, "margin_points": round(points, 2)})
+    inside = abs(points) < sds * sd
+    note = f"margin {points:+.1f} points {'inside' if inside else 'outside'} the spread over {seeds} seeds ({sds:g} x sd {sd:.2f} = {sds * sd:.2f})"
+    return dataclasses.replace(claim, detail=f"{claim.detail}; {note}", numbers={**claim.numbers, "margin_points": round(points, 2), "seed_sd": sd, "inside_spread": inside})
+
+
 def verdict_table(claims: list[Claim]) -> str:
     lines = ["| claim | verdict | measured |", "|---|---|---|"]
     for c in claims:
@@ -127,4 +143,4 @@ def _discover() -> None:
 
 _discover()
 
-__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "no_grad", "register", "verdict_table"]
+__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "against_spread", "no_grad", "register", "verdict_table"]

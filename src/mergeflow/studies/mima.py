@@ -308,7 +308,7 @@ def claim_ua_individual(points: list[Point], s: MimaSettings) -> Claim:
     numbers |= {"ua_rises": up, "individual_span": _r(span), "individual_little_change": little}
     detail = (f"UA {_by_n(ns, ua)} {'rises' if up else 'does not rise'} ({_rule(100 * s.accuracy_slack, ' points')}, last > first); "
               f"individual {_by_n(ns, ind)}: span {100 * span:.1f} {'≤' if little else '>'} {100 * s.individual_tolerance:.1f} points")
-    return Claim("001.3", text, up and little, numbers, detail)
+    return Claim("001.3", text, up and little, numbers, detail, margin=ua[-1] - ua[0])
 
 
 def claim_gap(points: list[Point], s: MimaSettings) -> Claim:
@@ -319,7 +319,7 @@ def claim_gap(points: list[Point], s: MimaSettings) -> Claim:
     if len(ns) < 2:
         return Claim("001.4a", text, None, numbers, f"individual − UA at N = {_ns(ns)}; {NOT_ENOUGH_N}")
     down = shrinks(gap, s.accuracy_slack)
-    return Claim("001.4a", text, down, numbers, f"individual − UA {_by_n(ns, gap)} points {'shrinks' if down else 'does not shrink'} ({_rule(100 * s.accuracy_slack, ' points')}, last < first)")
+    return Claim("001.4a", text, down, numbers, f"individual − UA {_by_n(ns, gap)} points {'shrinks' if down else 'does not shrink'} ({_rule(100 * s.accuracy_slack, ' points')}, last < first)", margin=gap[0] - gap[-1])
 
 
 def claim_advantage(points: list[Point], s: MimaSettings, role: str, cid: str) -> Claim:
@@ -332,7 +332,7 @@ def claim_advantage(points: list[Point], s: MimaSettings, role: str, cid: str) -
     if len(ns) < 2:
         return Claim(cid, text, None, numbers, f"{name} − UA at N = {_ns(ns)}; {NOT_ENOUGH_N} (and {method} in merge.methods / regimes.mima.methods)")
     down = shrinks(adv, s.accuracy_slack)
-    return Claim(cid, text, down, numbers, f"{name} − UA {_by_n(ns, adv)} points {'shrinks' if down else 'does not shrink'} ({_rule(100 * s.accuracy_slack, ' points')}, last < first)")
+    return Claim(cid, text, down, numbers, f"{name} − UA {_by_n(ns, adv)} points {'shrinks' if down else 'does not shrink'} ({_rule(100 * s.accuracy_slack, ' points')}, last < first)", margin=adv[0] - adv[-1])
 
 
 def claim_lambda(points: list[Point], s: MimaSettings, n_tasks: int) -> Claim:

@@ -58,7 +58,7 @@ def claim_rank_curve(ratios, cart, lrta, wa, s: CartSettings) -> Claim:
     detail = (f"CART {100 * cart[0]:.1f} at 0%, peak {100 * cart[i]:.1f} at {100 * ratios[i]:g}% ({'≥' if peak else '<'} endpoints + {100 * s.peak_margin:g}; "
               f"{'≤' if low else '>'} {100 * s.low_rank_max:g}%), {100 * cart[-1]:.1f} at 100% (WA {100 * wa:.1f}: {'within' if ends else 'not within'} {100 * s.endpoint_tolerance:g}); "
               f"LRTA {100 * lrta[0]:.1f} → {100 * lrta[-1]:.1f}, best interior {100 * lrta[j]:.1f} at {100 * ratios[j]:g}% ({'no interior peak' if ta_ok else 'not a rise without a peak'})")
-    return Claim("002.1", text, ends and peak and low and ta_ok, numbers, detail)
+    return Claim("002.1", text, ends and peak and low and ta_ok, numbers, detail, margin=cart[i] - max(cart[0], cart[-1]))
 
 
 def claim_interference(layers: list[LayerSpectra], ratios, s: CartSettings) -> Claim:
