@@ -63,3 +63,51 @@ def test_multislerp_of_opposite_directions():
     e = [torch.tensor([1.0, 0.0]), torch.tensor([-0.5, 3**0.5 / 2]), torch.tensor([-0.5, -(3**0.5) / 2])]
     with pytest.raises(ValueError, match="merge.multislerp: tensor 'w': .* cancel out"):
         REGISTRY["multislerp"](theta0, {t: {"w": v} for t, v in zip("abc", e)})
+
+
+def _opposite(n: int, dtype, nearly: bool):
+    """a and b = -2a (or -2a slightly turned, by 1e-9 of its norm): opposite task vectors of unequal norm."""
+    g = torch.Generator().manual_seed(n)
+    a = (0.01 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype) if n > 1 else torch.tensor([0.01], dtype=dtype)
+    b = -2 * a
+    if nearly:
+        b = b + (1e-9 * b.norm() * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 1000])
+@pytest.mark.parametrize("nearly", [False, True])
+def test_opposite_task_vectors_merge_to_the_linear_limit(n, dtype, nearly):
+    """SLERP and NuSLERP of (nearly) opposite vectors: (1 - t) a + t b, where sin(Omega) ~ 0 blew them up (0.01 and
+    -0.02 at t = 0.3 gave 92,540.8 in float32, -6.6e13 in float64; mergekit: 0.001)."""
+    from mergeflow.merging.nuslerp import nuslerp_pair
+
+    a, b = _opposite(n, dtype, nearly)
+    linear = 0.7 * a + 0.3 * b
+    for merged in (slerp_pair(a, b, 0.3), nuslerp_pair(0.3, a.reshape(1, -1), b.reshape(1, -1)).reshape(-1)):
+        assert merged.dtype == dtype and torch.allclose(merged, linear, rtol=1e-5, atol=1e-9)
+    if n == 1 and not nearly:
+        assert slerp_pair(a, b, 0.3).item() == pytest.approx(0.001, rel=1e-5)
+
+
+def test_nuslerp_by_columns_of_one_entry_each_half_of_them_opposite():
+    """A pos_embed-like [1, 17, 8] interpolated by columns: each column is one entry, half of opposite sign; every
+    one comes out at its linear limit (it came out at 9.25e4)."""
+    theta0 = {"pos_embed": torch.zeros(1, 17, 8)}
+    g = torch.Generator().manual_seed(0)
+    a = 1e-3 * torch.randn(1, 17, 8, generator=g)
+    b = a * torch.where(torch.rand(1, 17, 8, generator=g) < 0.5, -2.0, 3.0)
+    merged = REGISTRY["nuslerp"](theta0, {"a": {"pos_embed": a}, "b": {"pos_embed": b}}, t=0.3, vectors="columns")["pos_embed"]
+    assert torch.allclose(merged, 0.7 * a + 0.3 * b, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_multislerp_and_karcher_of_opposite_directions_stay_finite(dtype):
+    a, b = _opposite(1000, dtype, nearly=False)
+    theta0 = {"w": torch.zeros(1000, dtype=dtype)}
+    merged = REGISTRY["multislerp"](theta0, {"a": {"w": a}, "b": {"w": b}})["w"]
+    assert torch.allclose(merged, (a + b) / 2, rtol=1e-5, atol=1e-9)  # cancelled directions: the linear mean (mergekit)
+    third = (0.01 * torch.randn(1000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)).to(dtype)
+    mean = karcher_mean(torch.stack([a, b, third]), max_iter=10, tol=1e-5)
+    assert torch.isfinite(mean).all() and mean.norm() <= torch.stack([a, b, third]).norm(dim=1).mean() * (1 + 1e-4)

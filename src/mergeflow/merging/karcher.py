@@ -26,6 +26,8 @@ def karcher_mean(vectors: torch.Tensor, max_iter: int, tol: float) -> torch.Tens
     """vectors [T, n] -> [n]: the Karcher mean of their directions times their mean norm (mergekit's arithmetic)."""
     import torch
 
+    from mergeflow.merging._sphere import degenerate
+
     norms = vectors.norm(dim=1)
     valid = norms > tol
     if not valid.any():
@@ -36,7 +38,9 @@ def karcher_mean(vectors: torch.Tensor, max_iter: int, tol: float) -> torch.Tens
     for _ in range(max_iter):
         cos = (units @ mean).clamp(-1.0, 1.0)
         theta = torch.arccos(cos)
-        moving = theta >= tol  # a direction at the mean already pulls nothing (and theta / sin(theta) -> 1 there)
+        # a direction at the mean already pulls nothing (theta / sin(theta) -> 1 there); one opposite to it pulls in
+        # no defined direction (u - cos m ~ 0 over sin ~ 0): both left out (merging._sphere)
+        moving = (theta >= tol) & ~degenerate(cos)
         scale = torch.where(moving, theta / torch.sin(theta).clamp(min=1e-12), torch.zeros_like(theta))
         tangent = (scale[:, None] * (units - cos[:, None] * mean)).mean(0)
         step = tangent.norm()

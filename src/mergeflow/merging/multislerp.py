@@ -20,6 +20,7 @@ EPS = 1e-8  # mergekit's
 def multislerp(pretrained, task_vectors):
     import torch
 
+    from mergeflow.merging._sphere import sin2_floor
     from mergeflow.merging._tensors import map_tensors
 
     def merge(key, theta0, taus):
@@ -27,7 +28,7 @@ def multislerp(pretrained, task_vectors):
         norms = flat.norm(dim=1, keepdim=True)
         units = flat / (norms + EPS)
         mean = units.mean(0)
-        if mean.norm() < EPS:
+        if mean.norm() ** 2 <= sin2_floor(mean.dtype):  # cancelled to the dtype's rounding (float32: 6e-8, not 0)
             if len(taus) == 2:  # mergekit's fallback: the linear mean
                 return theta0 + taus.mean(0)
             raise ValueError(f"merge.multislerp: tensor '{key}': the task vectors' directions cancel out (their mean is zero)")

@@ -3,7 +3,8 @@
 mergekit's ``nuslerp`` with a base model (no paper of its own; SLERP is Shoemake 1985). For two task vectors
 a, b and t: on each vector pair (u, v) (the whole tensor flattened, or each matrix row, or each column),
 cos Omega = <u/|u|, v/|v|> (norms at least 1e-7), and slerp = (sin((1 - t) Omega) u + sin(t Omega) v) / sin Omega,
-linear interpolation (1 - t) u + t v where |sin Omega| < 1e-8; theta = theta0 + slerp. ``vectors``: ``'tensor'``
+linear interpolation (1 - t) u + t v where the pair is nearly parallel or opposite (1 - cos^2 Omega within the
+dtype's rounding: merging._sphere; mergekit: |cos| > 0.9995); theta = theta0 + slerp. ``vectors``: ``'tensor'``
 (mergekit's default, nuslerp_flatten: true; the same merge as ``slerp`` away from parallel vectors), ``'rows'``
 (nuslerp_flatten: false: each W[i, :]) or ``'columns'`` (nuslerp_row_wise: true as well: each W[:, j]); 1-D
 tensors are one vector. mergekit's t = weight_b / (weight_a + weight_b); two tasks only.
@@ -19,17 +20,20 @@ if TYPE_CHECKING:
     import torch
 
 
-def nuslerp_pair(t: float, u: torch.Tensor, v: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """SLERP of the rows of u and v [..., n] (each row a vector), mergekit's clamps and linear fallback."""
+def nuslerp_pair(t: float, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SLERP of the rows of u and v [..., n] (each row a vector), mergekit's clamps; linear where a pair is nearly
+    parallel or opposite (merging._sphere: 1 - cos^2 within the dtype's rounding)."""
     import torch
+
+    from mergeflow.merging._sphere import degenerate
 
     def unit(x):
         return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-7)
 
-    cos = (unit(u) * unit(v)).sum(-1, keepdim=True)
-    omega = torch.acos(cos.clamp(-1, 1))
+    cos = (unit(u) * unit(v)).sum(-1, keepdim=True).clamp(-1, 1)
+    omega = torch.acos(cos)
     sin = torch.sin(omega)
-    parallel = sin.abs() < eps
+    parallel = degenerate(cos)
     spherical = (torch.sin((1 - t) * omega) * u + torch.sin(t * omega) * v) / torch.where(parallel, torch.ones_like(sin), sin)
     return torch.where(parallel, (1 - t) * u + t * v, spherical)
 

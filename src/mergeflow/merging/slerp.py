@@ -1,7 +1,8 @@
 """SLERP: spherical linear interpolation between two task vectors, per tensor.
 
 Shoemake 1985; as used for model merging by mergekit. For tau_1, tau_2 with angle Omega (per tensor):
-    slerp = sin((1 - t) Omega) / sin(Omega) tau_1 + sin(t Omega) / sin(Omega) tau_2  (linear when nearly parallel);
+    slerp = sin((1 - t) Omega) / sin(Omega) tau_1 + sin(t Omega) / sin(Omega) tau_2  (linear when nearly parallel or
+    opposite: 1 - cos^2 Omega within the dtype's rounding, merging._sphere);
 theta = theta0 + slerp. Defined for exactly two models; t = 0.5 by default.
 """
 
@@ -18,13 +19,15 @@ if TYPE_CHECKING:
 def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) -> torch.Tensor:
     import torch
 
+    from mergeflow.merging._sphere import degenerate
+
     na, nb = a.norm(), b.norm()
     if na < eps or nb < eps:
         return (1 - t) * a + t * b
     cos = torch.clamp((a.flatten() @ b.flatten()) / (na * nb), -1.0, 1.0)
-    omega = torch.arccos(cos)
-    if omega.abs() < 1e-4:  # nearly parallel: slerp tends to lerp
+    if degenerate(cos):  # nearly parallel or opposite: sin(Omega) ~ 0, and slerp's limit is lerp
         return (1 - t) * a + t * b
+    omega = torch.arccos(cos)
     return (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
 
 

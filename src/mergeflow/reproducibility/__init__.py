@@ -117,7 +117,7 @@ def kernels_in_use() -> dict[str, str]:
         "mkl": os.environ.get("MKL_CBWR", "auto"),
         "openblas": gemm.openblas_core(),
         "numpy": simd[-1] if simd else "baseline",
-        "gemm": f"OpenBLAS, {gemm.routed()} threads" if gemm.routed() else "torch's (MKL, oneDNN)",
+        "gemm": f"OpenBLAS, {gemm.routed()} thread{'s' if gemm.routed() != 1 else ''}" if gemm.routed() else "torch's (MKL, oneDNN)",
     }
 
 

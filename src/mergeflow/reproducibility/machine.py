@@ -95,7 +95,7 @@ def summary(record: dict) -> str:
     line = f"{c.get('model', '?')} ({c.get('vendor', '?')}; {' '.join(c.get('features', [])) or 'no AVX2'}), {c.get('cores', '?')} cores; "
     mode = "deterministic" if record.get("deterministic") else "machine's own kernels"
     if "torch" in kernels:
-        line += f"{mode}: torch {kernels['torch']}, MKL {kernels.get('mkl')}, GEMMs {kernels.get('gemm')} (OpenBLAS {kernels.get('openblas')}), numpy {kernels.get('numpy')}"
+        line += f"{mode}: torch {kernels['torch']}, MKL {kernels.get('mkl')}, GEMMs on {kernels.get('gemm')}, OpenBLAS {kernels.get('openblas')}, numpy {kernels.get('numpy')}"
     else:
         line += f"{mode}" + (f": {', '.join(f'{k}={v}' for k, v in kernels.items())}" if kernels else "")
     if gpu := record.get("gpu"):
@@ -140,3 +140,25 @@ def recorded(root: str | os.PathLike) -> dict[str, dict]:
     except (OSError, ValueError):
         return {}
     return entries if isinstance(entries, dict) else {}
+
+
+def tags(record: dict | None) -> dict[str, str]:
+    """A machine record as MLflow tags: machine (the summary line), machine.cpu, .vendor, .cores, .deterministic,
+    .kernels, .threads, .torch, .mkl, .gpu; {} without a record."""
+    if not record:
+        return {}
+    c, kernels, versions = record.get("cpu", {}), record.get("kernels", {}), record.get("versions", {})
+    out = {
+        "machine": summary(record),
+        "machine.cpu": str(c.get("model", "")),
+        "machine.vendor": str(c.get("vendor", "")),
+        "machine.cores": str(c.get("cores", "")),
+        "machine.deterministic": str(bool(record.get("deterministic"))).lower(),
+        "machine.kernels": ", ".join(f"{k}: {v}" for k, v in kernels.items()),
+        "machine.threads": ", ".join(f"{k}: {v}" for k, v in record.get("threads", {}).items()),
+        "machine.torch": str(versions.get("torch", "")),
+        "machine.mkl": str(versions.get("mkl", "")),
+    }
+    if gpu := record.get("gpu"):
+        out["machine.gpu"] = f"{gpu.get('model')} (CUDA {gpu.get('cuda')}, driver {gpu.get('driver')})"
+    return out

@@ -107,7 +107,8 @@ from mergeflow.summary import percent
 from mergeflow.tracking.merges import MERGE_METRICS, _val_curve, merge_metrics, merge_params
 from mergeflow.tracking.regimes import ROUND_METRICS, _track_regimes, regime_metrics
 from mergeflow.tracking.registry import _log_merged_model, register_best
-from mergeflow.tracking.runs import _flatten, _git_commit, _Hashes, _out_md5, _Recorder, _sha256, curve_records, fingerprint, lock_stages, locked_md5s, stage_times
+from mergeflow.reproducibility.machine import recorded, tags as machine_tags
+from mergeflow.tracking.runs import _flatten, _git_commit, _Hashes, _md5, _out_md5, _Recorder, _sha256, curve_records, fingerprint, lock_stages, locked_md5s, stage_times
 from mergeflow.tracking.store import experiment_name, fail_abandoned_runs, prepare_store, registered_model_name, tracking_uri
 from mergeflow.tracking.studies import _track_studies, study_note
 from mergeflow.tracking.views import ML_EXPERIMENT_KIND, VIEW_KEY, VIEW_NAME, _hyperparameter_names, headline_markdown, methods_view, regimes_view, studies_view, ui_path
@@ -141,7 +142,8 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     tasks, methods = params.suite.tasks, params.merge.methods
     lock = lock_stages(root)
     # every run carries its host and process, so the next track can tell a run still being logged from an abandoned one
-    base = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid()), "git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc")}
+    base = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid()), "git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc"),
+            "dvc.lock_md5": _md5(root / "dvc.lock") if (root / "dvc.lock").is_file() else ""}
     if os.environ.get("PREFECT__FLOW_RUN_ID"):
         base["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
     rec = _Recorder(client, exp_id, base)
@@ -150,9 +152,11 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     individual = {t: ft[t]["individual"]["test"] for t in tasks}
     probe_avg, individual_avg = mean(ft[t]["probe"]["test"] for t in tasks), mean(individual.values())
 
+    machines = recorded(root)  # provenance.json: the machine and kernels each stage ran on
+
     def item(name: str, stage: str, files: list[Path], timing: Path, label: str = "", extra_time: tuple[str, ...] = (), extra_tags: Mapping[str, str] = {}):
         times = stage_times(timing, extra_time)
-        tags = {"mergeflow.stage": stage} | ({"mergeflow.item": label} if label else {}) | dict(extra_tags)
+        tags = {"mergeflow.stage": stage} | ({"mergeflow.item": label} if label else {}) | dict(extra_tags) | machine_tags(machines.get(name))
         return rec.run(name, fingerprint(lock.get(name), files, root), times, tags), times[1]
 
     def weights(run_id: str, entry_name: str, files: Mapping[Path, str]) -> None:
