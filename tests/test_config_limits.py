@@ -298,3 +298,22 @@ def test_a_loss_that_is_nan_before_any_update_is_not_blamed_on_the_learning_rate
     with pytest.raises(MergeflowError) as err:
         train_loop(model, lambda idx: model(torch.full((len(idx), 2), math.nan)).mean(), 8, FinetuneConfig(steps=3, batch_size=4), optimizer="adamw", seed=0, device=torch.device("cpu"), desc="finetune signs")
     assert str(err.value) == "finetune signs: loss became nan at step 0, before any update (so not finetune.lr or finetune.weight_decay): the starting weights or the inputs hold NaN or infinity"
+
+
+# ---------------------------------------------------------------- aliases that expand without bound
+def test_an_alias_bomb_is_refused_in_one_line_naming_its_key(tmp_path, repo_root):
+    """A "billion laughs" params.yaml (anchors of anchors, 9^9 values in probe.c_grid) hung `mergeflow check`,
+    the stages and DVC's reader: it is refused before anything walks it, naming the smallest list that is too large."""
+    anchors = "x0: &l0 [0.1, 1.0, 10.0, 0.1, 1.0, 10.0, 0.1, 1.0, 10.0]\n" + "".join(f"x{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 9))
+    text = (repo_root / "params.yaml").read_text().replace("probe:\n  c_grid:\n  - 0.1\n  - 1.0\n  - 10.0\n", "probe:\n  c_grid: &l9 [*l8, *l8, *l8, *l8, *l8, *l8, *l8, *l8, *l8]\n")
+    (tmp_path / "params.yaml").write_text(anchors + text)
+    status, lines = _cli(["check"], tmp_path)
+    size = 10  # x0: the list and its 9 values; each next anchor: a list of 9 of the one before
+    for _ in range(6):
+        size = 1 + 9 * size
+    assert status == 2 and lines == [f"error: params.yaml: key 'x6', line 7: its aliases expand to {size:,} values (at most 1,000,000): an alias bomb, not a configuration (DVC's own reader would expand it too)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["params.yaml"]
+    # a file with anchors that stays small is read as before
+    from mergeflow.yaml_files import parse_yaml
+
+    assert parse_yaml("a: &a [1, 2]\nb: [*a, *a]\n", "small.yaml") == {"a": [1, 2], "b": [[1, 2], [1, 2]]}

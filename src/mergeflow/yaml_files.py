@@ -1,6 +1,6 @@
 """YAML files read strictly (params.yaml, dvc.yaml, dvc.lock): what PyYAML's safe_load would read wrong or not at
-all is one line naming the key (bytes that are not UTF-8, a key written twice), and params.yaml rewritten in the
-form ``dvc exp run -S`` writes."""
+all is one line naming the key (bytes that are not UTF-8, a key written twice, aliases that expand without bound),
+and params.yaml rewritten in the form ``dvc exp run -S`` writes."""
 
 from __future__ import annotations
 
@@ -72,6 +72,38 @@ def _duplicate_key(node: Any, path: str = "", seen_nodes: set[int] | None = None
     return None
 
 
+# the most values a YAML file may expand to once its aliases are followed: params.yaml holds ~500, a large dvc.lock
+# tens of thousands; a "billion laughs" (anchors of anchors) billions, which the loader (and pydantic, and DVC's own
+# reader) would build and walk for minutes or until memory runs out
+MAX_EXPANDED_NODES = 1_000_000
+
+
+def _alias_bomb(root: Any, source: str) -> str | None:
+    """One line when ``root``, a composed YAML node graph (an alias is the node it names, shared), expands to more
+    than MAX_EXPANDED_NODES values: the key and line of the smallest mapping or list that does, and its count."""
+    sizes: dict[int, int] = {}
+    over: list[Any] = []
+
+    def size(node: Any, depth: int = 0) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a recursive alias: counted once (the loader refuses to build it anyway)
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else node.value if isinstance(node, yaml.SequenceNode) else []
+        total = 1 + sum(size(c, depth + 1) for c in children)
+        if total > MAX_EXPANDED_NODES and not any(sizes.get(id(c), 0) > MAX_EXPANDED_NODES for c in children):
+            over.append(node)
+        sizes[id(node)] = total
+        return total
+
+    if size(root) <= MAX_EXPANDED_NODES:
+        return None
+    node = over[0]
+    line = node.start_mark.line
+    key = _key_at(root, (line, node.start_mark.column))
+    where = f"key '{key}', " if key else ""
+    return f"{source}: {where}line {line + 1}: its aliases expand to {sizes[id(node)]:,} values (at most {MAX_EXPANDED_NODES:,}): an alias bomb, not a configuration (DVC's own reader would expand it too)"
+
+
 def parse_yaml(data: bytes | str, source: str) -> Any:
     """YAML as PyYAML's safe_load reads it, but refusing what it would read wrong or not at all, each one line
     naming the key: bytes that are not UTF-8, and a key written twice in one mapping."""
@@ -85,6 +117,8 @@ def parse_yaml(data: bytes | str, source: str) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
+        if found := _alias_bomb(node, source):
+            raise MergeflowError(found)
         if found := _duplicate_key(node):
             raise MergeflowError(f"{source}: {found}")
         return loader.construct_document(node)
