@@ -30,9 +30,11 @@ from mergeflow import lockfile
 from mergeflow.errors import MergeflowError
 
 # test accuracy points a re-run may differ by when the bytes are not expected to be the same (another GPU model,
-# the CPU against a GPU, runtime.deterministic: false): the spread of the default suite over seeds
-# (docs/benchmarks.md) bounds what a change of kernels moves
-CROSS_DEVICE_TOLERANCE = 2.0
+# the CPU against a GPU, runtime.deterministic: false). Other last bits act as another seed would: over 3 seeds
+# the default suite's task arithmetic (the merge this checks by default, and one of its noisiest) has sd 1.17
+# points, so two runs differ by 2 x sqrt(2) x 1.17 = 3.3 at two standard deviations of their difference; the
+# methods' pooled sd, 0.72, gives 2.0 (docs/benchmarks.md, 2026-11-28)
+CROSS_DEVICE_TOLERANCE = 3.0
 DEFAULT_MERGE = "task_arithmetic"
 
 
