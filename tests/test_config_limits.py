@@ -206,7 +206,7 @@ def test_threads_from_the_environment_are_bounded_too(raw, monkeypatch):
     monkeypatch.setenv("MERGEFLOW_THREADS", "3")
     assert params.threads() == 3
     # deterministic: the count decides the bits, so it comes from params.yaml alone (2 unless runtime.threads says)
-    assert parse_params(raw).threads() == 2 and parse_params(raw).torch_threads() == 1
+    assert parse_params(raw).threads() == 2
     assert parse_params(raw | {"runtime": raw["runtime"] | {"threads": 5}}).threads() == 5
 
 

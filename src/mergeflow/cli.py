@@ -428,9 +428,8 @@ def configure_stage(params) -> str:
     from mergeflow.devices import cuda_devices
     from mergeflow.reproducibility import configure
 
-    device = "cuda" if params.runtime.device != "cpu" and cuda_devices() else "cpu"
-    configure(params.runtime.deterministic, params.threads(), device)
-    return device
+    configure(params.runtime.deterministic, params.threads())
+    return "cuda" if params.runtime.device != "cpu" and cuda_devices() else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

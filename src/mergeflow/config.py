@@ -396,8 +396,8 @@ class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # the same bytes on any x86-64 CPU (mergeflow.reproducibility): pinned kernels, GEMMs on `threads` threads
     deterministic: bool = True
-    # a stage's CPU threads. Deterministic: its GEMMs' (default 2, whatever the cores: part of what decides the
-    # bits); else torch's (default: the stage's share of the cores; MERGEFLOW_THREADS overrides)
+    # a stage's CPU threads. Deterministic: default 2, whatever the cores (part of what decides the bits); else
+    # default the stage's share of the cores (MERGEFLOW_THREADS overrides)
     threads: Annotated[int, _at_most(MAX_THREADS, "threads")] | None = Field(None, ge=1, le=MAX_THREADS)
     eval_batch_size: Annotated[int, _at_most(MAX_BATCH, "examples")] = Field(512, ge=1, le=MAX_BATCH)
 
@@ -453,11 +453,6 @@ class Params(_Strict):
         if not env.strip().isdecimal() or not 1 <= int(env) <= MAX_THREADS:
             raise MergeflowError(f"MERGEFLOW_THREADS={env[:40]!r}: expected a whole number of threads from 1 to {MAX_THREADS:,} (it overrides runtime.threads)")
         return int(env)
-
-    def torch_threads(self) -> int | None:
-        """torch's own threads in a stage: one in deterministic mode (its GEMMs run on ``threads`` OpenBLAS threads,
-        mergeflow.reproducibility), else ``threads``."""
-        return 1 if self.runtime.deterministic else self.threads()
 
     def stage_share(self, address: str | None = None, cores: int | None = None, gpus: int | None = None) -> int | None:
         """The threads of the stage at ``address`` (default: DVC_STAGE, as DVC and the runners set it): the items

@@ -35,7 +35,7 @@ from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features,
 
 
 def _setup(params: Params, seed: int) -> torch.device:
-    seed_everything(seed, params.torch_threads())
+    seed_everything(seed, params.threads())
     return select_device(params.runtime.device)
 
 

@@ -11,9 +11,10 @@ The deterministic mode fixes every one of those choices, whatever launched the s
   COMPATIBLE``: what still calls MKL, the LAPACK of SVDs and solves), OpenBLAS its Haswell (AVX2 + FMA) kernels,
   whose blocking is fixed at build time (``OPENBLAS_CORETYPE``), and numpy its AVX2 loops;
 - in the stage's process (``configure``): every float GEMM (``mm``, ``addmm``, ``bmm``, ``baddbmm``, and
-  convolutions as unfold + GEMM) runs on those OpenBLAS kernels with a fixed thread count (``gemm``), oneDNN,
-  NNPACK and the CPU flash attention (which block by the machine) are off, and torch's other kernels run on one
-  thread, so that no partial sum depends on the machine's cores.
+  convolutions as unfold + GEMM) runs on those OpenBLAS kernels, split into a fixed number of blocks (``gemm``),
+  oneDNN and NNPACK (which block by the machine) are off, and torch runs that same fixed number of threads, so that
+  no partial sum depends on the machine's cores. The CPU flash attention stays: its blocking follows the sequence
+  length alone, its products run on MKL's COMPATIBLE branch.
 
 The thread count is the stage's (``Params.threads``: ``MERGEFLOW_THREADS``, ``runtime.threads``, else
 ``DETERMINISTIC_THREADS``), the same on 1 core or 64: it is part of what decides the bits, as the kernels are.
@@ -27,8 +28,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# the stage's GEMM threads in deterministic mode unless params.yaml or MERGEFLOW_THREADS says otherwise: the
-# 2-core machine the committed run was made on, at its full speed (a fine-tune's GEMMs on 2 threads, the rest on one)
+# a stage's threads in deterministic mode unless params.yaml's runtime.threads says otherwise, whatever the cores:
+# the 2-core machine the committed run was made on, at its full speed
 DETERMINISTIC_THREADS = 2
 
 # what each library reads when it loads: set before torch, numpy or scipy are imported
@@ -39,6 +40,9 @@ KERNEL_ENV = {
     "OMP_DYNAMIC": "FALSE",
     "OPENBLAS_CORETYPE": "Haswell",  # OpenBLAS's AVX2 + FMA kernels and their fixed blocking (no cache-size rule)
     "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",  # numpy's AVX-512 loops off: its AVX2 ones
+    # not the bits but the speed: torch's OpenMP threads wait 1,000 spins (not 10,000) before they sleep, so that
+    # they leave the cores to the GEMMs' block threads (a pretraining step 8% faster on 2 cores)
+    "GOMP_SPINCOUNT": "1000",
 }
 
 # "0" where a launcher chose the machine's own kernels (runtime.deterministic: false): its children, which import
@@ -121,11 +125,11 @@ def kernels_in_use() -> dict[str, str]:
     }
 
 
-def configure(deterministic: bool, threads: int | None, device: str = "cpu") -> None:
-    """Set up this process for a stage. Deterministic: torch on one thread, every CPU GEMM on OpenBLAS with
-    ``threads`` threads (gemm.route), oneDNN, NNPACK and (``device`` cpu) the flash attention off; the kernels pinned before torch
-    loaded are checked (a torch imported before mergeflow runs the machine's own: refused, with the way out).
-    Otherwise: torch on ``threads`` threads (None: its default, every core)."""
+def configure(deterministic: bool, threads: int | None) -> None:
+    """Set up this process for a stage: torch on ``threads`` threads (None: its default, every core). Deterministic
+    (``threads`` then always given, DETERMINISTIC_THREADS by default): every CPU GEMM on OpenBLAS in ``threads``
+    blocks (gemm.route), oneDNN and NNPACK off; the kernels pinned before torch loaded are checked (a torch imported
+    before mergeflow runs the machine's own: refused, with the way out)."""
     import torch
 
     from mergeflow.errors import MergeflowError
@@ -142,13 +146,11 @@ def configure(deterministic: bool, threads: int | None, device: str = "cpu") -> 
     from mergeflow.reproducibility import gemm
 
     threads = threads or DETERMINISTIC_THREADS
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     # torch.use_deterministic_algorithms (seed_everything) fills each torch.empty with NaN: the GEMMs' outputs, which
     # they overwrite whole, paid a second pass over memory each (a quarter of a pretraining step)
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.mkldnn.enabled = False
     torch.backends.nnpack.set_flags(False)
-    if device == "cpu":  # the CPU's flash attention blocks by its own rule (the math path is GEMMs); a GPU keeps its own
-        torch.backends.cuda.enable_flash_sdp(False)
     gemm.route(threads)
     _stage_threads = threads

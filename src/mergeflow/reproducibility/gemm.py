@@ -9,9 +9,11 @@ six GEMM shapes, bench/determinism.py).
 
 ``route(threads)`` registers, for CPU tensors, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` (their functional,
 in-place and ``out=`` forms) as numpy's ``matmul`` on numpy's OpenBLAS, and ``convolution`` as unfold + GEMM.
-Everything above them (``linear``, ``matmul``, ``einsum``, attention's math path, every backward formula) goes
-through them. Other dtypes than float32/float64/complex (bfloat16 on the CPU) are computed in float32 and cast
-back. torch's thread pool and OpenBLAS's own would contend for the cores: ``configure`` gives torch one thread.
+Everything above them (``linear``, ``matmul``, ``einsum``, every backward formula) goes through them. Other dtypes
+than float32/float64/complex (bfloat16 on the CPU) are computed in float32 and cast back. OpenBLAS runs single-
+threaded: a product is split into the stage's thread count of row blocks, run at once on Python threads (numpy
+releases the GIL). OpenBLAS's own threads busy-wait for each other and for the cores torch's OpenMP threads hold:
+beside torch's two threads they made a pretraining step slower, and on one core 8x slower.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from typing import Any
 
 _library: Any = None  # the torch.library registrations, kept alive while the process lives
 _threads = 0
+_pool: Any = None  # the threads (besides the caller) that run a product's other blocks
+# multiply-adds below which a product runs whole on the calling thread (handing a block to a thread costs ~30 us)
+SPLIT_MIN_WORK = 2**20
 
 # numpy computes these dtypes itself (OpenBLAS for the float and complex ones); others go through float32
 _NUMPY_DTYPES = ("float32", "float64", "complex64", "complex128", "int8", "int16", "int32", "int64", "uint8", "bool")
@@ -34,7 +39,8 @@ def openblas_core() -> str:
 
 
 def routed() -> int:
-    """The OpenBLAS threads the CPU GEMMs run on in this process; 0 when torch's own kernels run them."""
+    """The threads the CPU GEMMs run on in this process (each block on OpenBLAS, single-threaded); 0 when torch's
+    own kernels run them."""
     return _threads
 
 
@@ -53,7 +59,18 @@ def _product(a, b):
     if str(a.dtype).removeprefix("torch.") not in _NUMPY_DTYPES:
         return _product(a.float(), b.float()).to(a.dtype)
     out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=a.dtype)
-    np.matmul(_array(a), _array(b), out=out.numpy())
+    x, y, z = _array(a), _array(b), out.numpy()
+    rows = x.shape[0]  # a 2-D product's rows, a batch's matrices: the blocks split among the threads
+    if _threads > 1 and rows >= _threads and x.size * y.shape[-1] >= SPLIT_MIN_WORK:
+        bounds = [rows * i // _threads for i in range(_threads + 1)]
+        blocks = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        second = y if y.ndim == 2 else None
+        pending = [_pool.submit(np.matmul, x[s], second if second is not None else y[s], out=z[s]) for s in blocks[1:]]
+        np.matmul(x[blocks[0]], second if second is not None else y[blocks[0]], out=z[blocks[0]])
+        for future in pending:
+            future.result()
+    else:
+        np.matmul(x, y, out=z)
     return out
 
 
@@ -103,14 +120,19 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     if input.dim() == 3:  # 1-D: a 2-D convolution of height 1
         out = convolution(input.unsqueeze(2), weight.unsqueeze(2), bias, [1, *stride], [0, *padding], [1, *dilation], False, [0, *output_padding], groups)
         return out.squeeze(2)
-    n, _, h, w = input.shape
+    n, c, h, w = input.shape
     cout, cin_g, kh, kw = weight.shape
-    cols = F.unfold(input, (kh, kw), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))  # [N, C*kh*kw, L]
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    # rows = every output position of every image: one GEMM a group over all of them (its backward too, not a
-    # weight gradient per image then summed)
-    rows = cols.transpose(1, 2).reshape(n * oh * ow, groups, cin_g * kh * kw)
+    # rows = every output position of every image, its patch's values in (channel, row, column) order: one GEMM a
+    # group over all of them (its backward too, not a weight gradient per image then summed)
+    if tuple(stride) == (kh, kw) and not any(padding) and tuple(dilation) == (1, 1) and h % kh == 0 and w % kw == 0:
+        # a ViT's patch embedding: the patches tile the image, a reshape (unfold's im2col took 44 ms a batch of 512
+        # from the channels-last images the backbone reads)
+        rows = input.reshape(n, c, oh, kh, ow, kw).permute(0, 2, 4, 1, 3, 5).reshape(n * oh * ow, groups, cin_g * kh * kw)
+    else:
+        cols = F.unfold(input, (kh, kw), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))  # [N, C*kh*kw, L]
+        rows = cols.transpose(1, 2).reshape(n * oh * ow, groups, cin_g * kh * kw)
     kernels = weight.reshape(groups, cout // groups, cin_g * kh * kw)
     out = torch.cat([rows[:, g] @ kernels[g].T for g in range(groups)], dim=1) if groups > 1 else rows[:, 0] @ kernels[0].T
     out = out.reshape(n, oh, ow, cout).permute(0, 3, 1, 2)
@@ -118,14 +140,22 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
 
 
 def route(threads: int) -> None:
-    """Send this process's CPU GEMMs to numpy's OpenBLAS, which runs them on ``threads`` threads (however many cores
-    the machine has: the bits depend on the count). Idempotent; a second call changes only the thread count."""
-    global _library, _threads
-    import scipy.linalg  # noqa: F401 - scipy's own OpenBLAS (scikit-learn's probe) loaded now, so that the count reaches it too
+    """Send this process's CPU GEMMs to numpy's OpenBLAS, single-threaded, each product split into ``threads``
+    blocks of rows (or of a batch's matrices) run at once on as many threads, however many cores the machine has: a
+    row's bits depend on the block it falls in, so the split is fixed by the shape and the count alone. Idempotent;
+    a second call changes only the thread count."""
+    global _library, _threads, _pool
+    from concurrent.futures import ThreadPoolExecutor
+
+    import scipy.linalg  # noqa: F401 - scipy's own OpenBLAS (scikit-learn's probe) loaded now, so that the limit reaches it too
     import torch
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(threads, user_api="blas")
+    threadpool_limits(1, user_api="blas")  # OpenBLAS's own threads busy-wait: on one core two of them took 8x as long
+    if threads != _threads:
+        if _pool is not None:
+            _pool.shutdown()
+        _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="gemm") if threads > 1 else None
     _threads = threads
     if _library is not None:
         return
