@@ -88,7 +88,8 @@ def test_import_pins_the_kernels_and_the_command_takes_them_back_only_where_it_s
 
     pinned, unpinned, mode = json.loads(out)
     assert pinned == KERNEL_ENV and mode == "0"
-    assert unpinned == {k: ("TRUE" if k == "OMP_DYNAMIC" else None) for k in KERNEL_ENV}  # the user's own value back
+    # the user's own value back, and the package's default spin count (mergeflow/__init__.py)
+    assert unpinned == {k: {"OMP_DYNAMIC": "TRUE", "GOMP_SPINCOUNT": "10000"}.get(k) for k in KERNEL_ENV}
     child = _python("import os, mergeflow; print(os.environ.get('ATEN_CPU_CAPABILITY'))", env=env | {MODE_ENV: "0"})
     assert child == "None"  # a launcher's "machine's own kernels" holds in the processes it starts
 
