@@ -47,7 +47,7 @@ def test_a_moved_metric_and_other_bytes_fail_with_the_machine_named(tmp_path, ti
     proc = run(["mergeflow", "reproduce", "merge@task_arithmetic"], root, tiny_env, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "merged/task_arithmetic.safetensors (stage merge@task_arithmetic): other bytes" in proc.stderr
-    assert "merge@task_arithmetic was written on Intel(R) Xeon(R) Processor (GenuineIntel;" in proc.stdout
+    assert "merge@task_arithmetic: written on Intel(R) Xeon(R) Processor (GenuineIntel;" in proc.stdout
     assert "differs in cpu.model: Intel(R) Xeon(R) Processor -> " in proc.stdout and "cpu.vendor: GenuineIntel -> " in proc.stdout
 
 

@@ -70,6 +70,27 @@ def test_a_flipped_byte_with_size_and_mtime_kept_is_named(project):
     assert lines == ["changed: folder/sub/1.bin (stage make)", "changed: model.bin (stage make)"]
 
 
+def test_a_changed_stage_is_named_beside_the_machine_that_wrote_it(project):
+    import json
+
+    from mergeflow.reproducibility.machine import describe
+
+    written = describe()
+    written["cpu"] = {**written["cpu"], "vendor": "GenuineIntel", "model": "Intel(R) Xeon(R) Processor"}
+    (project / "provenance.json").write_text(json.dumps({"other": written}))
+    _flip_keeping_size_and_mtime(project / "model.bin")
+    lines = []
+    with pytest.raises(MergeflowError):
+        verify(project, lines.append)
+    assert lines == ["changed: model.bin (stage make)", "make: provenance.json has no record of the machine that wrote it"]
+    (project / "provenance.json").write_text(json.dumps({"make": written}))
+    lines.clear()
+    with pytest.raises(MergeflowError):
+        verify(project, lines.append)
+    assert lines[1].startswith("make: written on Intel(R) Xeon(R) Processor (GenuineIntel;")
+    assert "differs in cpu.model: Intel(R) Xeon(R) Processor -> " in lines[2] and "cpu.vendor: GenuineIntel -> " in lines[2]
+
+
 def test_missing_and_added_files_and_the_commands_exit_status(project):
     (project / "folder" / "top.txt").unlink()
     (project / "folder" / "stray.txt").write_text("x")

@@ -165,7 +165,7 @@ def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance
     report is printed through ``echo`` and returned. The scratch copy is removed afterwards unless given."""
     from mergeflow.config import load_params
     from mergeflow.orchestration import stage_graph
-    from mergeflow.reproducibility.machine import describe, differences, recorded, summary
+    from mergeflow.reproducibility.machine import describe, explain, recorded
 
     root = Path(root).resolve()
     try:
@@ -213,12 +213,7 @@ def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance
         report.expect_bytes = exact
         report.tolerance = tolerance if tolerance is not None else (0.0 if exact else CROSS_DEVICE_TOLERANCE)
         for stage in sorted({s for s, _, same in report.outputs if not same}):
-            if (w := entries.get(stage)) is not None:
-                comparable = {k: w.get(k) for k in here}
-                changed = [d for d in differences(comparable, here) if not d.startswith("kernels.")] or ["nothing recorded"]
-                report.machines += [f"{stage} was written on {summary(w)}", f"{stage} re-ran on {summary(here)}; differs in {'; '.join(changed)}"]
-            else:
-                report.machines.append(f"{stage}: provenance.json has no record of the machine that wrote it")
+            report.machines += explain(stage, entries, here)
         for line in report.lines():
             echo(line)
         return report

@@ -128,19 +128,8 @@ def verify(root: str | Path = ".", report=None) -> str:
 
 
 def machine_lines(root: str | Path, stages: list[str]) -> list[str]:
-    """For stages whose bytes differ: the machine provenance.json says wrote them, beside this one, and what
-    differs between the two (the CPU's maker or features, the kernels, the mode, the threads, the versions)."""
-    from mergeflow.reproducibility.machine import describe, differences, recorded, summary
+    """For stages whose bytes differ: the machine that wrote them, this one, and what differs between the two."""
+    from mergeflow.reproducibility.machine import describe, explain, recorded
 
-    entries = recorded(root)
-    current = describe()
-    lines = []
-    for stage in stages:
-        if (written := entries.get(stage)) is None:
-            lines.append(f"{stage}: provenance.json has no record of the machine that wrote it")
-            continue
-        comparable = {k: written.get(k) for k in current}  # this process has not the stage's kernels in use
-        changed = [d for d in differences(comparable, current) if not d.startswith("kernels.")] or ["nothing recorded"]
-        lines.append(f"{stage}: written on {summary(written)}")
-        lines.append(f"{stage}: this machine: {summary(current)}; differs in {'; '.join(changed)}")
-    return lines
+    entries, here = recorded(root), describe()
+    return [line for stage in stages for line in explain(stage, entries, here)]

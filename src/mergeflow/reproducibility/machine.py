@@ -118,6 +118,19 @@ def differences(recorded: dict, current: dict) -> list[str]:
     return out
 
 
+def explain(stage: str, entries: dict[str, dict], here: dict) -> list[str]:
+    """Why ``stage``'s bytes may differ: the machine provenance.json says wrote them, the one re-running it, and
+    what differs between the two (the kernels aside: the asking process has not the stage's in use). [] when the
+    project keeps no provenance.json at all."""
+    if not entries:
+        return []
+    if (written := entries.get(stage)) is None:
+        return [f"{stage}: provenance.json has no record of the machine that wrote it"]
+    comparable = {k: written.get(k) for k in here}
+    changed = [d for d in differences(comparable, here) if not d.startswith("kernels.")] or ["nothing recorded"]
+    return [f"{stage}: written on {summary(written)}", f"{stage}: this machine: {summary(here)}; differs in {'; '.join(changed)}"]
+
+
 def record_stage(root: str | os.PathLike, address: str, record: dict) -> None:
     """Write ``record`` as ``address``'s entry of provenance.json (atomically, under a lock: stages end at once)."""
     from mergeflow.io import write_json
