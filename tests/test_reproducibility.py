@@ -58,9 +58,9 @@ _TRAIN = """
     from mergeflow.reproducibility import configure, stage_threads
     configure(True, 2)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 4, 4), torch.nn.Flatten(), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 4, 4), torch.nn.Flatten(), torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    x, y = torch.randn(96, 3, 16, 16), torch.randint(0, 10, (96,))
+    x, y = torch.randn(512, 3, 32, 32), torch.randint(0, 10, (512,))  # 512 x 1024 x 64: past SPLIT_MIN_WORK, split in two
     for _ in range(30):
         opt.zero_grad(); torch.nn.functional.cross_entropy(net(x), y).backward(); opt.step()
     print(hashlib.md5(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest(), torch.get_num_threads(), stage_threads(), len(__import__("os").sched_getaffinity(0)))
