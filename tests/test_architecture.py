@@ -50,6 +50,7 @@ LAYER = {
     "mergeflow.plots": "evaluation",  # every plot
     "mergeflow.studies": "studies",  # the papers' analyses, each a stage study@<name>
     "mergeflow.stages": "stages",  # the stage functions the CLI runs
+    "mergeflow.sources": "stages",  # the files each merge follows from (its stage sources), read from the imports
     "mergeflow.tracking": "stages",  # the track stage: MLflow records of the other stages' files
     "mergeflow.orchestration": "orchestration",  # the stage graph from dvc.yaml, running and stopping stages
     "mergeflow.checks": "orchestration",  # what must hold before any stage or DVC command

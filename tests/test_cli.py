@@ -15,7 +15,7 @@ from .conftest import REPO
 
 # a params file of this test's own: two tasks, two methods, and TIES's lam grid narrowed from the paper's 18 values
 PARAMS = {"suite": {"tasks": ["digits", "count"]}, "merge": {"methods": ["ties", "weight_averaging"], "ties": {"lam": [0.5, 1.5]}}}
-COMMANDS = ["prepare", "pretrain", "finetune", "vectors", "merge", "report", "track", "methods", "check", "verify", "reproduce", "repro", "ui", "serve"]
+COMMANDS = ["prepare", "pretrain", "finetune", "vectors", "sources", "merge", "report", "track", "methods", "check", "verify", "reproduce", "repro", "ui", "serve"]
 
 
 @pytest.fixture

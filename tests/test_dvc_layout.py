@@ -12,7 +12,7 @@ def test_dvc_stages_match_layout(repo_root):
     with Repo(str(repo_root)) as repo:
         stages = {s.addressing: s for s in repo.index.stages}
     outs = {a: {str(o.def_path) for o in s.outs} for a, s in stages.items()}
-    expected = {"prepare", "pretrain", "vectors", "statistics", "report", "track"} | {f"finetune@{t}" for t in params.suite.tasks}
+    expected = {"prepare", "pretrain", "vectors", "statistics", "sources", "report", "track"} | {f"finetune@{t}" for t in params.suite.tasks}
     expected |= {f"merge@{m}" for m in params.merge.methods}
     expected |= {f"{stage}@{r}" for stage in ("regime", "regime_merge") for r in params.regimes.run} | {f"study@{s}" for s in params.studies.run}
     assert set(stages) == expected

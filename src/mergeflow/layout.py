@@ -36,7 +36,7 @@ class Layout:
     @property
     def output_roots(self) -> list[Path]:
         """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints", "replicates")]
+        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints", "replicates", "sources")]
 
     @property
     def pretrain_corpus(self) -> Path:
@@ -68,6 +68,10 @@ class Layout:
 
     def merged(self, method: str) -> Path:
         return self._p("merged", f"{method}.safetensors")
+
+    def sources(self, stage: str, item: str) -> Path:
+        """The source files (path: md5) that ``stage@item`` (merge, regime_merge) follows from: mergeflow.sources."""
+        return self.root.joinpath("sources", stage, f"{item}.json")
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")

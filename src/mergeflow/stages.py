@@ -257,6 +257,22 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
     return metrics
 
 
+# ---------------------------------------------------------------- sources
+def sources(params: Params, layout: Layout = Layout()) -> dict:
+    """What each merge's bytes follow from (mergeflow.sources): sources/merge/<method>.json for every registered
+    method, sources/regime_merge/<regime>.json for every regime of regimes.run, each {file: md5}."""
+    from mergeflow.sources import digest, merging_dir, method_sources
+
+    root, package_dir = layout.sources("merge", "x").parents[1], merging_dir(layout.root)
+    items = {("merge", m): [m] for m in REGISTRY} | {("regime_merge", r): params.regimes.methods_of(r) for r in params.regimes.run}
+    with atomic_path(root, directory=True) as tmp:
+        for (stage, item), methods in items.items():
+            path = tmp / stage / f"{item}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, digest(method_sources(methods, package_dir), package_dir))
+    return {"files": len(items)}
+
+
 # ---------------------------------------------------------------- regime
 def _pairs(cosines: dict[tuple[str, str], float]) -> dict[str, float]:
     return {f"{a}|{b}": c for (a, b), c in cosines.items()}

@@ -45,6 +45,7 @@ PROBE_NEWTON_S_PER_UNIT = 0.8 / (3000 * 128**2)
 LOAD_BYTES_PER_S = 100e6
 # report: the summary table and its plots; results/summary.md to metrics/summary.json took ~4 s in /work/main.
 REPORT_S = 4.0
+SOURCES_S = 1.0  # the merging modules read and hashed
 # track: logging params, metrics and checkpoints into MLflow; not timed by the pipeline: an assumption (~10 s plus
 # the checkpoints it copies at LOAD_BYTES_PER_S), stated as such in the output.
 TRACK_S = 10.0
@@ -306,6 +307,8 @@ def _stage_work(params: Params, address: str) -> Work | None:
         return regime_work(params, item)
     if kind == "regime_merge" and item:
         return regime_merge_work(params, item)
+    if kind == "sources":
+        return Work(fixed_s=SOURCES_S)
     if kind == "report":
         return Work(fixed_s=REPORT_S)
     if kind == "track":

@@ -1,0 +1,86 @@
+"""Which source files a merge's bytes follow from, so that changing or adding one method re-runs only its merges.
+
+A merge runs its method's module, the merging modules that module imports (at its top or inside a function, read
+from the code with ``ast``, transitively), and what every merge runs: the registry (``mergeflow.merging``), the
+validation search and the binding of data and models. The stage ``sources`` writes, for every registered method,
+``sources/merge/<method>.json`` ({file: md5} of those files) and, for every regime of ``regimes.run``, the union
+over the methods it merges with (``sources/regime_merge/<regime>.json``). ``merge@<method>`` depends on its own
+file, not on the whole of src/mergeflow/merging: the stage re-runs on any change there (a second), and DVC re-runs
+only the merges whose file changed. Modules outside ``mergeflow.merging`` are not followed, as before (the stage
+code is not a merge's dependency). Studies look methods up by name at run time and still depend on the folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+
+PACKAGE = "mergeflow.merging"
+# what every merge runs besides its method: the registry and option checks, the validation search, the binding
+SHARED = (PACKAGE, f"{PACKAGE}.search", f"{PACKAGE}.binding")
+
+
+def module_file(package_dir: Path, package: str, module: str) -> Path | None:
+    """The file of ``module`` (a dotted name inside ``package``, whose folder is ``package_dir``); None if none."""
+    if module == package:
+        return package_dir / "__init__.py"
+    if not module.startswith(package + "."):
+        return None
+    rel = Path(*module[len(package) + 1 :].split("."))
+    for candidate in (package_dir / rel.with_suffix(".py"), package_dir / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every module ``path`` (the module ``module``) imports, anywhere in it: ``from a.b import c`` counts as a.b
+    and as a.b.c (c may be a submodule); relative imports resolved."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".")
+                base = parts[: len(parts) - node.level + (1 if is_package else 0)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            found.add(origin)
+            found |= {f"{origin}.{alias.name}" for alias in node.names}
+    return found
+
+
+def closure(package_dir: Path, package: str, roots: list[str]) -> list[Path]:
+    """The files of ``roots`` and of every module of ``package`` they import, transitively, sorted."""
+    seen: dict[str, Path] = {}
+    pending = list(roots)
+    while pending:
+        name = pending.pop()
+        if name in seen or (path := module_file(package_dir, package, name)) is None:
+            continue
+        seen[name] = path
+        pending += [m for m in imported_modules(path, name) if m not in seen]
+    return sorted(set(seen.values()))
+
+
+def merging_dir(root: Path) -> Path:
+    """The merging modules DVC sees: the project's src/mergeflow/merging (where the project is a clone), else the
+    imported package's."""
+    project = root / "src" / "mergeflow" / "merging"
+    return project if project.is_dir() else Path(__file__).resolve().parent / "merging"
+
+
+def method_sources(methods: list[str], package_dir: Path) -> list[Path]:
+    """The files the merges with ``methods`` follow from (their modules, what those import, the shared machinery)."""
+    from mergeflow.merging import REGISTRY
+
+    return closure(package_dir, PACKAGE, [*SHARED, *(REGISTRY[m].fn.__module__ for m in methods)])
+
+
+def digest(files: list[Path], package_dir: Path) -> dict[str, str]:
+    """{path as mergeflow/merging/ties.py: md5 of its bytes}."""
+    return {f.relative_to(package_dir.parents[1]).as_posix(): hashlib.md5(f.read_bytes()).hexdigest() for f in files}

@@ -1,0 +1,61 @@
+"""mergeflow.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one method's
+module changes (only the merges whose modules import it)."""
+
+import json
+import subprocess
+
+from .conftest import copy_project, run
+
+from mergeflow.sources import PACKAGE, closure, digest, imported_modules, merging_dir, method_sources
+
+
+def _package(root, files: dict[str, str]):
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_imports_are_followed_at_the_top_inside_functions_and_relative(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "from pkg import shared\n",
+        "shared.py": "",
+        "a.py": "from pkg._helper import x\n\ndef f():\n    from . import b\n",
+        "b.py": "import os\nimport pkg.c\n",
+        "c.py": "from .. import elsewhere\n",
+        "d.py": "import numpy\n",
+        "_helper.py": "x = 1\n",
+    })
+    assert imported_modules(pkg / "a.py", "pkg.a") == {"pkg._helper", "pkg._helper.x", "pkg", "pkg.b"}
+    assert imported_modules(pkg / "__init__.py", "pkg") == {"pkg", "pkg.shared"}
+    names = lambda roots: [p.name for p in closure(pkg, "pkg", roots)]  # noqa: E731
+    assert names(["pkg.a"]) == ["__init__.py", "_helper.py", "a.py", "b.py", "c.py", "shared.py"]  # pkg: a's `from . import b`
+    assert names(["pkg.d"]) == ["d.py"]
+    assert names(["pkg.c"]) == ["c.py"]
+
+
+def test_a_method_follows_from_its_module_what_it_imports_and_the_shared_machinery(repo_root):
+    package_dir = merging_dir(repo_root)
+    ties = {p.name for p in method_sources(["ties"], package_dir)}
+    assert {"ties.py", "__init__.py", "search.py", "binding.py", "_tensors.py"} <= ties and "model_stock.py" not in ties
+    assert "breadcrumbs.py" in {p.name for p in method_sources(["breadcrumbs_ties"], package_dir)}  # it imports breadcrumbs' masks
+    assert {p.name for p in method_sources(["iso_c"], package_dir)} >= {"iso.py", "tsv_m.py"}
+    files = method_sources(["model_stock"], package_dir)
+    recorded = digest(files, package_dir)
+    assert set(recorded) == {f"mergeflow/merging/{p.name}" for p in files} and PACKAGE == "mergeflow.merging"
+    import hashlib
+
+    assert recorded["mergeflow/merging/model_stock.py"] == hashlib.md5((package_dir / "model_stock.py").read_bytes()).hexdigest()
+
+
+def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tiny_reference, tiny_env):
+    root = copy_project(tiny_reference[0], tmp_path / "project")
+    before = json.loads((root / "sources" / "merge" / "ties.json").read_text())
+    with open(root / "src" / "mergeflow" / "merging" / "model_stock.py", "a") as f:  # a method the tiny run does not merge with
+        f.write("# touched\n")
+    with open(root / "src" / "mergeflow" / "merging" / "emr.py", "a") as f:
+        f.write("# touched\n")
+    run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
+    assert json.loads((root / "sources" / "merge" / "ties.json").read_text()) == before
+    status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
+    merges = sorted(s for s in status if s.startswith(("merge@", "regime_merge@")))
+    assert merges == ["merge@emr"], status
