@@ -126,3 +126,19 @@ def test_a_torch_loaded_before_the_pins_is_refused_in_deterministic_mode():
         assert out == "configured AVX2" or out == "configured DEFAULT"  # this CPU has no AVX-512: nothing to refuse
     else:
         assert out.startswith("runtime.deterministic: torch runs its AVX512") and "import mergeflow before torch" in out
+
+
+def test_the_reports_environment_is_the_same_from_any_cpu_in_deterministic_mode():
+    from mergeflow.reproducibility.machine import environment_markdown
+
+    kernels = {"torch": "AVX2", "mkl": "COMPATIBLE", "gemm": "OpenBLAS, 2 threads", "openblas": "Haswell", "numpy": "X86_V3"}
+    det = {"deterministic": True, "kernels": kernels, "versions": {"torch": "2.14.1"}}
+    intel = det | {"cpu": {"model": "Intel(R) Xeon(R)", "vendor": "GenuineIntel", "features": ["avx2"], "cores": 64}}
+    amd = det | {"cpu": {"model": "AMD EPYC", "vendor": "AuthenticAMD", "features": ["avx2", "avx512f"], "cores": 2}}
+    fast = {"deterministic": False, "kernels": {}, "versions": {"torch": "2.14.1"}, "cpu": amd["cpu"]}
+    one = environment_markdown({"pretrain": intel, "merge@ties": amd})
+    assert one == environment_markdown({"pretrain": amd, "merge@ties": intel}) and "Xeon" not in one and "EPYC" not in one
+    line = "- deterministic: torch AVX2, MKL COMPATIBLE, GEMMs on OpenBLAS, 2 threads, OpenBLAS Haswell, numpy X86_V3; torch 2.14.1: merge@ties, pretrain"
+    assert line in one.splitlines()
+    two = environment_markdown({"pretrain": intel, "merge@ties": fast}).splitlines()
+    assert "- machine's own kernels; torch 2.14.1: merge@ties" in two and environment_markdown({}) == ""

@@ -28,6 +28,7 @@ from mergeflow.parent_death import process_pool
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.lora import split_factors
 from mergeflow.regimes._checkpoint import regime_identity, resume_from
+from mergeflow.reproducibility.machine import environment_markdown, recorded
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import SPREAD_SDS, headline_metrics, over_seeds, pooled_sd, regime_headline, seeds_markdown, validation_records
 from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, save_task_vectors, state_bytes as _bytes, statistics as vector_statistics, task_vector
@@ -584,7 +585,10 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         headline[name] |= {"seeds": entry["seeds"], "test_avg_mean": entry["mean"], "test_avg_sd": entry["sd"]}
     with atomic_path(layout.results, directory=True) as tmp:
         seeds_section = seeds_markdown(spread, [params.seed, *params.seeds]) if spread else ""
-        (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()))
+        # the environments of the stages so far (provenance.json, not a declared dependency: each stage's end,
+        # this one's included, rewrites it)
+        environments = environment_markdown({a: r for a, r in recorded(layout.root).items() if a not in ("report", "track")})
+        (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()) + environments)
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
         write_json(tmp / "summary.json", {"rows": rows, "negation": negations} | ({"seeds": spread, "pooled_sd": pooled_sd(spread)} if spread else {}))
         write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])

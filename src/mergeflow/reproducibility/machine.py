@@ -91,8 +91,14 @@ def summary(record: dict) -> str:
     """One line: 'AMD EPYC (AuthenticAMD; avx2 fma avx512f), 2 cores; deterministic: torch AVX2, MKL COMPATIBLE,
     GEMMs OpenBLAS Haswell on 2 threads; torch 2.14.1'."""
     c = record.get("cpu", {})
+    return f"{c.get('model', '?')} ({c.get('vendor', '?')}; {' '.join(c.get('features', [])) or 'no AVX2'}), {c.get('cores', '?')} cores; " + environment(record)
+
+
+def environment(record: dict) -> str:
+    """The summary without the CPU: the mode, the kernels, the GPU, torch's version. In deterministic mode on the
+    CPU the same on every machine, as the bytes are."""
     kernels = record.get("kernels", {})
-    line = f"{c.get('model', '?')} ({c.get('vendor', '?')}; {' '.join(c.get('features', [])) or 'no AVX2'}), {c.get('cores', '?')} cores; "
+    line = ""
     mode = "deterministic" if record.get("deterministic") else "machine's own kernels"
     if "torch" in kernels:
         line += f"{mode}: torch {kernels['torch']}, MKL {kernels.get('mkl')}, GEMMs on {kernels.get('gemm')}, OpenBLAS {kernels.get('openblas')}, numpy {kernels.get('numpy')}"
@@ -116,6 +122,22 @@ def differences(recorded: dict, current: dict) -> list[str]:
 
     walk(recorded, current, "")
     return out
+
+
+def environment_markdown(entries: dict[str, dict]) -> str:
+    """The report's section: each environment the stages of provenance.json ran in, with how many and which; the CPU
+    of each stage is in provenance.json itself (a report's bytes must not follow the machine)."""
+    if not entries:
+        return ""
+    groups: dict[str, list[str]] = {}
+    for address, record in sorted(entries.items()):
+        groups.setdefault(environment(record), []).append(address)
+    lines = ["", "### Environment", ""]
+    for env, addresses in groups.items():
+        shown = ", ".join(addresses[:6]) + (f", ... ({len(addresses)} stages)" if len(addresses) > 6 else "")
+        lines.append(f"- {env}: {shown}")
+    lines += ["", "The CPU each stage ran on, the thread counts and every version: `provenance.json`.", ""]
+    return "\n".join(lines)
 
 
 def explain(stage: str, entries: dict[str, dict], here: dict) -> list[str]:
