@@ -50,7 +50,7 @@ def test_a_run_publishes_the_summary_and_the_mlflow_link(project, tiny_env, pref
     nothing to do publishes the same results, saying that nothing ran."""
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "MERGEFLOW_MLFLOW_UI": "http://mlflow.example:8080/"}
     out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env)
-    assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]
+    assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]
     assert "Traceback" not in out
     flow_run = _last_flow_run(prefect_server, project)
     assert flow_run["state_type"] == "COMPLETED"
@@ -63,17 +63,17 @@ def test_a_run_publishes_the_summary_and_the_mlflow_link(project, tiny_env, pref
     tracking = json.loads((project / "metrics/tracking.json").read_text())
     summary_rows = [line for line in (project / "results/summary.md").read_text().splitlines() if line.startswith("| ")]
     markdown = _summary_artifact(prefect_server, flow_run["id"])
-    assert "**Ran in this flow run** (3 of 18 stages): merge@ties, report, track." in markdown
+    assert "**Ran in this flow run** (3 of 19 stages): merge@ties, report, track." in markdown
     assert summary_rows[0] in markdown and summary_rows[2] in markdown  # the header and the first row
     link = f"http://mlflow.example:8080/#/experiments/{tracking['experiment_id']}/runs/{tracking['run_id']}"
     assert f"[{tracking['run_id']}]({link})" in markdown and "`mergeflow ui --port 8080`" in markdown
 
     out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project)], project, env)
-    assert "0 of 18 stages to run: none" in out
+    assert "0 of 19 stages to run: none" in out
     again = _last_flow_run(prefect_server, project)
     assert again["id"] != flow_run["id"]
     markdown = _summary_artifact(prefect_server, again["id"])
-    assert "**Nothing ran in this flow run**: all 18 stages were up to date" in markdown
+    assert "**Nothing ran in this flow run**: all 19 stages were up to date" in markdown
     assert summary_rows[2] in markdown and link in markdown
 
 

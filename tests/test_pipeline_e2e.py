@@ -79,7 +79,8 @@ def test_pipeline_end_to_end(project, prefect_server):
     for r in rows.values():
         assert all(0.0 <= r[t] <= 1.0 for t in TASKS)
         assert r["average"] == pytest.approx(sum(r[t] for t in TASKS) / len(TASKS))
-    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(ROWS) + len(VARIANTS) * (1 + len(REGIME_METHODS)) + 6 + len(TASKS)  # + negation table
+    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(ROWS) + len(VARIANTS) * (1 + len(REGIME_METHODS)) + 6 + len(TASKS) + 7  # + negation table, environment (one)
+    assert "\n### Environment\n\n- deterministic: torch AVX2, MKL COMPATIBLE, GEMMs on OpenBLAS, " in (root / "results/summary.md").read_text()
     assert rows["emr"]["storage_models"] > 1.0 and rows["Individual"]["storage_models"] == len(TASKS)
     consensus = json.loads((root / "metrics/merge/consensus_ta.json").read_text())
     assert set(consensus["searched"]["tall_lambda"]) == set(TASKS) and set(consensus["searched"]["tall_lambda"].values()) <= {0.2, 0.6}

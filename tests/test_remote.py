@@ -213,7 +213,7 @@ def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_e
     start = time.perf_counter()
     out = run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--worker-checkouts", "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env, timeout=900)
     print(f"flow run with worker checkouts (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
-    assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]
+    assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]
     # merge@ties and report on the workers, each in a clone in its Dask local directory; track here, where MLflow's
     # store is, on its inputs pulled
     checkouts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"(merge@ties|report|track) ran in the checkout (\S+)", out)}

@@ -304,7 +304,7 @@ def test_dask_runner_reruns_only_what_changed(tmp_path, tiny_reference, tiny_env
     start = time.perf_counter()
     out = _run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600)
     print(f"flow run on a shared working tree (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
-    assert "3 of 18 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
+    assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
     assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.orchestration.local_cluster`" in out
     assert "Data and pipelines are up to date." in _run(["dvc", "status"], root, env)
     lock = yaml.safe_load((root / "dvc.lock").read_text())

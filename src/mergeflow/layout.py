@@ -70,7 +70,7 @@ class Layout:
         return self._p("merged", f"{method}.safetensors")
 
     def sources(self, stage: str, item: str) -> Path:
-        """The source files (path: md5) that ``stage@item`` (merge, regime_merge) follows from: mergeflow.sources."""
+        """The source files (path: md5) that ``stage@item`` (a merge) follows from: mergeflow.sources."""
         return self.root.joinpath("sources", stage, f"{item}.json")
 
     def metrics(self, stage: str, name: str | None = None) -> Path:

@@ -3,11 +3,11 @@
 A merge runs its method's module, the merging modules that module imports (at its top or inside a function, read
 from the code with ``ast``, transitively), and what every merge runs: the registry (``mergeflow.merging``), the
 validation search and the binding of data and models. The stage ``sources`` writes, for every registered method,
-``sources/merge/<method>.json`` ({file: md5} of those files) and, for every regime of ``regimes.run``, the union
-over the methods it merges with (``sources/regime_merge/<regime>.json``). ``merge@<method>`` depends on its own
-file, not on the whole of src/mergeflow/merging: the stage re-runs on any change there (a second), and DVC re-runs
-only the merges whose file changed. Modules outside ``mergeflow.merging`` are not followed, as before (the stage
-code is not a merge's dependency). Studies look methods up by name at run time and still depend on the folder.
+``sources/merge/<method>.json`` ({file: md5} of those files). ``merge@<method>`` depends on its own file, not on
+the whole of src/mergeflow/merging: the stage re-runs on any change there (a second), and DVC re-runs only the
+merges whose file changed. Modules outside ``mergeflow.merging`` are not followed, as before (the stage code is
+not a merge's dependency). The regime merges (their methods are params), the studies and the replicates look
+methods up by name at run time and still depend on the folder.
 """
 
 from __future__ import annotations

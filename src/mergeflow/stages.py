@@ -260,18 +260,16 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
 
 # ---------------------------------------------------------------- sources
 def sources(params: Params, layout: Layout = Layout()) -> dict:
-    """What each merge's bytes follow from (mergeflow.sources): sources/merge/<method>.json for every registered
-    method, sources/regime_merge/<regime>.json for every regime of regimes.run, each {file: md5}."""
+    """What each merge's bytes follow from (mergeflow.sources): sources/merge/<method>.json, {file: md5}, for every
+    registered method (params aside: the stage re-runs on code changes only)."""
     from mergeflow.sources import digest, merging_dir, method_sources
 
     root, package_dir = layout.sources("merge", "x").parents[1], merging_dir(layout.root)
-    items = {("merge", m): [m] for m in REGISTRY} | {("regime_merge", r): params.regimes.methods_of(r) for r in params.regimes.run}
     with atomic_path(root, directory=True) as tmp:
-        for (stage, item), methods in items.items():
-            path = tmp / stage / f"{item}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, digest(method_sources(methods, package_dir), package_dir))
-    return {"files": len(items)}
+        (tmp / "merge").mkdir()
+        for method in REGISTRY:
+            write_json(tmp / "merge" / f"{method}.json", digest(method_sources([method], package_dir), package_dir))
+    return {"files": len(REGISTRY)}
 
 
 # ---------------------------------------------------------------- regime
