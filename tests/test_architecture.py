@@ -157,6 +157,22 @@ def test_no_import_goes_up_a_layer():
     assert used == set(ALLOWED_UPWARD), f"exceptions no longer needed: {sorted(set(ALLOWED_UPWARD) - used)}"
 
 
+def _package(module: str) -> str:
+    """The package a module belongs to: mergeflow.merging for mergeflow.merging._tensors, mergeflow for mergeflow.io."""
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_no_module_imports_another_packages_private_module():
+    """A package's `_` modules are its own: code elsewhere imports the names the package exports."""
+    wrong = []
+    for module in MODULES:
+        for target, line, _, _ in imports(module):
+            private = target.rpartition(".")[2].startswith("_") and MODULES[target].name != "__init__.py"
+            if private and not (module + ".").startswith(_package(target) + "."):
+                wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} imports {target}")
+    assert not wrong, "private modules imported from outside their package:\n" + "\n".join(dict.fromkeys(wrong))
+
+
 def test_no_import_circle():
     graph = nx.DiGraph()
     graph.add_nodes_from(MODULES)

@@ -21,13 +21,13 @@ from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_markdown, no
 from mergeflow.io import LazyStateDict, atomic_path, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.layout import Layout, MergeRun
 from mergeflow.merging import REGISTRY
-from mergeflow.merging._tensors import BASE_PREFIX, store_bytes
+from mergeflow.merging import BASE_PREFIX, store_bytes
 from mergeflow.merging.binding import bind_data
 from mergeflow.merging.search import negation_search, search
 from mergeflow.parent_death import process_pool
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.lora import split_factors
-from mergeflow.regimes._checkpoint import regime_identity, resume_from
+from mergeflow.regimes import regime_identity, resume_from
 from mergeflow.reproducibility.machine import environment_markdown, recorded
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
 from mergeflow.summary import SPREAD_SDS, headline_metrics, over_seeds, pooled_sd, regime_headline, seeds_markdown, validation_records
@@ -281,7 +281,7 @@ def regime_trainer(params: Params, layout: Layout, device: str):
     """The regimes' trainer (regimes._finetune.finetune_trainer) on the pipeline's data: each task's training split,
     its probe head (frozen) and seed, and the feature-preservation anchor the standard fine-tune uses, so that a
     one-round regime of finetune.steps is that fine-tune."""
-    from mergeflow.regimes._finetune import LazyAnchors, finetune_trainer
+    from mergeflow.regimes import LazyAnchors, finetune_trainer
 
     tasks = _load_tasks(params, layout)
     backbone = load_backbone(params.backbone, layout.pretrained)
@@ -300,7 +300,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     After every finished round the run is checkpointed (atomically) under checkpoints/; a run killed mid-regime
     starts again from its last finished round, and a finished one removes its checkpoints."""
     from mergeflow.regimes import REGISTRY as REGIMES, save_checkpoint
-    from mergeflow.regimes._pool import PoolTrainer
+    from mergeflow.regimes import PoolTrainer
     from mergeflow.regimes.lora import adapter_spec
 
     params.check_regime(name)

@@ -320,3 +320,13 @@ def _discover() -> None:
 
 
 _discover()
+
+# the tensor engine's names that code above the merging layer uses (the stages, plan's measurements, the studies),
+# imported when first asked for: the registry itself loads no torch (mergeflow check)
+_ENGINE = {"BASE_PREFIX": "_tensors", "store_bytes": "_tensors", "svd": "_tensors", "is_matrix": "_tensors"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE:
+        return getattr(importlib.import_module(f"{__name__}.{_ENGINE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -313,7 +313,7 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
 
     import torch
 
-    from mergeflow.merging._tensors import svd
+    from mergeflow.merging import svd
     from mergeflow.models import build_backbone, select_device
     from mergeflow.training import seed_everything
 

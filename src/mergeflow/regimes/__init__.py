@@ -180,4 +180,14 @@ def _discover() -> None:
 
 _discover()
 
+# what the stages and the studies use to run a regime on the pipeline's data, imported when first asked for (the
+# fine-tuning trainer loads the models and timm)
+_RUNNERS = {"regime_identity": "_checkpoint", "resume_from": "_checkpoint", "LazyAnchors": "_finetune", "finetune_trainer": "_finetune", "PoolTrainer": "_pool"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNNERS:
+        return getattr(importlib.import_module(f"{__name__}.{_RUNNERS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RoundRecord", "Trainer", "full_batch_gd_trainer", "load_checkpoint", "register", "run_rounds", "save_checkpoint", "uniform_average"]

@@ -36,7 +36,7 @@ def gradients(context: StudyContext) -> StudyResult:
     from mergeflow import data as data_mod
     from mergeflow.io import LazyStateDict, load_state_dict
     from mergeflow.models import backbone_state, build_backbone, load_head
-    from mergeflow.regimes._finetune import finetune_trainer
+    from mergeflow.regimes import finetune_trainer
     from mergeflow.config import task_seed
     from mergeflow.training import FeatureAnchor, finetune as finetune_loop
 
