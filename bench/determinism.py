@@ -95,11 +95,12 @@ def main() -> None:
             print(f"{node.address:<32} {walls[True]:8.1f} {walls[False]:8.1f}  (its process's wall time, not in the total)", flush=True)
             continue
         print(f"{node.address:<32} {times[True]:8.1f} {times[False]:8.1f}  x{times[True] / times[False]:.2f}", flush=True)
-    det = sum(r["deterministic_s"] or 0 for r in rows)
-    fast = sum(r["machine_s"] or 0 for r in rows)
+    timed = [r for r in rows if r["deterministic_s"] and r["machine_s"]]  # the report keeps no timing record
+    det = sum(r["deterministic_s"] for r in timed)
+    fast = sum(r["machine_s"] for r in timed)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
-    print(f"{'total (' + str(sum(1 for r in rows if r['deterministic_s'] and r['machine_s'])) + ' stages)':<32} {det:8.1f} {fast:8.1f}  x{det / fast:.3f}  ({model}, {len(os.sched_getaffinity(0))} cores)")
+    print(f"{'total (' + str(len(timed)) + ' stages)':<32} {det:8.1f} {fast:8.1f}  x{det / fast:.3f}  ({model}, {len(os.sched_getaffinity(0))} cores)")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": model, "cores": len(os.sched_getaffinity(0)), "rows": rows, "total": {"deterministic_s": det, "machine_s": fast}}, indent=2))
     if args.keep:

@@ -35,11 +35,11 @@ def test_imports_are_followed_at_the_top_inside_functions_and_relative(tmp_path)
 
 def test_a_method_follows_from_its_module_what_it_imports_and_the_shared_machinery(repo_root):
     package_dir = merging_dir(repo_root)
-    ties = {p.name for p in method_sources(["ties"], package_dir)}
+    ties = {p.name for p in method_sources("ties", package_dir)}
     assert {"ties.py", "__init__.py", "search.py", "binding.py", "_tensors.py"} <= ties and "model_stock.py" not in ties
-    assert "breadcrumbs.py" in {p.name for p in method_sources(["breadcrumbs_ties"], package_dir)}  # it imports breadcrumbs' masks
-    assert {p.name for p in method_sources(["iso_c"], package_dir)} >= {"iso.py", "tsv_m.py"}
-    files = method_sources(["model_stock"], package_dir)
+    assert "breadcrumbs.py" in {p.name for p in method_sources("breadcrumbs_ties", package_dir)}  # it imports breadcrumbs' masks
+    assert {p.name for p in method_sources("iso_c", package_dir)} >= {"iso.py", "tsv_m.py"}
+    files = method_sources("model_stock", package_dir)
     recorded = digest(files, package_dir)
     assert set(recorded) == {f"mergeflow/merging/{p.name}" for p in files} and PACKAGE == "mergeflow.merging"
     import hashlib

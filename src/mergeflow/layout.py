@@ -69,9 +69,13 @@ class Layout:
     def merged(self, method: str) -> Path:
         return self._p("merged", f"{method}.safetensors")
 
-    def sources(self, stage: str, item: str) -> Path:
-        """The source files (path: md5) that ``stage@item`` (a merge) follows from: mergeflow.sources."""
-        return self.root.joinpath("sources", stage, f"{item}.json")
+    @property
+    def sources(self) -> Path:
+        return self.root / "sources"
+
+    def method_sources(self, method: str) -> Path:
+        """The source files (path: md5) that merge@<method> follows from (stage sources: mergeflow.sources)."""
+        return self.sources / "merge" / f"{method}.json"
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")

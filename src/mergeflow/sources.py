@@ -74,11 +74,11 @@ def merging_dir(root: Path) -> Path:
     return project if project.is_dir() else Path(__file__).resolve().parent / "merging"
 
 
-def method_sources(methods: list[str], package_dir: Path) -> list[Path]:
-    """The files the merges with ``methods`` follow from (their modules, what those import, the shared machinery)."""
+def method_sources(method: str, package_dir: Path) -> list[Path]:
+    """The files a merge with ``method`` follows from (its module, what that imports, the shared machinery)."""
     from mergeflow.merging import REGISTRY
 
-    return closure(package_dir, PACKAGE, [*SHARED, *(REGISTRY[m].fn.__module__ for m in methods)])
+    return closure(package_dir, PACKAGE, [*SHARED, REGISTRY[method].fn.__module__])
 
 
 def digest(files: list[Path], package_dir: Path) -> dict[str, str]:

@@ -264,11 +264,12 @@ def sources(params: Params, layout: Layout = Layout()) -> dict:
     registered method (params aside: the stage re-runs on code changes only)."""
     from mergeflow.sources import digest, merging_dir, method_sources
 
-    root, package_dir = layout.sources("merge", "x").parents[1], merging_dir(layout.root)
-    with atomic_path(root, directory=True) as tmp:
-        (tmp / "merge").mkdir()
+    package_dir = merging_dir(layout.root)
+    with atomic_path(layout.sources, directory=True) as tmp:
         for method in REGISTRY:
-            write_json(tmp / "merge" / f"{method}.json", digest(method_sources([method], package_dir), package_dir))
+            path = tmp / layout.method_sources(method).relative_to(layout.sources)
+            path.parent.mkdir(exist_ok=True)
+            write_json(path, digest(method_sources(method, package_dir), package_dir))
     return {"files": len(REGISTRY)}
 
 
