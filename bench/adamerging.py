@@ -15,10 +15,10 @@ import time
 import torch
 
 from mergeflow import stages
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 from mergeflow.merging import REGISTRY
 from mergeflow.merging._adaptive import MergedParameters
-from mergeflow.merging.binding import bind_data
+from mergeflow.binding import bind_data
 from mergeflow.models import build_backbone
 
 

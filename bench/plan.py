@@ -26,7 +26,7 @@ BREAKDOWN = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import mergeflow.cli  # noqa: F401 - what the command imports before it runs (torch, the method registry)
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 params = load_params(sys.argv[1])
 t1 = time.perf_counter()
 from mergeflow.orchestration import stage_graph, stale_stages

@@ -16,7 +16,7 @@ import time
 import torch
 
 from mergeflow import stages
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 from mergeflow.io import load_state_dict
 from mergeflow.regimes import Budget
 from mergeflow.regimes._pool import PoolTrainer

@@ -32,7 +32,8 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from mergeflow.checkouts import check_source, pull_dependencies, pull_outputs, record_stage, source
 from mergeflow.checks import check_project
-from mergeflow.config import MLFLOW_UI_ENV, apply_overrides, mlflow_ui_base, mlflow_ui_port
+from mergeflow.config import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
+from mergeflow.params import apply_overrides
 from mergeflow.errors import MergeflowError
 from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, workers_argument
 from mergeflow.remote import default_remote, push_outputs

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.client.schemas.schedules import construct_schedule
 
     from mergeflow.checks import check_project
-    from mergeflow.config import apply_overrides
+    from mergeflow.params import apply_overrides
     from mergeflow.errors import MergeflowError
     from mergeflow.orchestration import check_repo, check_schedule
     from flows.pipeline import check_runner, pipeline

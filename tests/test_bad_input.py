@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from mergeflow import stages
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.errors import MergeflowError
 from mergeflow.io import atomic_path, check_compatible, load_state_dict, save_state_dict
 from mergeflow.stages import Layout

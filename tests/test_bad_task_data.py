@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from mergeflow import stages
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.data import load_task, save_task
 from mergeflow.errors import MergeflowError
 from mergeflow.io import save_state_dict

@@ -203,7 +203,8 @@ def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, 
     import yaml
 
     from mergeflow import stages
-    from mergeflow.config import DOWNLOAD_ENV, parse_params
+    from mergeflow.config import DOWNLOAD_ENV
+    from mergeflow.params import parse_params
 
     seen = []
     monkeypatch.setattr(tvd, "MNIST", _fake_mnist(seen))

@@ -17,9 +17,10 @@ import yaml
 from safetensors.torch import save_file
 
 from mergeflow import stages
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.data import benchmark, load_task
-from mergeflow.evaluation import MIN_GAP, gap_cell
+from mergeflow.evaluation import MIN_GAP
+from mergeflow.summary import gap_cell
 from mergeflow.io import load_state_dict, read_json
 from mergeflow.stages import Layout
 from .conftest import THREADS

@@ -16,7 +16,7 @@ import yaml
 from safetensors.numpy import save_file
 
 from mergeflow.checks import check_project
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.data import benchmark, check_layout
 from mergeflow.errors import MergeflowError
 from mergeflow.weights_header import architecture, expected_architecture, safetensors_shapes
@@ -136,7 +136,7 @@ def test_torchvision_root_missing_and_downloads(tmp_path, repo_root, monkeypatch
 
 
 def test_torchvision_task_names(tmp_path):
-    cfg = parse_params({"suite": {"source": "torchvision", "root": str(tmp_path), "tasks": ["Omniglot", "Nonsense"]}}).suite
+    cfg = parse_params({"suite": {"source": "torchvision", "root": str(tmp_path), "tasks": ["Omniglot", "Nonsense"]}, "merge": {"methods": ["ties"]}}).suite
     check_layout(cfg, "Omniglot")  # a torchvision dataset class outside the benchmark: its own reader checks its files
     with pytest.raises(MergeflowError) as err:
         check_layout(cfg, "Nonsense")
@@ -324,10 +324,10 @@ def test_the_new_checks_import_no_torch(tmp_path, repo_root):
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from mergeflow.config import parse_params
+        from mergeflow.params import parse_params
         import mergeflow.checks as checks
-        folders = parse_params({{"suite": {{"source": "imagefolder", "root": "photos", "tasks": ["pets"]}}, "finetune": {{"checkpoints": {{"pets": "ft/pets.safetensors"}}}}, "backbone": {{"kwargs": {KW!r}}}}})
-        bench = parse_params({{"suite": {{"source": "torchvision", "root": "bench", "tasks": ["Omniglot", "MNIST"], "download": True}}}})
+        folders = parse_params({{"suite": {{"source": "imagefolder", "root": "photos", "tasks": ["pets"]}}, "finetune": {{"checkpoints": {{"pets": "ft/pets.safetensors"}}}}, "backbone": {{"kwargs": {KW!r}}}, "merge": {{"methods": ["ties"]}}}})
+        bench = parse_params({{"suite": {{"source": "torchvision", "root": "bench", "tasks": ["Omniglot", "MNIST"], "download": True}}, "merge": {{"methods": ["ties"]}}}})
         blocked = {BLOCKED!r}
         keep = ("mergeflow", "mergeflow.config", "mergeflow.errors", "mergeflow.checks")
         for name in list(sys.modules):

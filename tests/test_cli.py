@@ -141,7 +141,8 @@ def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys)
 def test_download_anywhere_on_the_line_lets_the_stages_download(monkeypatch, repo_root):
     # `mergeflow repro --download`: the flag is mergeflow's, not DVC's; the stages DVC starts inherit the permission
     from mergeflow.cli import _allow_downloads
-    from mergeflow.config import DOWNLOAD_ENV, parse_params
+    from mergeflow.config import DOWNLOAD_ENV
+    from mergeflow.params import parse_params
 
     # set, then removed: monkeypatch records the variable's absence and restores it (a delenv of an absent variable
     # records nothing, and the 1 _allow_downloads sets would outlive this test)

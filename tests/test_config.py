@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from mergeflow.config import load_params, parse_params
+from mergeflow.params import load_params, parse_params
 from mergeflow.errors import MergeflowError
 
 

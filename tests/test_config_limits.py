@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from mergeflow.config import apply_overrides, load_params, parse_params
+from mergeflow.params import apply_overrides, load_params, parse_params
 from mergeflow.errors import MergeflowError
 
 
@@ -99,11 +99,11 @@ def test_a_key_written_twice_is_refused_naming_it_and_both_lines(tmp_path, repo_
 
 def test_the_round_trip_reader_names_a_duplicate_key_too(tmp_path, repo_root, monkeypatch):
     """ruamel's reader behind apply_overrides, reached without the PyYAML check before it: still one line."""
-    from mergeflow import config
+    from mergeflow import params as params_module
 
     text = (repo_root / "params.yaml").read_text().replace("  lr: 0.0003\n", "  lr: 0.0003\n  lr: 0.1\n")
     (tmp_path / "params.yaml").write_text(text)
-    monkeypatch.setattr(config, "load_params", lambda path: None)
+    monkeypatch.setattr(params_module, "load_params", lambda path: None)
     with pytest.raises(MergeflowError) as err:
         apply_overrides(tmp_path / "params.yaml", ["finetune.steps=3"])
     first, second = _line_of(text, "  lr: 0.0003"), _line_of(text, "  lr: 0.1")

@@ -10,7 +10,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from mergeflow import stages
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.data import embedded, load_task
 from mergeflow.errors import MergeflowError
 from mergeflow.io import load_state_dict

@@ -248,8 +248,8 @@ def test_entropy_falls_on_the_embedded_suite_and_the_pipeline_records_what_was_l
     objective is the same every step), Adam on the layer-wise coefficients lowers the entropy."""
     import json
 
-    from mergeflow.config import load_params
-    from mergeflow.merging.binding import bind_data as _merge_data
+    from mergeflow.params import load_params
+    from mergeflow.binding import bind_data as _merge_data
     from mergeflow.stages import Layout, _load_heads, _load_task_vectors, _load_tasks
 
     root, _ = tiny_reference

@@ -2,7 +2,7 @@
 
 from dvc.repo import Repo
 
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 from mergeflow.stages import Layout
 
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 import yaml
 
-from mergeflow.config import Params, load_params
+from mergeflow.errors import MergeflowError
+from mergeflow.params import load_params, parse_params
 from mergeflow.merging import REGISTRY
 from mergeflow.stages import Layout, merge
 
@@ -22,10 +23,10 @@ def test_a_method_for_two_tasks_is_refused_on_three(repo_root, tmp_path):
     params = yaml.safe_load((repo_root / "params.yaml").read_text())
     params["suite"]["tasks"] = ["digits", "signs", "count"]
     params["merge"]["methods"].append("slerp")
-    with pytest.raises(ValueError, match="merge.methods: slerp merges exactly 2 task models, and suite.tasks has 3"):
-        Params.model_validate(params)
+    with pytest.raises(MergeflowError, match="^params.yaml: merge.methods: slerp merges exactly 2 task models, and suite.tasks has 3$"):
+        parse_params(params)
     params["suite"]["tasks"] = ["digits", "signs"]
-    Params.model_validate(params)
+    parse_params(params)
     path = tmp_path / "params.yaml"
     params["suite"]["tasks"] = ["digits", "signs", "count"]
     params["merge"]["methods"].remove("slerp")

@@ -182,7 +182,7 @@ def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
     covered = {k: v for k, v in last.data.tags.items() if k.startswith("stage_run.")}
     # prepare, pretrain, the fine-tunes, vectors, the merges, a run per regime variant, per variant and method of its
     # merges, and per study: each a finished run, whichever track logged it
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
 
     p = load_params(root / "params.yaml")
     variants = [(r, v) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps)]

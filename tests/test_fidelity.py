@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.errors import MergeflowError
 from mergeflow.merging import REGISTRY, Choice, PerTask, Range
 from mergeflow.merging._rounding import top_k_count

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from mergeflow import imports
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_each_task_gets_a_link_or_the_placeholder(tmp_path):
 
 def test_the_repositorys_placeholders_are_committed_for_its_tasks(repo_root):
     """A fresh clone's plain `dvc repro` finds each fine-tune's dependency (no stage makes it before prepare)."""
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
 
     tracked = subprocess.run(["git", "ls-files", "imports"], cwd=repo_root, capture_output=True, text=True, check=True).stdout.split()
     tasks = load_params(repo_root / "params.yaml").suite.tasks

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mergeflow.checks import check_interpolations
-from mergeflow.config import apply_overrides, parse_params
+from mergeflow.params import apply_overrides, parse_params
 from mergeflow.errors import MergeflowError
 
 from .conftest import make_tiny_project

@@ -37,12 +37,14 @@ def modules_of(package: str) -> set[str]:
 
 def test_params_and_the_registries_load_without_torch_or_numba():
     out = fresh(f"""
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 params = load_params({str(REPO / "params.yaml")!r})
 import mergeflow.merging
 from mergeflow.merging import REGISTRY
 from mergeflow.studies import REGISTRY as STUDIES
+from mergeflow.regimes import REGISTRY as REGIMES
 out = {{
+    "regimes": {{name: [list(r.methods), r.own_model, r.settings_model is not None, params.regimes.methods_of(name) if r.settings_model else None] for name, r in REGIMES.items()}},
     "methods": {{name: [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {{k: str(r) for k, r in m.ranges.items()}}] for name, m in REGISTRY.items()}},
     "joint": sorted(name for name, m in REGISTRY.items() if m.joint),
     "studies": sorted(STUDIES),
@@ -50,7 +52,15 @@ out = {{
 }}
 """)
     assert out["heavy"] == [], f"validating params.yaml imported {out['heavy']}"
+    from mergeflow.lora import DEFAULT_TARGETS
     from mergeflow.merging import REGISTRY
+    from mergeflow.regimes import REGISTRY as REGIMES
+    from mergeflow.regimes.lora import TARGETS
+
+    # every regime registered without torch as with it, its settings and default methods beside its function
+    assert set(out["regimes"]) == set(REGIMES) == modules_of("regimes") and TARGETS == DEFAULT_TARGETS
+    assert out["regimes"]["mima"][:3] == [["weight_averaging", "task_arithmetic", "ties"], True, True]
+    assert out["regimes"]["standard"][2] is False  # the pipeline's own fine-tune: no regime@standard stage
 
     # every method module registered, and each method as the full import (torch loaded) registers it
     assert {module for module, *_ in out["methods"].values()} == modules_of("merging")
@@ -113,7 +123,7 @@ def test_mergeflow_repro_on_a_machine_without_a_gpu_driver_imports_no_torch_to_f
     out = fresh("""
 import os
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 from mergeflow.orchestration import visible_gpus
 params = load_params("params.yaml")
 out = {"gpus": visible_gpus(), "threads": params.stage_share("merge@ties", cores=16)}

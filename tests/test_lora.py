@@ -202,7 +202,7 @@ def test_the_lora_regime_gives_each_task_its_adapter():
 def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
     from mergeflow.checkpoints import read_checkpoint
     from mergeflow.checks import check_checkpoint_headers
-    from mergeflow.config import parse_params
+    from mergeflow.params import parse_params
 
     state, _ = trainer(ADAMW)("count", dict(THETA0), Budget(adapter=AdapterSpec(rank=2, alpha=4.0)), None)
     weights, factors = split_factors(state)
@@ -212,7 +212,7 @@ def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["qkv", "proj", "fc1", "fc2"]}))
     imported = read_checkpoint(folder / "adapter_model.safetensors", reference=THETA0, source="finetune.checkpoints.count")
     assert imported.keys() == weights.keys() and all(torch.allclose(imported[k], weights[k], atol=1e-6) for k in weights)
-    params = parse_params({"suite": {"tasks": ["digits", "count"]}, "finetune": {"checkpoints": {"count": "count_adapter/adapter_model.safetensors"}}})
+    params = parse_params({"suite": {"tasks": ["digits", "count"]}, "merge": {"methods": ["task_arithmetic"]}, "finetune": {"checkpoints": {"count": "count_adapter/adapter_model.safetensors"}}})
     check_checkpoint_headers(params, tmp_path, "params.yaml")  # not an image tower, and not refused as one
     save_state_dict(folder / "adapter_model.safetensors", {"base_model.model.blocks.0.attn.q_proj.lora_A.weight": torch.zeros(2, 32), "base_model.model.blocks.0.attn.q_proj.lora_B.weight": torch.zeros(32, 2)})
     with pytest.raises(MergeflowError, match=r"^finetune.checkpoints.count: adapts 'blocks.0.attn.q_proj.weight', which the model does not have$"):

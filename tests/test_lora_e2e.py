@@ -6,7 +6,7 @@ gives each claim a verdict from those numbers. Also the study's claims on hand-c
 import pytest
 import torch
 
-from mergeflow.config import apply_overrides
+from mergeflow.params import apply_overrides
 from mergeflow.io import LazyStateDict, read_json
 from mergeflow.lora import is_adapter
 from mergeflow.studies.lora import LoraSettings, Point, _alignments, claim_alignment, claim_knots, claim_loss

@@ -4,7 +4,7 @@ properties every registered method must keep."""
 import pytest
 import torch
 
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.errors import MergeflowError
 from mergeflow.merging import REGISTRY, validate_overrides
 

@@ -96,7 +96,7 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
 def test_a_foreach_stages_items_share_the_cores_by_params_alone(repo_root, monkeypatch):
     """A stage's threads follow from params.yaml and its address alone (they decide the last bits of what it
     trains): plain `dvc repro`, `mergeflow repro` and the flow give each the same count."""
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
 
     params = load_params(repo_root / "params.yaml")  # 8 tasks, 24 methods, 2 regimes, 2 studies
     # deterministic (the default): two threads a stage whatever the machine; the share below is the fast mode's
@@ -126,7 +126,7 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     `dvc repro`, the GPUs the stage sees: the same for both. No GPU path where the stages stay on the CPU."""
     import torch
 
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.devices import RUN_GPUS_ENV, run_gpus
 
     params = load_params(repo_root / "params.yaml")

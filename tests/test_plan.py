@@ -12,7 +12,7 @@ import pytest
 
 from mergeflow import plan as P
 from mergeflow.cli import main
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.orchestration import StageNode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_cli_outside_a_project_is_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_an_imported_fine_tune_is_not_trained_and_a_zero_shot_head_fits_no_probe(repo_root):
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.plan import finetune_work
 
     published = load_params(repo_root / "profiles" / "ta8_fusionbench.yaml")

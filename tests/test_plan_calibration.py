@@ -11,7 +11,7 @@ import pytest
 
 from mergeflow import plan as P
 from mergeflow.cli import main
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 from mergeflow.errors import MergeflowError
 from mergeflow.merging.search import golden_section
 from mergeflow.plan.calibration import throughput_from_bench

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergeflow.config import load_params
+from mergeflow.params import load_params
 from mergeflow.data.benchmark import SUITES
 
 PROFILES = sorted(Path(__file__).resolve().parents[1].joinpath("profiles").glob("*.yaml"))

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from mergeflow.config import apply_overrides, parse_params
+from mergeflow.params import apply_overrides, parse_params
 from mergeflow.errors import MergeflowError
 from mergeflow.io import load_state_dict
 
@@ -58,7 +58,7 @@ def test_a_killed_regime_resumes_from_its_last_round(tiny_reference, tiny_env, t
 
 
 def test_round_counts_must_split_the_budget():
-    raw = {"suite": {"tasks": ["digits"]}, "finetune": {"steps": 8}, "regimes": {"run": ["mima"], "mima": {"rounds": [2, 3]}}}
+    raw = {"suite": {"tasks": ["digits"]}, "merge": {"methods": ["task_arithmetic"]}, "finetune": {"steps": 8}, "regimes": {"run": ["mima"], "mima": {"rounds": [2, 3]}}}
     with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.mima.rounds: 3 rounds must divide finetune.steps = 8"):
         parse_params(raw)
     parse_params(raw | {"regimes": {"run": [], "mima": {"rounds": [3]}}})  # not run: not checked
@@ -67,7 +67,7 @@ def test_round_counts_must_split_the_budget():
 
 
 def test_studies_are_checked_by_name_and_settings():
-    raw = {"suite": {"tasks": ["digits"]}}
+    raw = {"suite": {"tasks": ["digits"]}, "merge": {"methods": ["task_arithmetic"]}}
     with pytest.raises(MergeflowError, match=r"^params.yaml: studies: unknown study 'nope' \(registered: [a-z_, ]*\bmima\b"):
         parse_params(raw | {"studies": {"run": ["nope"]}})
     with pytest.raises(MergeflowError, match=r"^params.yaml: studies.mima.individual_tolerance: Input should be a valid number"):

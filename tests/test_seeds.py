@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.studies import Claim, against_spread
 from mergeflow.summary import over_seeds, pooled_sd, seeds_markdown
 

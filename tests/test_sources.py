@@ -41,7 +41,7 @@ def test_a_method_follows_from_its_module_what_it_imports_and_the_shared_machine
     assert {p.name for p in method_sources("iso_c", package_dir)} >= {"iso.py", "tsv_m.py"}
     files = method_sources("model_stock", package_dir)
     recorded = digest(files, package_dir)
-    assert set(recorded) == {f"mergeflow/merging/{p.name}" for p in files} and PACKAGE == "mergeflow.merging"
+    assert set(recorded) == {f"mergeflow/merging/{p.name}" for p in files if p.name != "binding.py"} | {"mergeflow/binding.py"} and PACKAGE == "mergeflow.merging"
     import hashlib
 
     assert recorded["mergeflow/merging/model_stock.py"] == hashlib.md5((package_dir / "model_stock.py").read_bytes()).hexdigest()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.io import save_state_dict, write_json
 from mergeflow.models import backbone_state, build_backbone
 from mergeflow.stages import Layout

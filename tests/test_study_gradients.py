@@ -180,7 +180,7 @@ def test_claim_atm_budget():
 
 def fake_params(run, one_epoch_methods=("task_arithmetic",), atm_methods=("atm", "task_arithmetic"), merge_methods=("task_arithmetic", "ties", "breadcrumbs"), atm_rounds=(2, 4)):
     """Real, validated Params with these regimes and methods (finetune.steps 200)."""
-    from mergeflow.config import parse_params
+    from mergeflow.params import parse_params
 
     return parse_params({
         "suite": {"tasks": TASKS}, "finetune": {"steps": 200}, "merge": {"methods": list(merge_methods)},

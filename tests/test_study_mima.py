@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from mergeflow.config import parse_params
+from mergeflow.params import parse_params
 from mergeflow.stages import Layout
 from mergeflow.studies import REGISTRY, StudyContext
 from mergeflow.studies import mima as mima_module

@@ -2,8 +2,7 @@
 
 import pytest
 
-from mergeflow.evaluation import summary_markdown, summary_rows
-from mergeflow.summary import headline_metrics, regime_headline, validation_records
+from mergeflow.summary import headline_metrics, regime_headline, summary_markdown, summary_rows, validation_records
 
 TASKS = ["a", "b"]
 # probe 0.5 and 0.7 (average 0.6), individual 0.9 and 0.9 (average 0.9): the gap is 0.3
@@ -31,6 +30,8 @@ def test_a_regime_variants_headline_is_named_by_its_variant():
     evaluations = {"ties": {"kind": "single", "accuracy": {"a": 0.6, "b": 0.9}, "searched": {"k": 0.2, "lam": 1.5}}}
     rows = summary_rows(TASKS, FINETUNE, evaluations, regime="mima_n2", individual_models={"a": 0.8, "b": 1.0})
     headline = regime_headline("mima_n2", rows, evaluations, {"ties": 0.7})
+    assert [r["data"] for r in rows] == ["", "none"]  # a method the data labels do not name reads none
+    assert summary_rows(TASKS, FINETUNE, evaluations, data={"ties": "train stats"})[-1]["data"] == "train stats"
     # the gap on the standard fine-tune's scale: (0.75 - 0.6) / 0.3
     assert headline == {"mima_n2/individual": {"test_avg": 90.0}, "mima_n2/ties": {"test_avg": 75.0, "val_avg": 70.0, "gap": 50.0, "choice": "k=0.2 lam=1.5"}}
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from mergeflow.config import apply_overrides
+from mergeflow.params import apply_overrides
 from mergeflow.io import load_state_dict
 from mergeflow.mlflow_model import load_model, load_timm
 from mergeflow.tracking import MERGE_METRICS, stage_times
@@ -89,7 +89,7 @@ def test_merge_runs_share_one_metric_convention(tracked):
 
 
 def _params(root: Path):
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
 
     return load_params(root / "params.yaml")
 

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow import lockfile
-from mergeflow.config import Params, check_name, load_params, read_yaml
+from mergeflow.config import Params, check_name
+from mergeflow.params import load_params
+from mergeflow.yaml_files import read_yaml
 from mergeflow.errors import MergeflowError
 
 _INTERPOLATION = re.compile(r"\$\{\s*([^}]*?)\s*\}")

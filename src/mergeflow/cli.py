@@ -51,7 +51,7 @@ def _configured(argv: list[str]) -> tuple[str, object | None]:
     pre.add_argument("--params", default="params.yaml")
     path = pre.parse_known_args(argv)[0].params
     try:
-        from mergeflow.config import load_params
+        from mergeflow.params import load_params
 
         return path, load_params(path)
     except Exception:  # noqa: BLE001 - any failure only means no choices to list; the command itself reports it
@@ -92,7 +92,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     finetune.add_argument("--task", metavar="TASK", help=f"the task: {tasks}; default: from DVC_STAGE=finetune@<task>, as DVC and the flow set it")
     sub.add_parser("vectors", help="stage: task vectors (fine-tuned minus pretrained) and their statistics", description="Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities.")
     sub.add_parser("statistics", help="stage: per-task Fisher diagonals and layer-input Grams, for data-aware merging (fisher, regmean)", description="Per task, the diagonal Fisher of the fine-tuned model with its head and the Gram of every linear layer's inputs, on statistics.examples training examples.")
-    sub.add_parser("sources", help="stage: the source files each merge follows from (its method's module and what it imports)", description="For every registered method, sources/merge/<method>.json: the md5 of each file its merge runs (the method's module, the merging modules it imports, the registry, the search and the binding). A merge stage depends on its own file, so that changing one method re-runs only its merges.")
+    sub.add_parser("sources", help="stage: the source files each merge follows from (its method's module and what it imports)", description="For every registered method, sources/merge/<method>.json: the md5 of each file its merge runs (the method's module, the merging modules it imports, the registry, the search and the stage's binding of data). A merge stage depends on its own file, so that changing one method re-runs only its merges.")
     merge = sub.add_parser("merge", help="stage: merge with one method (hyperparameters chosen on validation), then test on every task", description="Merge the task vectors with one method, its hyperparameters chosen on the validation splits, then test it on every task.")
     merge.add_argument("--method", metavar="METHOD", help=f"the method: {methods_help}; default: from DVC_STAGE=merge@<method>, as DVC and the flow set it")
     regime = sub.add_parser("regime", help="stage: a training-time regime's task vectors (one_epoch, mima, atm; regimes in params.yaml)", description="Make the task vectors of one training-time regime (every variant: MIMA and ATM one per round count), checkpointed after every round.")
@@ -154,7 +154,7 @@ def _stage_item(given: str | None, stage: str, what: str) -> str:
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "methods":
         if args.list:
-            from mergeflow.config import load_params
+            from mergeflow.params import load_params
             from mergeflow.merging import REGISTRY
 
             tasks = len(load_params(args.params).suite.tasks)
@@ -244,7 +244,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
     from mergeflow import stages
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.io import sweep_temporaries
 
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)
@@ -338,7 +338,7 @@ def methods_table(params, source: str = "params.yaml"):
 def print_methods(params_path: str) -> int:
     from rich.console import Console
 
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
 
     try:
         params = load_params(params_path)
@@ -353,7 +353,7 @@ def print_methods(params_path: str) -> int:
 def print_regimes(params_path: str) -> int:
     """Each regime: its paper and defaults; for those regimes.run lists, the variants (with the keyword arguments
     the regime function gets) and the methods they are merged with. Then the studies."""
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.regimes import REGISTRY as REGIMES
     from mergeflow.studies import REGISTRY as STUDIES
 

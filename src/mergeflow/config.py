@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from mergeflow.errors import MergeflowError
-from mergeflow.yaml_files import _duplicate_key, parse_yaml, read_yaml, round_trip_yaml  # noqa: F401 - read_yaml, parse_yaml: config API too
+
 
 DEFAULT_PARAMS = "params.yaml"
 DOWNLOAD_ENV = "MERGEFLOW_DOWNLOAD"  # set by --download
@@ -50,7 +50,7 @@ def check_name(value: str, where: str) -> str:
     return value
 
 
-def _unique_names(values: list[str], what: str) -> list[str]:
+def unique_names(values: list[str], what: str) -> list[str]:
     """``values`` unless one is listed twice (the work would be done twice); ValueError naming it."""
     dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
     if dup is not None:
@@ -68,7 +68,7 @@ MAX_SEED = 2**32 - 1  # numpy's and scikit-learn's seed range
 MAX_GRID = 1000  # values in a searched grid
 
 
-def _at_most(bound: int, unit: str) -> BeforeValidator:
+def at_most(bound: int, unit: str) -> BeforeValidator:
     """Refuse a number above ``bound``, saying the bound, before pydantic reads it as an integer (1e29 would
     become a 30-digit step count, 1e30 fails with no bound named)."""
 
@@ -115,10 +115,10 @@ class SuiteConfig(_Strict):
     # squash: the whole image, aspect lost (the embedded suite, your data); crop: CLIP's eval transform, short side
     # to image_size (bicubic) then the centre
     resize: Literal["squash", "crop"] = "squash"
-    n_train: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(3000, ge=8, le=MAX_IMAGES)  # per task; embedded suite generates exactly this many, real data is capped by it
-    n_val: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(300, ge=4, le=MAX_IMAGES)
-    n_test: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(800, ge=4, le=MAX_IMAGES)
-    pretrain_images: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(50000, ge=0, le=MAX_IMAGES)  # size of the formula-driven pretraining corpus (embedded source)
+    n_train: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(3000, ge=8, le=MAX_IMAGES)  # per task; embedded suite generates exactly this many, real data is capped by it
+    n_val: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(300, ge=4, le=MAX_IMAGES)
+    n_test: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(800, ge=4, le=MAX_IMAGES)
+    pretrain_images: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(50000, ge=0, le=MAX_IMAGES)  # size of the formula-driven pretraining corpus (embedded source)
 
     @model_validator(mode="before")
     @classmethod
@@ -161,12 +161,12 @@ class BackboneConfig(_Strict):
 
 
 class ScheduleConfig(_Strict):
-    steps: Annotated[int, _at_most(MAX_STEPS, "steps")] = Field(1000, ge=0, le=MAX_STEPS)  # optimiser steps (overridden by epochs when that is set)
-    epochs: Annotated[int, _at_most(MAX_STEPS, "epochs")] | None = Field(None, ge=1, le=MAX_STEPS)  # whole passes over the training split; 1 epoch of full-batch GD is one step
-    batch_size: Annotated[int, _at_most(MAX_BATCH, "examples")] = Field(128, ge=1, le=MAX_BATCH)
+    steps: Annotated[int, at_most(MAX_STEPS, "steps")] = Field(1000, ge=0, le=MAX_STEPS)  # optimiser steps (overridden by epochs when that is set)
+    epochs: Annotated[int, at_most(MAX_STEPS, "epochs")] | None = Field(None, ge=1, le=MAX_STEPS)  # whole passes over the training split; 1 epoch of full-batch GD is one step
+    batch_size: Annotated[int, at_most(MAX_BATCH, "examples")] = Field(128, ge=1, le=MAX_BATCH)
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.05, ge=0)
-    warmup_steps: Annotated[int, _at_most(MAX_STEPS, "steps")] = Field(0, ge=0, le=MAX_STEPS)  # linear warm-up, then cosine decay to zero
+    warmup_steps: Annotated[int, at_most(MAX_STEPS, "steps")] = Field(0, ge=0, le=MAX_STEPS)  # linear warm-up, then cosine decay to zero
 
 
 class PretrainConfig(ScheduleConfig):
@@ -184,15 +184,15 @@ class ProbeConfig(_Strict):
     # move by ~1e-5; lbfgs, stopped on its path, moved by 1e-2 (training.fit_probe). Above NEWTON_MAX_UNKNOWNS
     # features x classes (its Hessian's side), L-BFGS runs instead
     solver: Literal["newton-cholesky", "lbfgs"] = "newton-cholesky"
-    max_iter: Annotated[int, _at_most(MAX_STEPS, "iterations")] = Field(500, ge=10, le=MAX_STEPS)
+    max_iter: Annotated[int, at_most(MAX_STEPS, "iterations")] = Field(500, ge=10, le=MAX_STEPS)
 
 
 class PreserveFeaturesConfig(_Strict):
     """Keep the backbone's features on out-of-task images (the pretraining corpus) near theta0's while fine-tuning."""
 
     weight: float = Field(0.0, ge=0)  # beta of the relative squared feature change; 0 turns it off
-    images: Annotated[int, _at_most(MAX_IMAGES, "images")] = Field(2048, ge=1, le=MAX_IMAGES)  # corpus images drawn once (seeded); theta0's features on them are computed once
-    batch_size: Annotated[int, _at_most(MAX_BATCH, "images")] = Field(32, ge=1, le=MAX_BATCH)  # of them per step, beside the task's own batch
+    images: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(2048, ge=1, le=MAX_IMAGES)  # corpus images drawn once (seeded); theta0's features on them are computed once
+    batch_size: Annotated[int, at_most(MAX_BATCH, "images")] = Field(32, ge=1, le=MAX_BATCH)  # of them per step, beside the task's own batch
 
 
 class FinetuneConfig(ScheduleConfig):
@@ -222,104 +222,23 @@ class MergeConfig(BaseModel):
     @field_validator("methods")
     @classmethod
     def _unique_methods(cls, methods: list[str]) -> list[str]:
-        return _unique_names(methods, "method")
-
-    @model_validator(mode="after")
-    def _known_methods(self) -> MergeConfig:
-        from mergeflow.merging import REGISTRY, validate_overrides
-
-        for name in list(self.methods) + list(self.model_extra or {}):
-            if name not in REGISTRY:
-                raise ValueError(f"unknown merge method {name!r} (registered: {', '.join(sorted(REGISTRY))})")
-        for name, overrides in (self.model_extra or {}).items():
-            validate_overrides(REGISTRY[name], overrides, where=f"merge.{name}")
-        return self
+        return unique_names(methods, "method")
 
     def overrides(self, method: str) -> dict[str, Any]:
         return dict((self.model_extra or {}).get(method) or {})
 
 
-class _RegimeRunConfig(_Strict):
-    """One regime's hyperparameters (its merge methods are in RegimeMethodsConfig, so that changing them does not
-    train the regime again)."""
+class RegimesConfig(BaseModel):
+    """Training-time regimes run beside the standard fine-tune (finetune above): ``run`` lists them, a DVC stage
+    regime@<name> each; each makes its own task vectors, merged with ``methods.<name>`` (the regime's own default
+    when not given). Every other key is a regime name whose settings override its defaults. The regimes, their
+    settings and default methods are mergeflow.regimes' registry: mergeflow.params checks these against it and
+    attaches each regime's validated settings (``config``)."""
 
-    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
-        """Each set of task vectors this regime makes, by name (a regime with a list of round counts makes one
-        per count), with the keyword arguments of mergeflow.regimes' function."""
-        return {regime: {}}
-
-
-class OneEpochRegimeConfig(_RegimeRunConfig):
-    pass
-
-
-class MimaRegimeConfig(_RegimeRunConfig):
-    rounds: list[Annotated[int, _at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)  # N, each dividing finetune.steps; one set of task vectors per N
-    schedule: Literal["one_schedule", "restart"] = "one_schedule"  # one lr schedule over S, or a fresh one per round
-    optimizer_state: Literal["reset", "carry"] = "reset"  # a fresh optimiser per round, or each task's carried over
-
-    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
-        return {f"{regime}_n{n}": {"rounds": n, "total_steps": finetune_steps, "schedule": self.schedule, "optimizer_state": self.optimizer_state} for n in self.rounds}
-
-
-class AtmRegimeConfig(_RegimeRunConfig):
-    rounds: list[Annotated[int, _at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)  # R; one run per R
-    steps: int | Literal["epoch"] | None = None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
-    alpha: float | None = Field(None, gt=0)  # theta += alpha * sum of the round's task vectors; empty (null): 1/T
-
-    _steps_bound = field_validator("steps", mode="before")(_at_most(MAX_STEPS, "steps").func)
-
-    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
-        def steps(r: int) -> int | None:
-            return None if self.steps == "epoch" else self.steps if self.steps is not None else finetune_steps // r
-
-        return {f"{regime}_r{r}": {"rounds": r, "steps": steps(r), "alpha": self.alpha} for r in self.rounds}
-
-
-class LoraRegimeConfig(_RegimeRunConfig):
-    ranks: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [4, 16, 64], min_length=1, max_length=MAX_GRID)  # r; one set of task vectors per rank
-    alpha: float | None = Field(None, gt=0)  # scale alpha / r; empty (null): alpha = r, a scale of 1 at every rank
-    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
-    targets: list[str] = Field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"], min_length=1)  # linear layers, by the last part of their name
-    lr: float | None = Field(None, gt=0)  # the adapters' learning rate; empty (null): finetune.lr
-
-    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
-        return {f"{regime}_rank{r}": {"rank": r, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets), "lr": self.lr, "steps": None} for r in self.ranks}
-
-
-def _lora_methods() -> list[str]:
-    return ["task_arithmetic", "ties", "tsv_m", "knots"]  # the KnOTS paper's comparison, and TSV-M, on LoRA task vectors
-
-
-def _seed_001_methods() -> list[str]:
-    return ["weight_averaging", "task_arithmetic", "ties"]  # seed 001's Table 1: UA, TA, TIES
-
-
-class RegimeMethodsConfig(_Strict):
-    """Per regime, the methods its task vectors go to: merge methods (merge.<method> sets their grids, as for the
-    standard regime), or the regime's own name for its own model (ATM's theta(R), MIMA's last uniform average)."""
-
-    one_epoch: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
-    mima: list[str] = Field(default_factory=_seed_001_methods, min_length=1)
-    atm: list[str] = Field(default_factory=lambda: ["atm", "task_arithmetic", "ties"], min_length=1)
-    lora: list[str] = Field(default_factory=_lora_methods, min_length=1)
-
-    @field_validator("one_epoch", "mima", "atm", "lora")
-    @classmethod
-    def _unique_methods(cls, methods: list[str]) -> list[str]:
-        return _unique_names(methods, "method")
-
-
-class RegimesConfig(_Strict):
-    """Training-time regimes run beside the standard fine-tune (finetune above): each makes its own task vectors,
-    merged with its own methods (mergeflow.regimes)."""
-
-    run: list[Literal["one_epoch", "mima", "atm", "lora"]] = Field(default_factory=list)  # a DVC stage regime@<name> each
-    methods: RegimeMethodsConfig = RegimeMethodsConfig()
-    one_epoch: OneEpochRegimeConfig = OneEpochRegimeConfig()
-    mima: MimaRegimeConfig = MimaRegimeConfig()
-    atm: AtmRegimeConfig = AtmRegimeConfig()
-    lora: LoraRegimeConfig = LoraRegimeConfig()
+    model_config = ConfigDict(extra="allow", frozen=True)
+    run: list[str] = Field(default_factory=list)
+    methods: dict[str, Annotated[list[str], Field(min_length=1), AfterValidator(lambda v: unique_names(v, "method"))]] = Field(default_factory=dict)
+    _resolved: dict[str, tuple[Any, list[str]]] = PrivateAttr(default_factory=dict)  # name -> (settings, methods)
 
     @field_validator("run")
     @classmethod
@@ -329,67 +248,49 @@ class RegimesConfig(_Strict):
             raise ValueError(f"regime '{dup[0]}' is listed twice")
         return run
 
-    @model_validator(mode="after")
-    def _known_methods(self) -> RegimesConfig:
-        from mergeflow.merging import REGISTRY
+    def overrides(self, regime: str) -> dict[str, Any]:
+        return dict((self.model_extra or {}).get(regime) or {})
 
-        for regime in ("one_epoch", "mima", "atm", "lora"):
-            own = {regime} if regime in ("mima", "atm") else set()
-            for method in getattr(self.methods, regime):
-                if method not in REGISTRY and method not in own:
-                    allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + sorted(own)
-                    what = f"a merge method, or '{regime}' for the regime's own model" if own else "a merge method"
-                    raise ValueError(f"regimes.methods.{regime}: unknown method {method!r} ({what}: {', '.join(allowed)})")
-                if method in REGISTRY and REGISTRY[method].reads == "train_statistics":
-                    raise ValueError(f"regimes.methods.{regime}: {method!r} reads the standard fine-tunes' statistics (stage statistics), which a regime's task models do not have")
-                if method in REGISTRY and REGISTRY[method].kind == "negation":
-                    raise ValueError(f"regimes.methods.{regime}: {method!r} is task negation, which does not merge a multi-task model")
-        return self
+    def _entry(self, regime: str) -> tuple[Any, list[str]]:
+        if regime not in self._resolved:
+            raise KeyError(f"regime {regime!r}: params not resolved against the regime registry (load them with mergeflow.params)")
+        return self._resolved[regime]
 
-    def config(self, regime: str) -> _RegimeRunConfig:
-        return getattr(self, regime)
+    def config(self, regime: str) -> Any:
+        """The regime's validated settings (mergeflow.regimes.RegimeSettings): its variants and their arguments."""
+        return self._entry(regime)[0]
 
     def methods_of(self, regime: str) -> list[str]:
-        return getattr(self.methods, regime)
+        return self._entry(regime)[1]
 
 
 class StudiesConfig(BaseModel):
     """``run`` lists the studies to run (mergeflow.studies), a DVC stage study@<name> each; every other key is a
-    study name whose settings override its defaults (each study validates its own)."""
+    study name whose settings override its defaults (each study validates its own; mergeflow.params attaches them)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     run: list[str] = Field(default_factory=list)
+    _resolved: dict[str, Any] = PrivateAttr(default_factory=dict)  # name -> the study's settings
 
     @field_validator("run")
     @classmethod
     def _unique_runs(cls, run: list[str]) -> list[str]:
-        return _unique_names(run, "study")
+        return unique_names(run, "study")
 
-    @model_validator(mode="after")
-    def _known_studies(self) -> StudiesConfig:
-        from mergeflow.studies import REGISTRY
+    def overrides(self, study: str) -> Any:
+        return (self.model_extra or {}).get(study)
 
-        for name in list(self.run) + list(self.model_extra or {}):
-            if name not in REGISTRY:
-                raise ValueError(f"unknown study {name!r} (registered: {', '.join(sorted(REGISTRY)) or 'none'})")
-        for name, overrides in (self.model_extra or {}).items():
-            if overrides is not None and not isinstance(overrides, dict):
-                shown = repr(overrides) if len(repr(overrides)) <= 60 else repr(overrides)[:57] + "..."
-                raise ValueError(f"studies.{name}: expected a mapping of the study's settings (key: value lines), got {shown}")
-            REGISTRY[name].settings(overrides or {}, where=f"studies.{name}")
-        return self
-
-    def settings(self, study: str):
-        from mergeflow.studies import REGISTRY
-
-        return REGISTRY[study].settings((self.model_extra or {}).get(study) or {}, where=f"studies.{study}")
+    def settings(self, study: str) -> Any:
+        if study not in self._resolved:
+            raise KeyError(f"study {study!r}: params not resolved against the study registry (load them with mergeflow.params)")
+        return self._resolved[study]
 
 
 class StatisticsConfig(_Strict):
     """The per-task statistics data-aware methods read (stage ``statistics``): Fisher diagonals and layer-input
     Grams of each fine-tuned model on the first ``examples`` of its task's training split."""
 
-    examples: Annotated[int, _at_most(MAX_IMAGES, "examples")] = Field(256, ge=1, le=MAX_IMAGES)
+    examples: Annotated[int, at_most(MAX_IMAGES, "examples")] = Field(256, ge=1, le=MAX_IMAGES)
 
 
 class RuntimeConfig(_Strict):
@@ -398,8 +299,8 @@ class RuntimeConfig(_Strict):
     deterministic: bool = True
     # a stage's CPU threads. Deterministic: default 2, whatever the cores (part of what decides the bits); else
     # default the stage's share of the cores (MERGEFLOW_THREADS overrides)
-    threads: Annotated[int, _at_most(MAX_THREADS, "threads")] | None = Field(None, ge=1, le=MAX_THREADS)
-    eval_batch_size: Annotated[int, _at_most(MAX_BATCH, "examples")] = Field(512, ge=1, le=MAX_BATCH)
+    threads: Annotated[int, at_most(MAX_THREADS, "threads")] | None = Field(None, ge=1, le=MAX_THREADS)
+    eval_batch_size: Annotated[int, at_most(MAX_BATCH, "examples")] = Field(512, ge=1, le=MAX_BATCH)
 
 
 class TrackingConfig(_Strict):
@@ -418,16 +319,16 @@ MIN_STAGE_THREADS = 2
 
 
 class Params(_Strict):
-    seed: Annotated[int, _at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)")] = Field(0, ge=0, le=MAX_SEED)
+    seed: Annotated[int, at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)")] = Field(0, ge=0, le=MAX_SEED)
     # more seeds to repeat the fine-tunes and merges with (a stage replicate@<seed> each, on the same data and
     # backbone): the summary gives each method's mean and spread over seed and these
-    seeds: list[Annotated[int, _at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)"), Field(ge=0, le=MAX_SEED)]] = Field(default_factory=list, max_length=MAX_GRID)
+    seeds: list[Annotated[int, at_most(MAX_SEED, "(the seed range of numpy and scikit-learn)"), Field(ge=0, le=MAX_SEED)]] = Field(default_factory=list, max_length=MAX_GRID)
     suite: SuiteConfig
     backbone: BackboneConfig = BackboneConfig()
     pretrain: PretrainConfig = PretrainConfig()
     probe: ProbeConfig = ProbeConfig()
     finetune: FinetuneConfig = FinetuneConfig(steps=250, batch_size=64, lr=3e-4, weight_decay=0.1, warmup_steps=25)
-    merge: MergeConfig = MergeConfig(methods=["weight_averaging", "task_arithmetic", "ties"])
+    merge: MergeConfig  # which methods run is the study's first choice: no default
     statistics: StatisticsConfig = StatisticsConfig()
     regimes: RegimesConfig = RegimesConfig()
     studies: StudiesConfig = StudiesConfig()
@@ -493,16 +394,6 @@ class Params(_Strict):
                 raise ValueError(f"finetune.checkpoints.{task}: {spec!r} is not hf:<owner>/<repo>[@<revision>]")
         return self
 
-    @model_validator(mode="after")
-    def _task_counts(self) -> Params:
-        """A method that merges only so many task vectors (SLERP: two) against the suite's task count."""
-        from mergeflow.merging import REGISTRY
-
-        for name in self.merge.methods:
-            if REGISTRY[name].tasks not in (None, len(self.suite.tasks)):
-                raise ValueError(f"merge.methods: {name} merges exactly {REGISTRY[name].tasks} task models, and suite.tasks has {len(self.suite.tasks)}")
-        return self
-
     def check_task(self, task: str) -> None:
         if task not in self.suite.tasks:
             raise MergeflowError(f"params.yaml: suite.tasks has no task '{task}' (tasks: {', '.join(self.suite.tasks)})")
@@ -518,17 +409,6 @@ class Params(_Strict):
     def check_replicate(self, seed: int) -> None:
         if seed not in self.seeds:
             raise MergeflowError(f"params.yaml: seeds has no seed {seed} (seeds: {', '.join(map(str, self.seeds)) or 'none'})")
-
-    @model_validator(mode="after")
-    def _regime_budgets(self) -> Params:
-        """Round counts that split finetune.steps, for the regimes that run."""
-        for n in self.regimes.mima.rounds if "mima" in self.regimes.run else ():
-            if n < 1 or self.finetune.steps % n:
-                raise ValueError(f"regimes.mima.rounds: {n} rounds must divide finetune.steps = {self.finetune.steps} (K = S/N steps a round)")
-        for r in self.regimes.atm.rounds if "atm" in self.regimes.run else ():
-            if r < 1 or (self.regimes.atm.steps is None and self.finetune.steps < r):
-                raise ValueError(f"regimes.atm.rounds: {r} rounds of finetune.steps / R steps: needs 1 <= R <= finetune.steps = {self.finetune.steps}")
-        return self
 
     def check_regime(self, regime: str) -> None:
         if regime not in self.regimes.run:
@@ -553,23 +433,33 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+def first_error(err: ValidationError) -> tuple[str, str]:
+    """pydantic's first error as (dotted key, message with the value given where it is a scalar)."""
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None or first["type"] == "extra_forbidden" else f" (got {got!r})"
+    return key, msg + shown
+
+
 def _one_line(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = tuple(first["loc"])
-    key = ".".join(str(p) for p in loc) or "(top level)"
+    key, msg = first_error(err)
+    key = key or "(top level)"
     if first["type"] == "extra_forbidden":
         parent = _model_at(Params, loc)
         allowed = ", ".join(parent.model_fields) if parent else "see params.yaml"
         return f"{source}: unknown key '{key}' (allowed here: {allowed})"
-    msg = first["msg"].removeprefix("Value error, ")
-    got = first.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
     if not loc or msg.startswith(f"{key}."):  # a check across keys names its own
         return f"{source}: {msg}"
-    return f"{source}: {key}: {msg}{shown}"
+    return f"{source}: {key}: {msg}"
 
 
-def parse_params(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
+def parse_schema(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
+    """params.yaml's sections, types and ranges validated; the registries' names and settings are not
+    (mergeflow.params.parse_params checks those too: what every command loads)."""
     if not isinstance(raw, dict):
         raise MergeflowError(f"{source}: expected a mapping of sections at the top level")
     if found := _non_finite(raw):
@@ -578,59 +468,3 @@ def parse_params(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
         return Params.model_validate(raw)
     except ValidationError as err:
         raise MergeflowError(_one_line(err, source)) from None
-
-
-def load_params(path: str | os.PathLike = DEFAULT_PARAMS) -> Params:
-    path = Path(path)
-    if not path.is_file():
-        raise MergeflowError(f"{path}: params file not found")
-    return parse_params(read_yaml(path), str(path))
-
-
-def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: bool = True) -> Params:
-    """Set ``key.path=value`` overrides in the params file, as ``dvc exp run -S`` does (the value read as YAML),
-    keeping its comments and layout. The result is validated in full before the file is replaced (atomically):
-    a bad override leaves the file untouched. Returns the new params (``write=False``: only checks them)."""
-    import io
-
-    path = Path(path)
-    load_params(path)  # the file as it is must be valid too
-    rt = round_trip_yaml()
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    try:  # the file loaded above, so no duplicate key or bad byte reaches this reader; any refusal is still one line
-        doc = rt.load(text)
-    except Exception as err:  # noqa: BLE001 - ruamel's errors (DuplicateKeyError, ...) share no base with PyYAML's
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        try:  # a duplicate key named by its full path, as parse_yaml names it
-            why = _duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
-        except yaml.YAMLError:
-            why = None
-        why = why or next((line for line in lines if line.startswith("found")), lines[0] if lines else type(err).__name__)
-        raise MergeflowError(f"{path}: the round-trip YAML reader refuses it: {why}") from None
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        parts = key.strip().split(".")
-        try:
-            for part in parts:
-                check_name(part, f"override {override!r}: key")
-            if not sep:
-                raise ValueError(f"override {override!r}: expected KEY=VALUE, e.g. merge.ties.k=0.1")
-            value = parse_yaml(text, f"override {override!r}")
-        except (ValueError, yaml.YAMLError) as err:
-            raise MergeflowError(str(err).splitlines()[0]) from None
-        node = doc
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = value
-    buffer = io.StringIO()
-    rt.dump(doc, buffer)
-    params = parse_params(yaml.safe_load(buffer.getvalue()), f"{path} with {' '.join(overrides)}")
-    if not write:
-        return params
-    from mergeflow.io import atomic_path
-
-    with atomic_path(path) as tmp:
-        tmp.write_text(buffer.getvalue())
-    return params

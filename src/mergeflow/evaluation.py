@@ -4,8 +4,6 @@ that calls the evaluator is mergeflow.merging.search."""
 
 from __future__ import annotations
 
-import csv
-import io as _io
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,7 +14,6 @@ from torch import nn
 from mergeflow.config import BackboneConfig
 from mergeflow.data import TaskData
 from mergeflow.io import StateDict
-from mergeflow.merging import DATA, REGISTRY
 from mergeflow.models import build_backbone
 from mergeflow.devices import resident_stack
 from mergeflow.training import extract_features, head_accuracy
@@ -100,75 +97,3 @@ def normalized(accuracy: Mapping[str, float], individual: Mapping[str, float]) -
 def normalized_average(accuracy: Mapping[str, float], individual: Mapping[str, float]) -> float | None:
     ratios = list(normalized(accuracy, individual).values())
     return None if None in ratios else mean(ratios)
-
-
-def gap_cell(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.0f}%"
-
-
-def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict], *, regime: str = "standard", individual_models: Mapping[str, float] | None = None) -> list[dict]:
-    """Rows Pretrained (linear probe), Individual and one per method: accuracy per task, average, normalized
-    accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
-
-    ``data``: what a method reads besides the weights (merging.DATA): "none", train statistics, or test inputs
-    (test-time adaptation, not comparable with data-free merging).
-    A training-time regime's rows (``regime``: its variant, e.g. mima_n4) are its own task models' test accuracies
-    (``individual_models``) in place of Pretrained and Individual, then its methods; they are normalized by the
-    standard fine-tune's individual models and its probe-to-individual gap, so that every row compares on one scale."""
-    individual = {t: finetune[t]["individual"]["test"] for t in tasks}
-    probe = {t: finetune[t]["probe"]["test"] for t in tasks}
-
-    def row(name: str, acc: Mapping[str, float], chosen: str = "", storage: float = 1.0, data: str = "") -> dict:
-        avg = mean(acc[t] for t in tasks)
-        return {
-            "regime": regime,
-            "method": name,
-            "data": data,
-            **{t: acc[t] for t in tasks},
-            "average": avg,
-            "normalized": normalized_average({t: acc[t] for t in tasks}, individual),
-            "gap_recovered": gap_recovered(avg, mean(probe.values()), mean(individual.values())),
-            "storage_models": storage,
-            "chosen": chosen,
-        }
-
-    def shown(v) -> str:
-        return "per task" if isinstance(v, Mapping) else str(v)
-
-    if individual_models is None:
-        rows = [row("Pretrained (linear probe)", probe), row("Individual", individual, storage=float(len(tasks)))]
-    else:
-        rows = [row("Individual", individual_models, storage=float(len(tasks)))]
-    for name, ev in evaluations.items():
-        chosen = ", ".join(f"{k}={shown(v)}" for k, v in ev["searched"].items())
-        reads = REGISTRY[name].reads if name in REGISTRY else None  # a regime's own model reads no data
-        rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0), DATA[reads]))
-    return rows
-
-
-def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
-    head = ["regime", "method", "data", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["regime"], r["method"], r["data"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", "n/a" if r["normalized"] is None else f"{100 * r['normalized']:.1f}", gap_cell(r["gap_recovered"]), f"{r['storage_models']:.2f}", r["chosen"]]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def summary_csv(rows: list[dict], tasks: list[str]) -> str:
-    buf = _io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["regime", "method", "data", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
-
-
-def negation_markdown(method: str, ev: dict, tasks: list[str]) -> str:
-    """Forgetting (accuracy on the negated task) against control (the other tasks), pretrained beside negated."""
-    lines = [f"\n### {method}: forgetting vs control (test accuracy, %)\n", "| negated task | lam | target: pretrained → negated | control: pretrained → negated |", "|---|---|---|---|"]
-    for t in tasks:
-        r = ev["per_task"][t]
-        lines.append(f"| {t} | {r['lam']:g} | {100 * r['pretrained_target']:.1f} → {100 * r['target']:.1f} | {100 * r['pretrained_control']:.1f} → {100 * r['control']:.1f} |")
-    a = ev["average"]
-    lines.append(f"| **average** | | {100 * a['pretrained_target']:.1f} → **{100 * a['target']:.1f}** | {100 * a['pretrained_control']:.1f} → **{100 * a['control']:.1f}** |")
-    return "\n".join(lines) + "\n"

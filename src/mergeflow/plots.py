@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# the reference rows of evaluation.summary_rows (a test checks the names agree)
+# the reference rows of summary.summary_rows (a test checks the names agree)
 PRETRAINED = "Pretrained (linear probe)"
 INDIVIDUAL = "Individual"
 REFERENCES = (INDIVIDUAL, PRETRAINED)

@@ -163,7 +163,7 @@ def _metrics(root: Path, scratch: Path, stage: str, recorded_lock: dict) -> list
 def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance: float | None = None, scratch: str | Path | None = None, echo=print) -> Report:
     """Re-run ``stages`` (default: default_stages) in a scratch copy of the workspace at ``root`` and compare; the
     report is printed through ``echo`` and returned. The scratch copy is removed afterwards unless given."""
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.orchestration import stage_graph
     from mergeflow.reproducibility.machine import describe, explain, recorded
 

@@ -129,7 +129,7 @@ def stage_cores(root: str | Path) -> tuple[Callable[[StageNode], int] | None, in
     """(the cores each stage takes, the cores here): its threads as the stage will read them (Params.threads:
     MERGEFLOW_THREADS, runtime.threads, else its share), at most every core. None when params.yaml does not load
     (a DVC project of another kind): then only the number of stages at once is bounded."""
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.errors import MergeflowError
 
     capacity = os.cpu_count() or 1
@@ -149,7 +149,7 @@ def stage_cores(root: str | Path) -> tuple[Callable[[StageNode], int] | None, in
 def stage_gpus(root: str | Path) -> list[str]:
     """The GPUs a run's stages each get one of to themselves (orchestration.visible_gpus): none where params.yaml
     keeps the stages on the CPU (runtime.device: cpu)."""
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.errors import MergeflowError
 
     try:

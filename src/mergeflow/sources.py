@@ -2,7 +2,7 @@
 
 A merge runs its method's module, the merging modules that module imports (at its top or inside a function, read
 from the code with ``ast``, transitively), and what every merge runs: the registry (``mergeflow.merging``), the
-validation search and the binding of data and models. The stage ``sources`` writes, for every registered method,
+validation search, and the stage side's binding of data and models (mergeflow.binding). The stage ``sources`` writes, for every registered method,
 ``sources/merge/<method>.json`` ({file: md5} of those files). ``merge@<method>`` depends on its own file, not on
 the whole of src/mergeflow/merging: the stage re-runs on any change there (a second), and DVC re-runs only the
 merges whose file changed. Modules outside ``mergeflow.merging`` are not followed, as before (the stage code is
@@ -17,8 +17,10 @@ import hashlib
 from pathlib import Path
 
 PACKAGE = "mergeflow.merging"
-# what every merge runs besides its method: the registry and option checks, the validation search, the binding
-SHARED = (PACKAGE, f"{PACKAGE}.search", f"{PACKAGE}.binding")
+# what every merge runs besides its method: the registry and option checks, the validation search; and, on the
+# stage side, the binding of data and models (mergeflow.binding, with the merging modules it imports)
+SHARED = (PACKAGE, f"{PACKAGE}.search")
+BINDING = "mergeflow.binding"
 
 
 def module_file(package_dir: Path, package: str, module: str) -> Path | None:
@@ -78,7 +80,9 @@ def method_sources(method: str, package_dir: Path) -> list[Path]:
     """The files a merge with ``method`` follows from (its module, what that imports, the shared machinery)."""
     from mergeflow.merging import REGISTRY
 
-    return closure(package_dir, PACKAGE, [*SHARED, REGISTRY[method].fn.__module__])
+    binding = package_dir.parent / "binding.py"
+    roots = [*SHARED, REGISTRY[method].fn.__module__, *sorted(m for m in imported_modules(binding, BINDING) if m.startswith(PACKAGE))]
+    return sorted({*closure(package_dir, PACKAGE, roots), binding})
 
 
 def digest(files: list[Path], package_dir: Path) -> dict[str, str]:

@@ -17,12 +17,12 @@ from mergeflow import data as data_mod, imports
 from mergeflow.config import Params, task_seed as _task_seed
 from mergeflow.data import load_tasks as _load_tasks
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import MultiTaskEvaluator, mean, negation_markdown, normalized, normalized_average, summary_csv, summary_markdown, summary_rows
+from mergeflow.evaluation import MultiTaskEvaluator, mean, normalized, normalized_average
 from mergeflow.io import LazyStateDict, atomic_path, load_state_dict, read_json, save_state_dict, tensor_specs, write_json
 from mergeflow.layout import Layout, MergeRun
-from mergeflow.merging import REGISTRY
+from mergeflow.merging import DATA, REGISTRY
 from mergeflow.merging import BASE_PREFIX, store_bytes
-from mergeflow.merging.binding import bind_data
+from mergeflow.binding import bind_data
 from mergeflow.merging.search import negation_search, search
 from mergeflow.parent_death import process_pool
 from mergeflow.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
@@ -30,7 +30,7 @@ from mergeflow.lora import split_factors
 from mergeflow.regimes import regime_identity, resume_from
 from mergeflow.reproducibility.machine import environment_markdown, recorded
 from mergeflow.plots import plot_accuracy_heatmap, plot_averages, plot_cosine_heatmap, plot_learned_coefficients, plot_merge_search
-from mergeflow.summary import SPREAD_SDS, headline_metrics, over_seeds, pooled_sd, regime_headline, seeds_markdown, validation_records
+from mergeflow.summary import SPREAD_SDS, headline_metrics, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_markdown, summary_rows, validation_records
 from mergeflow.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, save_task_vectors, state_bytes as _bytes, statistics as vector_statistics, task_vector
 from mergeflow.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
 
@@ -302,7 +302,6 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     starts again from its last finished round, and a finished one removes its checkpoints."""
     from mergeflow.regimes import REGISTRY as REGIMES, save_checkpoint
     from mergeflow.regimes import PoolTrainer
-    from mergeflow.regimes.lora import adapter_spec
 
     params.check_regime(name)
     cfg = params.regimes.config(name)
@@ -365,7 +364,7 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     with atomic_path(layout.regime(name), directory=True) as tmp:
         for variant, result in results.items():
             meta = {"regime": name, "variant": variant}
-            adapter = adapter_spec(**variants_out[variant]["hyperparameters"]) if name == "lora" else None
+            adapter = cfg.adapter(variants_out[variant]["hyperparameters"])
             tvs, storage = save_task_vectors(tmp / variant / "vectors", theta0, result.task_states, adapter=adapter, meta=meta, pretrained_name=str(layout.pretrained))
             variants_out[variant]["storage_bytes"] = storage
             write_json(tmp / variant / "vectors" / "stats.json", vector_statistics(theta0, tvs))
@@ -563,6 +562,11 @@ def regime_evaluations(params: Params, layout: Layout) -> dict[str, dict]:
     return out
 
 
+def data_labels() -> dict[str, str]:
+    """Per method, the summary's "data" column: what it reads besides the weights (merging.DATA)."""
+    return {name: DATA[spec.reads] for name, spec in REGISTRY.items()}
+
+
 def report(params: Params, layout: Layout = Layout()) -> dict:
     """Summary table (Markdown, CSV, JSON), the accuracy heatmap and the sorted averages; the headline metrics
     (metrics/headline/, a small file per method) that `dvc metrics show`, `dvc exp show` and `dvc metrics diff`
@@ -572,10 +576,10 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
     negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
-    rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations})
+    rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations}, data=data_labels())
     headline = headline_metrics(rows, ev, {m: read_json(layout.metrics("merge", m)).get("val_average") for m in ev})
     for variant, r in regime_evaluations(params, layout).items():
-        variant_rows = summary_rows(tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"])
+        variant_rows = summary_rows(tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"], data=data_labels())
         rows += variant_rows
         headline |= regime_headline(variant, variant_rows, r["evaluations"], r["val_averages"])
     labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
@@ -631,7 +635,7 @@ def _headline(params: Params, layout: Layout) -> dict[str, dict]:
     tasks = params.suite.tasks
     ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
     ev = {m: read_json(layout.metrics("evaluate", m)) for m in params.merge.methods}
-    rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if e["kind"] != "negation"})
+    rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if e["kind"] != "negation"}, data=data_labels())
     return headline_metrics(rows, ev, {m: read_json(layout.metrics("merge", m)).get("val_average") for m in ev})
 
 

@@ -1,11 +1,14 @@
 """What a pipeline run reports beyond its tables: the headline metrics `dvc exp show` and `dvc metrics diff`
-compare, and the records `dvc plots` draws (one JSON object per point). Accuracies here are percentages."""
+compare, the records `dvc plots` draws (one JSON object per point), and the summary table (results/summary.md
+and .csv). Accuracies are fractions in the rows, percentages in the metrics."""
 
 from __future__ import annotations
 
+import csv
+import io
 from collections.abc import Mapping
 
-from mergeflow.evaluation import gap_recovered, mean
+from mergeflow.evaluation import gap_recovered, mean, normalized_average
 
 
 def percent(fraction: float | None) -> float | None:
@@ -129,4 +132,76 @@ def seeds_markdown(table: Mapping[str, dict], seeds: list[int]) -> str:
         spread = f"{e['mean']:.2f} ± {e['sd']:.2f}" if e["sd"] is not None else f"{e['mean']:.2f}"
         name = f"{name} (negated tasks' accuracy)" if name == "task_negation" else name
         lines.append(f"| {name} | **{spread}** | {e['min']:.1f} | {e['max']:.1f} | " + " | ".join(f"{e['values'][str(s)]:.1f}" for s in seeds) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def gap_cell(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict], *, regime: str = "standard", individual_models: Mapping[str, float] | None = None, data: Mapping[str, str] | None = None) -> list[dict]:
+    """Rows Pretrained (linear probe), Individual and one per method: accuracy per task, average, normalized
+    accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
+
+    ``data``: per method, what it reads besides the weights (merging.DATA's labels: "none", train statistics, or
+    test inputs, test-time adaptation, not comparable with data-free merging); "none" for a method not in it (a
+    regime's own model).
+    A training-time regime's rows (``regime``: its variant, e.g. mima_n4) are its own task models' test accuracies
+    (``individual_models``) in place of Pretrained and Individual, then its methods; they are normalized by the
+    standard fine-tune's individual models and its probe-to-individual gap, so that every row compares on one scale."""
+    individual = {t: finetune[t]["individual"]["test"] for t in tasks}
+    probe = {t: finetune[t]["probe"]["test"] for t in tasks}
+
+    def row(name: str, acc: Mapping[str, float], chosen: str = "", storage: float = 1.0, data: str = "") -> dict:
+        avg = mean(acc[t] for t in tasks)
+        return {
+            "regime": regime,
+            "method": name,
+            "data": data,
+            **{t: acc[t] for t in tasks},
+            "average": avg,
+            "normalized": normalized_average({t: acc[t] for t in tasks}, individual),
+            "gap_recovered": gap_recovered(avg, mean(probe.values()), mean(individual.values())),
+            "storage_models": storage,
+            "chosen": chosen,
+        }
+
+    def shown(v) -> str:
+        return "per task" if isinstance(v, Mapping) else str(v)
+
+    if individual_models is None:
+        rows = [row("Pretrained (linear probe)", probe), row("Individual", individual, storage=float(len(tasks)))]
+    else:
+        rows = [row("Individual", individual_models, storage=float(len(tasks)))]
+    for name, ev in evaluations.items():
+        chosen = ", ".join(f"{k}={shown(v)}" for k, v in ev["searched"].items())
+        rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0), (data or {}).get(name, "none")))
+    return rows
+
+
+def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
+    head = ["regime", "method", "data", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["regime"], r["method"], r["data"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", "n/a" if r["normalized"] is None else f"{100 * r['normalized']:.1f}", gap_cell(r["gap_recovered"]), f"{r['storage_models']:.2f}", r["chosen"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_csv(rows: list[dict], tasks: list[str]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["regime", "method", "data", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def negation_markdown(method: str, ev: dict, tasks: list[str]) -> str:
+    """Forgetting (accuracy on the negated task) against control (the other tasks), pretrained beside negated."""
+    lines = [f"\n### {method}: forgetting vs control (test accuracy, %)\n", "| negated task | lam | target: pretrained → negated | control: pretrained → negated |", "|---|---|---|---|"]
+    for t in tasks:
+        r = ev["per_task"][t]
+        lines.append(f"| {t} | {r['lam']:g} | {100 * r['pretrained_target']:.1f} → {100 * r['target']:.1f} | {100 * r['pretrained_control']:.1f} → {100 * r['control']:.1f} |")
+    a = ev["average"]
+    lines.append(f"| **average** | | {100 * a['pretrained_target']:.1f} → **{100 * a['target']:.1f}** | {100 * a['pretrained_control']:.1f} → **{100 * a['control']:.1f}** |")
     return "\n".join(lines) + "\n"

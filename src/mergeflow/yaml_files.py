@@ -46,7 +46,7 @@ def _not_utf8(data: bytes, err: UnicodeDecodeError, source: str) -> str:
     return f"{source}: {where}line {line + 1}, column {column + 1}: byte 0x{data[err.start]:02x} is not UTF-8 (save the file as UTF-8)"
 
 
-def _duplicate_key(node: Any, path: str = "", seen_nodes: set[int] | None = None) -> str | None:
+def duplicate_key(node: Any, path: str = "", seen_nodes: set[int] | None = None) -> str | None:
     """A key written twice in one mapping of the composed YAML ``node`` (YAML loaders keep the later silently)."""
     seen_nodes = set() if seen_nodes is None else seen_nodes
     if id(node) in seen_nodes:  # an alias of a node already walked (or a recursive one)
@@ -67,7 +67,7 @@ def _duplicate_key(node: Any, path: str = "", seen_nodes: set[int] | None = None
     elif isinstance(node, yaml.SequenceNode):
         children = [(item, f"{path}.{i}") for i, item in enumerate(node.value)]
     for child, name in children:
-        if found := _duplicate_key(child, name, seen_nodes):
+        if found := duplicate_key(child, name, seen_nodes):
             return found
     return None
 
@@ -119,7 +119,7 @@ def parse_yaml(data: bytes | str, source: str) -> Any:
             return None
         if found := _alias_bomb(node, source):
             raise MergeflowError(found)
-        if found := _duplicate_key(node):
+        if found := duplicate_key(node):
             raise MergeflowError(f"{source}: {found}")
         return loader.construct_document(node)
     except yaml.YAMLError as err:

@@ -310,7 +310,7 @@ def validate_overrides(method: MergeMethod, overrides: Any, *, where: str) -> No
 
 
 # the package's modules that are not methods (imported above): every other public module registers one or more
-NOT_METHODS = frozenset({"search", "binding"})
+NOT_METHODS = frozenset({"search"})
 
 
 def _discover() -> None:
@@ -323,7 +323,7 @@ _discover()
 
 # the tensor engine's names that code above the merging layer uses (the stages, plan's measurements, the studies),
 # imported when first asked for: the registry itself loads no torch (mergeflow check)
-_ENGINE = {"BASE_PREFIX": "_tensors", "store_bytes": "_tensors", "svd": "_tensors", "is_matrix": "_tensors"}
+_ENGINE = {"BASE_PREFIX": "_tensors", "store_bytes": "_tensors", "svd": "_tensors", "is_matrix": "_tensors", "EntropyObjective": "_adaptive"}
 
 
 def __getattr__(name: str) -> Any:

@@ -169,7 +169,7 @@ def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = F
     from rich.console import Console
     from rich.text import Text
 
-    from mergeflow.config import load_params
+    from mergeflow.params import load_params
     from mergeflow.plan.measure import this_process_start
 
     # the `mergeflow` command's own start up to here is a stage process's: read before DVC and measuring add to it

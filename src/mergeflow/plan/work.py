@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from mergeflow.config import NEWTON_MAX_UNKNOWNS, Params
 from mergeflow.merging.search import golden_section, swept_key
 from mergeflow.plan.measure import Throughput, model_shape
+from mergeflow.regimes import REGISTRY as REGIMES
 
 # ---------------------------------------------------------------- calibration constants (few, each measured)
 # `mergeflow repro`'s time between two stages whose processes fork from its stage server (the command's start, the
@@ -237,16 +238,10 @@ def regime_work(params: Params, regime: str) -> Work:
     if params.runtime.device != "cuda" and min(tasks, threads) > 1:  # stages.regime: one process a task, up to the threads
         w.fixed_s += REGIME_POOL_START_S
     one_epoch = total_steps(cfg.model_copy(update={"epochs": 1}), s.n_train, cfg.optimizer == "gd")
-    for variant, kwargs in params.regimes.config(regime).variants(regime, cfg.steps).items():
-        if regime == "one_epoch":
-            variant_steps = one_epoch
-        elif regime == "atm":
-            k = kwargs["steps"] if kwargs["steps"] is not None else one_epoch
-            variant_steps = kwargs["rounds"] * k
-        else:
-            variant_steps = steps
-        w.train_images += tasks * variant_steps * per_step
-        w.forward_images += tasks * (s.n_val + s.n_test) * (1 if regime in ("one_epoch", "lora") else 3)  # + the own model's, every task
+    settings = params.regimes.config(regime)
+    for kwargs in settings.variants(regime, cfg.steps).values():
+        w.train_images += tasks * settings.training_steps(kwargs, steps, one_epoch) * per_step
+        w.forward_images += tasks * (s.n_val + s.n_test) * (3 if REGIMES[regime].own_model else 1)  # + the own model's, every task
     return w
 
 

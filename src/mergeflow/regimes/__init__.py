@@ -25,25 +25,43 @@ caller's job: ``save_checkpoint`` / ``load_checkpoint`` (one safetensors file, w
 from __future__ import annotations
 
 import importlib
-import math
 import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mergeflow.io import StateDict
-from mergeflow.regimes._checkpoint import load_checkpoint, save_checkpoint
-from mergeflow.regimes._trainers import full_batch_gd_trainer
-from mergeflow.regimes._types import Budget, Checkpoint, RoundRecord, Trainer
+from mergeflow.config import first_error
+from mergeflow.regimes._types import Budget, Checkpoint, RegimeResult, RoundRecord, Trainer
+
+if TYPE_CHECKING:
+    from mergeflow.io import StateDict
 
 
-@dataclass
-class RegimeResult:
-    task_states: dict[str, StateDict]  # the final task models, theta_t; their vectors theta_t - theta0 go to the merges
-    model: StateDict | None  # the regime's own model (ATM after round R, MIMA's last average); None for one-shot regimes
-    rounds: list[RoundRecord]
+class RegimeSettings(BaseModel):
+    """A regime's settings in params.yaml (``regimes.<name>``): unknown keys, NaN and infinity are refused, values
+    are frozen. A regime whose settings list several values (round counts, ranks) makes one set of task vectors
+    per value: its variants."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        """Each set of task vectors the regime makes, by name, with the keyword arguments of its function."""
+        return {regime: {}}
+
+    def check_budget(self, regime: str, finetune_steps: int) -> None:
+        """ValueError, naming the key, when these settings do not fit the fine-tune's budget of steps."""
+
+    def training_steps(self, variant_kwargs: Mapping[str, Any], finetune_steps: int, epoch_steps: int) -> int:
+        """Optimiser steps a variant takes per task (``epoch_steps``: one epoch's), for `mergeflow plan`'s
+        estimate: by default the standard fine-tune's budget, split into rounds or not."""
+        return finetune_steps
+
+    def adapter(self, variant_kwargs: Mapping[str, Any]) -> Any:
+        """The LoRA adapter (mergeflow.lora.AdapterSpec) a variant trains, whose task vectors are stored as its
+        factors; None: the task vectors are whole weights."""
+        return None
 
 
 RegimeFn = Callable[..., RegimeResult]
@@ -55,6 +73,19 @@ class Regime:
     fn: RegimeFn  # (theta0, tasks, train, *, on_round_end, resume, **hyperparameters) -> RegimeResult
     paper: str  # citation
     defaults: Mapping[str, Any]  # every hyperparameter, at its default
+    # the settings regime@<name> reads from params.yaml (regimes.<name>); None: not a stage of its own (standard
+    # is the pipeline's fine-tune)
+    settings_model: type[RegimeSettings] | None = None
+    methods: tuple[str, ...] = ()  # what its task vectors go to by default (regimes.methods.<name> overrides)
+    own_model: bool = False  # it makes a model of its own (MIMA's average, ATM's theta(R)), merged as its own name
+
+    def settings(self, overrides: Mapping[str, Any], *, where: str) -> RegimeSettings:
+        """The settings of params.yaml's ``regimes.<name>``, validated; ValueError naming the key."""
+        try:
+            return self.settings_model.model_validate(dict(overrides))
+        except ValidationError as err:
+            key, msg = first_error(err)
+            raise ValueError(f"{where}{'.' if key else ''}{key}: {msg}") from None
 
     @property
     def formula(self) -> str:
@@ -76,100 +107,14 @@ class Regime:
 REGISTRY: dict[str, Regime] = {}
 
 
-def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None):
+def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None, settings: type[RegimeSettings] | None = None, methods: Sequence[str] = (), own_model: bool = False):
     def wrap(fn: RegimeFn) -> RegimeFn:
         if name in REGISTRY:
             raise RuntimeError(f"regime '{name}' registered twice")
-        REGISTRY[name] = Regime(name, fn, paper, dict(defaults or {}))
+        REGISTRY[name] = Regime(name, fn, paper, dict(defaults or {}), settings, tuple(methods), own_model)
         return fn
 
     return wrap
-
-
-# --- the shared round loop -------------------------------------------------------------------------------------
-
-
-def difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
-    """a - b, key by key over b's keys (floating tensors; others are taken from a): tensors a has beyond b (a LoRA
-    trainer's factors) are not part of the model's change."""
-    return {k: a[k] - b[k] if a[k].is_floating_point() else a[k] for k in b}
-
-
-def uniform_average(states: Sequence[Mapping[str, torch.Tensor]]) -> StateDict:
-    """(1/T) sum_t states[t], summed in task order (floating tensors; others are taken from the first)."""
-    out = {}
-    for k, first in states[0].items():
-        if not first.is_floating_point():
-            out[k] = first
-            continue
-        total = first.clone()
-        for s in states[1:]:
-            total += s[k]
-        out[k] = total / len(states)
-    return out
-
-
-def _flat(state: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
-    return torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
-
-
-def _norms_and_cosines(vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    first = next(iter(vectors.values()))
-    keys = [k for k, v in first.items() if v.is_floating_point()]  # one order for every vector, whatever each dict's
-    flats = {t: _flat(v, keys) for t, v in vectors.items()}
-    norms = {t: float(f.norm()) for t, f in flats.items()}
-    tasks = list(flats)
-    cosines = {}
-    for i, a in enumerate(tasks):
-        for b in tasks[i + 1 :]:
-            denom = norms[a] * norms[b]
-            cosines[(a, b)] = float(flats[a] @ flats[b]) / denom if denom > 0 else math.nan
-    return norms, cosines
-
-
-def run_rounds(
-    theta0: StateDict,
-    tasks: list[str],
-    train: Trainer,
-    *,
-    n_rounds: int,
-    budget: Callable[[int], Budget],
-    combine: Callable[[StateDict, dict[str, StateDict]], StateDict] | None,
-    carry_optimizer: bool = False,
-    keep_updates: bool = False,
-    on_round_end: Callable[[Checkpoint], None] | None = None,
-    resume: Checkpoint | None = None,
-) -> RegimeResult:
-    """Rounds ``resume.round + 1 .. n_rounds`` (all of them without ``resume``): every task trains
-    ``budget(r)`` from the round's start, then ``combine(start, {task: theta_t})`` is the next round's start."""
-    if not tasks:
-        raise ValueError("a regime needs at least one task")
-    if n_rounds < 1:
-        raise ValueError(f"{n_rounds} rounds: expected at least 1")
-    if resume is None:
-        start, carries, records, task_states, first = theta0, {t: None for t in tasks}, [], {}, 1
-    else:
-        if resume.round > n_rounds or list(resume.task_states) != tasks:
-            raise ValueError(f"cannot resume from round {resume.round} of tasks {list(resume.task_states)}: this run has {n_rounds} rounds of {tasks}")
-        start, carries, records, task_states, first = resume.next_start, dict(resume.carries), list(resume.records), dict(resume.task_states), resume.round + 1
-    for r in range(first, n_rounds + 1):
-        # every task starts from its own copy, so a trainer that works in place cannot touch the others' start
-        calls = [(task, {k: v.clone() for k, v in start.items()}, budget(r), carries[task] if carry_optimizer else None) for task in tasks]
-        # the round's fine-tunes are independent: a trainer with a ``map`` runs them at once (stages.regime's pool)
-        trained = train.map(calls) if hasattr(train, "map") else [train(*call) for call in calls]
-        task_states = {}
-        for task, (state, carry) in zip(tasks, trained):
-            task_states[task] = state
-            carries[task] = carry if carry_optimizer else None
-        updates = {t: difference(s, start) for t, s in task_states.items()}
-        update_norms, update_cosines = _norms_and_cosines(updates)
-        tv_norms, tv_cosines = _norms_and_cosines({t: difference(s, theta0) for t, s in task_states.items()})
-        combined = combine(start, task_states) if combine is not None else None
-        records.append(RoundRecord(r, start, combined, update_norms, update_cosines, tv_norms, tv_cosines, updates if keep_updates else None))
-        start = combined if combined is not None else start
-        if on_round_end is not None:
-            on_round_end(Checkpoint(r, task_states, start, dict(carries), list(records)))
-    return RegimeResult(task_states, records[-1].combined, records)
 
 
 def _discover() -> None:
@@ -180,9 +125,14 @@ def _discover() -> None:
 
 _discover()
 
-# what the stages and the studies use to run a regime on the pipeline's data, imported when first asked for (the
-# fine-tuning trainer loads the models and timm)
-_RUNNERS = {"regime_identity": "_checkpoint", "resume_from": "_checkpoint", "LazyAnchors": "_finetune", "finetune_trainer": "_finetune", "PoolTrainer": "_pool"}
+# what needs torch, imported when first asked for, so that the registry loads without it (mergeflow check): the
+# round loop, checkpoints, the exact trainer for tests, and what the stages and studies use to run a regime on
+# the pipeline's data (the fine-tuning trainer loads the models and timm)
+_RUNNERS = {
+    "run_rounds": "_rounds", "difference": "_rounds", "uniform_average": "_rounds",
+    "load_checkpoint": "_checkpoint", "save_checkpoint": "_checkpoint", "regime_identity": "_checkpoint", "resume_from": "_checkpoint",
+    "full_batch_gd_trainer": "_trainers", "LazyAnchors": "_finetune", "finetune_trainer": "_finetune", "PoolTrainer": "_pool",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -190,4 +140,4 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{_RUNNERS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RoundRecord", "Trainer", "full_batch_gd_trainer", "load_checkpoint", "register", "run_rounds", "save_checkpoint", "uniform_average"]
+__all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RegimeSettings", "RoundRecord", "Trainer", "register"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mergeflow.io import StateDict
-from mergeflow.lora import AdapterSpec
+if TYPE_CHECKING:  # types only: the registry loads no torch (mergeflow check)
+    from mergeflow.io import StateDict
+    from mergeflow.lora import AdapterSpec
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Budget:
         return cls(steps=steps, schedule_start=schedule_start, schedule_length=steps if schedule_length is None else schedule_length, round=round)
 
 
-Trainer = Callable[[str, StateDict, Budget, Any], tuple[StateDict, Any]]
+Trainer = Callable[[str, "StateDict", Budget, Any], tuple["StateDict", Any]]
 
 
 @dataclass
@@ -63,3 +64,10 @@ class Checkpoint:
     next_start: StateDict  # the state round + 1 starts from
     carries: dict[str, Any]  # the trainer's carry per task (None where it is reset)
     records: list[RoundRecord]  # rounds 1..round
+
+
+@dataclass
+class RegimeResult:
+    task_states: dict[str, StateDict]  # the final task models, theta_t; their vectors theta_t - theta0 go to the merges
+    model: StateDict | None  # the regime's own model (ATM after round R, MIMA's last average); None for one-shot regimes
+    rounds: list[RoundRecord]

@@ -12,7 +12,38 @@ validation data). ATM's own result is ``RegimeResult.model`` (theta(R)); the per
 kept in ``rounds[r - 1].updates``; ``task_states`` are the last round's models theta(R-1) + tau_t(R).
 """
 
-from mergeflow.regimes import Budget, register, run_rounds
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from mergeflow.config import MAX_GRID, MAX_STEPS, at_most
+from mergeflow.regimes import Budget, RegimeSettings, register
+
+
+class Settings(RegimeSettings):
+    # R; one run per R
+    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
+    steps: int | Literal["epoch"] | None = None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
+    alpha: float | None = Field(None, gt=0)  # theta += alpha * sum of the round's task vectors; empty (null): 1/T
+
+    _steps_bound = field_validator("steps", mode="before")(at_most(MAX_STEPS, "steps").func)
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        def steps(r: int) -> int | None:
+            return None if self.steps == "epoch" else self.steps if self.steps is not None else finetune_steps // r
+
+        return {f"{regime}_r{r}": {"rounds": r, "steps": steps(r), "alpha": self.alpha} for r in self.rounds}
+
+    def training_steps(self, variant_kwargs, finetune_steps: int, epoch_steps: int) -> int:
+        k = variant_kwargs["steps"] if variant_kwargs["steps"] is not None else epoch_steps
+        return variant_kwargs["rounds"] * k
+
+    def check_budget(self, regime: str, finetune_steps: int) -> None:
+        for r in self.rounds:
+            if r < 1 or (self.steps is None and finetune_steps < r):
+                raise ValueError(f"regimes.{regime}.rounds: {r} rounds of finetune.steps / R steps: needs 1 <= R <= finetune.steps = {finetune_steps}")
 
 
 def _step(alpha: float):
@@ -35,8 +66,11 @@ def _step(alpha: float):
     "atm",
     paper="Zhou et al. 2024, ATM: Improving model merging by alternating tuning and merging (arXiv:2411.03055); seed 000",
     defaults={"rounds": 4, "steps": None, "alpha": None, "keep_updates": True},
+    settings=Settings, methods=("atm", "task_arithmetic", "ties"), own_model=True,
 )
 def atm(theta0, tasks, train, *, rounds, steps, alpha, keep_updates, on_round_end=None, resume=None):
+    from mergeflow.regimes import run_rounds
+
     alpha = 1 / len(tasks) if alpha is None else alpha
 
     def budget(r):

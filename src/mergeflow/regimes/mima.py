@@ -20,18 +20,43 @@ The seed leaves two choices unstated; both are options here.
   training resumes (FedAvg, the seed's nearest relative, also starts each round's local training afresh).
 """
 
-from mergeflow.regimes import Budget, register, run_rounds, uniform_average
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from mergeflow.config import MAX_GRID, MAX_STEPS, at_most
+from mergeflow.regimes import Budget, RegimeSettings, register
 
 SCHEDULES = ("one_schedule", "restart")
 OPTIMIZER_STATES = ("reset", "carry")
+
+
+class Settings(RegimeSettings):
+    # N, each dividing finetune.steps; one set of task vectors per N
+    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
+    schedule: Literal[SCHEDULES] = "one_schedule"  # one lr schedule over S, or a fresh one per round
+    optimizer_state: Literal[OPTIMIZER_STATES] = "reset"  # a fresh optimiser per round, or each task's carried over
+
+    def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
+        return {f"{regime}_n{n}": {"rounds": n, "total_steps": finetune_steps, "schedule": self.schedule, "optimizer_state": self.optimizer_state} for n in self.rounds}
+
+    def check_budget(self, regime: str, finetune_steps: int) -> None:
+        for n in self.rounds:
+            if n < 1 or finetune_steps % n:
+                raise ValueError(f"regimes.{regime}.rounds: {n} rounds must divide finetune.steps = {finetune_steps} (K = S/N steps a round)")
 
 
 @register(
     "mima",
     paper="Seed 001: MIMA, Iterative model averaging and fine-tuning for multi-task learning (under review)",
     defaults={"rounds": 4, "total_steps": None, "schedule": "one_schedule", "optimizer_state": "reset", "keep_updates": False},
+    settings=Settings, methods=("weight_averaging", "task_arithmetic", "ties"), own_model=True,  # seed 001's Table 1: UA, TA, TIES
 )
 def mima(theta0, tasks, train, *, rounds, total_steps, schedule, optimizer_state, keep_updates, on_round_end=None, resume=None):
+    from mergeflow.regimes import run_rounds, uniform_average
+
     if total_steps is None:
         raise ValueError("mima: total_steps (S, the per-task budget that the rounds split) is required")
     if schedule not in SCHEDULES or optimizer_state not in OPTIMIZER_STATES:

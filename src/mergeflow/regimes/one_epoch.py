@@ -7,11 +7,21 @@ epoch is n_t / batch steps and the identity holds only approximately. The learni
 epoch.
 """
 
-from mergeflow.regimes import Budget, register, run_rounds
+from mergeflow.regimes import Budget, RegimeSettings, register
 
 PAPER = "Zhou, Solombrino, Crisostomi et al., On Task Vectors and Gradients (seed 000), Proposition 1"
+SEED_001_METHODS = ("weight_averaging", "task_arithmetic", "ties")  # seed 001's Table 1: UA, TA, TIES
 
 
-@register("one_epoch", paper=PAPER, defaults={})
+class Settings(RegimeSettings):
+    """No settings: one epoch of the fine-tune's data."""
+
+    def training_steps(self, variant_kwargs, finetune_steps: int, epoch_steps: int) -> int:
+        return epoch_steps
+
+
+@register("one_epoch", paper=PAPER, defaults={}, settings=Settings, methods=SEED_001_METHODS)
 def one_epoch(theta0, tasks, train, *, on_round_end=None, resume=None):
+    from mergeflow.regimes import run_rounds
+
     return run_rounds(theta0, tasks, train, n_rounds=1, budget=lambda r: Budget(epochs=1), combine=None, on_round_end=on_round_end, resume=resume)

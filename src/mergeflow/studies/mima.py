@@ -173,7 +173,7 @@ def collect(context: StudyContext) -> tuple[list[Point], list[str]]:
     params, layout = context.params, context.layout
     notes: list[str] = []
     ran = REGIME in params.regimes.run
-    rounds = sorted(set(params.regimes.mima.rounds)) if ran else []
+    rounds = sorted(set(params.regimes.config("mima").rounds)) if ran else []
     if not ran:
         notes.append(f"regime mima is not in regimes.run: only N = 1 (the standard fine-tune) is available; run e.g. `dvc exp run -S 'regimes.run=[mima]' -S 'regimes.mima.rounds=[2,4,8]'`")
     regime_path = layout.metrics("regime", REGIME)

@@ -21,7 +21,7 @@ def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> Mer
     """What a data-aware method reads (merging.MergeData): the statistics stage's outputs, or AdaMerging's entropy
     objective on each task's unlabelled validation and test inputs."""
     from mergeflow.io import load_state_dict
-    from mergeflow.merging._adaptive import EntropyObjective
+    from mergeflow.merging import EntropyObjective
     from mergeflow.models import build_backbone
     from mergeflow.statistics import KINDS
 

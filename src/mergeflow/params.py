@@ -1,0 +1,159 @@
+"""params.yaml as every command loads it: its schema (mergeflow.config), then its names and settings checked against
+the registries that own them (merge methods, regimes, studies), each regime's and study's settings attached.
+
+This is the one module that knows all three registries: config names no method, regime or study, and a new one
+needs no line here. None of the registries imports torch, so `mergeflow check` answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mergeflow.config import DEFAULT_PARAMS, Params, check_name, parse_schema
+from mergeflow.errors import MergeflowError
+from mergeflow.yaml_files import duplicate_key, parse_yaml, read_yaml, round_trip_yaml
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+
+
+def _check_merge(params: Params) -> None:
+    from mergeflow.merging import REGISTRY, validate_overrides
+
+    merge = params.merge
+    for name in list(merge.methods) + list(merge.model_extra or {}):
+        if name not in REGISTRY:
+            raise ValueError(f"merge: unknown merge method {name!r} (registered: {', '.join(sorted(REGISTRY))})")
+    for name, overrides in (merge.model_extra or {}).items():
+        validate_overrides(REGISTRY[name], overrides, where=f"merge.{name}")
+    for name in merge.methods:  # a method that merges only so many task vectors (SLERP: two)
+        if REGISTRY[name].tasks not in (None, len(params.suite.tasks)):
+            raise ValueError(f"merge.methods: {name} merges exactly {REGISTRY[name].tasks} task models, and suite.tasks has {len(params.suite.tasks)}")
+
+
+def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
+    from mergeflow.merging import REGISTRY
+
+    where = f"regimes.methods.{regime}"
+    for method in methods:
+        if method not in REGISTRY and not (own_model and method == regime):
+            allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + ([regime] if own_model else [])
+            what = f"a merge method, or '{regime}' for the regime's own model" if own_model else "a merge method"
+            raise ValueError(f"{where}: unknown method {method!r} ({what}: {', '.join(allowed)})")
+        if method in REGISTRY and REGISTRY[method].reads == "train_statistics":
+            raise ValueError(f"{where}: {method!r} reads the standard fine-tunes' statistics (stage statistics), which a regime's task models do not have")
+        if method in REGISTRY and REGISTRY[method].kind == "negation":
+            raise ValueError(f"{where}: {method!r} is task negation, which does not merge a multi-task model")
+
+
+def _resolve_regimes(params: Params) -> None:
+    from mergeflow.regimes import REGISTRY
+
+    regimes = params.regimes
+    runnable = sorted(n for n, r in REGISTRY.items() if r.settings_model is not None)
+    named = [("regimes.run", n) for n in regimes.run] + [("regimes.methods", n) for n in regimes.methods] + [("regimes", n) for n in regimes.model_extra or {}]
+    for where, name in named:
+        if name not in runnable:
+            raise ValueError(f"{where}: unknown regime {name!r} (registered: {', '.join(runnable)})")
+    resolved = {}
+    for name in runnable:
+        regime = REGISTRY[name]
+        overrides = (regimes.model_extra or {}).get(name)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ValueError(f"regimes.{name}: expected a mapping of the regime's settings (key: value lines), got {_shown(overrides)}")
+        settings = regime.settings(overrides or {}, where=f"regimes.{name}")
+        methods = list(regimes.methods.get(name, regime.methods))
+        _regime_methods(name, methods, regime.own_model)
+        if name in regimes.run:
+            settings.check_budget(name, params.finetune.steps)
+        resolved[name] = (settings, methods)
+    regimes._resolved.update(resolved)
+
+
+def _resolve_studies(params: Params) -> None:
+    from mergeflow.studies import REGISTRY
+
+    studies = params.studies
+    for name in list(studies.run) + list(studies.model_extra or {}):
+        if name not in REGISTRY:
+            raise ValueError(f"studies: unknown study {name!r} (registered: {', '.join(sorted(REGISTRY)) or 'none'})")
+    for name, overrides in (studies.model_extra or {}).items():
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ValueError(f"studies.{name}: expected a mapping of the study's settings (key: value lines), got {_shown(overrides)}")
+    studies._resolved.update({name: REGISTRY[name].settings(studies.overrides(name) or {}, where=f"studies.{name}") for name in REGISTRY})
+
+
+def resolve(params: Params, source: str = DEFAULT_PARAMS) -> Params:
+    """``params`` with its names and settings checked against the registries and each regime's and study's
+    settings attached; MergeflowError naming the file and the key otherwise."""
+    try:
+        _check_merge(params)
+        _resolve_regimes(params)
+        _resolve_studies(params)
+    except ValueError as err:
+        raise MergeflowError(f"{source}: {err}") from None
+    return params
+
+
+def parse_params(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
+    return resolve(parse_schema(raw, source), source)
+
+
+def load_params(path: str | os.PathLike = DEFAULT_PARAMS) -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise MergeflowError(f"{path}: params file not found")
+    return parse_params(read_yaml(path), str(path))
+
+
+def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: bool = True) -> Params:
+    """Set ``key.path=value`` overrides in the params file, as ``dvc exp run -S`` does (the value read as YAML),
+    keeping its comments and layout. The result is validated in full before the file is replaced (atomically):
+    a bad override leaves the file untouched. Returns the new params (``write=False``: only checks them)."""
+    path = Path(path)
+    load_params(path)  # the file as it is must be valid too
+    rt = round_trip_yaml()
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    try:  # the file loaded above, so no duplicate key or bad byte reaches this reader; any refusal is still one line
+        doc = rt.load(text)
+    except Exception as err:  # noqa: BLE001 - ruamel's errors (DuplicateKeyError, ...) share no base with PyYAML's
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        try:  # a duplicate key named by its full path, as parse_yaml names it
+            why = duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
+        except yaml.YAMLError:
+            why = None
+        why = why or next((line for line in lines if line.startswith("found")), lines[0] if lines else type(err).__name__)
+        raise MergeflowError(f"{path}: the round-trip YAML reader refuses it: {why}") from None
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        parts = key.strip().split(".")
+        try:
+            for part in parts:
+                check_name(part, f"override {override!r}: key")
+            if not sep:
+                raise ValueError(f"override {override!r}: expected KEY=VALUE, e.g. merge.ties.k=0.1")
+            value = parse_yaml(text, f"override {override!r}")
+        except (ValueError, yaml.YAMLError) as err:
+            raise MergeflowError(str(err).splitlines()[0]) from None
+        node = doc
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    buffer = io.StringIO()
+    rt.dump(doc, buffer)
+    params = parse_params(yaml.safe_load(buffer.getvalue()), f"{path} with {' '.join(overrides)}")
+    if not write:
+        return params
+    from mergeflow.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(buffer.getvalue())
+    return params
