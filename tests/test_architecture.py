@@ -27,6 +27,7 @@ LAYER = {
     "mergeflow.parent_death": "foundation",  # processes that die with their parent (a stage's workers)
     "mergeflow.homes": "foundation",  # the tools' home folders (Prefect's) made sure of before their import
     "mergeflow.layout": "foundation",  # where every stage reads and writes
+    "mergeflow.stage_table": "foundation",  # every stage declared once: its name, items, cores' share, help
     "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
     "mergeflow.reproducibility": "foundation",  # the deterministic mode: pinned kernels, GEMMs on OpenBLAS, machine records
     "mergeflow.mlflow_store": "foundation",  # where MLflow's store is, whether it still holds track's run (no torch)

@@ -2,7 +2,6 @@
 path, a stage name or a command is a plain word, checked before anything runs, under the CLI, `mergeflow check`,
 `dvc repro` and the Prefect flow."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path

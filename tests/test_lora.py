@@ -22,7 +22,7 @@ from mergeflow.merging import REGISTRY
 from mergeflow.regimes import REGISTRY as REGIMES, Budget
 from mergeflow.task_vectors import read_task_vector
 
-from .test_regime_trainer import ADAMW, CPU, HEADS, SEEDS, THETA0, TRAIN_SETS, trainer
+from .test_regime_trainer import ADAMW, THETA0, trainer
 
 
 def _regression(seed=0, n=64, d_in=3, d_out=2):

@@ -13,7 +13,7 @@ import pytest
 
 from mergeflow import lockfile, orchestration
 from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import StageFailed, StageNode, StageNotStarted, locked_repo, run_stage, stage_graph
+from mergeflow.orchestration import StageFailed, StageNode, StageNotStarted, locked_repo, run_stage
 from tasks.stages import _retry_if_transient
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")

@@ -18,7 +18,7 @@ import yaml
 
 from mergeflow.orchestration import DevicePool, StageFailed, StageNode, parse_visible_devices, process_device_pool, run_stage, stage_graph, worker_devices
 
-from .conftest import REPO, copy_project, run as _run
+from .conftest import copy_project, run as _run
 
 
 # ---------------------------------------------------------------- one stage per GPU (no GPU needed)

@@ -13,6 +13,7 @@ import sys
 
 from mergeflow import __version__
 from mergeflow.errors import MergeflowError, TransientError
+from mergeflow.stage_table import STAGES
 
 
 DESCRIPTION = """Model merging, end to end: fine-tune one backbone per task, merge the task vectors with each
@@ -86,25 +87,13 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--params", default="params.yaml", metavar="FILE", help="the configuration file (default: params.yaml)")
     parser.add_argument("--download", action="store_true", help="download missing datasets and weights (torchvision, the Hugging Face hub); anywhere on the line, e.g. `mergeflow repro --download`")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("prepare", help="stage: generate or convert every task's data and the pretraining corpus", description="Generate or convert every task's data (data/tasks) and the pretraining corpus.")
-    sub.add_parser("pretrain", help="stage: pretrain the backbone on the corpus, or load real pretrained weights", description="Pretrain the backbone on the corpus, or load the weights backbone.pretrained names.")
-    finetune = sub.add_parser("finetune", help="stage: a frozen head (linear probe or CLIP zero-shot), then fine-tune the backbone on one task (or import a published fine-tune)", description="The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head: finetune.head), then fine-tune the backbone on one task under it, or import the fine-tune finetune.checkpoints names.")
-    finetune.add_argument("--task", metavar="TASK", help=f"the task: {tasks}; default: from DVC_STAGE=finetune@<task>, as DVC and the flow set it")
-    sub.add_parser("vectors", help="stage: task vectors (fine-tuned minus pretrained) and their statistics", description="Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities.")
-    sub.add_parser("statistics", help="stage: per-task Fisher diagonals and layer-input Grams, for data-aware merging (fisher, regmean)", description="Per task, the diagonal Fisher of the fine-tuned model with its head and the Gram of every linear layer's inputs, on statistics.examples training examples.")
-    sub.add_parser("sources", help="stage: the source files each merge follows from (its method's module and what it imports)", description="For every registered method, sources/merge/<method>.json: the md5 of each file its merge runs (the method's module, the merging modules it imports, the registry, the search and the stage's binding of data). A merge stage depends on its own file, so that changing one method re-runs only its merges.")
-    merge = sub.add_parser("merge", help="stage: merge with one method (hyperparameters chosen on validation), then test on every task", description="Merge the task vectors with one method, its hyperparameters chosen on the validation splits, then test it on every task.")
-    merge.add_argument("--method", metavar="METHOD", help=f"the method: {methods_help}; default: from DVC_STAGE=merge@<method>, as DVC and the flow set it")
-    regime = sub.add_parser("regime", help="stage: a training-time regime's task vectors (one_epoch, mima, atm; regimes in params.yaml)", description="Make the task vectors of one training-time regime (every variant: MIMA and ATM one per round count), checkpointed after every round.")
-    regime.add_argument("--regime", metavar="REGIME", help="the regime: one of regimes.run; default: from DVC_STAGE=regime@<regime>")
-    regime_merge = sub.add_parser("regime_merge", help="stage: merge a regime's task vectors with its methods, then test them", description="Merge each variant of one regime with the methods regimes.<regime>.methods lists (chosen on validation), then test them.")
-    regime_merge.add_argument("--regime", metavar="REGIME", help="the regime: one of regimes.run; default: from DVC_STAGE=regime_merge@<regime>")
-    study = sub.add_parser("study", help="stage: one of the papers' studies, a report with a verdict per claim (studies/<name>/report.md)", description="Run one study (studies.run in params.yaml): studies/<name>/report.md with a verdict per claim, computed from the measurements.")
-    study.add_argument("name", nargs="?", metavar="NAME", help=f"the study: {studies_help}; default: from DVC_STAGE=study@<name>")
-    replicate = sub.add_parser("replicate", help="stage: the fine-tunes and merges again with another seed (seeds in params.yaml), for the spread over seeds", description="Fine-tune every task and merge with every method of merge.methods again with SEED (one of seeds in params.yaml), on the run's data and pretrained backbone, under replicates/<seed>/; the report gives each method's mean and spread over the seeds.")
-    replicate.add_argument("--seed", metavar="SEED", help="the seed: one of seeds in params.yaml; default: from DVC_STAGE=replicate@<seed>")
-    sub.add_parser("report", help="stage: the summary table (results/summary.md) and plots", description="The summary table of every method (results/summary.md, .csv, .json) and its plots.")
-    sub.add_parser("track", help="stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)", description="Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.")
+    items = {"task": tasks, "method": methods_help, "name": studies_help}  # the choices params.yaml and the registries give
+    for stage in STAGES.values():
+        command = sub.add_parser(stage.name, help=stage.help, description=stage.description)
+        if item := stage.item:
+            given = items.get(item.option, f"one of {item.params_list} in params.yaml")
+            text = f"{item.what}: {given}; default: from DVC_STAGE={stage.name}@<{item.option}>, as DVC and the flow set it"
+            command.add_argument(*([item.option] if item.positional else [f"--{item.option}"]), **({"nargs": "?"} if item.positional else {}), metavar=item.option.upper(), help=text)
     sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
     methods = sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
     methods.add_argument("--list", action="store_true", help="only the names of every method that can merge params.yaml's tasks (SLERP takes two), as the list merge.methods takes: dvc exp run -S \"merge.methods=$(mergeflow methods --list)\" runs them all")
@@ -250,7 +239,7 @@ def run_command(args: argparse.Namespace) -> int:
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)
 
     params = load_params(args.params)
-    item = {"finetune": "task", "merge": "method", "regime": "regime", "regime_merge": "regime", "study": "name", "replicate": "seed"}.get(args.command)
+    item = STAGES[args.command].item.option if STAGES[args.command].item else None
     if item:  # the stage's address, by hand as under DVC: its share of the cores (Params.stage_share) follows from it
         name = _stage_item(getattr(args, item), args.command, item)
         os.environ["DVC_STAGE"] = f"{args.command}@{name}"

@@ -6,6 +6,7 @@ Every field has a comment saying what it is. An unknown key, a wrong type or an 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -14,10 +15,10 @@ import zlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from mergeflow.errors import MergeflowError
+from mergeflow.stage_table import STAGES, parse_address
 
 
 DEFAULT_PARAMS = "params.yaml"
@@ -357,7 +358,8 @@ class Params(_Strict):
 
     def stage_share(self, address: str | None = None, cores: int | None = None, gpus: int | None = None) -> int | None:
         """The threads of the stage at ``address`` (default: DVC_STAGE, as DVC and the runners set it): the items
-        of one foreach stage (the fine-tunes, the merges, the regime merges, the studies) share the cores, at
+        of one foreach stage that shares the cores (stage_table: the fine-tunes, the merges, the regime merges, the
+        studies) share the cores, at
         least MIN_STAGE_THREADS each, so that on a larger machine `mergeflow repro` and the flow run several side
         by side; None for every other stage, and wherever the share would be every core anyway (torch's default;
         prepare and the regimes start a worker process per core themselves). The thread count decides the last bits
@@ -365,8 +367,9 @@ class Params(_Strict):
         `mergeflow repro` and the flow give the same bytes, whatever runs beside a stage. On the GPU path (``gpus``,
         default ``devices.run_gpus``) each stage has a GPU to itself and takes the cores' share of one GPU instead."""
         address = os.environ.get("DVC_STAGE", "") if address is None else address
-        stage, _, item = address.rpartition(":")[2].partition("@")
-        items = {"finetune": len(self.suite.tasks), "merge": len(self.merge.methods), "regime_merge": len(self.regimes.run), "study": len(self.studies.run)}.get(stage) if item else None
+        stage, item = parse_address(address)
+        spec = STAGES.get(stage)
+        items = len(functools.reduce(getattr, spec.item.params_list.split("."), self)) if item and spec and spec.shares_cores else None
         cores = cores or os.cpu_count() or 1
         if gpus is None:
             from mergeflow.devices import run_gpus  # torch: not at config's import

@@ -35,11 +35,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mergeflow.stage_table import STAGES
+
 SERVER_ENV = "MERGEFLOW_STAGE_SERVER"
 CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"  # a stage's GPU (mergeflow.orchestration.DevicePool hands them out)
 SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRESS`: the server (not a user command)
 # the commands a server runs: the stages (everything else is quick or starts its own processes)
-STAGE_COMMANDS = frozenset({"prepare", "pretrain", "finetune", "vectors", "statistics", "sources", "merge", "regime", "regime_merge", "replicate", "study", "report", "track"})
+STAGE_COMMANDS = frozenset(STAGES)
 # environment variables that libraries read when they are imported: a command whose values differ runs on its own
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NPY_", "CUDA_", "NUMBA_", "TIMM_", "PYTHON", "LD_", "MERGEFLOW_DOWNLOAD", "MERGEFLOW_DETERMINISTIC")
 # ... but for str's hash seed, which no stage's result may depend on (Dask's workers set one of their own)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mergeflow.config import NEWTON_MAX_UNKNOWNS, Params
 from mergeflow.merging.search import golden_section, swept_key
 from mergeflow.plan.measure import Throughput, model_shape
 from mergeflow.regimes import REGISTRY as REGIMES
+from mergeflow.stage_table import STAGES
 
 # ---------------------------------------------------------------- calibration constants (few, each measured)
 # `mergeflow repro`'s time between two stages whose processes fork from its stage server (the command's start, the
@@ -270,46 +272,58 @@ def stage_work(params: Params, address: str) -> Work | None:
     return work
 
 
+def prepare_work(params: Params) -> Work:
+    s = params.suite
+    images = len(s.tasks) * (s.n_train + s.n_val + s.n_test)
+    if s.source == "embedded":
+        corpus = s.pretrain_images if params.backbone.pretrained is None else 0
+        return Work(fixed_s=PREPARE_POOL_START_S + PREPARE_S_PER_IMAGE * (images + corpus))
+    # real data: every image decoded and resized once, the tasks in parallel processes (at most the caps:
+    # a smaller dataset takes less); each process holds its task's arrays
+    workers = min(len(s.tasks), params.threads() or os.cpu_count() or 1)
+    w = Work(fixed_s=PREPARE_POOL_START_S, decoded_images=images / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * s.image_size**2 * 3)
+    w.notes.append("real data: decoding measured on a 500x375 JPEG; downloads not estimated")
+    return w
+
+
+def pretrain_work(params: Params) -> Work:
+    s = params.suite
+    if params.backbone.pretrained is not None:
+        return Work(notes=["loads pretrained weights: read time not estimated"])
+    cfg = params.pretrain
+    steps = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, s.pretrain_images // cfg.batch_size)
+    return Work(train_images=steps * cfg.batch_size, forward_images=min(2000, s.pretrain_images), trains=True, held_bytes=s.pretrain_images * s.image_size**2 * 3)
+
+
+def track_work(params: Params) -> Work:
+    checkpoints = (len(params.suite.tasks) + len(params.merge.methods) + 1) * model_shape(params).parameters * 4 if params.tracking.log_checkpoints else 0
+    return Work(fixed_s=TRACK_S, load_bytes=checkpoints, notes=["track: an assumed constant, never timed"])
+
+
+# every stage of stage_table.STAGES: (params, item) -> its work, or None where it is not estimated (a replicate, a
+# study: their time is in the work they repeat, or their own measurements)
+COSTS: dict[str, Callable[[Params, str], Work | None]] = {
+    "prepare": lambda params, _: prepare_work(params),
+    "pretrain": lambda params, _: pretrain_work(params),
+    "finetune": finetune_work,
+    "vectors": lambda params, _: vectors_work(params),
+    "statistics": lambda params, _: statistics_work(params),
+    "sources": lambda params, _: Work(fixed_s=SOURCES_S),
+    "merge": merge_work,
+    "regime": regime_work,
+    "regime_merge": regime_merge_work,
+    "replicate": lambda params, _: None,
+    "study": lambda params, _: None,
+    "report": lambda params, _: Work(fixed_s=REPORT_S),
+    "track": lambda params, _: track_work(params),
+}
+
+
 def _stage_work(params: Params, address: str) -> Work | None:
     kind, _, item = address.partition("@")
-    s = params.suite
-    if kind == "prepare":
-        images = len(s.tasks) * (s.n_train + s.n_val + s.n_test)
-        if s.source == "embedded":
-            corpus = s.pretrain_images if params.backbone.pretrained is None else 0
-            return Work(fixed_s=PREPARE_POOL_START_S + PREPARE_S_PER_IMAGE * (images + corpus))
-        # real data: every image decoded and resized once, the tasks in parallel processes (at most the caps:
-        # a smaller dataset takes less); each process holds its task's arrays
-        workers = min(len(s.tasks), params.threads() or os.cpu_count() or 1)
-        w = Work(fixed_s=PREPARE_POOL_START_S, decoded_images=images / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * s.image_size**2 * 3)
-        w.notes.append("real data: decoding measured on a 500x375 JPEG; downloads not estimated")
-        return w
-    if kind == "pretrain":
-        if params.backbone.pretrained is not None:
-            return Work(notes=["loads pretrained weights: read time not estimated"])
-        cfg = params.pretrain
-        steps = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, s.pretrain_images // cfg.batch_size)
-        return Work(train_images=steps * cfg.batch_size, forward_images=min(2000, s.pretrain_images), trains=True, held_bytes=s.pretrain_images * s.image_size**2 * 3)
-    if kind == "finetune":
-        return finetune_work(params, address.partition("@")[2])
-    if kind == "vectors":
-        return vectors_work(params)
-    if kind == "statistics":
-        return statistics_work(params)
-    if kind == "merge" and item:
-        return merge_work(params, item)
-    if kind == "regime" and item:
-        return regime_work(params, item)
-    if kind == "regime_merge" and item:
-        return regime_merge_work(params, item)
-    if kind == "sources":
-        return Work(fixed_s=SOURCES_S)
-    if kind == "report":
-        return Work(fixed_s=REPORT_S)
-    if kind == "track":
-        checkpoints = (len(s.tasks) + len(params.merge.methods) + 1) * model_shape(params).parameters * 4 if params.tracking.log_checkpoints else 0
-        return Work(fixed_s=TRACK_S, load_bytes=checkpoints, notes=["track: an assumed constant, never timed"])
-    return None
+    if kind not in COSTS or (STAGES[kind].item is not None and not item):
+        return None
+    return COSTS[kind](params, item)
 
 
 def compute_seconds(work: Work, tp: Throughput) -> float:

@@ -175,7 +175,7 @@ def collect(context: StudyContext) -> tuple[list[Point], list[str]]:
     ran = REGIME in params.regimes.run
     rounds = sorted(set(params.regimes.config("mima").rounds)) if ran else []
     if not ran:
-        notes.append(f"regime mima is not in regimes.run: only N = 1 (the standard fine-tune) is available; run e.g. `dvc exp run -S 'regimes.run=[mima]' -S 'regimes.mima.rounds=[2,4,8]'`")
+        notes.append("regime mima is not in regimes.run: only N = 1 (the standard fine-tune) is available; run e.g. `dvc exp run -S 'regimes.run=[mima]' -S 'regimes.mima.rounds=[2,4,8]'`")
     regime_path = layout.metrics("regime", REGIME)
     variants = ((_json(regime_path) or {}).get("variants") or {}) if ran else {}
     if ran and not variants:

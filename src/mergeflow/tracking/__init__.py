@@ -95,35 +95,30 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 from mergeflow.config import Params, mlflow_ui_base
 from mergeflow.errors import TransientError
-from mergeflow.evaluation import mean
-from mergeflow.io import read_json, write_json
+from mergeflow.io import write_json
 from mergeflow.layout import Layout
+from mergeflow.reproducibility.machine import recorded
 from mergeflow.summary import percent
-from mergeflow.tracking.merges import MERGE_METRICS, _val_curve, merge_metrics, merge_params
-from mergeflow.tracking.regimes import ROUND_METRICS, _track_regimes, regime_metrics
-from mergeflow.tracking.registry import _log_merged_model, register_best
-from mergeflow.reproducibility.machine import recorded, tags as machine_tags
-from mergeflow.tracking.runs import _flatten, _git_commit, _Hashes, _md5, _out_md5, _Recorder, _sha256, curve_records, fingerprint, lock_stages, locked_md5s, stage_times
+from mergeflow.tracking.merges import MERGE_METRICS, merge_metrics, merge_params
+from mergeflow.tracking.regimes import ROUND_METRICS, regime_metrics
+from mergeflow.tracking.registry import register_best
+from mergeflow.tracking.runs import _git_commit, _md5, _Recorder, _sha256, curve_records, fingerprint, lock_stages, locked_md5s, stage_times
+from mergeflow.tracking.standard import NOT_RECORDED, RECORDERS, STANDARD_TAGS, Tracked
 from mergeflow.tracking.store import experiment_name, fail_abandoned_runs, prepare_store, registered_model_name, tracking_uri
-from mergeflow.tracking.studies import _track_studies, study_note
+from mergeflow.tracking.studies import study_note
 from mergeflow.tracking.views import ML_EXPERIMENT_KIND, VIEW_KEY, VIEW_NAME, _hyperparameter_names, headline_markdown, methods_view, regimes_view, studies_view, ui_path
 
-STANDARD_TAGS = {"regime": "standard", "variant": "standard"}  # the standard fine-tune's runs (finetune, vectors, merge), beside the training-time regimes'
-
-
-def track(params: Params, layout: Layout = Layout()) -> dict:
+def _open_experiment(params: Params, root: Path):
+    """The experiment track logs to, on the project's store; runs a killed track left RUNNING marked FAILED."""
     import mlflow
     from mlflow import MlflowClient
 
-    track_started = time.time()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # log_model reads its files back: no bars in the stage's log
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its notices (tables and experiment created) are not the stage's news
-    root = layout.root
     uri = tracking_uri(root)
     if notice := prepare_store(uri):
         print(f"warning: {notice}")
@@ -135,156 +130,92 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
             raise TransientError(f"{uri}: the MLflow store is locked by another process") from None
         raise
     client = MlflowClient()
-    exp_id = experiment.experiment_id
-    if failed := fail_abandoned_runs(client, exp_id):
+    if failed := fail_abandoned_runs(client, experiment.experiment_id):
         print(f"marked {failed} runs FAILED that a killed track left RUNNING")
+    return experiment, client
 
-    tasks, methods = params.suite.tasks, params.merge.methods
-    lock = lock_stages(root)
+
+def _base_tags(root: Path) -> dict[str, str]:
     # every run carries its host and process, so the next track can tell a run still being logged from an abandoned one
     base = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid()), "git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc"),
             "dvc.lock_md5": _md5(root / "dvc.lock") if (root / "dvc.lock").is_file() else ""}
     if os.environ.get("PREFECT__FLOW_RUN_ID"):
         base["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
-    rec = _Recorder(client, exp_id, base)
-    log_ckpt = params.tracking.log_checkpoints
-    ft = {t: read_json(layout.metrics("finetune", t)) for t in tasks}
-    individual = {t: ft[t]["individual"]["test"] for t in tasks}
-    probe_avg, individual_avg = mean(ft[t]["probe"]["test"] for t in tasks), mean(individual.values())
+    return base
 
-    machines = recorded(root)  # provenance.json: the machine and kernels each stage ran on
 
-    def item(name: str, stage: str, files: list[Path], timing: Path, label: str = "", extra_time: tuple[str, ...] = (), extra_tags: Mapping[str, str] = {}):
-        times = stage_times(timing, extra_time)
-        tags = {"mergeflow.stage": stage} | ({"mergeflow.item": label} if label else {}) | dict(extra_tags) | machine_tags(machines.get(name))
-        return rec.run(name, fingerprint(lock.get(name), files, root), times, tags), times[1]
-
-    def weights(run_id: str, entry_name: str, files: Mapping[Path, str]) -> None:
-        if log_ckpt:
-            rec.weights(run_id, {p: _out_md5(lock.get(entry_name), p, root) for p in files}, lambda p: files[p])
-
-    ctx, end = item("prepare", "prepare", [layout.metrics("prepare")], layout.timing("prepare"))
-    with ctx as run_id:
-        if run_id:
-            prep = read_json(layout.metrics("prepare"))
-            images = {s: sum(sizes[s] for sizes in prep["tasks"].values()) for s in ("train", "val", "test")}
-            rec.log(run_id, {"seed": params.seed} | _flatten("suite", params.suite.model_dump(mode="json")), {"wall_time_s": read_json(layout.timing("prepare"))["wall_time_s"], "pretrain_images": prep["pretrain_images"]} | {f"task_images.{s}": n for s, n in images.items()}, end)
-
-    ctx, end = item("pretrain", "pretrain", [layout.metrics("pretrain"), layout.pretrained], layout.timing("pretrain"))
-    with ctx as run_id:
-        if run_id:
-            pre = read_json(layout.metrics("pretrain"))
-            curve = curve_records(read_json(layout.log("pretrain")), layout.log("pretrain"))
-            rec.log(
-                run_id,
-                _flatten("backbone", params.backbone.model_dump(mode="json")) | _flatten("pretrain", params.pretrain.model_dump(mode="json")),
-                {"wall_time_s": read_json(layout.timing("pretrain"))["wall_time_s"], "parameters": pre["parameters"], "final_loss": pre["final_loss"]} | {f"head_acc.{k}": percent(v) for k, v in pre["train_head_accuracy"].items()},
-                end,
-                {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
-            )
-            weights(run_id, "pretrain", {layout.pretrained: "checkpoints"})
-
-    for t in tasks:
-        name = f"finetune@{t}"
-        ctx, end = item(name, "finetune", [layout.metrics("finetune", t), layout.finetuned(t), layout.head(t)], layout.timing("finetune", t), t, extra_tags=STANDARD_TAGS)
-        with ctx as run_id:
-            if run_id:
-                m = ft[t]
-                curve = curve_records(read_json(layout.log("finetune", t)), layout.log("finetune", t))
-                rec.log(
-                    run_id,
-                    {"task": t, "steps": m["steps"], "head": m["probe"].get("head", "probe")} | ({"probe.C": m["probe"]["C"]} if m["probe"].get("C") is not None else {}) | ({"imported": m["imported"]} if m.get("imported") else {}) | _flatten("finetune", params.finetune.model_dump(mode="json")),
-                    {"wall_time_s": read_json(layout.timing("finetune", t))["wall_time_s"], "probe_acc": percent(m["probe"]["test"]), "individual_acc": percent(m["individual"]["test"]), "individual_val_acc": percent(m["individual"]["val"]), "gain": percent(m["gain_over_probe"]["test"])},
-                    end,
-                    {f"train.{k}": [(r["step"], r[k]) for r in curve] for k in curve[0] if k != "step"} if curve else {},
-                )
-                weights(run_id, name, {layout.finetuned(t): "checkpoints", layout.head(t): "heads"})
-
-    ctx, end = item("vectors", "vectors", [layout.metrics("vectors"), layout.vectors / "stats.json"], layout.timing("vectors"), extra_tags=STANDARD_TAGS)
-    with ctx as run_id:
-        if run_id:
-            vec = read_json(layout.metrics("vectors"))
-            rec.log(run_id, {"tasks": ",".join(tasks)}, {"wall_time_s": read_json(layout.timing("vectors"))["wall_time_s"]} | {f"norm.{k}": v for k, v in vec["norms"].items()} | {f"relative_norm.{k}": v for k, v in vec["relative_norms"].items()}, end)
-            for f in ("stats.json", "cosine.png"):
-                if (layout.vectors / f).is_file():
-                    client.log_artifact(run_id, str(layout.vectors / f))
-
-    single_models: dict[str, str] = {}
-    for method in methods:
-        name = f"merge@{method}"
-        files = [layout.metrics("merge", method), layout.metrics("evaluate", method), layout.merged(method)]
-        ctx, end = item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",), STANDARD_TAGS)
-        with ctx as run_id:
-            if run_id:
-                mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
-                timing = read_json(layout.timing("merge", method))
-                metrics = merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | {"wall_time_s": timing["wall_time_s"] + timing.get("evaluate_wall_time_s", 0.0)}
-                rec.log(run_id, merge_params(mm, ev), metrics, end)
-                client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
-                if "learned" in mm:  # AdaMerging's coefficients and entropy per step (the plot draws them)
-                    client.log_dict(run_id, mm["learned"], "learned/coefficients.json")
-                plot = layout.log("merge", method, ".png")
-                if plot.is_file():
-                    client.log_artifact(run_id, str(plot), "plots")
-                if log_ckpt and mm["kind"] == "model":
-                    _log_merged_model(rec, run_id, layout.merged(method), _out_md5(lock.get(name), layout.merged(method), root), params)
-                elif log_ckpt and mm["kind"] in ("per_task", "routed"):  # a store, not a timm model
-                    weights(run_id, name, {layout.merged(method): "merged"})
-        if read_json(layout.metrics("merge", method))["kind"] == "model":
-            single_models[method] = rec.stage_runs[name]
-
-    # the registry stays the standard regime's: its best merged model, comparable from one pipeline run to the next
-    registered = register_best(client, registered_model_name(params), single_models) if log_ckpt else None
-
-    hashes = _Hashes(lock, root)
-    regime_merges = _track_regimes(params, layout, rec, hashes, tasks, individual, probe_avg, individual_avg)
-    studies = _track_studies(params, layout, rec, lock)
-
-    # the pipeline run: one per state of all its stages (and the report); a track with nothing new logs none
-    report_fp = fingerprint(lock.get("report"), sorted(layout.results.glob("*.json")), root)
+def _pipeline_run(t: Tracked, exp_id: str, base: dict[str, str], registered: dict | None, track_started: float) -> str:
+    """The pipeline run: one per state of all its stages (and the report); a track with nothing new logs none."""
+    params, layout, root, client, rec = t.params, t.layout, t.root, t.client, t.rec
+    report_fp = fingerprint(t.lock.get("report"), sorted(layout.results.glob("*.json")), root)
     pipeline_fp = _sha256({"stages": rec.fingerprints, "report": report_fp})
     pipeline_id = rec.find("mergeflow.pipeline_fingerprint", pipeline_fp)
-    if pipeline_id is None:
-        # from the first stage this pipeline run (re)ran, to now
-        started = min((client.get_run(r).info.start_time for r in rec.new_runs), default=int(track_started * 1000))
-        tags = base | {"mergeflow.stage": "pipeline", "mergeflow.pipeline_fingerprint": pipeline_fp}
-        tags |= {f"stage_run.{n.replace('@', '.').replace('/', '.')}": r for n, r in rec.stage_runs.items()}
+    if pipeline_id is not None:
+        return pipeline_id
+    # from the first stage this pipeline run (re)ran, to now
+    started = min((client.get_run(r).info.start_time for r in rec.new_runs), default=int(track_started * 1000))
+    tags = base | {"mergeflow.stage": "pipeline", "mergeflow.pipeline_fingerprint": pipeline_fp}
+    tags |= {f"stage_run.{n.replace('@', '.').replace('/', '.')}": r for n, r in rec.stage_runs.items()}
+    if (root / "dvc.lock").is_file():
+        tags["dvc.lock.sha256"] = hashlib.sha256((root / "dvc.lock").read_bytes()).hexdigest()
+    best = {}
+    if t.single_models:
+        best_run = max((client.get_run(r) for r in t.single_models.values()), key=lambda r: r.data.metrics["test_avg"])
+        best = {"best_test_avg": best_run.data.metrics["test_avg"]}
+        tags |= {"mergeflow.best_method": best_run.data.params["method"], "mergeflow.best_run": best_run.info.run_id}
+    if registered:
+        tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
+    tags["mlflow.note.content"] = headline_markdown(client, exp_id, [rec.stage_runs[f"merge@{m}"] for m in params.merge.methods], t.probe_avg, t.individual_avg, t.regime_merges, t.studies)
+    run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
+    pipeline_id = run.info.run_id
+    try:
+        logged = {"suite": params.suite.name, "tasks": ",".join(params.suite.tasks), "methods": ",".join(params.merge.methods), "regimes": ",".join(params.regimes.run) or "none", "studies": ",".join(params.studies.run) or "none", "backbone": params.backbone.model}
+        rec.log(pipeline_id, logged, {"probe_avg": percent(t.probe_avg), "individual_avg": percent(t.individual_avg)} | best)
+        client.log_artifacts(pipeline_id, str(layout.results), "results")
         if (root / "dvc.lock").is_file():
-            tags["dvc.lock.sha256"] = hashlib.sha256((root / "dvc.lock").read_bytes()).hexdigest()
-        best = {}
-        if single_models:
-            best_run = max((client.get_run(r) for r in single_models.values()), key=lambda r: r.data.metrics["test_avg"])
-            best = {"best_test_avg": best_run.data.metrics["test_avg"]}
-            tags |= {"mergeflow.best_method": best_run.data.params["method"], "mergeflow.best_run": best_run.info.run_id}
-        if registered:
-            tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
-        tags["mlflow.note.content"] = headline_markdown(client, exp_id, [rec.stage_runs[f"merge@{m}"] for m in methods], probe_avg, individual_avg, regime_merges, studies)
-        run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
-        pipeline_id = run.info.run_id
-        try:
-            rec.log(pipeline_id, {"suite": params.suite.name, "tasks": ",".join(tasks), "methods": ",".join(methods), "regimes": ",".join(params.regimes.run) or "none", "studies": ",".join(params.studies.run) or "none", "backbone": params.backbone.model}, {"probe_avg": percent(probe_avg), "individual_avg": percent(individual_avg)} | best)
-            client.log_artifacts(pipeline_id, str(layout.results), "results")
-            if (root / "dvc.lock").is_file():
-                client.log_artifact(pipeline_id, str(root / "dvc.lock"))
-        except BaseException:
-            client.set_terminated(pipeline_id, "FAILED")
-            raise
-        client.set_terminated(pipeline_id, "FINISHED", end_time=int(time.time() * 1000))
-        rec.new_runs.append(pipeline_id)
+            client.log_artifact(pipeline_id, str(root / "dvc.lock"))
+    except BaseException:
+        client.set_terminated(pipeline_id, "FAILED")
+        raise
+    client.set_terminated(pipeline_id, "FINISHED", end_time=int(time.time() * 1000))
+    rec.new_runs.append(pipeline_id)
+    return pipeline_id
 
-    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in methods] + [run_id for _, _, run_id in regime_merges]
+
+def _saved_views(t: Tracked, exp_id: str) -> None:
+    """The UI's saved views (Views > Saved views, opened by ?viewStateShareKey=): the methods ranked, the regimes'
+    task models and rounds, the studies' verdicts."""
+    client, rec, tasks = t.client, t.rec, t.params.suite.tasks
+    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in t.params.merge.methods] + [run_id for _, _, run_id in t.regime_merges]
     client.set_experiment_tag(exp_id, "mlflow.experimentKind", ML_EXPERIMENT_KIND)
-    # the UI's saved-view envelope: listed under Views > Saved views, and opened by ?viewStateShareKey=
     now_ms = int(time.time() * 1000)
     views = {VIEW_KEY: (VIEW_NAME, methods_view(tasks, _hyperparameter_names(client, merge_ids)))}
     regime_ids = [r for n, r in rec.stage_runs.items() if n.startswith("regime@")]
     if regime_ids:
         names = sorted({k for r in regime_ids for k in client.get_run(r).data.params if k not in ("regime", "variant", "paper")})
         views["regimes"] = ("Regimes: task models and rounds", regimes_view(tasks, names))
-    if studies:
-        views["studies"] = ("Studies: verdicts", studies_view(sorted({k for _, r in studies for k in client.get_run(r).data.params if k.startswith("verdict.")})))
+    if t.studies:
+        views["studies"] = ("Studies: verdicts", studies_view(sorted({k for _, r in t.studies for k in client.get_run(r).data.params if k.startswith("verdict.")})))
     for key, (name, state) in views.items():
         client.set_experiment_tag(exp_id, f"mlflow.sharedViewState.{key}", json.dumps({"name": name, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)}))
+
+
+def track(params: Params, layout: Layout = Layout()) -> dict:
+    import mlflow
+
+    track_started = time.time()
+    root = layout.root
+    experiment, client = _open_experiment(params, root)
+    exp_id = experiment.experiment_id
+    base = _base_tags(root)
+    rec = _Recorder(client, exp_id, base)
+    tracked = Tracked(params, layout, rec, client, lock_stages(root), recorded(root))
+    for _, record in RECORDERS:
+        record(tracked)
+    # the registry stays the standard regime's: its best merged model, comparable from one pipeline run to the next
+    registered = register_best(client, registered_model_name(params), tracked.single_models) if params.tracking.log_checkpoints else None
+    pipeline_id = _pipeline_run(tracked, exp_id, base, registered, track_started)
+    _saved_views(tracked, exp_id)
     path = ui_path(exp_id)
     server = mlflow_ui_base()  # where `mergeflow ui` serves (config.MLFLOW_UI_ENV)
     print(f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in {experiment.name}; methods ranked by test_avg (every regime): {server}{path}")
@@ -296,7 +227,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
 
 
 __all__ = [
-    "MERGE_METRICS", "ML_EXPERIMENT_KIND", "ROUND_METRICS", "STANDARD_TAGS", "VIEW_KEY", "VIEW_NAME", "curve_records", "experiment_name",
+    "MERGE_METRICS", "NOT_RECORDED", "RECORDERS", "ML_EXPERIMENT_KIND", "ROUND_METRICS", "STANDARD_TAGS", "VIEW_KEY", "VIEW_NAME", "curve_records", "experiment_name",
     "fail_abandoned_runs", "fingerprint", "headline_markdown", "lock_stages", "locked_md5s", "merge_metrics", "merge_params", "methods_view",
     "prepare_store", "register_best", "registered_model_name", "regime_metrics", "regimes_view", "stage_times", "studies_view", "study_note",
     "track", "tracking_uri", "ui_path",

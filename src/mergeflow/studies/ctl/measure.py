@@ -168,7 +168,6 @@ def train_pair(params, suite: Suite, train: Mapping[str, tuple[torch.Tensor, tor
     """Each task of ``pair`` trained from ``init`` with the pipeline's fine-tune schedule (finetune.*, its steps or
     ``steps``), no feature anchor, the task's head frozen, the task's seed: the same data order for both inits."""
     from mergeflow.models import backbone_state, build_backbone
-    from mergeflow.config import task_seed
     from mergeflow.training import finetune as finetune_loop
 
     update: dict[str, Any] = {"preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0})}

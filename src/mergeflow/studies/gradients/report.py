@@ -37,7 +37,6 @@ def gradients(context: StudyContext) -> StudyResult:
     from mergeflow.io import LazyStateDict, load_state_dict
     from mergeflow.models import backbone_state, build_backbone, load_head
     from mergeflow.regimes import finetune_trainer
-    from mergeflow.config import task_seed
     from mergeflow.training import FeatureAnchor, finetune as finetune_loop
 
     params, layout, s, device = context.params, context.layout, context.settings, context.device
