@@ -35,11 +35,11 @@ $(BIN)/mergeflow: $(VENV)/.locked pyproject.toml
 	$(WARM_IMPORTS)
 	touch $@
 
-# The bytecode of what the stages, the stage server (mergeflow.stage_server's preload), DVC and the tracking import
+# The bytecode of what the stages, the stage server (mergeflow.runner.stage_server's preload), DVC and the tracking import
 # (about 6,900 of the 27,000 modules installed), compiled by importing them in two processes: 12 s on 2 cores,
 # against 28 s for uv's --compile-bytecode of every module; the rest is compiled, and kept, when first imported
-WARM_IMPORTS = $(BIN)/python -c "import torch, timm, sklearn.linear_model, mergeflow.stages, mergeflow.merging._kernels" & warm=$$!; \
-	$(BIN)/python -c "import dvc.repo, dvc.cli, mlflow.store.tracking.sqlalchemy_store, mergeflow.cli, mergeflow.tracking, matplotlib.pyplot, prefect" \
+WARM_IMPORTS = $(BIN)/python -c "import torch, timm, sklearn.linear_model, mergeflow.pipeline.stages, mergeflow.ml.merging._kernels" & warm=$$!; \
+	$(BIN)/python -c "import dvc.repo, dvc.cli, mlflow.store.tracking.sqlalchemy_store, mergeflow.cli, mergeflow.report.tracking, matplotlib.pyplot, prefect" \
 	&& wait $$warm
 
 # mergeflow's own bytecode, compiled again for what changed since (`mergeflow check`: 1.31 s without, 1.14 s with);

@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from mergeflow import stages
+from mergeflow.pipeline import stages
 from mergeflow.params import load_params
-from mergeflow.merging import REGISTRY
-from mergeflow.merging._adaptive import MergedParameters
-from mergeflow.binding import bind_data
-from mergeflow.models import build_backbone
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging._adaptive import MergedParameters
+from mergeflow.pipeline.binding import bind_data
+from mergeflow.ml.models import build_backbone
 
 
 def main() -> None:

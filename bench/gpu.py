@@ -1,7 +1,7 @@
 """The GPU path's figures in one command: fine-tuning, the evaluator, AdaMerging, the statistics and one whole merge
 stage of the 8-task benchmark's size, on CLIP's image tower at its real shapes (random weights: the architecture is
 what costs), through the library's own functions. Prints a table and writes JSON that `mergeflow plan --calibration`
-reads (mergeflow.plan.calibration).
+reads (mergeflow.runner.plan.calibration).
 
     python bench/gpu.py --json bench-gpu.json                # ViT-B/32 at 224 px, the benchmark's sizes (~2-3 min on an H100)
     python bench/gpu.py --model b16                          # or l14, or any timm CLIP model name
@@ -34,16 +34,16 @@ import torch
 from torch import nn
 
 from mergeflow.config import BackboneConfig, FinetuneConfig
-from mergeflow.data import TaskData, load_task, save_task
-from mergeflow.evaluation import MultiTaskEvaluator
-from mergeflow.io import load_state_dict, save_state_dict
-from mergeflow.merging import REGISTRY, MergeData
-from mergeflow.merging._adaptive import EntropyObjective
-from mergeflow.merging._tensors import svd
-from mergeflow.merging.search import search
-from mergeflow.models import build_backbone, make_head
-from mergeflow.statistics import fisher_diagonal, input_grams
-from mergeflow.training import finetune
+from mergeflow.ml.data import TaskData, load_task, save_task
+from mergeflow.ml.evaluation import MultiTaskEvaluator
+from mergeflow.core.io import load_state_dict, save_state_dict
+from mergeflow.ml.merging import REGISTRY, MergeData
+from mergeflow.ml.merging._adaptive import EntropyObjective
+from mergeflow.ml.merging._tensors import svd
+from mergeflow.ml.merging.search import search
+from mergeflow.ml.models import build_backbone, make_head
+from mergeflow.ml.statistics import fisher_diagonal, input_grams
+from mergeflow.ml.training import finetune
 
 MODELS = {"b32": "vit_base_patch32_clip_quickgelu_224", "b16": "vit_base_patch16_clip_quickgelu_224", "l14": "vit_large_patch14_clip_quickgelu_224"}
 # dense bf16 matrix throughput from the datasheets, FLOP/s (H200: the H100 SXM's chip)
@@ -218,7 +218,7 @@ def bench_finetune(cfg: BackboneConfig, size: dict, image_size: int, device: tor
 
 
 def synthetic_tasks(size: dict, image_size: int, splits: dict[str, int]) -> dict[str, TaskData]:
-    from mergeflow.data import Split
+    from mergeflow.ml.data import Split
 
     tasks = {}
     for i in range(size["tasks"]):
@@ -304,7 +304,7 @@ def bench_host(cfg: BackboneConfig, device: torch.device, args, vectors) -> dict
     largest = max((v for v in theta0.values() if v.ndim == 2), key=lambda v: v.shape[0] * v.shape[1] * min(v.shape))
     svd(largest)
     _, svd_s = timed(lambda: svd(largest), device)
-    from mergeflow.plan.measure import decode_seconds
+    from mergeflow.runner.plan.measure import decode_seconds
 
     return {"param_pass_s": pass_s, "svd_s": svd_s, "svd_shape": list(largest.shape), "threads": torch.get_num_threads(), "decode_s": decode_seconds(224)}
 
@@ -352,7 +352,7 @@ def read_stage_inputs(workdir: Path, taus, image_size: int):
 
 
 def bench_merge_stage(cfg: BackboneConfig, size: dict, image_size: int, device: torch.device, args, vectors) -> dict:
-    """One merge stage (task arithmetic over its grid) as mergeflow.stages.merge_and_evaluate runs it, from files."""
+    """One merge stage (task arithmetic over its grid) as mergeflow.pipeline.stages.merge_and_evaluate runs it, from files."""
     theta0, taus = vectors
     workdir = Path(tempfile.mkdtemp(prefix="mergeflow-bench-", dir=args.workdir))
     files = []
@@ -404,7 +404,7 @@ def stage_import_s() -> float | None:
     times = []
     for _ in range(2):
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", "import mergeflow.stages"], capture_output=True)
+        done = subprocess.run([sys.executable, "-c", "import mergeflow.pipeline.stages"], capture_output=True)
         if done.returncode != 0:
             return None
         times.append(time.perf_counter() - start)
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
     if args.baseline:
-        import mergeflow.training as training
+        import mergeflow.ml.training as training
 
         training.resident = lambda tensor, device, share=0.5: tensor
         training.LOSS_READ_EVERY = 1

@@ -43,7 +43,7 @@ def make_inputs(directory: Path, tasks: int, model: str, seed: int) -> None:
     import timm
     import torch
 
-    from mergeflow.io import save_state_dict
+    from mergeflow.core.io import save_state_dict
 
     if (directory / "done.json").is_file():
         return
@@ -62,9 +62,9 @@ def worker(directory: Path, method: str, threads: int) -> dict:
     import mergeflow  # noqa: F401, I001
     import torch
 
-    from mergeflow.io import LazyStateDict
-    from mergeflow.merging import REGISTRY
-    from mergeflow.merging._tensors import read_stacks
+    from mergeflow.core.io import LazyStateDict
+    from mergeflow.ml.merging import REGISTRY
+    from mergeflow.ml.merging._tensors import read_stacks
 
     torch.set_num_threads(threads)
     theta0 = LazyStateDict(directory / "theta0.safetensors")
@@ -108,7 +108,7 @@ def worker(directory: Path, method: str, threads: int) -> dict:
 
 
 def main() -> None:
-    from mergeflow.merging import REGISTRY
+    from mergeflow.ml.merging import REGISTRY
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=8)

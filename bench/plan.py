@@ -29,15 +29,15 @@ import mergeflow.cli  # noqa: F401 - what the command imports before it runs (to
 from mergeflow.params import load_params
 params = load_params(sys.argv[1])
 t1 = time.perf_counter()
-from mergeflow.orchestration import stage_graph, stale_stages
+from mergeflow.runner.orchestration import stage_graph, stale_stages
 nodes = stage_graph(".")
 stale = stale_stages(".", nodes)
 t2 = time.perf_counter()
-from mergeflow.plan.cache import cached_throughput
-from mergeflow.plan.measure import this_process_start
+from mergeflow.runner.plan.cache import cached_throughput
+from mergeflow.runner.plan.measure import this_process_start
 tp, _ = cached_throughput(params, process_start=this_process_start())
 t3 = time.perf_counter()
-from mergeflow.plan import make_plan
+from mergeflow.runner.plan import make_plan
 make_plan(params, nodes, stale, tp)
 t4 = time.perf_counter()
 print(json.dumps({"imports and params": t1 - t0, "DVC status": t2 - t1, "measuring": t3 - t2, "estimates": t4 - t3}))

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from mergeflow import stages
+from mergeflow.pipeline import stages
 from mergeflow.params import load_params
-from mergeflow.io import load_state_dict
-from mergeflow.regimes import Budget
-from mergeflow.regimes._pool import PoolTrainer
+from mergeflow.core.io import load_state_dict
+from mergeflow.ml.regimes import Budget
+from mergeflow.ml.regimes._pool import PoolTrainer
 
 
 def main() -> None:

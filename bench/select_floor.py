@@ -31,9 +31,9 @@ def main() -> None:
     import mergeflow  # noqa: F401, I001  (first, as in the merges: it sets OpenMP's spin count before torch loads)
     import torch
 
-    from mergeflow.io import LazyStateDict, tensor_specs
-    from mergeflow.merging._tensors import read_stacks
-    from mergeflow.merging.breadcrumbs import row_cuts
+    from mergeflow.core.io import LazyStateDict, tensor_specs
+    from mergeflow.ml.merging._tensors import read_stacks
+    from mergeflow.ml.merging.breadcrumbs import row_cuts
 
     torch.set_num_threads(args.threads)
     theta0 = LazyStateDict(args.dir / "theta0.safetensors")

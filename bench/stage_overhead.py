@@ -1,5 +1,5 @@
 """Where a stage's time goes besides its work: process start, imports, data loading and writing, with and without
-the stage server (mergeflow.stage_server).
+the stage server (mergeflow.runner.stage_server).
 
 Run it after a pipeline run (the stages re-run on a copy of the project's outputs, so the workspace is untouched):
 
@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
-    from mergeflow.stage_server import SERVER_ENV, running_server
+    from mergeflow.runner.stage_server import SERVER_ENV, running_server
 
     mergeflow = str(Path(sys.executable).parent / "mergeflow")
     env = {k: v for k, v in os.environ.items() if k != SERVER_ENV} | {"HF_HUB_OFFLINE": "1"}
@@ -78,7 +78,7 @@ def main() -> int:
             "mergeflow check": [mergeflow, "check"],
             "import torch": [sys.executable, "-c", "import torch"],
             "import torch, timm": [sys.executable, "-c", "import torch, timm"],
-            "import mergeflow.stages": [sys.executable, "-c", "import mergeflow.stages"],
+            "import mergeflow.pipeline.stages": [sys.executable, "-c", "import mergeflow.pipeline.stages"],
         }
         start_up = {name: min(_wall(cmd, root, env) for _ in range(args.repeat)) for name, cmd in parts.items()}
         with running_server(env) as address:

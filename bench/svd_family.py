@@ -60,7 +60,7 @@ def fusionbench_iso_c(taus):
 
 
 def fusionbench_iso_cts(taus, fraction=0.8):
-    from mergeflow.merging.iso import subspace_sizes
+    from mergeflow.ml.merging.iso import subspace_sizes
 
     c, per_task = subspace_sizes(min(taus.shape[1:]), len(taus), fraction)
     u, s, vh = _svd(taus.sum(0))
@@ -72,8 +72,8 @@ def fusionbench_iso_cts(taus, fraction=0.8):
 
 
 def mergeflow_functions():
-    from mergeflow.merging.iso import iso_c_matrix, iso_cts_matrix
-    from mergeflow.merging.tsv_m import tsv_merge_matrix
+    from mergeflow.ml.merging.iso import iso_c_matrix, iso_cts_matrix
+    from mergeflow.ml.merging.tsv_m import tsv_merge_matrix
 
     return {"tsv_m": tsv_merge_matrix, "iso_c": iso_c_matrix, "iso_cts": lambda taus: iso_cts_matrix(taus, 0.8)}
 

@@ -1,12 +1,12 @@
 """The Prefect flows. Prefect reads its home folder when it is imported, so it is made sure of first
-(mergeflow.homes): an unwritable HOME gets the repository's .prefect/ and a notice, or one line, not a traceback."""
+(mergeflow.core.homes): an unwritable HOME gets the repository's .prefect/ and a notice, or one line, not a traceback."""
 
 import os
 import sys
 from pathlib import Path
 
-from mergeflow.errors import MergeflowError
-from mergeflow.homes import ensure_prefect_home
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.homes import ensure_prefect_home
 
 
 def _root() -> Path:

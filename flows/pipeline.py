@@ -30,16 +30,16 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from mergeflow.checkouts import check_source, pull_dependencies, pull_outputs, record_stage, source
-from mergeflow.checks import check_project
+from mergeflow.runner.checkouts import check_source, pull_dependencies, pull_outputs, record_stage, source
+from mergeflow.runner.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
-from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, workers_argument
-from mergeflow.remote import default_remote, push_outputs
-from mergeflow.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
-from mergeflow.stage_server import SERVER_ENV, running_server, running_servers
-from mergeflow.verify import check_outputs
+from mergeflow.core.errors import MergeflowError
+from mergeflow.runner.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, workers_argument
+from mergeflow.runner.remote import default_remote, push_outputs
+from mergeflow.runner.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
+from mergeflow.runner.stage_server import SERVER_ENV, running_server, running_servers
+from mergeflow.runner.verify import check_outputs
 from tasks.stages import run_stage_task, stop_worker_stages
 
 quiet_failure_tracebacks()  # a failed stage or bad input is its one line in the logs, not a traceback
@@ -133,7 +133,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     "thread" (a thread pool here) or "dask" (a LocalCluster of ``workers`` processes, or the cluster at
     ``dask_address``); ``workers``: stages at once (default: one per GPU, else one per CPU core).
     ``worker_checkouts`` (Dask only): each worker runs its stages in a checkout of its own, their inputs and
-    outputs moved by the DVC remote, for a cluster without a shared file system (mergeflow.checkouts). The run ends
+    outputs moved by the DVC remote, for a cluster without a shared file system (mergeflow.runner.checkouts). The run ends
     by publishing the Markdown artifact mergeflow-summary: the summary table and the MLflow run, or what failed."""
     logger = get_run_logger()
     try:
@@ -203,7 +203,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
 
             with contextlib.ExitStack() as stack:
                 # on this machine (a thread pool, or a LocalCluster's workers) the stages fork from one process that
-                # has imported torch and timm (mergeflow.stage_server); where there are GPUs, from one per GPU
+                # has imported torch and timm (mergeflow.runner.stage_server); where there are GPUs, from one per GPU
                 servers = stack.enter_context(running_servers(gpus))
                 address = stack.enter_context(running_server()) if not dask_address and not gpus else None
                 served = {SERVER_ENV: address} if address else {}

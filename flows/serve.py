@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.client.schemas.schedules import construct_schedule
 
-    from mergeflow.checks import check_project
+    from mergeflow.runner.checks import check_project
     from mergeflow.params import apply_overrides
-    from mergeflow.errors import MergeflowError
-    from mergeflow.orchestration import check_repo, check_schedule
+    from mergeflow.core.errors import MergeflowError
+    from mergeflow.runner.orchestration import check_repo, check_schedule
     from flows.pipeline import check_runner, pipeline
 
     try:  # the same checks as a run's, once now: a deployment that would fail every night is refused here

@@ -1,14 +1,14 @@
-"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.orchestration."""
+"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner.orchestration."""
 
 import sys
 import time
 
 from prefect import get_run_logger, task
 
-from mergeflow.checkouts import Source, run_in_checkout
-from mergeflow.devices import RUN_GPUS_ENV
-from mergeflow.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
-from mergeflow.stage_server import served_env
+from mergeflow.runner.checkouts import Source, run_in_checkout
+from mergeflow.core.devices import RUN_GPUS_ENV
+from mergeflow.runner.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
+from mergeflow.runner.stage_server import served_env
 
 quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's
 
@@ -55,8 +55,8 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
     """Run one stage. With ``gpus``, the stage gets one of them to itself (CUDA_VISIBLE_DEVICES) from this
     process's pool, waiting while every one is taken; on a Dask LocalCluster of ``gpu_workers`` workers each
     worker hands out its own share of them, and the stage forks from that GPU's stage server where ``servers``
-    names one (mergeflow.stage_server.running_servers). With ``source``, it runs in this worker's own checkout of it, its
-    inputs and outputs moved by the DVC remote (mergeflow.checkouts)."""
+    names one (mergeflow.runner.stage_server.running_servers). With ``source``, it runs in this worker's own checkout of it, its
+    inputs and outputs moved by the DVC remote (mergeflow.runner.checkouts)."""
     logger = get_run_logger()
     worker = dask_worker_index()
     if stopping() and _stopped_flow_run not in (None, env.get("PREFECT__FLOW_RUN_ID")):

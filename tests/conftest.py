@@ -75,9 +75,9 @@ def run(cmd, cwd, env, timeout=None, check=True):
 @pytest.fixture(scope="session")
 def tiny_env(tmp_path_factory) -> dict[str, str]:
     """The environment every end-to-end command runs in: this venv first, offline, its own homes, and
-    one stage server for the session (mergeflow.stage_server: the stages fork from it instead of importing torch
+    one stage server for the session (mergeflow.runner.stage_server: the stages fork from it instead of importing torch
     and timm, seconds each; tests/test_stage_server.py checks that a stage gives the same bytes either way)."""
-    from mergeflow.stage_server import SERVER_ENV, running_server
+    from mergeflow.runner.stage_server import SERVER_ENV, running_server
 
     home = tmp_path_factory.mktemp("homes")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "DVC_", SERVER_ENV))}
@@ -94,7 +94,7 @@ def _stage_commands_served(tiny_env):
     """Every `mergeflow <stage>` a test starts as a process forks from the session's stage server (seconds of
     imports saved each), whatever environment the test builds from os.environ; one whose import-time variables
     differ runs in its own process, as without a server."""
-    from mergeflow.stage_server import SERVER_ENV
+    from mergeflow.runner.stage_server import SERVER_ENV
 
     os.environ[SERVER_ENV] = tiny_env[SERVER_ENV]
     yield

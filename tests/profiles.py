@@ -58,7 +58,7 @@ def tiny_params_text(repo_params: Path, **override) -> str:
     """The tiny profile as a params.yaml in the repository's own form (comments kept, as DVC writes it)."""
     import io
 
-    from mergeflow.yaml_files import round_trip_yaml
+    from mergeflow.core.yaml_files import round_trip_yaml
 
     rt = round_trip_yaml()
     doc = rt.load(repo_params.read_text())

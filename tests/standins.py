@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from mergeflow.data import prompts
+from mergeflow.ml.data import prompts
 
 # per task: the class indices (into the real list) the stand-in uses, and images per class in train / test
 USED = {

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY, MergeData
-from mergeflow.merging.adarank import COMMON, parametrisation
-from mergeflow.merging.iso import iso_cts_factors, subspace_sizes
+from mergeflow.ml.merging import REGISTRY, MergeData
+from mergeflow.ml.merging.adarank import COMMON, parametrisation
+from mergeflow.ml.merging.iso import iso_cts_factors, subspace_sizes
 
 from .test_data_aware import _tiny_setup
 

@@ -17,59 +17,48 @@ ROOT = Path(__file__).resolve().parents[1]
 # The layers, lowest first: a module may import its own layer and the layers before it.
 ORDER = ["foundation", "config", "data", "models", "training", "task vectors", "merging", "evaluation", "studies", "params", "stages", "orchestration", "flows", "cli"]
 
-# module -> its layer. A package's entry covers every module under it; "mergeflow" is the package's own __init__
-# alone. A new module needs its line here (the test says so).
+# module -> its layer. A package's entry covers every module under it (the longest entry wins); "mergeflow" is the
+# package's own __init__ alone. A new module needs its line here unless its folder's entry covers it (the test says so).
 LAYER = {
     "mergeflow": "foundation",  # __version__ and the OpenMP setting, nothing else
-    "mergeflow.errors": "foundation",  # the user-facing failures and their exit statuses
-    "mergeflow.io": "foundation",  # atomic writes, safetensors, which processes are alive
-    "mergeflow.devices": "foundation",  # data moved to a CUDA device once, where it fits
-    "mergeflow.parent_death": "foundation",  # processes that die with their parent (a stage's workers)
-    "mergeflow.homes": "foundation",  # the tools' home folders (Prefect's) made sure of before their import
-    "mergeflow.layout": "foundation",  # where every stage reads and writes
-    "mergeflow.stage_table": "foundation",  # every stage declared once: its name, items, cores' share, help
-    "mergeflow.lockfile": "foundation",  # dvc.lock kept whole
-    "mergeflow.reproducibility": "foundation",  # the deterministic mode: pinned kernels, GEMMs on OpenBLAS, machine records
-    "mergeflow.mlflow_store": "foundation",  # where MLflow's store is, whether it still holds track's run (no torch)
-    "mergeflow.config": "config",  # params.yaml, validated; the environment's settings
-    "mergeflow.imports": "config",  # imports/<task>: an imported checkpoint file as its fine-tune's dependency
-    "mergeflow.data": "data",  # the task suite: generated, converted, read
-    "mergeflow.models": "models",  # the backbone and the heads
-    "mergeflow.checkpoints": "models",  # published fine-tunes read without running their pickles
-    "mergeflow.yaml_files": "foundation",  # YAML read strictly (UTF-8, duplicate keys), params.yaml in DVC's form
-    "mergeflow.weights_header": "models",  # a weights file's naming and shapes from its header alone (no torch)
-    "mergeflow.zeroshot": "models",  # CLIP's zero-shot heads
-    "mergeflow.mlflow_model": "models",  # a merged model as an MLflow model
-    "mergeflow.lora": "models",  # LoRA adapters on the backbone, and LoRA task vectors as their factors
-    "mergeflow.training": "training",  # probe, fine-tuning, pretraining loops
-    "mergeflow.regimes": "training",  # training-time regimes: other ways to make the task models
-    "mergeflow.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge
-    "mergeflow.statistics": "task vectors",  # per-task Fisher diagonals and Grams the data-aware methods read
-    "mergeflow.merging": "merging",  # the method registry, the methods, the validation search
-    "mergeflow.evaluation": "evaluation",  # a model scored on every task; the summary table
-    "mergeflow.summary": "evaluation",  # headline metrics and plot records
-    "mergeflow.plots": "evaluation",  # every plot
+    "mergeflow.core": "foundation",  # errors, I/O, paths, the stage table, YAML, dvc.lock, the deterministic mode, processes
+    "mergeflow.config": "config",  # params.yaml's schema; the environment's settings
+    "mergeflow.ml": "data",  # the ML library's own __init__ (a docstring); its modules' layers follow
+    "mergeflow.ml.data": "data",  # the task suite: generated, converted, read
+    "mergeflow.ml.models": "models",  # the backbone and the heads
+    "mergeflow.ml.checkpoints": "models",  # published fine-tunes read without running their pickles
+    "mergeflow.ml.weights_header": "models",  # a weights file's naming and shapes from its header alone (no torch)
+    "mergeflow.ml.zeroshot": "models",  # CLIP's zero-shot heads
+    "mergeflow.ml.mlflow_model": "models",  # a merged model as an MLflow model
+    "mergeflow.ml.lora": "models",  # LoRA adapters on the backbone, and LoRA task vectors as their factors
+    "mergeflow.ml.training": "training",  # probe, fine-tuning, pretraining loops
+    "mergeflow.ml.regimes": "training",  # training-time regimes: other ways to make the task models
+    "mergeflow.ml.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge
+    "mergeflow.ml.statistics": "task vectors",  # per-task Fisher diagonals and Grams the data-aware methods read
+    "mergeflow.ml.merging": "merging",  # the method registry, the methods, the validation search
+    "mergeflow.ml.evaluation": "evaluation",  # a model scored on every task
+    "mergeflow.report": "evaluation",  # the summary table, headline metrics, plots (and tracking, below)
     "mergeflow.studies": "studies",  # the papers' analyses, each a stage study@<name>
     "mergeflow.params": "params",  # params.yaml checked against the registries (methods, regimes, studies)
-    "mergeflow.stages": "stages",  # the stage functions the CLI runs
-    "mergeflow.binding": "stages",  # what a data-aware merge reads (statistics, inputs, the backbone), bound by the merge stage
-    "mergeflow.sources": "stages",  # the files each merge follows from (its stage sources), read from the imports
-    "mergeflow.tracking": "stages",  # the track stage: MLflow records of the other stages' files
-    "mergeflow.orchestration": "orchestration",  # the stage graph from dvc.yaml, running and stopping stages
-    "mergeflow.checks": "orchestration",  # what must hold before any stage or DVC command
-    "mergeflow.scheduler": "orchestration",  # the stale stages run as a graph, several at once, and their threads
-    "mergeflow.verify": "orchestration",  # every output hashed again against dvc.lock (mergeflow verify)
-    "mergeflow.reproduce": "orchestration",  # chosen stages re-run in a scratch copy, compared with dvc.lock (mergeflow reproduce)
-    "mergeflow.remote": "orchestration",  # the DVC remote: set up, pushed to after a flow run
-    "mergeflow.compare": "orchestration",  # DVC experiments side by side (mergeflow compare)
-    "mergeflow.checkouts": "orchestration",  # stages in a Dask worker's own checkout, outputs moved by the DVC remote
-    "mergeflow.stage_server": "orchestration",  # the stages forked from one process that imported torch once
-    "mergeflow.plan": "orchestration",  # which stages will run, their time and memory
+    "mergeflow.pipeline": "stages",  # the stage functions, the merge's data binding and sources, imported checkpoints
+    "mergeflow.report.tracking": "stages",  # the track stage: MLflow records of the other stages' files
+    "mergeflow.runner": "orchestration",  # the stage graph, scheduler, stage servers, checks, plan, verify, reproduce, remote
     "tasks": "flows",  # the Prefect task that runs one stage
     "flows": "flows",  # the Prefect flows
     "mergeflow.cli": "cli",  # the mergeflow command
     "mergeflow.readme": "cli",  # python -m mergeflow.readme
 }
+
+# the folders of src/mergeflow and the layers their modules may have: `ls` shows where a thing goes
+FOLDERS = {
+    "core": {"foundation"},
+    "ml": {"data", "models", "training", "task vectors", "merging", "evaluation"},
+    "studies": {"studies"},
+    "pipeline": {"stages"},
+    "report": {"evaluation", "stages"},
+    "runner": {"orchestration"},
+}
+
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT / "src" if path.is_relative_to(ROOT / "src") else ROOT).with_suffix("")
@@ -143,6 +132,15 @@ def test_every_module_has_a_layer_and_every_entry_a_module():
     assert not [k for k in LAYER if k not in MODULES], "LAYER names modules that are gone"
 
 
+def test_the_folders_show_the_layers():
+    src = ROOT / "src" / "mergeflow"
+    assert {p.name for p in src.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FOLDERS)
+    wrong = [m for m in MODULES if m.startswith("mergeflow.") and m.split(".")[1] in FOLDERS and layer_of(m) not in FOLDERS[m.split(".")[1]]]
+    assert not wrong, f"modules outside their folder's layers: {wrong}"
+    flat = sorted(p.name for p in src.glob("*.py"))
+    assert flat == ["__init__.py", "cli.py", "config.py", "params.py", "readme.py"], "a flat module of src/mergeflow is a layer of its own"
+
+
 def test_no_import_goes_up_a_layer():
     wrong = []
     for module in MODULES:
@@ -154,7 +152,7 @@ def test_no_import_goes_up_a_layer():
 
 
 def _package(module: str) -> str:
-    """The package a module belongs to: mergeflow.merging for mergeflow.merging._tensors, mergeflow for mergeflow.io."""
+    """The package a module belongs to: mergeflow.ml.merging for mergeflow.ml.merging._tensors, mergeflow for mergeflow.core.io."""
     return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
@@ -189,12 +187,12 @@ def test_no_import_circle():
     "module, target, in_function, typing_only",
     [
         ("mergeflow.cli", "flows.serve", True, False),  # inside a function: still an import (the CLI may run the flows)
-        ("mergeflow.data.benchmark", "mergeflow.data.prompts", False, False),  # from a package, a module: that module
-        ("mergeflow.stages", "mergeflow.data", False, False),  # from mergeflow import data as data_mod
-        ("mergeflow.models", "mergeflow.data", False, True),  # under TYPE_CHECKING
+        ("mergeflow.ml.data.benchmark", "mergeflow.ml.data.prompts", False, False),  # from a package, a module: that module
+        ("mergeflow.pipeline.stages", "mergeflow.ml.data", False, False),  # from mergeflow import data as data_mod
+        ("mergeflow.ml.models", "mergeflow.ml.data", False, True),  # under TYPE_CHECKING
         ("mergeflow.studies.provable.report", "mergeflow.studies.provable.claims", False, False),  # a package's own modules
         ("mergeflow.studies", "mergeflow.studies.ctl", False, False),  # a registry's discovery imports its modules
-        ("mergeflow.regimes", "mergeflow.regimes.mima", False, False),
+        ("mergeflow.ml.regimes", "mergeflow.ml.regimes.mima", False, False),
     ],
 )
 def test_the_walk_reads_imports_as_python_does(module, target, in_function, typing_only):

@@ -7,11 +7,11 @@ import pytest
 import torch
 import yaml
 
-from mergeflow import stages
+from mergeflow.pipeline import stages
 from mergeflow.params import parse_params
-from mergeflow.errors import MergeflowError
-from mergeflow.io import atomic_path, check_compatible, load_state_dict, save_state_dict
-from mergeflow.stages import Layout
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.io import atomic_path, check_compatible, load_state_dict, save_state_dict
+from mergeflow.pipeline.stages import Layout
 
 
 def _params(repo_root, tasks):
@@ -38,7 +38,7 @@ def test_corrupt_checkpoint(tmp_path):
 
 
 def test_corrupt_checkpoint_read_lazily(tmp_path):
-    from mergeflow.io import LazyStateDict
+    from mergeflow.core.io import LazyStateDict
 
     path = tmp_path / "bad.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
@@ -54,7 +54,7 @@ def test_corrupt_checkpoint_read_lazily(tmp_path):
 def test_nan_weights_read_lazily_name_the_tensor(tmp_path):
     from safetensors.torch import save_file
 
-    from mergeflow.io import LazyStateDict
+    from mergeflow.core.io import LazyStateDict
 
     state = _state()
     state["blocks.0.mlp.fc1.weight"][0, 0] = float("inf")
@@ -147,7 +147,7 @@ def test_feature_preservation_without_corpus_images_names_file_and_key(repo_root
 def test_finite_check_by_one_sum_is_exact(dtype):
     """check_finite sums each tensor once; a sum that overflows although every entry is finite must pass, and one
     NaN or Inf among large finite entries must still be named."""
-    from mergeflow.io import check_finite
+    from mergeflow.core.io import check_finite
 
     big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # sums to Inf in any precision
     check_finite({"big": big}, "x.safetensors")
@@ -161,7 +161,7 @@ def test_finite_check_by_one_sum_is_exact(dtype):
 def test_lazy_reader_converts_dtypes_and_reads_empty_tensors(tmp_path):
     from safetensors.torch import save_file
 
-    from mergeflow.io import LazyStateDict
+    from mergeflow.core.io import LazyStateDict
 
     state = {"w": torch.randn(5, 7).to(torch.bfloat16), "e": torch.zeros(0, 3), "i": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
     save_file(state, str(tmp_path / "m.safetensors"))
@@ -176,7 +176,7 @@ def test_lazy_reader_converts_dtypes_and_reads_empty_tensors(tmp_path):
 
 
 def test_lazy_reader_names_the_tensor_when_the_file_shrinks_after_opening(tmp_path):
-    from mergeflow.io import LazyStateDict
+    from mergeflow.core.io import LazyStateDict
 
     save_state_dict(tmp_path / "m.safetensors", _state())
     lazy = LazyStateDict(tmp_path / "m.safetensors")
@@ -193,7 +193,7 @@ def test_a_tensor_of_many_chunks_reads_whole_on_threads_and_a_short_file_is_name
     bytes as on one thread, and a file cut short inside it still names the tensor."""
     from safetensors.torch import save_file
 
-    from mergeflow import io
+    from mergeflow.core import io
 
     monkeypatch.setattr(io, "READ_CHUNK_BYTES", 1000)  # 64 MiB otherwise: 25 chunks here
     images = torch.randint(0, 256, (25, 10, 10, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -225,7 +225,7 @@ def _vit_state(**kwargs) -> dict[str, torch.Tensor]:
 
 def _pretrained_error(weights, global_pool: str = "token") -> str:
     from mergeflow.config import BackboneConfig
-    from mergeflow.models import Backbone
+    from mergeflow.ml.models import Backbone
 
     cfg = BackboneConfig(model="vit_tiny_patch16_224", kwargs=TINY_VIT, pretrained=str(weights), global_pool=global_pool, input_norm="pretrained_cfg")
     with pytest.raises(MergeflowError) as err:
@@ -320,7 +320,7 @@ def test_a_pickle_that_runs_code_is_refused_without_running_it(tmp_path):
 @pytest.mark.parametrize("wrap", [lambda s: s, lambda s: {"epoch": 3, "state_dict": s}, lambda s: {"model": {f"module.{k}": v for k, v in s.items()}}], ids=["state dict", "training checkpoint", "DataParallel"])
 def test_pytorch_checkpoints_of_tensors_load(tmp_path, wrap):
     from mergeflow.config import BackboneConfig
-    from mergeflow.models import Backbone
+    from mergeflow.ml.models import Backbone
 
     state = _vit_state()
     torch.save(wrap(state), tmp_path / "w.pth")
@@ -331,7 +331,7 @@ def test_pytorch_checkpoints_of_tensors_load(tmp_path, wrap):
 
 def test_backbone_kwargs_that_mergeflow_sets_are_refused():
     from mergeflow.config import BackboneConfig
-    from mergeflow.models import Backbone
+    from mergeflow.ml.models import Backbone
 
     with pytest.raises(MergeflowError) as err:
         Backbone(BackboneConfig(kwargs=TINY_VIT | {"num_classes": 10}))
@@ -416,7 +416,7 @@ def temporary_files_on_a_full_device(monkeypatch):
 
 
 def test_full_disk_while_writing_json_is_one_line_and_leaves_nothing(tmp_path, temporary_files_on_a_full_device):
-    from mergeflow.io import write_json
+    from mergeflow.core.io import write_json
 
     with pytest.raises(MergeflowError) as err:
         write_json(tmp_path / "metrics" / "finetune.json", {"accuracy": [0.5] * 10000})
@@ -434,7 +434,7 @@ def _safetensors_runs_out_of_space(monkeypatch):
             f.write(b"\x00" * 100)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("mergeflow.io.save_file", save_file)
+    monkeypatch.setattr("mergeflow.core.io.save_file", save_file)
 
 
 def test_full_disk_while_saving_tensors_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
@@ -492,7 +492,7 @@ def test_outputs_get_the_users_normal_permissions(tmp_path, umask, file_mode, di
     """Not mkstemp's 0600 or mkdtemp's 0700: what open() and mkdir() give under the umask."""
     import stat
 
-    from mergeflow.io import _umask, write_json
+    from mergeflow.core.io import _umask, write_json
 
     previous = os.umask(umask)
     try:

@@ -13,14 +13,14 @@ import pytest
 import torch
 import yaml
 
-from mergeflow import stages
+from mergeflow.pipeline import stages
 from mergeflow.params import parse_params
-from mergeflow.data import load_task, save_task
-from mergeflow.errors import MergeflowError
-from mergeflow.io import save_state_dict
-from mergeflow.models import build_backbone, load_head
-from mergeflow.stages import Layout
-from mergeflow.training import fit_probe
+from mergeflow.ml.data import load_task, save_task
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.io import save_state_dict
+from mergeflow.ml.models import build_backbone, load_head
+from mergeflow.pipeline.stages import Layout
+from mergeflow.ml.training import fit_probe
 from tests.profiles import tiny_params
 
 SIZES = {"train": 12, "val": 4, "test": 6}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torchvision.datasets as tvd
 
-from mergeflow.data import benchmark, build_task, class_names, templates
-from mergeflow.errors import MergeflowError
+from mergeflow.ml.data import benchmark, build_task, class_names, templates
+from mergeflow.core.errors import MergeflowError
 from tests.standins import USED, write_standins
 
 TA8 = benchmark.SUITES["ta8"]
@@ -110,7 +110,7 @@ def test_resize_modes_match_pil_and_torchvision_by_hand(shape):
     from PIL import Image
     from torchvision import transforms
 
-    from mergeflow.data import resize_image
+    from mergeflow.ml.data import resize_image
 
     rng = np.random.default_rng(0)
     array = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
@@ -202,7 +202,7 @@ class _InProcess:
 def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, tmp_path, monkeypatch):
     import yaml
 
-    from mergeflow import stages
+    from mergeflow.pipeline import stages
     from mergeflow.config import DOWNLOAD_ENV
     from mergeflow.params import parse_params
 

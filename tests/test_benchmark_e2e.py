@@ -16,13 +16,13 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from mergeflow import stages
+from mergeflow.pipeline import stages
 from mergeflow.params import parse_params
-from mergeflow.data import benchmark, load_task
-from mergeflow.evaluation import MIN_GAP
-from mergeflow.summary import gap_cell
-from mergeflow.io import load_state_dict, read_json
-from mergeflow.stages import Layout
+from mergeflow.ml.data import benchmark, load_task
+from mergeflow.ml.evaluation import MIN_GAP
+from mergeflow.report.summary import gap_cell
+from mergeflow.core.io import load_state_dict, read_json
+from mergeflow.pipeline.stages import Layout
 from .conftest import THREADS
 from tests.standins import PER_CLASS, USED, write_standins
 
@@ -146,6 +146,6 @@ def test_every_method_lands_in_the_summary_under_the_suites_name(ta8_run):
     assert (rows["task_arithmetic"]["gap_recovered"] is None) == (individual - probe < MIN_GAP)
     row = next(line for line in (layout.results / "summary.md").read_text().splitlines() if "| task_arithmetic |" in line)
     assert f"| {gap_cell(rows['task_arithmetic']['gap_recovered'])} |" in row
-    from mergeflow.tracking import experiment_name
+    from mergeflow.report.tracking import experiment_name
 
     assert experiment_name(params) == "mergeflow/ta8"

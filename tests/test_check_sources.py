@@ -15,11 +15,11 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-from mergeflow.checks import check_project
+from mergeflow.runner.checks import check_project
 from mergeflow.params import parse_params
-from mergeflow.data import benchmark, check_layout
-from mergeflow.errors import MergeflowError
-from mergeflow.weights_header import architecture, expected_architecture, safetensors_shapes
+from mergeflow.ml.data import benchmark, check_layout
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.weights_header import architecture, expected_architecture, safetensors_shapes
 from tests.standins import write_standins
 
 EMBEDDED = ["digits", "house_numbers", "signs", "rotation", "orientation", "texture", "count", "position"]
@@ -101,7 +101,7 @@ def test_imagefolder_train_without_class_folders_and_a_relative_root(tmp_path, r
 
 
 def test_prepare_finds_the_same_layout_fault_before_it_starts_a_worker(tmp_path, repo_root, monkeypatch):
-    from mergeflow import stages
+    from mergeflow.pipeline import stages
 
     root = _imagefolder(tmp_path, repo_root, str(tmp_path / "photos"))
     _folder_task(tmp_path / "photos" / "pets", splits=("train",))
@@ -277,12 +277,12 @@ def test_the_shapes_said_by_a_name_are_the_ones_timm_builds(name):
 
 def test_the_three_namings_say_the_same_shape(tmp_path):
     """open_clip's, Hugging Face's and timm's tiny CLIP towers of one shape (width 64, 2 blocks, patch 32 at 224
-    pixels: 7 x 7 + 1 tokens), and what mergeflow.checkpoints converts them to, read from safetensors headers."""
+    pixels: 7 x 7 + 1 tokens), and what mergeflow.ml.checkpoints converts them to, read from safetensors headers."""
     import open_clip
     import torch
     from safetensors.torch import save_file as save_torch
 
-    from mergeflow.checkpoints import to_timm_clip
+    from mergeflow.ml.checkpoints import to_timm_clip
     from tests.test_checkpoints import hf_clip, timm_clip
 
     expected = {"width": 64, "channels": 3, "patch": 32, "depth": 2, "tokens": 7 * 7 + 1}
@@ -325,11 +325,11 @@ def test_the_new_checks_import_no_torch(tmp_path, repo_root):
         import sys
         from pathlib import Path
         from mergeflow.params import parse_params
-        import mergeflow.checks as checks
+        import mergeflow.runner.checks as checks
         folders = parse_params({{"suite": {{"source": "imagefolder", "root": "photos", "tasks": ["pets"]}}, "finetune": {{"checkpoints": {{"pets": "ft/pets.safetensors"}}}}, "backbone": {{"kwargs": {KW!r}}}, "merge": {{"methods": ["ties"]}}}})
         bench = parse_params({{"suite": {{"source": "torchvision", "root": "bench", "tasks": ["Omniglot", "MNIST"], "download": True}}, "merge": {{"methods": ["ties"]}}}})
         blocked = {BLOCKED!r}
-        keep = ("mergeflow", "mergeflow.config", "mergeflow.errors", "mergeflow.checks")
+        keep = ("mergeflow", "mergeflow.config", "mergeflow.core.errors", "mergeflow.runner.checks")
         for name in list(sys.modules):
             if name.split(".")[0] in blocked or (name.startswith("mergeflow") and name not in keep):
                 del sys.modules[name]

@@ -1,4 +1,4 @@
-"""Published CLIP checkpoints -> timm's CLIP image tower (mergeflow.checkpoints): each route checked against the
+"""Published CLIP checkpoints -> timm's CLIP image tower (mergeflow.ml.checkpoints): each route checked against the
 library that made the checkpoint, on small random models, and the restricted unpickler against crafted pickles."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from mergeflow import checkpoints
-from mergeflow.checkpoints import read_checkpoint, read_tensors, resolve_source
-from mergeflow.errors import MergeflowError
+from mergeflow.ml import checkpoints
+from mergeflow.ml.checkpoints import read_checkpoint, read_tensors, resolve_source
+from mergeflow.core.errors import MergeflowError
 
 # a small CLIP image tower: width 64, 2 layers of 2 heads, MLP 128, patch 32 at 224 px, embedding 32
 WIDTH, DEPTH, HEADS, EMBED = 64, 2, 2, 32

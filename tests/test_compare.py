@@ -1,7 +1,7 @@
 """`mergeflow compare` on a hand-made `dvc exp show --json`: a column per experiment, a row per parameter or
 headline entry that differs."""
 
-from mergeflow.compare import comparison, render
+from mergeflow.runner.compare import comparison, render
 
 
 def _rev(rev, name, k, ties, ta, holds):

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from mergeflow.params import load_params, parse_params
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 
 
 def test_repository_params_are_valid(repo_root):
@@ -63,7 +63,7 @@ def test_suite_name_is_the_suite_that_runs(repo_root, tmp_path):
     assert parse_params(raw).suite.name == "my-lab-s-photos"
     raw["suite"]["name"] = "photos2026"
     assert parse_params(raw).suite.name == "photos2026"
-    from mergeflow.tracking import experiment_name
+    from mergeflow.report.tracking import experiment_name
 
     assert experiment_name(parse_params(raw)) == "mergeflow/photos2026"
 
@@ -89,7 +89,7 @@ def test_clip_settings_are_checked_together(repo_root, edit, pattern):
 
 
 def test_check_finds_missing_weights_files_before_any_stage(repo_root, tmp_path):
-    from mergeflow.checks import check_project
+    from mergeflow.runner.checks import check_project
 
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
     raw["finetune"]["checkpoints"] = {"digits": "published/digits.safetensors", "signs": "hf:someone/signs"}

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from mergeflow.params import apply_overrides, load_params, parse_params
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_the_round_trip_reader_names_a_duplicate_key_too(tmp_path, repo_root, mo
 
 
 def test_a_key_written_twice_in_an_override_or_in_dvc_yaml(tmp_path, repo_root):
-    from mergeflow.checks import check_project
+    from mergeflow.runner.checks import check_project
 
     (tmp_path / "params.yaml").write_text((repo_root / "params.yaml").read_text())
     with pytest.raises(MergeflowError) as err:
@@ -215,7 +215,7 @@ def test_a_large_seed_reaches_the_probe_within_scikit_learns_range():
     import torch
 
     from mergeflow.config import ProbeConfig
-    from mergeflow.training import fit_probe
+    from mergeflow.ml.training import fit_probe
 
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 3, generator=gen), torch.arange(40) % 2
@@ -267,7 +267,7 @@ def _diverging(cfg):
     """A linear regression trained with ``cfg``: its loss at each step, and the error train_loop raised."""
     import torch
 
-    from mergeflow.training import train_loop
+    from mergeflow.ml.training import train_loop
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -292,7 +292,7 @@ def test_a_loss_that_is_nan_before_any_update_is_not_blamed_on_the_learning_rate
     import torch
 
     from mergeflow.config import FinetuneConfig
-    from mergeflow.training import train_loop
+    from mergeflow.ml.training import train_loop
 
     model = torch.nn.Linear(2, 1)
     with pytest.raises(MergeflowError) as err:
@@ -314,6 +314,6 @@ def test_an_alias_bomb_is_refused_in_one_line_naming_its_key(tmp_path, repo_root
     assert status == 2 and lines == [f"error: params.yaml: key 'x6', line 7: its aliases expand to {size:,} values (at most 1,000,000): an alias bomb, not a configuration (DVC's own reader would expand it too)"]
     assert [p.name for p in tmp_path.iterdir()] == ["params.yaml"]
     # a file with anchors that stays small is read as before
-    from mergeflow.yaml_files import parse_yaml
+    from mergeflow.core.yaml_files import parse_yaml
 
     assert parse_yaml("a: &a [1, 2]\nb: [*a, *a]\n", "small.yaml") == {"a": [1, 2], "b": [[1, 2], [1, 2]]}

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mergeflow.config import BackboneConfig, FinetuneConfig
-from mergeflow.merging import REGISTRY, _tensors
-from mergeflow.models import backbone_state, build_backbone, make_head
-from mergeflow.training import extract_features, finetune, seed_everything
+from mergeflow.ml.merging import REGISTRY, _tensors
+from mergeflow.ml.models import backbone_state, build_backbone, make_head
+from mergeflow.ml.training import extract_features, finetune, seed_everything
 from tests.test_merging import models_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -54,11 +54,11 @@ def test_data_aware_methods_on_the_gpu_match_the_cpu(monkeypatch):
     """AdaMerging's adaptation (its forward through the merge on the GPU) and the Fisher diagonal, against the CPU's.
     In strict float32: cuDNN's default TF32 convolutions (10-bit mantissa) would move the patch embedding by ~1e-3,
     and Adam's sign-like steps carry such a change into the coefficients."""
-    from mergeflow.merging import MergeData
+    from mergeflow.ml.merging import MergeData
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    from mergeflow.statistics import fisher_diagonal
+    from mergeflow.ml.statistics import fisher_diagonal
     from tests.test_data_aware import _tiny_setup
 
     learned = {}
@@ -164,7 +164,7 @@ def test_finetuning_on_the_gpu_is_deterministic():
 def test_finetuning_from_device_resident_images_equals_host_batches(monkeypatch):
     """The images moved to the GPU once (devices.resident) give the same batches, so the same weights, as batches
     gathered on the host and copied each step."""
-    import mergeflow.training as training
+    import mergeflow.ml.training as training
 
     images, labels = _images(64)
     states = []
@@ -182,7 +182,7 @@ def test_finetuning_from_device_resident_images_equals_host_batches(monkeypatch)
 
 @needs_cuda
 def test_a_non_finite_loss_on_the_gpu_names_its_step():
-    from mergeflow.errors import MergeflowError
+    from mergeflow.core.errors import MergeflowError
 
     images, labels = _images(32)
     backbone = build_backbone(SMALL)
@@ -241,7 +241,7 @@ def test_mergeflow_repro_runs_the_tiny_pipeline_a_gpu_a_stage(tmp_path, tiny_env
 def test_a_split_stacked_on_the_gpu_is_the_hosts_cat():
     """The evaluator's images on the device: each task's part copied into its rows there (no cat on the host
     first), the same bytes as the host's torch.cat."""
-    from mergeflow.devices import resident_stack
+    from mergeflow.core.devices import resident_stack
 
     g = torch.Generator().manual_seed(0)
     parts = [torch.randint(0, 256, (n, 8, 8, 3), dtype=torch.uint8, generator=g) for n in (5, 1, 7)]

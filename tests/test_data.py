@@ -9,12 +9,12 @@ import yaml
 from PIL import Image
 from safetensors.torch import save_file
 
-from mergeflow import stages
+from mergeflow.pipeline import stages
 from mergeflow.params import parse_params
-from mergeflow.data import embedded, load_task
-from mergeflow.errors import MergeflowError
-from mergeflow.io import load_state_dict
-from mergeflow.stages import Layout
+from mergeflow.ml.data import embedded, load_task
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.io import load_state_dict
+from mergeflow.pipeline.stages import Layout
 
 KWARGS = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}
 
@@ -105,7 +105,7 @@ def test_checkpoints_are_byte_identical_across_processes(tmp_path):
     import sys
 
     script = (
-        "import sys, torch; from mergeflow.io import save_state_dict;"
+        "import sys, torch; from mergeflow.core.io import save_state_dict;"
         "save_state_dict(sys.argv[1], {'w': torch.arange(6.0).reshape(2, 3), 'b': torch.ones(2)},"
         " {k: k.upper() for k in ('model', 'kwargs', 'global_pool', 'input_norm', 'task', 'epoch')})"
     )
@@ -113,7 +113,7 @@ def test_checkpoints_are_byte_identical_across_processes(tmp_path):
     for path in paths:
         subprocess.run([sys.executable, "-c", script, str(path)], check=True)
     assert len({hashlib.md5(p.read_bytes()).hexdigest() for p in paths}) == 1
-    from mergeflow.io import load_metadata
+    from mergeflow.core.io import load_metadata
 
     assert load_metadata(paths[0])["global_pool"] == "GLOBAL_POOL"
 
@@ -121,7 +121,7 @@ def test_checkpoints_are_byte_identical_across_processes(tmp_path):
 def test_a_merge_reads_only_the_splits_it_evaluates(tmp_path):
     # at 224 pixels a train split is gigabytes: merges read val and test only, equal to the full read
     arrays = embedded.make_task("digits", 40, 10, 12, 32, seed=3)
-    from mergeflow.data import save_task
+    from mergeflow.ml.data import save_task
 
     save_task(tmp_path / "digits.safetensors", "digits", arrays, [str(i) for i in range(10)], 32)
     full = load_task(tmp_path / "digits.safetensors", 32)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from mergeflow.config import BackboneConfig
-from mergeflow.merging import REGISTRY, MergeData
-from mergeflow.merging._adaptive import EntropyObjective, MergedParameters
-from mergeflow.models import build_backbone
-from mergeflow.statistics import fisher_diagonal, input_grams
+from mergeflow.ml.merging import REGISTRY, MergeData
+from mergeflow.ml.merging._adaptive import EntropyObjective, MergedParameters
+from mergeflow.ml.models import build_backbone
+from mergeflow.ml.statistics import fisher_diagonal, input_grams
 
 TINY_VIT = BackboneConfig(model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2})
 
@@ -112,7 +112,7 @@ def test_sampled_fisher_draws_its_labels_from_the_model():
 
 
 class _LinearBackbone(nn.Module):
-    """The two things mergeflow.statistics uses of a Backbone (normalise, net) around a plain module."""
+    """The two things mergeflow.ml.statistics uses of a Backbone (normalise, net) around a plain module."""
 
     def __init__(self, net: nn.Module):
         super().__init__()
@@ -249,8 +249,8 @@ def test_entropy_falls_on_the_embedded_suite_and_the_pipeline_records_what_was_l
     import json
 
     from mergeflow.params import load_params
-    from mergeflow.binding import bind_data as _merge_data
-    from mergeflow.stages import Layout, _load_heads, _load_task_vectors, _load_tasks
+    from mergeflow.pipeline.binding import bind_data as _merge_data
+    from mergeflow.pipeline.stages import Layout, _load_heads, _load_task_vectors, _load_tasks
 
     root, _ = tiny_reference
     params, layout = load_params(root / "params.yaml"), Layout(root)

@@ -1,9 +1,9 @@
-"""dvc.yaml declares the same paths as mergeflow.stages.Layout, and each stage runs its own CLI command."""
+"""dvc.yaml declares the same paths as mergeflow.pipeline.stages.Layout, and each stage runs its own CLI command."""
 
 from dvc.repo import Repo
 
 from mergeflow.params import load_params
-from mergeflow.stages import Layout
+from mergeflow.pipeline.stages import Layout
 
 
 def test_dvc_stages_match_layout(repo_root):

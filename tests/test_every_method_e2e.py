@@ -11,10 +11,10 @@ import sys
 import pytest
 import yaml
 
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 from mergeflow.params import load_params, parse_params
-from mergeflow.merging import REGISTRY
-from mergeflow.stages import Layout, merge
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.pipeline.stages import Layout, merge
 
 from .conftest import copy_project
 

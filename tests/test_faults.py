@@ -17,7 +17,7 @@ import psutil
 import pytest
 import yaml
 
-from mergeflow import lockfile
+from mergeflow.core import lockfile
 
 from .conftest import copy_project, make_tiny_project, run
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mergeflow.params import parse_params
-from mergeflow.errors import MergeflowError
-from mergeflow.merging import REGISTRY, Choice, PerTask, Range
-from mergeflow.merging._rounding import top_k_count
-from mergeflow.merging._tensors import rank_of_ratio, seed_of
-from mergeflow.merging.dare import keep_cut
-from mergeflow.merging.iso import iso_cts_factors, iso_cts_matrix, subspace_sizes
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.merging import REGISTRY, Choice, PerTask, Range
+from mergeflow.ml.merging._rounding import top_k_count
+from mergeflow.ml.merging._tensors import rank_of_ratio, seed_of
+from mergeflow.ml.merging.dare import keep_cut
+from mergeflow.ml.merging.iso import iso_cts_factors, iso_cts_matrix, subspace_sizes
 
 from .test_methods_by_hand import _dare_words
 
@@ -459,8 +459,8 @@ def test_ranges_are_shown_by_mergeflow_methods():
 def test_float64_stays_float64_from_the_task_vectors_through_the_search():
     """The pipeline's own steps keep float64: task vectors of float64 checkpoints, and the search's interpolated
     candidates (float32 checkpoints keep float32 task vectors, as before)."""
-    from mergeflow.merging.search import merged_candidates
-    from mergeflow.task_vectors import task_vector
+    from mergeflow.ml.merging.search import merged_candidates
+    from mergeflow.ml.task_vectors import task_vector
 
     theta0, tvs = _vit_like()
     finetuned = {k: theta0[k] + tvs["t0"][k] for k in theta0}

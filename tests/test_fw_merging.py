@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY, MergeData
-from mergeflow.merging._adaptive import EntropyObjective
+from mergeflow.ml.merging import REGISTRY, MergeData
+from mergeflow.ml.merging._adaptive import EntropyObjective
 
 from .test_data_aware import _tiny_setup
 

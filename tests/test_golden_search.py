@@ -4,8 +4,8 @@ grid: the same choice on the default suite's recorded curves and on a real metho
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY
-from mergeflow.merging.search import golden_section, search, swept_key
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging.search import golden_section, search, swept_key
 
 # validation averages along each method's coefficient, as the default pipeline's run of 2026-11-26 recorded them
 # (metrics/merge/*.json, rounded to 4 places; cart: one curve per rank_ratio)

@@ -1,5 +1,5 @@
 """An imported checkpoint file (finetune.checkpoints) is a DVC dependency of its fine-tune stage wherever it lives:
-imports/<task> links to it (mergeflow.imports), finetune@<task> depends on that, and replacing the file re-runs
+imports/<task> links to it (mergeflow.pipeline.imports), finetune@<task> depends on that, and replacing the file re-runs
 that stage alone under a plain `dvc repro`."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from mergeflow import imports
+from mergeflow.pipeline import imports
 from mergeflow.params import parse_params
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergeflow.checks import check_interpolations
+from mergeflow.runner.checks import check_interpolations
 from mergeflow.params import apply_overrides, parse_params
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 
 from .conftest import make_tiny_project
 

@@ -1,6 +1,6 @@
 """Validating params.yaml needs no torch: `mergeflow check` answers in well under a second, `--help` and
 `--version` at once (the issue "The daily loop in minutes"). The merge methods and the studies register from their
-own modules, which import torch (and numba, through the compiled kernels) inside their functions: mergeflow.merging.
+own modules, which import torch (and numba, through the compiled kernels) inside their functions: mergeflow.ml.merging.
 
 Each check runs in a fresh interpreter, since this one has torch loaded already."""
 
@@ -30,7 +30,7 @@ def fresh(code: str, cwd: Path = REPO) -> dict:
 
 def modules_of(package: str) -> set[str]:
     """The registering modules of a package of src/mergeflow (its files not starting with '_'), by name."""
-    from mergeflow.merging import NOT_METHODS
+    from mergeflow.ml.merging import NOT_METHODS
 
     return {m.name for m in pkgutil.iter_modules([str(REPO / "src" / "mergeflow" / package)]) if not m.name.startswith("_") and m.name not in NOT_METHODS}
 
@@ -39,10 +39,10 @@ def test_params_and_the_registries_load_without_torch_or_numba():
     out = fresh(f"""
 from mergeflow.params import load_params
 params = load_params({str(REPO / "params.yaml")!r})
-import mergeflow.merging
-from mergeflow.merging import REGISTRY
+import mergeflow.ml.merging
+from mergeflow.ml.merging import REGISTRY
 from mergeflow.studies import REGISTRY as STUDIES
-from mergeflow.regimes import REGISTRY as REGIMES
+from mergeflow.ml.regimes import REGISTRY as REGIMES
 out = {{
     "regimes": {{name: [list(r.methods), r.own_model, r.settings_model is not None, params.regimes.methods_of(name) if r.settings_model else None] for name, r in REGIMES.items()}},
     "methods": {{name: [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {{k: str(r) for k, r in m.ranges.items()}}] for name, m in REGISTRY.items()}},
@@ -52,18 +52,18 @@ out = {{
 }}
 """)
     assert out["heavy"] == [], f"validating params.yaml imported {out['heavy']}"
-    from mergeflow.lora import DEFAULT_TARGETS
-    from mergeflow.merging import REGISTRY
-    from mergeflow.regimes import REGISTRY as REGIMES
-    from mergeflow.regimes.lora import TARGETS
+    from mergeflow.ml.lora import DEFAULT_TARGETS
+    from mergeflow.ml.merging import REGISTRY
+    from mergeflow.ml.regimes import REGISTRY as REGIMES
+    from mergeflow.ml.regimes.lora import TARGETS
 
     # every regime registered without torch as with it, its settings and default methods beside its function
-    assert set(out["regimes"]) == set(REGIMES) == modules_of("regimes") and TARGETS == DEFAULT_TARGETS
+    assert set(out["regimes"]) == set(REGIMES) == modules_of("ml/regimes") and TARGETS == DEFAULT_TARGETS
     assert out["regimes"]["mima"][:3] == [["weight_averaging", "task_arithmetic", "ties"], True, True]
     assert out["regimes"]["standard"][2] is False  # the pipeline's own fine-tune: no regime@standard stage
 
     # every method module registered, and each method as the full import (torch loaded) registers it
-    assert {module for module, *_ in out["methods"].values()} == modules_of("merging")
+    assert {module for module, *_ in out["methods"].values()} == modules_of("ml/merging")
     assert set(out["methods"]) == set(REGISTRY)
     for name, m in REGISTRY.items():
         full = [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {k: str(r) for k, r in m.ranges.items()}]
@@ -75,7 +75,7 @@ out = {{
 
 def test_the_light_registry_still_refuses_a_bad_override():
     out = fresh("""
-from mergeflow.merging import REGISTRY, validate_overrides
+from mergeflow.ml.merging import REGISTRY, validate_overrides
 out = {"errors": []}
 for overrides in ({"gamma": 0.9, "beta": 0.2}, {"alpha": "big"}, {"rounding": "ceil"}):
     try:
@@ -108,15 +108,15 @@ def test_a_stage_command_sent_to_the_stage_server_imports_no_torch():
     """`mergeflow <stage>` started by `mergeflow repro` or the flow asks for its parent-death signal, then hands its
     arguments to the stage server: neither may import torch (2 s a stage, 27 stages in the tiny run)."""
     out = fresh("""
-import mergeflow.orchestration, mergeflow.stage_server, mergeflow.cli
-from mergeflow.orchestration import die_with_parent
-from mergeflow.stage_server import forward
+import mergeflow.runner.orchestration, mergeflow.runner.stage_server, mergeflow.cli
+from mergeflow.runner.orchestration import die_with_parent
+from mergeflow.runner.stage_server import forward
 out = {}
 """)
     assert out["heavy"] == []
 
 
-@pytest.mark.skipif(__import__("mergeflow.devices", fromlist=["x"]).gpu_driver_present(), reason="a GPU driver here: torch is asked")
+@pytest.mark.skipif(__import__("mergeflow.core.devices", fromlist=["x"]).gpu_driver_present(), reason="a GPU driver here: torch is asked")
 def test_mergeflow_repro_on_a_machine_without_a_gpu_driver_imports_no_torch_to_find_none():
     """`mergeflow repro` asks for the GPUs before it starts its stage servers, and the stages' threads ask how many
     GPUs the run shares: where no GPU driver is installed both answer at once, without torch (1.2 s here)."""
@@ -124,7 +124,7 @@ def test_mergeflow_repro_on_a_machine_without_a_gpu_driver_imports_no_torch_to_f
 import os
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 from mergeflow.params import load_params
-from mergeflow.orchestration import visible_gpus
+from mergeflow.runner.orchestration import visible_gpus
 params = load_params("params.yaml")
 out = {"gpus": visible_gpus(), "threads": params.stage_share("merge@ties", cores=16)}
 """)
@@ -133,10 +133,10 @@ out = {"gpus": visible_gpus(), "threads": params.stage_share("merge@ties", cores
 
 def test_the_check_for_lost_mlflow_runs_imports_no_torch(tmp_path):
     """`mergeflow repro` asks, before any stage, whether MLflow's store still holds track's run: without
-    mergeflow.tracking's imports (torch and timm: 2.8 s of each run's start on this machine)."""
+    mergeflow.report.tracking's imports (torch and timm: 2.8 s of each run's start on this machine)."""
     out = fresh(f"""
 from pathlib import Path
-from mergeflow.mlflow_store import tracked_runs_lost
+from mergeflow.core.mlflow_store import tracked_runs_lost
 out = {{"lost": tracked_runs_lost(Path({str(tmp_path)!r}))}}
 """)
     assert out == {"lost": None, "heavy": []}  # no results/ yet: nothing to have lost

@@ -1,4 +1,4 @@
-"""LoRA task vectors (mergeflow.lora, regime ``lora``) and KnOTS (merging/knots.py), on tiny tensors:
+"""LoRA task vectors (mergeflow.ml.lora, regime ``lora``) and KnOTS (merging/knots.py), on tiny tensors:
 
 - LoRA at full rank reaches the closed-form least-squares solution a full fine-tune reaches, and with an orthogonal
   A and s = 1 its first gradient step is the full model's first step exactly (B starts at zero);
@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from mergeflow.errors import MergeflowError
-from mergeflow.io import save_state_dict
-from mergeflow.lora import AdapterSpec, LoraTaskVector, attach, concatenate, delta, load_adapter, merge_in, read_peft_adapter, save_adapter, split_factors
-from mergeflow.merging import REGISTRY
-from mergeflow.regimes import REGISTRY as REGIMES, Budget
-from mergeflow.task_vectors import read_task_vector
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.io import save_state_dict
+from mergeflow.ml.lora import AdapterSpec, LoraTaskVector, attach, concatenate, delta, load_adapter, merge_in, read_peft_adapter, save_adapter, split_factors
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.regimes import REGISTRY as REGIMES, Budget
+from mergeflow.ml.task_vectors import read_task_vector
 
 from .test_regime_trainer import ADAMW, THETA0, trainer
 
@@ -200,8 +200,8 @@ def test_the_lora_regime_gives_each_task_its_adapter():
 
 
 def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
-    from mergeflow.checkpoints import read_checkpoint
-    from mergeflow.checks import check_checkpoint_headers
+    from mergeflow.ml.checkpoints import read_checkpoint
+    from mergeflow.runner.checks import check_checkpoint_headers
     from mergeflow.params import parse_params
 
     state, _ = trainer(ADAMW)("count", dict(THETA0), Budget(adapter=AdapterSpec(rank=2, alpha=4.0)), None)

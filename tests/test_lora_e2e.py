@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mergeflow.params import apply_overrides
-from mergeflow.io import LazyStateDict, read_json
-from mergeflow.lora import is_adapter
+from mergeflow.core.io import LazyStateDict, read_json
+from mergeflow.ml.lora import is_adapter
 from mergeflow.studies.lora import LoraSettings, Point, _alignments, claim_alignment, claim_knots, claim_loss
-from mergeflow.task_vectors import read_task_vector
+from mergeflow.ml.task_vectors import read_task_vector
 
 from .conftest import copy_project, run
 from .profiles import TINY

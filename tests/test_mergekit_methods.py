@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY
-from mergeflow.merging.della import keep_probabilities, magprune
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging.della import keep_probabilities, magprune
 
 T = torch.tensor
 
@@ -199,7 +199,7 @@ def test_float64_merges_of_copies_stay_float64_and_exact(name, hp):
 
 # ------------------------------------------------------------------ WUDI
 def test_wudi_gradient_is_fusionbench_autograd_and_exact_solves_the_normal_equations():
-    from mergeflow.merging.wudi import interference, normal_equations, solve_exact
+    from mergeflow.ml.merging.wudi import interference, normal_equations, solve_exact
 
     g = torch.Generator().manual_seed(4)
     taus = torch.randn(3, 5, 2, generator=g, dtype=torch.float64) @ torch.randn(3, 2, 6, generator=g, dtype=torch.float64)  # rank 2 each
@@ -213,7 +213,7 @@ def test_wudi_gradient_is_fusionbench_autograd_and_exact_solves_the_normal_equat
 
 
 def test_wudi_keeps_the_start_outside_the_task_vectors_row_space_and_adam_descends():
-    from mergeflow.merging.wudi import interference, normal_equations, solve_adam, solve_exact
+    from mergeflow.ml.merging.wudi import interference, normal_equations, solve_adam, solve_exact
 
     g = torch.Generator().manual_seed(5)
     taus = torch.zeros(2, 4, 3, dtype=torch.float64)
@@ -233,7 +233,7 @@ def test_wudi_averages_what_is_not_a_matrix():
 
 # ------------------------------------------------------------------ DOGE-TA
 def test_doge_gradient_is_fusionbench_autograd_and_descends():
-    from mergeflow.merging.doge_ta import conflict, correction
+    from mergeflow.ml.merging.doge_ta import conflict, correction
 
     g = torch.Generator().manual_seed(6)
     taus = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
@@ -252,7 +252,7 @@ def test_doge_gradient_is_fusionbench_autograd_and_descends():
 
 
 def test_doge_shared_basis_by_hand():
-    from mergeflow.merging.doge_ta import shared_basis
+    from mergeflow.ml.merging.doge_ta import shared_basis
 
     # rank-1 task vectors with left vectors e1 and (e1 + e2)/sqrt 2: [u1, u2]'s top left singular vector bisects them
     e1, e12 = T([1.0, 0.0, 0.0]), T([1.0, 1.0, 0.0]) / math.sqrt(2)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mergeflow.params import parse_params
-from mergeflow.errors import MergeflowError
-from mergeflow.merging import REGISTRY, validate_overrides
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.merging import REGISTRY, validate_overrides
 
 T = torch.tensor
 
@@ -180,14 +180,14 @@ class _ToyBackbone(torch.nn.Module):
     def normalise(self, x):
         return x
 
-    def embed(self, features):  # mergeflow.models.Backbone's interface: pooled features as they are
+    def embed(self, features):  # mergeflow.ml.models.Backbone's interface: pooled features as they are
         return features
 
 
 def _toy_data(tasks):
     """Statistics and an entropy objective for _random_models' keys: Fishers and Grams from a fixed generator."""
-    from mergeflow.merging import MergeData
-    from mergeflow.merging._adaptive import EntropyObjective
+    from mergeflow.ml.merging import MergeData
+    from mergeflow.ml.merging._adaptive import EntropyObjective
 
     g = torch.Generator().manual_seed(7)
     theta0, _ = _random_models()
@@ -251,7 +251,7 @@ def test_every_method_merging_copies_of_one_model_returns_it(name):
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_method_declares_a_paper_and_a_valid_grid(name):
     method = REGISTRY[name]
-    assert method.paper and method.fn.__module__.startswith("mergeflow.merging.") and method.fn.__module__ != "mergeflow.merging"
+    assert method.paper and method.fn.__module__.startswith("mergeflow.ml.merging.") and method.fn.__module__ != "mergeflow.ml.merging"
     assert (method.fn.__doc__ or __import__(method.fn.__module__, fromlist=["x"]).__doc__).strip()
     assert set(method.grid) <= set(method.defaults)
     validate_overrides(method, {k: list(v) for k, v in method.grid.items()}, where=f"merge.{name}")
@@ -293,7 +293,7 @@ def test_declared_coefficient_is_affine(name):
 
 
 def test_search_by_interpolation_matches_direct_merges():
-    from mergeflow.merging.search import merged_candidates
+    from mergeflow.ml.merging.search import merged_candidates
 
     theta0, tvs = _random_models()
     fixed, grid = REGISTRY["ties"].search_space({"lam": [0.5, 1.5], "trim_scope": "tensor"})
@@ -303,7 +303,7 @@ def test_search_by_interpolation_matches_direct_merges():
 
 
 def test_lazy_state_dicts_merge_like_in_memory_ones(tmp_path):
-    from mergeflow.io import LazyStateDict, save_state_dict
+    from mergeflow.core.io import LazyStateDict, save_state_dict
 
     theta0, tvs = _random_models()
     save_state_dict(tmp_path / "theta0.safetensors", theta0)
@@ -338,7 +338,7 @@ class FakeEvaluator:
 
 
 def test_search_picks_the_best_validation_point_and_per_task_choices():
-    from mergeflow.merging.search import search
+    from mergeflow.ml.merging.search import search
 
     theta0 = {"w": torch.zeros(4)}
     tvs = {"a": {"w": torch.ones(4)}, "b": {"w": torch.ones(4)}}
@@ -356,8 +356,8 @@ def test_search_picks_the_best_validation_point_and_per_task_choices():
 @pytest.mark.parametrize("name", ["consensus_ta", "consensus_ties", "tall_ties"])
 def test_per_task_choice_merges_the_shared_vector_once(name, monkeypatch):
     """T tasks x 5 lambda_t values are judged on models built from one merge of tau_MTL, not 5T merges."""
-    from mergeflow.merging import _tensors
-    from mergeflow.merging.search import choose_per_task
+    from mergeflow.ml.merging import _tensors
+    from mergeflow.ml.merging.search import choose_per_task
 
     merges = []  # the methods import map_stacked where they call it: they find this one
     real = _tensors.map_stacked
@@ -372,7 +372,7 @@ def test_per_task_choice_merges_the_shared_vector_once(name, monkeypatch):
 
 @pytest.mark.parametrize("n, k", [(1, 0.5), (10, 0.3), (1000, 0.2), (100_000, 0.01), (100_000, 0.999)])
 def test_radix_topk_threshold_matches_sorting(n, k):
-    from mergeflow.merging.ties import topk_threshold
+    from mergeflow.ml.merging.ties import topk_threshold
 
     g = torch.Generator().manual_seed(n)
     mags = torch.randn(n, generator=g).abs() * torch.rand(n, generator=g) ** 4  # spread over many exponents
@@ -396,7 +396,7 @@ def test_element_wise_merges_do_not_depend_on_the_thread_count(name):
 
 
 def test_read_stacks_holds_theta0_then_each_task_per_key_in_one_reused_buffer():
-    from mergeflow.merging._tensors import read_stacks
+    from mergeflow.ml.merging._tensors import read_stacks
 
     theta0 = {"big": torch.arange(6.0).reshape(2, 3), "small": torch.tensor([7.0])}
     tvs = {t: {k: v + 10 * (i + 1) for k, v in theta0.items()} for i, t in enumerate(["a", "b"])}
@@ -408,7 +408,7 @@ def test_read_stacks_holds_theta0_then_each_task_per_key_in_one_reused_buffer():
 
 
 def test_map_stacked_refuses_a_merge_that_returns_the_reused_buffer():
-    from mergeflow.merging._tensors import map_stacked
+    from mergeflow.ml.merging._tensors import map_stacked
 
     theta0 = {"w": torch.zeros(3)}
     with pytest.raises(RuntimeError, match="'w'"):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY
-from mergeflow.merging._tensors import gram_svd, low_rank, seed_of
-from mergeflow.merging.dare import keep_cut
-from mergeflow.merging.cart import centred
-from mergeflow.merging.iso import iso_c_matrix, iso_cts_matrix
-from mergeflow.merging.tsv_m import task_singular_vectors, tsv_merge_matrix
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging._tensors import gram_svd, low_rank, seed_of
+from mergeflow.ml.merging.dare import keep_cut
+from mergeflow.ml.merging.cart import centred
+from mergeflow.ml.merging.iso import iso_c_matrix, iso_cts_matrix
+from mergeflow.ml.merging.tsv_m import task_singular_vectors, tsv_merge_matrix
 
 T = torch.tensor
 
@@ -285,7 +285,7 @@ def _spectrum(m, n, decay, seed=0):
 def test_top_singular_matches_float64_lapack(name, matrix, k, gram_route, monkeypatch):
     """The float32 CPU route through the Gram against float64 LAPACK, and LAPACK's float32 SVD where it does not
     apply."""
-    from mergeflow.merging import _tensors
+    from mergeflow.ml.merging import _tensors
 
     calls = []
     real_svd = _tensors.svd
@@ -311,7 +311,7 @@ def test_top_singular_matches_float64_lapack(name, matrix, k, gram_route, monkey
     ],
 )
 def test_polar_matches_float64_lapack(name, matrix, gram_route, monkeypatch):
-    from mergeflow.merging import _tensors
+    from mergeflow.ml.merging import _tensors
 
     calls = []
     real_svd = _tensors.svd

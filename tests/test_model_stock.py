@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY
+from mergeflow.ml.merging import REGISTRY
 
 MODEL_STOCK = REGISTRY["model_stock"]
 

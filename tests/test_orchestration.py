@@ -11,9 +11,11 @@ import time
 
 import pytest
 
-from mergeflow import lockfile, orchestration
-from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import StageFailed, StageNode, StageNotStarted, locked_repo, run_stage
+from mergeflow.core import lockfile
+
+from mergeflow.runner import orchestration
+from mergeflow.core.errors import MergeflowError
+from mergeflow.runner.orchestration import StageFailed, StageNode, StageNotStarted, locked_repo, run_stage
 from tasks.stages import _retry_if_transient
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
@@ -127,7 +129,7 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     import torch
 
     from mergeflow.params import load_params
-    from mergeflow.devices import RUN_GPUS_ENV, run_gpus
+    from mergeflow.core.devices import RUN_GPUS_ENV, run_gpus
 
     params = load_params(repo_root / "params.yaml")
     stages = ("finetune@digits", "merge@ties", "vectors", "statistics")
@@ -135,7 +137,7 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     assert [params.stage_share(a, cores=16, gpus=8) for a in stages] == [2] * 4
     assert params.stage_share("prepare", cores=16, gpus=8) is None and params.stage_share("pretrain", cores=16, gpus=8) is None  # alone
     assert params.stage_share("merge@ties", cores=16, gpus=3) == 5 and params.stage_share("merge@ties", cores=2, gpus=2) is None
-    from mergeflow import devices
+    from mergeflow.core import devices
 
     monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -232,7 +234,7 @@ def test_flow_refuses_a_repository_another_dvc_command_holds(tmp_path):
 
 
 def test_sweep_removes_only_dead_processes_temporaries(tmp_path):
-    from mergeflow.io import sweep_temporaries, temporary_prefix
+    from mergeflow.core.io import sweep_temporaries, temporary_prefix
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

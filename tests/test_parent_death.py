@@ -1,8 +1,8 @@
 """A stage started by plain `dvc repro` dies with it: SIGKILL or SIGTERM to the dvc process alone (a closed
 terminal, a job scheduler) leaves no process of the run, neither the stage nor its worker pool's processes.
 
-The stage here is a stand-in that does what a mergeflow stage does at its start (mergeflow.orchestration's
-die_with_parent, then a pool from mergeflow.parent_death.process_pool, as prepare's), without seconds of torch."""
+The stage here is a stand-in that does what a mergeflow stage does at its start (mergeflow.runner.orchestration's
+die_with_parent, then a pool from mergeflow.core.parent_death.process_pool, as prepare's), without seconds of torch."""
 
 import contextlib
 import os
@@ -28,8 +28,8 @@ STAGE = textwrap.dedent('''
         time.sleep(3600)
 
     if __name__ == "__main__":
-        from mergeflow.orchestration import die_with_parent
-        from mergeflow.parent_death import process_pool
+        from mergeflow.runner.orchestration import die_with_parent
+        from mergeflow.core.parent_death import process_pool
 
         if os.environ.get("STANDIN_DIES_WITH_PARENT", "1") == "1":
             die_with_parent()
@@ -147,7 +147,7 @@ def _run_processes(root: Path) -> list[psutil.Process]:
 def test_the_real_prepare_stage_dies_with_plain_dvc_repro(tmp_path, tiny_env, sig):
     """`mergeflow prepare` in its own process under plain `dvc repro` (no stage server), killed with dvc while its
     worker pool builds the tasks: nothing of the run remains, and dvc.lock and `dvc status` are as before."""
-    from mergeflow.stage_server import SERVER_ENV
+    from mergeflow.runner.stage_server import SERVER_ENV
 
     from .conftest import make_tiny_project, run
 

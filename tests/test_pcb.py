@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY
-from mergeflow.merging.pcb import pcb_vector
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging.pcb import pcb_vector
 
 
 def _authors(rows: np.ndarray, ratio: float, clamp_ratio: float, inter: str) -> np.ndarray:

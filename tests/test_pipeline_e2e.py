@@ -12,7 +12,7 @@ import yaml
 
 from mlflow import MlflowClient
 
-from mergeflow.io import load_state_dict
+from mergeflow.core.io import load_state_dict
 
 from .conftest import copy_project, run as _run
 from .profiles import TINY

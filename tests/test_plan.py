@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow import plan as P
+from mergeflow.runner import plan as P
 from mergeflow.cli import main
 from mergeflow.params import parse_params
-from mergeflow.orchestration import StageNode
+from mergeflow.runner.orchestration import StageNode
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["a", "b", "c"]
@@ -127,7 +127,7 @@ def test_cli_outside_a_project_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_an_imported_fine_tune_is_not_trained_and_a_zero_shot_head_fits_no_probe(repo_root):
     from mergeflow.params import load_params
-    from mergeflow.plan import finetune_work
+    from mergeflow.runner.plan import finetune_work
 
     published = load_params(repo_root / "profiles" / "ta8_fusionbench.yaml")
     trained = load_params(repo_root / "profiles" / "ta8.yaml")
@@ -211,7 +211,7 @@ class _ScriptedStopwatch:
 
 
 def test_a_long_call_is_timed_at_two_small_batches_and_extrapolated():
-    from mergeflow.plan.measure import batch_cost
+    from mergeflow.runner.plan.measure import batch_cost
 
     meter, timed = _ScriptedMeter(), []
 
@@ -247,8 +247,8 @@ def test_fastest_time_is_the_minimum_of_the_calls():
 
 
 def test_total_steps_agrees_with_trainings():
-    from mergeflow.plan.work import total_steps
-    from mergeflow.training import total_steps as trainings
+    from mergeflow.runner.plan.work import total_steps
+    from mergeflow.ml.training import total_steps as trainings
 
     cfg = small_params().finetune
     for update in ({}, {"epochs": 1}, {"epochs": 3, "batch_size": 7}, {"epochs": 2, "batch_size": 500}):
@@ -258,7 +258,7 @@ def test_total_steps_agrees_with_trainings():
 
 
 def test_the_cache_serves_the_second_call_without_measuring(tmp_path, monkeypatch):
-    from mergeflow.plan import cache, measure
+    from mergeflow.runner.plan import cache, measure
 
     p = small_params()
     calls = []
@@ -289,7 +289,7 @@ def test_the_cache_serves_the_second_call_without_measuring(tmp_path, monkeypatc
 def test_a_broken_or_busy_cache_file_is_measured_again(tmp_path, monkeypatch):
     import dataclasses
 
-    from mergeflow.plan import cache, measure
+    from mergeflow.runner.plan import cache, measure
 
     p = small_params()
     monkeypatch.setattr(measure, "measure_throughput", lambda params, **_: dataclasses.replace(FAKE, busy=True))
@@ -305,7 +305,7 @@ def test_a_broken_or_busy_cache_file_is_measured_again(tmp_path, monkeypatch):
 
 
 def test_an_unwritable_cache_is_a_warning_not_a_failure(tmp_path, monkeypatch, capsys):
-    from mergeflow.plan import cache, measure
+    from mergeflow.runner.plan import cache, measure
 
     monkeypatch.setattr(measure, "measure_throughput", lambda params, **_: FAKE)
     blocker = tmp_path / "file"
@@ -317,7 +317,7 @@ def test_an_unwritable_cache_is_a_warning_not_a_failure(tmp_path, monkeypatch, c
 
 
 def test_cli_plan_remeasure_reaches_the_cache_and_json_has_the_memory_fields(monkeypatch, capsys, repo_root):
-    from mergeflow.plan import cache
+    from mergeflow.runner.plan import cache
 
     asked = []
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow import plan as P
+from mergeflow.runner import plan as P
 from mergeflow.cli import main
 from mergeflow.params import load_params
-from mergeflow.errors import MergeflowError
-from mergeflow.merging.search import golden_section
-from mergeflow.plan.calibration import throughput_from_bench
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.merging.search import golden_section
+from mergeflow.runner.plan.calibration import throughput_from_bench
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = REPO / "docs" / "gpu" / "2026-11-27-h100-vit-b32.json"

@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from mergeflow import plots
-from mergeflow.summary import summary_rows
+from mergeflow.report import plots
+from mergeflow.report.summary import summary_rows
 
 TASKS = ["a", "b"]
 # test accuracy per task; averages: m1 0.7, m2 0.8, m3 0.5, Pretrained 0.4, Individual 0.95

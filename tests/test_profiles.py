@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from mergeflow.params import load_params
-from mergeflow.data.benchmark import SUITES
+from mergeflow.ml.data.benchmark import SUITES
 
 PROFILES = sorted(Path(__file__).resolve().parents[1].joinpath("profiles").glob("*.yaml"))
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 from mergeflow.readme import BEGIN, END, update
 
 SUMMARY = "| method | a | avg |\n|---|---|---|\n| task_arithmetic | 71.0 | **71.0** |\n"

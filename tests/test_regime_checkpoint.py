@@ -1,4 +1,4 @@
-"""Regime checkpoints on disk (mergeflow.regimes._checkpoint, issue 19): one safetensors file per round, written
+"""Regime checkpoints on disk (mergeflow.ml.regimes._checkpoint, issue 19): one safetensors file per round, written
 atomically; a round trip of a real MIMA run's checkpoint (AdamW carries on a tiny ViT) is bit for bit, resuming from
 the file repeats an uninterrupted run bit for bit, and a wrong identity or a damaged file is one line naming it."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mergeflow.errors import MergeflowError
-from mergeflow.regimes import REGISTRY, Checkpoint, load_checkpoint, save_checkpoint
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.regimes import REGISTRY, Checkpoint, load_checkpoint, save_checkpoint
 from tests.test_regime_trainer import ADAMW, TASKS, THETA0, trainer
 
 HYPERPARAMETERS = {"rounds": 3, "total_steps": 6, "schedule": "one_schedule", "optimizer_state": "carry"}
@@ -141,14 +141,14 @@ def test_a_kill_mid_write_leaves_the_previous_checkpoint(round_two, tmp_path, mo
     earlier = _checkpoints(1)[-1]
     save_checkpoint(path, earlier, identity=IDENTITY)
     before = path.read_bytes()
-    import mergeflow.io
+    import mergeflow.core.io
 
     def die_mid_write(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
             f.write(b"partial")
         raise Killed
 
-    monkeypatch.setattr(mergeflow.io, "save_file", die_mid_write)
+    monkeypatch.setattr(mergeflow.core.io, "save_file", die_mid_write)
     with pytest.raises(Killed):
         save_checkpoint(path, round_two, identity=IDENTITY)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mergeflow.params import apply_overrides, parse_params
-from mergeflow.errors import MergeflowError
-from mergeflow.io import load_state_dict
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.io import load_state_dict
 
 from .conftest import copy_project, run
 from .profiles import TINY

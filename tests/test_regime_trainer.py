@@ -1,4 +1,4 @@
-"""The regimes' trainer on the pipeline's fine-tune (mergeflow.regimes._finetune) against training.finetune itself:
+"""The regimes' trainer on the pipeline's fine-tune (mergeflow.ml.regimes._finetune) against training.finetune itself:
 the standard regime is today's fine-tune, MIMA's rounds of one schedule with a carried optimiser are one
 uninterrupted fine-tune, and a resumed MIMA run repeats an uninterrupted one, all bit for bit."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mergeflow.config import BackboneConfig, FinetuneConfig, PreserveFeaturesConfig
-from mergeflow.models import backbone_state, build_backbone, make_head
-from mergeflow.regimes import REGISTRY, Budget
-from mergeflow.regimes._finetune import data_seed, finetune_trainer
-from mergeflow.training import FeatureAnchor, finetune, warmup_cosine
+from mergeflow.ml.models import backbone_state, build_backbone, make_head
+from mergeflow.ml.regimes import REGISTRY, Budget
+from mergeflow.ml.regimes._finetune import data_seed, finetune_trainer
+from mergeflow.ml.training import FeatureAnchor, finetune, warmup_cosine
 
 TINY = BackboneConfig(kwargs={"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2})
 CPU = torch.device("cpu")
@@ -154,7 +154,7 @@ def _adamw_trainer():
 
 
 def test_a_pool_runs_each_rounds_finetunes_at_once_with_the_same_results():
-    from mergeflow.regimes._pool import PoolTrainer
+    from mergeflow.ml.regimes._pool import PoolTrainer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers' count: a fine-tune's floats depend on it
@@ -173,7 +173,7 @@ def test_a_pool_runs_each_rounds_finetunes_at_once_with_the_same_results():
 
 
 def test_lazy_anchors_build_each_task_once_and_only_when_asked():
-    from mergeflow.regimes._finetune import LazyAnchors
+    from mergeflow.ml.regimes._finetune import LazyAnchors
 
     built = []
     anchors = LazyAnchors(["digits", "signs"], lambda t: built.append(t) or f"anchor of {t}")

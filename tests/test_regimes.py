@@ -1,4 +1,4 @@
-"""Training-time regimes (mergeflow.regimes) on a tiny float64 MLP regression: seed 000's identities, MIMA against
+"""Training-time regimes (mergeflow.ml.regimes) on a tiny float64 MLP regression: seed 000's identities, MIMA against
 standard fine-tuning and by hand, ATM against task arithmetic, and resuming from a round's checkpoint."""
 
 import copy
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mergeflow.merging import REGISTRY as MERGES
-from mergeflow.regimes import REGISTRY, Budget, Checkpoint, full_batch_gd_trainer
-from mergeflow.training import warmup_cosine
+from mergeflow.ml.merging import REGISTRY as MERGES
+from mergeflow.ml.regimes import REGISTRY, Budget, Checkpoint, full_batch_gd_trainer
+from mergeflow.ml.training import warmup_cosine
 
 TASKS = ["a", "b", "c"]
 LR = 0.05

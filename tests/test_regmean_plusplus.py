@@ -6,9 +6,9 @@ first block's inputs and so its merge."""
 import torch
 
 from mergeflow.config import BackboneConfig
-from mergeflow.merging import REGISTRY, MergeData
-from mergeflow.models import build_backbone
-from mergeflow.statistics import input_grams
+from mergeflow.ml.merging import REGISTRY, MergeData
+from mergeflow.ml.models import build_backbone
+from mergeflow.ml.statistics import input_grams
 
 VIT = BackboneConfig(model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 2, "num_heads": 2})
 TASKS = ["a", "b", "c"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow.errors import MergeflowError
-from mergeflow.remote import add_remote, check_url, default_remote
+from mergeflow.core.errors import MergeflowError
+from mergeflow.runner.remote import add_remote, check_url, default_remote
 
 from .conftest import copy_project, run
 
@@ -139,7 +139,7 @@ def s3_server():
 
 # ---------------------------------------------------------------- scale-out without a shared file system
 def test_worker_checkouts_need_a_remote_and_committed_code(committed_run, tiny_env, tmp_path):
-    from mergeflow.checkouts import check_source
+    from mergeflow.runner.checkouts import check_source
 
     project = copy_project(committed_run, tmp_path / "project")
     with pytest.raises(MergeflowError, match=r"worker checkouts need a DVC remote .*`mergeflow remote add URL`"):
@@ -150,10 +150,10 @@ def test_worker_checkouts_need_a_remote_and_committed_code(committed_run, tiny_e
     run("git add .dvc/config && git commit -qm remote", project, tiny_env)
     assert check_source(project) == run(["git", "rev-parse", "HEAD"], project, tiny_env).strip()
     # a new file the commit lacks (a method being written) is refused like a changed one
-    (project / "src" / "mergeflow" / "merging" / "new_method.py").write_text("")
-    with pytest.raises(MergeflowError, match=r"src/mergeflow/merging/new_method\.py differs from the last commit"):
+    (project / "src" / "mergeflow" / "ml" / "merging" / "new_method.py").write_text("")
+    with pytest.raises(MergeflowError, match=r"src/mergeflow/ml/merging/new_method\.py differs from the last commit"):
         check_source(project)
-    (project / "src" / "mergeflow" / "merging" / "new_method.py").unlink()
+    (project / "src" / "mergeflow" / "ml" / "merging" / "new_method.py").unlink()
     # a remote only in .dvc/config.local: the workers' clones would not know it
     run("git rm -q --cached .dvc/config && git checkout -q HEAD~1 -- .dvc/config && git commit -qm 'no remote'", project, tiny_env)
     run(["dvc", "remote", "add", "--local", "-d", "mine", str(tmp_path / "store")], project, tiny_env)
@@ -183,7 +183,7 @@ def test_a_stage_a_worker_ran_is_recorded_whole(tmp_path):
     longer run leaves no file behind), and the stage's entry goes into dvc.lock beside the others."""
     import yaml
 
-    from mergeflow.checkouts import record_stage
+    from mergeflow.runner.checkouts import record_stage
 
     (tmp_path / "metrics" / "headline").mkdir(parents=True)
     (tmp_path / "metrics" / "headline" / "gone.json").write_text("{}")

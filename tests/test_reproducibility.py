@@ -1,4 +1,4 @@
-"""The deterministic mode (mergeflow.reproducibility): the kernels pinned before torch loads, every CPU GEMM on
+"""The deterministic mode (mergeflow.core.reproducibility): the kernels pinned before torch loads, every CPU GEMM on
 OpenBLAS's fixed kernels, and bits that do not follow the machine's cores.
 
 What each library's kernels give on another CPU cannot be run here; what can: the routed GEMMs and convolutions
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from mergeflow.reproducibility import KERNEL_ENV, MODE_ENV
+from mergeflow.core.reproducibility import KERNEL_ENV, MODE_ENV
 
 
 def _python(code: str, env: dict | None = None, prefix: list[str] | None = None) -> str:
@@ -26,7 +26,7 @@ def _python(code: str, env: dict | None = None, prefix: list[str] | None = None)
 def test_routed_gemms_and_convolutions_compute_what_torchs_own_do():
     out = _python("""
         import mergeflow, torch, torch.nn.functional as F
-        from mergeflow.reproducibility import gemm
+        from mergeflow.core.reproducibility import gemm
         g = torch.Generator().manual_seed(0)
         r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g)
         a, b, c, A, B, C = r(5, 7), r(7, 3), r(3), r(4, 5, 7), r(4, 7, 3), r(4, 5, 3)
@@ -55,7 +55,7 @@ def test_routed_gemms_and_convolutions_compute_what_torchs_own_do():
 
 _TRAIN = """
     import hashlib, sys, mergeflow, torch
-    from mergeflow.reproducibility import configure, stage_threads
+    from mergeflow.core.reproducibility import configure, stage_threads
     configure(True, 2)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 4, 4), torch.nn.Flatten(), torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
@@ -79,7 +79,7 @@ def test_import_pins_the_kernels_and_the_command_takes_them_back_only_where_it_s
     env = {k: v for k, v in os.environ.items() if k not in KERNEL_ENV and k != MODE_ENV} | {"OMP_DYNAMIC": "TRUE"}  # the user's own
     out = _python("""
         import os, json, mergeflow
-        from mergeflow.reproducibility import KERNEL_ENV, pin_environment
+        from mergeflow.core.reproducibility import KERNEL_ENV, pin_environment
         pinned = {k: os.environ.get(k) for k in KERNEL_ENV}
         pin_environment(False)
         print(json.dumps([pinned, {k: os.environ.get(k) for k in KERNEL_ENV}, os.environ["MERGEFLOW_DETERMINISTIC"]]))
@@ -98,7 +98,7 @@ def test_the_command_runs_a_stage_with_the_kernels_params_yaml_asks_for(tmp_path
     """runtime.deterministic: false in params.yaml: the stage process has no pins (read before torch loads)."""
     text = (repo_root / "params.yaml").read_text().replace("  deterministic: true", "  deterministic: false")
     (tmp_path / "params.yaml").write_text(text)
-    code = "import os; from mergeflow.reproducibility import pin_environment, requested; pin_environment(requested('params.yaml')); print(os.environ.get('ATEN_CPU_CAPABILITY'), os.environ['MERGEFLOW_DETERMINISTIC'])"
+    code = "import os; from mergeflow.core.reproducibility import pin_environment, requested; pin_environment(requested('params.yaml')); print(os.environ.get('ATEN_CPU_CAPABILITY'), os.environ['MERGEFLOW_DETERMINISTIC'])"
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert proc.stdout.split() == ["None", "0"], proc.stderr
     (tmp_path / "params.yaml").write_text(text.replace("  deterministic: false", "  deterministic: true"))
@@ -114,8 +114,8 @@ def test_a_torch_loaded_before_the_pins_is_refused_in_deterministic_mode():
         import torch
         torch.ones(3).sum()
         import mergeflow
-        from mergeflow.errors import MergeflowError
-        from mergeflow.reproducibility import configure
+        from mergeflow.core.errors import MergeflowError
+        from mergeflow.core.reproducibility import configure
         try:
             configure(True, 2); print("configured", torch.backends.cpu.get_cpu_capability())
         except MergeflowError as err:
@@ -129,7 +129,7 @@ def test_a_torch_loaded_before_the_pins_is_refused_in_deterministic_mode():
 
 
 def test_the_reports_environment_is_the_same_from_any_cpu_in_deterministic_mode():
-    from mergeflow.reproducibility.machine import environment_markdown
+    from mergeflow.core.reproducibility.machine import environment_markdown
 
     kernels = {"torch": "AVX2", "mkl": "COMPATIBLE", "gemm": "OpenBLAS, 2 threads", "openblas": "Haswell", "numpy": "X86_V3"}
     det = {"deterministic": True, "kernels": kernels, "versions": {"torch": "2.14.1"}}

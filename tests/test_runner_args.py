@@ -15,8 +15,8 @@ import time
 import pytest
 
 from flows import pipeline, serve
-from mergeflow.errors import MergeflowError
-from mergeflow.orchestration import check_schedule, check_workers, probe_dask_scheduler
+from mergeflow.core.errors import MergeflowError
+from mergeflow.runner.orchestration import check_schedule, check_workers, probe_dask_scheduler
 
 
 def _one_line(capsys, call) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""The stage graph run several stages at once (mergeflow.scheduler): order, the limit, failures, and `mergeflow
+"""The stage graph run several stages at once (mergeflow.runner.scheduler): order, the limit, failures, and `mergeflow
 repro`'s run of a DVC project that DVC then finds up to date; without torch or a Prefect server."""
 
 import json
@@ -10,8 +10,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mergeflow.orchestration import StageFailed, StageNode
-from mergeflow.scheduler import run_graph
+from mergeflow.runner.orchestration import StageFailed, StageNode
+from mergeflow.runner.scheduler import run_graph
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
 
@@ -47,7 +47,7 @@ TOTAL = "import glob, json; open('total.txt', 'w').write(','.join(sorted(json.lo
 
 def _repro(root, workers=2, force=(), env=None) -> subprocess.CompletedProcess:
     """scheduler.repro in a process of its own (DVC's logger keeps the stream it first saw)."""
-    code = f"import sys; from mergeflow.scheduler import repro; sys.exit(repro({str(root)!r}, {workers}, {set(force)!r}))"
+    code = f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}, {workers}, {set(force)!r}))"
     return subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, **(env or {})}, capture_output=True, text=True)
 
 
@@ -158,7 +158,7 @@ def test_a_stage_that_does_not_wait_for_the_finished_one_starts_during_its_commi
 
 GPU_STAGE = (
     "import json, os, time\n"
-    "from mergeflow.stage_server import SERVER_ENV\n"
+    "from mergeflow.runner.stage_server import SERVER_ENV\n"
     "start = time.time(); time.sleep(0.5)\n"
     "env = {k: v for k, v in os.environ.items() if k not in ('DVC_STAGE', 'DVC_ROOT')}\n"
     "item = os.environ['DVC_STAGE'].split('@')[1]\n"
@@ -170,8 +170,8 @@ def test_repro_gives_each_stage_a_gpu_to_itself_and_that_gpus_stage_server(tmp_p
     """Two pretend GPUs (CUDA_VISIBLE_DEVICES "6,9": on the CPU they are only handed out), three stages: two at
     once, each with a GPU no running stage has, and the address of the stage server started for that GPU, whose
     environment matches the stage's import-time variables (so a stage command forks from it rather than
-    importing torch again: mergeflow.stage_server)."""
-    from mergeflow.stage_server import SERVER_ENV, _import_time_env, _same_imports
+    importing torch again: mergeflow.runner.stage_server)."""
+    from mergeflow.runner.stage_server import SERVER_ENV, _import_time_env, _same_imports
 
     root = _project(tmp_path, ["x", "y", "z"])
     (root / "stage.py").write_text(GPU_STAGE)
@@ -179,7 +179,7 @@ def test_repro_gives_each_stage_a_gpu_to_itself_and_that_gpus_stage_server(tmp_p
     stages["stages"]["make"]["do"]["cmd"] = f"{sys.executable} stage.py"
     (root / "dvc.yaml").write_text(json.dumps(stages))
     env = {k: v for k, v in os.environ.items() if k != SERVER_ENV} | {"CUDA_VISIBLE_DEVICES": "6,9"}
-    proc = subprocess.run([sys.executable, "-c", f"import sys; from mergeflow.scheduler import repro; sys.exit(repro({str(root)!r}))"], cwd=root, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}))"], cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "4 of 4 stages to run, up to 2 at once on a GPU each (6, 9)" in proc.stdout and "Running stage 'make@x' on GPU " in proc.stdout
     runs = [json.loads((root / f"out/{i}.json").read_text()) for i in "xyz"]
@@ -200,7 +200,7 @@ def test_stages_kept_on_the_cpu_by_params_get_no_gpu(tmp_path, monkeypatch, repo
     """runtime.device: cpu keeps every stage on the CPU: no GPU is handed out (the stages share the cores)."""
     import yaml
 
-    from mergeflow.scheduler import stage_gpus
+    from mergeflow.runner.scheduler import stage_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,9")
     params = yaml.safe_load((repo_root / "params.yaml").read_text())
@@ -224,7 +224,7 @@ def test_a_stopped_gpu_run_records_the_stages_waiting_for_a_gpu_as_not_run(tmp_p
     stages["stages"] = {"make": stages["stages"]["make"] | {"do": stages["stages"]["make"]["do"] | {"cmd": f"{sys.executable} stage.py"}}}
     (root / "dvc.yaml").write_text(json.dumps(stages))
     env = {k: v for k, v in os.environ.items() if k != "MERGEFLOW_STAGE_SERVER"} | {"CUDA_VISIBLE_DEVICES": "7,9"}
-    code = f"import sys; from mergeflow.scheduler import repro; sys.exit(repro({str(root)!r}, 4))"
+    code = f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}, 4))"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
@@ -245,10 +245,10 @@ def test_a_stage_given_a_gpu_forks_from_that_gpus_server_and_not_from_another(tm
     (forward returns the forked stage's exit status, here report's bad-input 2 in an empty folder); sent to GPU 7's
     server instead, the server refuses it (its CUDA_VISIBLE_DEVICES differs: an import-time variable) and the
     command would run in its own process (forward returns None)."""
-    from mergeflow.stage_server import SERVER_ENV, running_servers
+    from mergeflow.runner.stage_server import SERVER_ENV, running_servers
 
     monkeypatch.delenv(SERVER_ENV, raising=False)
-    child = "import sys; from mergeflow.stage_server import forward; sys.exit(100 if (r := forward(['report'])) is None else r)"
+    child = "import sys; from mergeflow.runner.stage_server import forward; sys.exit(100 if (r := forward(['report'])) is None else r)"
     with running_servers(["7", "9"]) as servers:
         assert all(servers.values())
         for server, expected in ((servers["9"], 2), (servers["7"], 100)):

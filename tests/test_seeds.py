@@ -9,7 +9,7 @@ import pytest
 
 from mergeflow.params import parse_params
 from mergeflow.studies import Claim, against_spread
-from mergeflow.summary import over_seeds, pooled_sd, seeds_markdown
+from mergeflow.report.summary import over_seeds, pooled_sd, seeds_markdown
 
 from .conftest import copy_project, run
 
@@ -40,7 +40,7 @@ def test_seeds_are_other_seeds_each_once(repo_root):
     import yaml
 
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
-    from mergeflow.errors import MergeflowError
+    from mergeflow.core.errors import MergeflowError
 
     with pytest.raises(MergeflowError, match="seeds: 0 is the run's own seed"):
         parse_params(raw | {"seeds": [0, 1]})

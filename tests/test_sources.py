@@ -1,4 +1,4 @@
-"""mergeflow.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one method's
+"""mergeflow.pipeline.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one method's
 module changes (only the merges whose modules import it)."""
 
 import json
@@ -6,7 +6,7 @@ import subprocess
 
 from .conftest import copy_project, run
 
-from mergeflow.sources import PACKAGE, closure, digest, imported_modules, merging_dir, method_sources
+from mergeflow.pipeline.sources import PACKAGE, closure, digest, imported_modules, merging_dir, method_sources
 
 
 def _package(root, files: dict[str, str]):
@@ -41,18 +41,18 @@ def test_a_method_follows_from_its_module_what_it_imports_and_the_shared_machine
     assert {p.name for p in method_sources("iso_c", package_dir)} >= {"iso.py", "tsv_m.py"}
     files = method_sources("model_stock", package_dir)
     recorded = digest(files, package_dir)
-    assert set(recorded) == {f"mergeflow/merging/{p.name}" for p in files if p.name != "binding.py"} | {"mergeflow/binding.py"} and PACKAGE == "mergeflow.merging"
+    assert set(recorded) == {f"mergeflow/ml/merging/{p.name}" for p in files if p.name != "binding.py"} | {"mergeflow/pipeline/binding.py"} and PACKAGE == "mergeflow.ml.merging"
     import hashlib
 
-    assert recorded["mergeflow/merging/model_stock.py"] == hashlib.md5((package_dir / "model_stock.py").read_bytes()).hexdigest()
+    assert recorded["mergeflow/ml/merging/model_stock.py"] == hashlib.md5((package_dir / "model_stock.py").read_bytes()).hexdigest()
 
 
 def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tiny_reference, tiny_env):
     root = copy_project(tiny_reference[0], tmp_path / "project")
     before = json.loads((root / "sources" / "merge" / "ties.json").read_text())
-    with open(root / "src" / "mergeflow" / "merging" / "model_stock.py", "a") as f:  # a method the tiny run does not merge with
+    with open(root / "src" / "mergeflow" / "ml" / "merging" / "model_stock.py", "a") as f:  # a method the tiny run does not merge with
         f.write("# touched\n")
-    with open(root / "src" / "mergeflow" / "merging" / "emr.py", "a") as f:
+    with open(root / "src" / "mergeflow" / "ml" / "merging" / "emr.py", "a") as f:
         f.write("# touched\n")
     run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
     assert json.loads((root / "sources" / "merge" / "ties.json").read_text()) == before

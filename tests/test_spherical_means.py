@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY
-from mergeflow.merging.karcher import karcher_mean
-from mergeflow.merging.slerp import slerp_pair
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging.karcher import karcher_mean
+from mergeflow.ml.merging.slerp import slerp_pair
 
 
 def _equal_norm_pair(seed=0):
@@ -81,7 +81,7 @@ def _opposite(n: int, dtype, nearly: bool):
 def test_opposite_task_vectors_merge_to_the_linear_limit(n, dtype, nearly):
     """SLERP and NuSLERP of (nearly) opposite vectors: (1 - t) a + t b, where sin(Omega) ~ 0 blew them up (0.01 and
     -0.02 at t = 0.3 gave 92,540.8 in float32, -6.6e13 in float64; mergekit: 0.001)."""
-    from mergeflow.merging.nuslerp import nuslerp_pair
+    from mergeflow.ml.merging.nuslerp import nuslerp_pair
 
     a, b = _opposite(n, dtype, nearly)
     linear = 0.7 * a + 0.3 * b

@@ -1,4 +1,4 @@
-"""The stage server (mergeflow.stage_server): a stage forked from it writes the same bytes as the stage run in its
+"""The stage server (mergeflow.runner.stage_server): a stage forked from it writes the same bytes as the stage run in its
 own process, its exit status and error line come back unchanged, and it dies with its command."""
 
 import hashlib
@@ -11,7 +11,7 @@ import psutil
 import pytest
 import yaml
 
-from mergeflow.stage_server import SERVER_ENV
+from mergeflow.runner.stage_server import SERVER_ENV
 
 from .conftest import copy_project, run
 from .test_faults import _project_processes
@@ -91,7 +91,7 @@ def test_a_stage_dies_with_its_command(project, tiny_env, how):
 def test_a_variable_the_servers_own_imports_set_does_not_send_a_command_away():
     """A launcher that imported torch passes on what torch's import set (TORCHINDUCTOR_CACHE_DIR): its stages are
     still the server's; a value the user set otherwise, or a variable the server never had, sends them away."""
-    from mergeflow.stage_server import _same_imports
+    from mergeflow.runner.stage_server import _same_imports
 
     server = {"HF_HUB_OFFLINE": "1"}
     set_by_imports = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}

@@ -1,9 +1,9 @@
-"""One stage table (mergeflow.stage_table): dvc.yaml, the CLI, the stage server, `mergeflow plan`'s cost models,
+"""One stage table (mergeflow.core.stage_table): dvc.yaml, the CLI, the stage server, `mergeflow plan`'s cost models,
 track's recorders and the cores' share all follow it, so that a stage left out of one of them fails here."""
 
 import yaml
 
-from mergeflow.stage_table import STAGES, parse_address
+from mergeflow.core.stage_table import STAGES, parse_address
 
 
 def test_dvc_yaml_has_exactly_the_tables_stages_each_run_by_its_command(repo_root):
@@ -28,9 +28,9 @@ def test_the_cli_has_a_subcommand_per_stage_with_its_help_and_item():
 
 
 def test_plan_track_and_the_stage_server_cover_every_stage():
-    from mergeflow.plan.work import COSTS
-    from mergeflow.stage_server import STAGE_COMMANDS
-    from mergeflow.tracking import NOT_RECORDED, RECORDERS
+    from mergeflow.runner.plan.work import COSTS
+    from mergeflow.runner.stage_server import STAGE_COMMANDS
+    from mergeflow.report.tracking import NOT_RECORDED, RECORDERS
 
     assert set(COSTS) == set(STAGES) == STAGE_COMMANDS
     recorded = [s for stages, _ in RECORDERS for s in stages]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow.errors import BAD_INPUT_STATUS, MergeflowError
-from mergeflow.tracking.store import prepare_store, store_problem
+from mergeflow.core.errors import BAD_INPUT_STATUS, MergeflowError
+from mergeflow.report.tracking.store import prepare_store, store_problem
 
 
 def _digest(path: Path) -> str:

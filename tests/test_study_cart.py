@@ -139,7 +139,7 @@ def test_scaling_verdict():
 
 
 def test_cart_is_weight_averaging_for_two_tasks():
-    from mergeflow.merging import REGISTRY as METHODS
+    from mergeflow.ml.merging import REGISTRY as METHODS
 
     g = torch.Generator().manual_seed(3)
     pretrained = {"blocks.0.mlp.fc1.weight": torch.randn(6, 5, generator=g), "blocks.0.norm.bias": torch.zeros(5)}

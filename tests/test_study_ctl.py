@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from mergeflow.params import parse_params
-from mergeflow.io import save_state_dict, write_json
-from mergeflow.models import backbone_state, build_backbone
-from mergeflow.stages import Layout
+from mergeflow.core.io import save_state_dict, write_json
+from mergeflow.ml.models import backbone_state, build_backbone
+from mergeflow.pipeline.stages import Layout
 from mergeflow.studies import REGISTRY, StudyContext
 from mergeflow.studies import ctl as C
 
@@ -197,7 +197,7 @@ def tiny_pipeline(root: Path, repo_root: Path):
     heads, and task arithmetic's chosen lambda."""
     params = parse_params(tiny_params(repo_root / "params.yaml"))
     layout = Layout(root)
-    from mergeflow.data import save_task
+    from mergeflow.ml.data import save_task
 
     size = params.suite.image_size
     rng = np.random.default_rng(0)

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from mergeflow.config import BackboneConfig, FinetuneConfig
-from mergeflow.models import backbone_state, build_backbone
-from mergeflow.regimes._finetune import finetune_trainer
-from mergeflow.stages import Layout
+from mergeflow.ml.models import backbone_state, build_backbone
+from mergeflow.ml.regimes._finetune import finetune_trainer
+from mergeflow.pipeline.stages import Layout
 from mergeflow.studies import REGISTRY
 from mergeflow.studies import gradients as G
 

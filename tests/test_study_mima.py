@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 
 from mergeflow.params import parse_params
-from mergeflow.stages import Layout
+from mergeflow.pipeline.stages import Layout
 from mergeflow.studies import REGISTRY, StudyContext
 from mergeflow.studies import mima as mima_module
 from mergeflow.studies.mima import MimaSettings, rises, shrinks

@@ -194,11 +194,11 @@ def test_alpha_hat_is_eq_11():
 def _tiny_pipeline(root: Path, seed: int = 0):
     """A pretrained backbone (random init: what matters is the split and the signs) and a digits task file."""
     from mergeflow.config import BackboneConfig, FinetuneConfig
-    from mergeflow.data import save_task
-    from mergeflow.data.embedded import make_task
-    from mergeflow.io import save_state_dict
-    from mergeflow.models import backbone_state, build_backbone
-    from mergeflow.stages import Layout
+    from mergeflow.ml.data import save_task
+    from mergeflow.ml.data.embedded import make_task
+    from mergeflow.core.io import save_state_dict
+    from mergeflow.ml.models import backbone_state, build_backbone
+    from mergeflow.pipeline.stages import Layout
 
     layout = Layout(root)
     cfg = BackboneConfig(model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mergeflow.summary import headline_metrics, regime_headline, summary_markdown, summary_rows, validation_records
+from mergeflow.report.summary import headline_metrics, regime_headline, summary_markdown, summary_rows, validation_records
 
 TASKS = ["a", "b"]
 # probe 0.5 and 0.7 (average 0.6), individual 0.9 and 0.9 (average 0.9): the gap is 0.3

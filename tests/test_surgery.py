@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY, MergeData
+from mergeflow.ml.merging import REGISTRY, MergeData
 
 from .test_data_aware import _tiny_setup
 
@@ -95,9 +95,9 @@ def test_a_batch_larger_than_a_tasks_inputs_is_refused():
 def test_the_evaluation_applies_each_tasks_correction_and_a_routed_network():
     """MultiTaskEvaluator: a per-task model's features pass through its task's map before the head; a routed
     method's network is evaluated as one model. Checked against the head applied by hand."""
-    from mergeflow.data import Split, TaskData
-    from mergeflow.evaluation import MultiTaskEvaluator
-    from mergeflow.merging.wemoe import network
+    from mergeflow.ml.data import Split, TaskData
+    from mergeflow.ml.evaluation import MultiTaskEvaluator
+    from mergeflow.ml.merging.wemoe import network
 
     from .test_data_aware import TINY_VIT
 

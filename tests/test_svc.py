@@ -5,8 +5,8 @@ implementation, written out here); non-matrix tensors keep the base merge's valu
 
 import torch
 
-from mergeflow.merging import REGISTRY
-from mergeflow.merging.svc import calibrate
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.ml.merging.svc import calibrate
 
 
 def _rank_one(i, j, scale=1.0, shape=(4, 3)):

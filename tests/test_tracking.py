@@ -16,9 +16,9 @@ import yaml
 from mlflow import MlflowClient
 
 from mergeflow.params import apply_overrides
-from mergeflow.io import load_state_dict
-from mergeflow.mlflow_model import load_model, load_timm
-from mergeflow.tracking import MERGE_METRICS, stage_times
+from mergeflow.core.io import load_state_dict
+from mergeflow.ml.mlflow_model import load_model, load_timm
+from mergeflow.report.tracking import MERGE_METRICS, stage_times
 
 from .conftest import copy_project, run
 from .profiles import TINY

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mergeflow.errors import MergeflowError
-from mergeflow.verify import check_outputs, verify
+from mergeflow.core.errors import MergeflowError
+from mergeflow.runner.verify import check_outputs, verify
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_a_flipped_byte_with_size_and_mtime_kept_is_named(project):
 def test_a_changed_stage_is_named_beside_the_machine_that_wrote_it(project):
     import json
 
-    from mergeflow.reproducibility.machine import describe
+    from mergeflow.core.reproducibility.machine import describe
 
     written = describe()
     written["cpu"] = {**written["cpu"], "vendor": "GenuineIntel", "model": "Intel(R) Xeon(R) Processor"}
@@ -105,7 +105,7 @@ def test_missing_and_added_files_and_the_commands_exit_status(project):
 def test_what_the_flow_reruns_when_bytes_changed(project):
     """The Prefect flow's use: outputs of stages about to run are not read; a stage whose bytes changed joins the
     stale ones (with what is downstream of it), though DVC sees nothing."""
-    from mergeflow.orchestration import stage_graph, stale_stages
+    from mergeflow.runner.orchestration import stage_graph, stale_stages
 
     _flip_keeping_size_and_mtime(project / "model.bin")
     nodes = stage_graph(project)

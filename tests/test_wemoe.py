@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from mergeflow.merging import REGISTRY, MergeData
-from mergeflow.merging.wemoe import MLP, network
+from mergeflow.ml.merging import REGISTRY, MergeData
+from mergeflow.ml.merging.wemoe import MLP, network
 
 from .test_data_aware import _tiny_setup
 

@@ -6,9 +6,9 @@ import timm
 import torch
 
 from mergeflow.config import BackboneConfig
-from mergeflow.errors import MergeflowError
-from mergeflow.models import Backbone
-from mergeflow.zeroshot import open_clip_architecture, text_model, zeroshot_head
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.models import Backbone
+from mergeflow.ml.zeroshot import open_clip_architecture, text_model, zeroshot_head
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -73,7 +73,7 @@ def test_clip_settings_fail_in_one_line(monkeypatch):
 def test_adamergings_objective_reads_the_embedding_the_heads_read():
     """AdaMerging calls the backbone's net through torch.func: its entropy must be that of head(backbone(x)), the
     normalised CLIP embedding (un-normalised features would sharpen the x100 heads' logits tenfold)."""
-    from mergeflow.merging._adaptive import EntropyObjective
+    from mergeflow.ml.merging._adaptive import EntropyObjective
 
     cfg = CLIP_B32.model_copy(update={"kwargs": {"depth": 1}})
     backbone = Backbone(cfg).eval()

@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 # step as fast (80-92 against 84-89 ms; 3 runs each). A value set by the user wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-# The deterministic mode's CPU kernels (mergeflow.reproducibility), pinned before torch or numpy can load: whatever
+# The deterministic mode's CPU kernels (mergeflow.core.reproducibility), pinned before torch or numpy can load: whatever
 # launched this process, a stage runs the same kernels on every x86-64 machine. The mergeflow command takes them
 # back when params.yaml sets runtime.deterministic: false.
-from mergeflow.reproducibility import pin_environment  # noqa: E402 - after the spin setting, which it does not read
+from mergeflow.core.reproducibility import pin_environment  # noqa: E402 - after the spin setting, which it does not read
 
 pin_environment()

@@ -2,7 +2,7 @@
 
 Under DVC and the Prefect flow a stage takes its task or method from DVC_STAGE (finetune@<task>, merge@<method>),
 so no name from params.yaml is ever pasted into a shell command. Bad input or configuration prints one line,
-``error: <what, where>``, and exits with status 2; a transient failure exits with status 75 (see mergeflow.errors).
+``error: <what, where>``, and exits with status 2; a transient failure exits with status 75 (see mergeflow.core.errors).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import sys
 
 from mergeflow import __version__
-from mergeflow.errors import MergeflowError, TransientError
-from mergeflow.stage_table import STAGES
+from mergeflow.core.errors import MergeflowError, TransientError
+from mergeflow.core.stage_table import STAGES
 
 
 DESCRIPTION = """Model merging, end to end: fine-tune one backbone per task, merge the task vectors with each
@@ -64,7 +64,7 @@ def _choices(argv: list[str]) -> tuple[str, str, str]:
     give. Only those three commands' help pays for reading them: running a stage, `--help` and `--version` read nothing."""
     if _command_of(argv) not in ("finetune", "merge", "study") or not {"-h", "--help"} & set(argv):
         return "a task of suite.tasks", "a method of merge.methods (`mergeflow methods` lists them)", "a study of studies.run (`mergeflow regimes` lists them)"
-    from mergeflow.merging import REGISTRY
+    from mergeflow.ml.merging import REGISTRY
     from mergeflow.studies import REGISTRY as STUDIES
 
     path, params = _configured(argv)
@@ -97,7 +97,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("regimes", help="the training-time regimes and studies: what params.yaml runs, and each regime's variants", description="Every registered training-time regime (its paper and defaults) with the variants and merge methods params.yaml runs, and every study.")
     methods = sub.add_parser("methods", help="the merging methods: the grids params.yaml makes effective beside the papers' defaults", description="Every registered merging method: the hyperparameters and grids params.yaml makes effective, beside the paper's defaults; * marks the methods merge.methods runs.")
     methods.add_argument("--list", action="store_true", help="only the names of every method that can merge params.yaml's tasks (SLERP takes two), as the list merge.methods takes: dvc exp run -S \"merge.methods=$(mergeflow methods --list)\" runs them all")
-    plan = sub.add_parser("plan", help="which stages will run, each one's estimated time and peak memory on this device, and the total", description="Which stages of dvc.yaml will run (out of date) and which are up to date, with each one's estimated wall time and peak memory on runtime.device (measured in seconds on the backbone's architecture, then kept per machine under ~/.cache/mergeflow/plan), and the total; stages whose peak exceeds the machine's memory are flagged (mergeflow.plan).")
+    plan = sub.add_parser("plan", help="which stages will run, each one's estimated time and peak memory on this device, and the total", description="Which stages of dvc.yaml will run (out of date) and which are up to date, with each one's estimated wall time and peak memory on runtime.device (measured in seconds on the backbone's architecture, then kept per machine under ~/.cache/mergeflow/runner/plan), and the total; stages whose peak exceeds the machine's memory are flagged (mergeflow.runner.plan).")
     plan.add_argument("--all", action="store_true", help="estimate every stage, up to date or not")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--remeasure", action="store_true", help="measure this device's throughput again instead of reading this machine's cached one")
@@ -109,7 +109,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     reproduce.add_argument("--scratch", metavar="DIR", help="re-run in DIR and keep it (default: a temporary folder, removed after)")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once as the cores allow, each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
-    from mergeflow.orchestration import workers_argument  # no torch
+    from mergeflow.runner.orchestration import workers_argument  # no torch
 
     repro.add_argument("--workers", type=workers_argument, default=None, metavar="N", help="stages at once (default: one per GPU, each stage a GPU to itself; else one per CPU core)")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
@@ -144,7 +144,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "methods":
         if args.list:
             from mergeflow.params import load_params
-            from mergeflow.merging import REGISTRY
+            from mergeflow.ml.merging import REGISTRY
 
             tasks = len(load_params(args.params).suite.tasks)
             print(f"[{','.join(sorted(name for name, m in REGISTRY.items() if m.tasks in (None, tasks)))}]")
@@ -155,16 +155,16 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "ui":
         return mlflow_ui(args.port, args.host)
     if args.command == "plan":
-        from mergeflow.plan import print_plan
+        from mergeflow.runner.plan import print_plan
 
         return print_plan(args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure, calibration=args.calibration)
     if args.command == "compare":
-        from mergeflow.compare import compare
+        from mergeflow.runner.compare import compare
 
         print(compare(args.metric, args.all, args.md))
         return 0
     if args.command == "remote":
-        from mergeflow.remote import add_remote, default_remote
+        from mergeflow.runner.remote import add_remote, default_remote
 
         if args.remote_command == "add":
             remote = add_remote(args.url, args.name, args.endpoint_url)
@@ -174,7 +174,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"default remote: {remote}" if remote else "no DVC remote: the outputs live in this machine's cache only (`mergeflow remote add URL`)")
         return 0
     if args.command == "reproduce":
-        from mergeflow.reproduce import reproduce
+        from mergeflow.runner.reproduce import reproduce
 
         report = reproduce(".", args.stages or None, args.tolerance, args.scratch)
         if failures := report.failures():
@@ -183,12 +183,12 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"ok: {'every output the same bytes, ' if report.expect_bytes else ''}every metric within {report.tolerance:g} points")
         return 0
     if args.command == "verify":
-        from mergeflow.verify import verify
+        from mergeflow.runner.verify import verify
 
         print(verify("."))
         return 0
     if args.command in ("check", "repro"):
-        from mergeflow.checks import check_project
+        from mergeflow.runner.checks import check_project
 
         params, notices = check_project(".", args.params)
         for notice in notices:
@@ -198,15 +198,15 @@ def run_command(args: argparse.Namespace) -> int:
             return 0
         from dvc.cli import main as dvc_main
 
-        from mergeflow.lockfile import atomic_dvc_writes
+        from mergeflow.core.lockfile import atomic_dvc_writes
 
-        from mergeflow.stage_server import SERVER_ENV, running_server
+        from mergeflow.runner.stage_server import SERVER_ENV, running_server
 
         if not args.dvc_args:  # the whole pipeline, stages at once (the scheduler starts the stage servers)
             from pathlib import Path
 
-            from mergeflow.scheduler import repro
-            from mergeflow.mlflow_store import tracked_runs_lost
+            from mergeflow.runner.scheduler import repro
+            from mergeflow.core.mlflow_store import tracked_runs_lost
 
             force = set()
             if lost := tracked_runs_lost(Path.cwd()):
@@ -222,19 +222,19 @@ def run_command(args: argparse.Namespace) -> int:
             if status == 0 and not [a for a in args.dvc_args if not a.startswith("-")]:  # the whole pipeline
                 from pathlib import Path
 
-                from mergeflow.mlflow_store import tracked_runs_lost
+                from mergeflow.core.mlflow_store import tracked_runs_lost
 
                 if lost := tracked_runs_lost(Path.cwd()):
                     print(f"track: {lost}: logging every stage to MLflow again")
                     status = dvc_main(["repro", "--force", "--single-item", "track"])
             return status
 
-    from mergeflow.orchestration import die_with_parent
+    from mergeflow.runner.orchestration import die_with_parent
 
     die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
-    from mergeflow import stages
+    from mergeflow.pipeline import stages
     from mergeflow.params import load_params
-    from mergeflow.io import sweep_temporaries
+    from mergeflow.core.io import sweep_temporaries
 
     sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)
 
@@ -244,11 +244,11 @@ def run_command(args: argparse.Namespace) -> int:
         name = _stage_item(getattr(args, item), args.command, item)
         os.environ["DVC_STAGE"] = f"{args.command}@{name}"
     if args.command == "track":
-        from mergeflow.tracking import track
+        from mergeflow.report.tracking import track
 
         track(params)
         return 0
-    from mergeflow.reproducibility.machine import describe, record_stage, summary
+    from mergeflow.core.reproducibility.machine import describe, record_stage, summary
 
     device = configure_stage(params)
     address = f"{args.command}@{name}" if item else args.command
@@ -281,7 +281,7 @@ def _values(values, most: int = 8) -> str:
 def _space(fixed: dict, grid: dict, per_task: dict, method=None) -> str:
     """One method's hyperparameters, one a line: a grid searched on validation, a grid searched per task, or a
     fixed value; with ``method``, each one's default (the value used without validation data) and allowed values."""
-    from mergeflow.merging import ANY_NUMBER
+    from mergeflow.ml.merging import ANY_NUMBER
 
     def name(k: str) -> str:
         if method is None:
@@ -300,7 +300,7 @@ def methods_table(params, source: str = "params.yaml"):
     (Params.merge.overrides through the method's search_space) and the paper's defaults and grids."""
     from rich.table import Table
 
-    from mergeflow.merging import DATA, REGISTRY
+    from mergeflow.ml.merging import DATA, REGISTRY
 
     table = Table(title=f"merging methods (* = in merge.methods of {source})" if params else "merging methods: the papers' defaults", show_lines=True, title_justify="left")
     table.add_column("method", no_wrap=True)
@@ -343,7 +343,7 @@ def print_regimes(params_path: str) -> int:
     """Each regime: its paper and defaults; for those regimes.run lists, the variants (with the keyword arguments
     the regime function gets) and the methods they are merged with. Then the studies."""
     from mergeflow.params import load_params
-    from mergeflow.regimes import REGISTRY as REGIMES
+    from mergeflow.ml.regimes import REGISTRY as REGIMES
     from mergeflow.studies import REGISTRY as STUDIES
 
     params = load_params(params_path)
@@ -367,7 +367,7 @@ def mlflow_ui(port: int, host: str) -> int:
     from pathlib import Path
 
     from mergeflow.config import mlflow_ui_port
-    from mergeflow.tracking import tracking_uri
+    from mergeflow.report.tracking import tracking_uri
 
     port = mlflow_ui_port() if port is None else port  # the port track's and the Prefect summary's links name
     uri = tracking_uri(Path.cwd())
@@ -394,13 +394,13 @@ def _allow_downloads(argv: list[str] | None) -> list[str]:
 
 
 def _forwarded(argv: list[str]) -> int | None:
-    """A stage command's exit status when the run's stage server ran it (mergeflow.stage_server), else None."""
-    from mergeflow.stage_server import SERVER_ENV, STAGE_COMMANDS, forward
+    """A stage command's exit status when the run's stage server ran it (mergeflow.runner.stage_server), else None."""
+    from mergeflow.runner.stage_server import SERVER_ENV, STAGE_COMMANDS, forward
 
     if not os.environ.get(SERVER_ENV) or _command_of(argv) not in STAGE_COMMANDS or {"-h", "--help", "--download"} & set(argv):
         return None
     if os.environ.get("MERGEFLOW_DIE_WITH_PARENT"):
-        from mergeflow.orchestration import die_with_parent
+        from mergeflow.runner.orchestration import die_with_parent
 
         die_with_parent()
     return forward(argv)
@@ -413,10 +413,10 @@ def _params_path(argv: list[str]) -> str:
 
 
 def configure_stage(params) -> str:
-    """This stage process's kernels and threads (mergeflow.reproducibility.configure), before any stage work; its
+    """This stage process's kernels and threads (mergeflow.core.reproducibility.configure), before any stage work; its
     device ('cpu' or 'cuda')."""
-    from mergeflow.devices import cuda_devices
-    from mergeflow.reproducibility import configure
+    from mergeflow.core.devices import cuda_devices
+    from mergeflow.core.reproducibility import configure
 
     configure(params.runtime.deterministic, params.threads())
     return "cuda" if params.runtime.device != "cpu" and cuda_devices() else "cpu"
@@ -425,13 +425,13 @@ def configure_stage(params) -> str:
 def main(argv: list[str] | None = None) -> int:
     as_command = argv is None  # the `mergeflow` command itself, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
-    from mergeflow.reproducibility import pin_environment, requested
+    from mergeflow.core.reproducibility import pin_environment, requested
 
     # before anything imports torch or numpy (here, the stage server, DVC's stage commands): the deterministic
     # mode's kernels, or the machine's own where params.yaml sets runtime.deterministic: false
     pin_environment(requested(_params_path(argv)))
-    if argv[:1] == ["_serve-stages"] and len(argv) == 2:  # mergeflow.stage_server.running_server starts it
-        from mergeflow.stage_server import serve
+    if argv[:1] == ["_serve-stages"] and len(argv) == 2:  # mergeflow.runner.stage_server.running_server starts it
+        from mergeflow.runner.stage_server import serve
 
         serve(argv[1], main)
         return 0

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from mergeflow.errors import MergeflowError
-from mergeflow.stage_table import STAGES, parse_address
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.stage_table import STAGES, parse_address
 
 
 DEFAULT_PARAMS = "params.yaml"
@@ -217,7 +217,7 @@ class MergeConfig(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     methods: list[str] = Field(min_length=1)
     # grid: every grid point scored on validation; golden: the coefficient (or a one-key grid) narrowed by
-    # golden-section search, assuming a unimodal curve (mergeflow.merging.search)
+    # golden-section search, assuming a unimodal curve (mergeflow.ml.merging.search)
     search: Literal["grid", "golden"] = "grid"
 
     @field_validator("methods")
@@ -233,7 +233,7 @@ class RegimesConfig(BaseModel):
     """Training-time regimes run beside the standard fine-tune (finetune above): ``run`` lists them, a DVC stage
     regime@<name> each; each makes its own task vectors, merged with ``methods.<name>`` (the regime's own default
     when not given). Every other key is a regime name whose settings override its defaults. The regimes, their
-    settings and default methods are mergeflow.regimes' registry: mergeflow.params checks these against it and
+    settings and default methods are mergeflow.ml.regimes' registry: mergeflow.params checks these against it and
     attaches each regime's validated settings (``config``)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
@@ -258,7 +258,7 @@ class RegimesConfig(BaseModel):
         return self._resolved[regime]
 
     def config(self, regime: str) -> Any:
-        """The regime's validated settings (mergeflow.regimes.RegimeSettings): its variants and their arguments."""
+        """The regime's validated settings (mergeflow.ml.regimes.RegimeSettings): its variants and their arguments."""
         return self._entry(regime)[0]
 
     def methods_of(self, regime: str) -> list[str]:
@@ -296,7 +296,7 @@ class StatisticsConfig(_Strict):
 
 class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # the same bytes on any x86-64 CPU (mergeflow.reproducibility): pinned kernels, GEMMs on `threads` threads
+    # the same bytes on any x86-64 CPU (mergeflow.core.reproducibility): pinned kernels, GEMMs on `threads` threads
     deterministic: bool = True
     # a stage's CPU threads. Deterministic: default 2, whatever the cores (part of what decides the bits); else
     # default the stage's share of the cores (MERGEFLOW_THREADS overrides)
@@ -346,7 +346,7 @@ class Params(_Strict):
         machine (the count decides the bits, so it comes from params.yaml alone). Otherwise MERGEFLOW_THREADS, else
         runtime.threads, else its share (stage_share); None: torch's default (every core)."""
         if self.runtime.deterministic:
-            from mergeflow.reproducibility import DETERMINISTIC_THREADS
+            from mergeflow.core.reproducibility import DETERMINISTIC_THREADS
 
             return self.runtime.threads or DETERMINISTIC_THREADS
         env = os.environ.get("MERGEFLOW_THREADS")
@@ -372,7 +372,7 @@ class Params(_Strict):
         items = len(functools.reduce(getattr, spec.item.params_list.split("."), self)) if item and spec and spec.shares_cores else None
         cores = cores or os.cpu_count() or 1
         if gpus is None:
-            from mergeflow.devices import run_gpus  # torch: not at config's import
+            from mergeflow.core.devices import run_gpus  # torch: not at config's import
 
             gpus = run_gpus(self.runtime.device)
         if gpus and stage not in ("prepare", "pretrain"):  # (those two run alone: every other stage waits for them)

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from mergeflow.config import DEFAULT_PARAMS, Params, check_name, parse_schema
-from mergeflow.errors import MergeflowError
-from mergeflow.yaml_files import duplicate_key, parse_yaml, read_yaml, round_trip_yaml
+from mergeflow.core.errors import MergeflowError
+from mergeflow.core.yaml_files import duplicate_key, parse_yaml, read_yaml, round_trip_yaml
 
 
 def _shown(value: Any) -> str:
@@ -24,7 +24,7 @@ def _shown(value: Any) -> str:
 
 
 def _check_merge(params: Params) -> None:
-    from mergeflow.merging import REGISTRY, validate_overrides
+    from mergeflow.ml.merging import REGISTRY, validate_overrides
 
     merge = params.merge
     for name in list(merge.methods) + list(merge.model_extra or {}):
@@ -38,7 +38,7 @@ def _check_merge(params: Params) -> None:
 
 
 def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
-    from mergeflow.merging import REGISTRY
+    from mergeflow.ml.merging import REGISTRY
 
     where = f"regimes.methods.{regime}"
     for method in methods:
@@ -53,7 +53,7 @@ def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
 
 
 def _resolve_regimes(params: Params) -> None:
-    from mergeflow.regimes import REGISTRY
+    from mergeflow.ml.regimes import REGISTRY
 
     regimes = params.regimes
     runnable = sorted(n for n, r in REGISTRY.items() if r.settings_model is not None)
@@ -152,7 +152,7 @@ def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: boo
     params = parse_params(yaml.safe_load(buffer.getvalue()), f"{path} with {' '.join(overrides)}")
     if not write:
         return params
-    from mergeflow.io import atomic_path
+    from mergeflow.core.io import atomic_path
 
     with atomic_path(path) as tmp:
         tmp.write_text(buffer.getvalue())

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mergeflow import lockfile
-from mergeflow.errors import MergeflowError
+from mergeflow.core import lockfile
+from mergeflow.core.errors import MergeflowError
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 

@@ -5,8 +5,8 @@ A study is one module in this package: a function ``(context: StudyContext) -> S
 ``@register``, which records its paper and its settings (a pydantic model: every field a setting with its
 default; ``studies.<name>`` in params.yaml overrides them). Modules are discovered by name, as the merge methods
 and regimes are, so adding a study means adding one file. A study reads the pipeline's outputs through
-``context.layout`` (mergeflow.layout.Layout) and may compute its own measurements; it writes its figures into
-``context.out_dir`` and returns its claims and the report's body. ``mergeflow.stages.study`` writes
+``context.layout`` (mergeflow.core.layout.Layout) and may compute its own measurements; it writes its figures into
+``context.out_dir`` and returns its claims and the report's body. ``mergeflow.pipeline.stages.study`` writes
 ``studies/<name>/report.md`` (title, verdict table, body) and ``metrics/studies/<name>.json`` atomically.
 As the merge methods do, study modules import torch inside their functions (``no_grad`` below for a decorator),
 so that params.yaml's ``studies`` are validated without it.
@@ -62,7 +62,7 @@ class StudyResult:
 @dataclass(frozen=True)
 class StudyContext:
     params: Any  # mergeflow.config.Params
-    layout: Any  # mergeflow.layout.Layout
+    layout: Any  # mergeflow.core.layout.Layout
     settings: StudySettings
     out_dir: Path  # where figures go (a temporary directory, renamed into place when the study succeeds)
     device: Any  # torch.device

@@ -55,7 +55,7 @@ class Point:
 
 
 def _json(path: Path):
-    from mergeflow.io import read_json
+    from mergeflow.core.io import read_json
 
     return read_json(path) if Path(path).is_file() else None
 
@@ -103,8 +103,8 @@ def _alignments(vectors: dict, keys: list[str], rank: int) -> tuple[float, float
 
 
 def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
-    from mergeflow.io import LazyStateDict
-    from mergeflow.task_vectors import read_task_vector
+    from mergeflow.core.io import LazyStateDict
+    from mergeflow.ml.task_vectors import read_task_vector
 
     params, layout = context.params, context.layout
     tasks = list(params.suite.tasks)

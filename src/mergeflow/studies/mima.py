@@ -101,7 +101,7 @@ class Point:
 
 
 def _json(path: Path) -> Any | None:
-    from mergeflow.io import read_json
+    from mergeflow.core.io import read_json
 
     return read_json(path) if Path(path).is_file() else None
 

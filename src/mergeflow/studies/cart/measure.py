@@ -17,9 +17,9 @@ class Bench:
     """Loads the suite once; evaluates a merge on any subset of tasks; chooses lambda on validation."""
 
     def __init__(self, context: StudyContext):
-        from mergeflow.data import load_tasks
-        from mergeflow.models import build_backbone, load_heads
-        from mergeflow.task_vectors import load_task_vectors
+        from mergeflow.ml.data import load_tasks
+        from mergeflow.ml.models import build_backbone, load_heads
+        from mergeflow.ml.task_vectors import load_task_vectors
 
         p, L = context.params, context.layout
         self.params, self.device = p, context.device
@@ -32,7 +32,7 @@ class Bench:
         self.evaluations = 0
 
     def evaluator(self, tasks: tuple[str, ...], split: str):
-        from mergeflow.evaluation import MultiTaskEvaluator
+        from mergeflow.ml.evaluation import MultiTaskEvaluator
 
         key = (tasks, split)
         if key not in self._evaluators:
@@ -44,7 +44,7 @@ class Bench:
         return self.evaluator(tasks, split)(state)
 
     def merge(self, method: str, tasks: tuple[str, ...], **hp):
-        from mergeflow.merging import REGISTRY
+        from mergeflow.ml.merging import REGISTRY
 
         return REGISTRY[method](self.pretrained, {t: self.vectors[t] for t in tasks}, **hp)
 
@@ -64,7 +64,7 @@ class Bench:
 
 
 def _json(path: Path):
-    from mergeflow.io import read_json
+    from mergeflow.core.io import read_json
 
     return read_json(path) if Path(path).is_file() else None
 

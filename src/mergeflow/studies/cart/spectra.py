@@ -72,7 +72,7 @@ class LayerSpectra:
 def spectra(pretrained, task_vectors, tasks: list[str], ratios: list[float], rank_ratio: float, seed: int = 0) -> list[LayerSpectra]:
     import torch
 
-    from mergeflow.merging import is_matrix
+    from mergeflow.ml.merging import is_matrix
 
     gen = torch.Generator().manual_seed(seed)
     out = []

@@ -36,7 +36,7 @@ def choose_subset(tasks: Sequence[str], k: int, seed: int) -> list[str]:
 
 def pipeline_lam(layout, default: float) -> tuple[float, str]:
     """(lam, where it came from): metrics/merge/task_arithmetic.json's chosen lam, else the setting."""
-    from mergeflow.io import read_json
+    from mergeflow.core.io import read_json
 
     path = Path(layout.metrics("merge", "task_arithmetic"))
     if path.is_file():
@@ -167,8 +167,8 @@ def measure_stitching(probe: Probe, suite: Suite, i: str, j: str, lam: float, la
 def train_pair(params, suite: Suite, train: Mapping[str, tuple[torch.Tensor, torch.Tensor]], init: State, pair: Sequence[str], steps: int | None, device, label: str) -> dict[str, State]:
     """Each task of ``pair`` trained from ``init`` with the pipeline's fine-tune schedule (finetune.*, its steps or
     ``steps``), no feature anchor, the task's head frozen, the task's seed: the same data order for both inits."""
-    from mergeflow.models import backbone_state, build_backbone
-    from mergeflow.training import finetune as finetune_loop
+    from mergeflow.ml.models import backbone_state, build_backbone
+    from mergeflow.ml.training import finetune as finetune_loop
 
     update: dict[str, Any] = {"preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0})}
     if steps is not None:

@@ -10,7 +10,7 @@ from statistics import mean
 from typing import Any, TYPE_CHECKING
 
 
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 from mergeflow.studies import StudyContext, StudyResult, register
 from mergeflow.studies.ctl.claims import _r, claim_addition, claim_average, claim_barrier, claim_coef, claim_ctl, claim_negation, claim_scratch, claim_stitching, summarise
 from mergeflow.studies.ctl.figures import plot_arithmetic, plot_barrier, plot_ctl, plot_scratch, plot_stitching
@@ -44,9 +44,9 @@ def _coefs(items: Sequence[Sequence[Mapping[str, torch.Tensor]]]) -> list[torch.
 def ctl_study(context: StudyContext) -> StudyResult:
     import torch
 
-    from mergeflow import data as data_mod
-    from mergeflow.io import load_state_dict
-    from mergeflow.models import build_backbone, load_head
+    from mergeflow.ml import data as data_mod
+    from mergeflow.core.io import load_state_dict
+    from mergeflow.ml.models import build_backbone, load_head
 
     params, layout, s, device = context.params, context.layout, context.settings, context.device
     started = time.perf_counter()

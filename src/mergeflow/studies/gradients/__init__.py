@@ -8,7 +8,7 @@ about as good as merging converged ones (Fig. 2). Section 3.1, reading ATM (Zhou
 fixed budget, more rounds of shorter fine-tunes merge better than one-shot task arithmetic, TIES or Breadcrumbs.
 
 Claims 1-5 are measured here, on the suite's own tasks, backbone and heads: the identities through the pipeline's
-own trainer (mergeflow.regimes._finetune.finetune_trainer, under the registered regimes one_epoch and atm) against
+own trainer (mergeflow.ml.regimes._finetune.finetune_trainer, under the registered regimes one_epoch and atm) against
 gradients computed by plain autograd, both on the CPU in float32 (on CUDA the trainer autocasts to bfloat16); the
 eta^2 scaling by an exact float64 GD loop on the CPU; the AdamW and per-epoch measurements through the trainer and
 training.finetune on ``context.device``. Claims 6-7 read the pipeline's regime outputs

@@ -94,7 +94,7 @@ def gd_steps(state0: Mapping[str, torch.Tensor], grad_fns: Sequence[GradFn], lr:
 def one_epoch_identity(theta0: State, tasks: Sequence[str], trainer, grads: Mapping[str, State], *, eta: float, alpha: float) -> dict[str, Any]:
     """Claim 1: the one_epoch regime through ``trainer`` (full-batch GD, lr ``eta``) against -eta * ``grads[t]``
     (grad Lbar_t(theta0)), per task; and theta0 + alpha * sum_t tau_t(1) against theta0 - alpha * eta * sum_t grads[t]."""
-    from mergeflow.regimes import REGISTRY
+    from mergeflow.ml.regimes import REGISTRY
 
     result = REGISTRY["one_epoch"](theta0, tasks, trainer)
     taus = {t: sub(result.task_states[t], theta0) for t in tasks}
@@ -107,7 +107,7 @@ def one_epoch_identity(theta0: State, tasks: Sequence[str], trainer, grads: Mapp
 def atm_identity(theta0: State, tasks: Sequence[str], trainer, grad_fns: Mapping[str, GradFn], *, eta: float, alpha: float, rounds: int) -> list[dict[str, float]]:
     """Claim 2: ATM (the registered regime, ``trainer`` = one full-batch GD step at ``eta`` per task per round)
     against ``rounds`` multi-task GD steps at alpha * eta; per round, the errors of theta_ATM(r) - theta0."""
-    from mergeflow.regimes import REGISTRY
+    from mergeflow.ml.regimes import REGISTRY
 
     result = REGISTRY["atm"](theta0, tasks, trainer, rounds=rounds, steps=1, alpha=alpha, keep_updates=False)
     mt = gd_steps(theta0, [grad_fns[t] for t in tasks], alpha * eta, rounds)
@@ -147,7 +147,7 @@ def log_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 def minibatch_cosines(theta0: State, tasks: Sequence[str], trainers: Mapping[int, Any], grads: Mapping[str, State]) -> dict[int, dict[str, float]]:
     """Claim 4: per key of ``trainers`` (steps per epoch -> a trainer), one epoch of the one_epoch regime, and
     cos(tau_t(1), -grads[t]) per task."""
-    from mergeflow.regimes import REGISTRY
+    from mergeflow.ml.regimes import REGISTRY
 
     out = {}
     for steps, trainer in trainers.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 from mergeflow.config import task_seed
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 from mergeflow.studies import Claim, StudyContext, StudyResult, register
 from mergeflow.studies.gradients.figures import plot_gaps, plot_minibatch, plot_trajectory
 from mergeflow.studies.gradients.measure import _flat, atm_identity, cosine, directional_curvature, epoch_updates, log_slope, loss_gradient, minibatch_cosines, one_epoch_identity, ta_mt_gaps, trajectory_claim
@@ -33,11 +33,11 @@ def _sci(x: float) -> str:
 def gradients(context: StudyContext) -> StudyResult:
     import torch
 
-    from mergeflow import data as data_mod
-    from mergeflow.io import LazyStateDict, load_state_dict
-    from mergeflow.models import backbone_state, build_backbone, load_head
-    from mergeflow.regimes import finetune_trainer
-    from mergeflow.training import FeatureAnchor, finetune as finetune_loop
+    from mergeflow.ml import data as data_mod
+    from mergeflow.core.io import LazyStateDict, load_state_dict
+    from mergeflow.ml.models import backbone_state, build_backbone, load_head
+    from mergeflow.ml.regimes import finetune_trainer
+    from mergeflow.ml.training import FeatureAnchor, finetune as finetune_loop
 
     params, layout, s, device = context.params, context.layout, context.settings, context.device
     started = time.perf_counter()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TYPE_CHECKING
 
 
-from mergeflow.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError
 from mergeflow.studies.provable.model import Params, delta, grid, merge
 from mergeflow.studies.provable.settings import RELATIONS, ProvableSettings
 from mergeflow.studies import no_grad
@@ -217,9 +217,9 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
     import torch
 
     from mergeflow.config import ProbeConfig
-    from mergeflow.data import load_task
-    from mergeflow.models import load_backbone
-    from mergeflow.training import fit_probe, total_steps, train_loop
+    from mergeflow.ml.data import load_task
+    from mergeflow.ml.models import load_backbone
+    from mergeflow.ml.training import fit_probe, total_steps, train_loop
 
     start = time.perf_counter()
     seed = int(params.seed)

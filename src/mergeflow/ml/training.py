@@ -1,0 +1,395 @@
+"""Pretraining, linear probes and fine-tuning: plain loops over uint8 image tensors.
+
+Schedules are linear warm-up then cosine decay to zero (Ilharco et al.'s protocol). Everything is seeded; on
+the CPU the runs are deterministic for a given thread count.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from mergeflow.config import NEWTON_MAX_UNKNOWNS, FinetuneConfig, PreserveFeaturesConfig, ProbeConfig, ScheduleConfig
+from mergeflow.core.devices import resident
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.models import Backbone, make_head
+
+
+@dataclass
+class Curve:
+    """Per-step training record, written as one record per step (the form `dvc plots` reads), logged to MLflow by step."""
+
+    step: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    optimizer_state: dict[str, Any] | None = None  # the optimiser's state_dict at the end, to continue training from it
+
+    def records(self) -> list[dict[str, float]]:
+        return [{"step": s, "loss": loss, "lr": lr} for s, loss, lr in zip(self.step, self.loss, self.lr)]
+
+
+def seed_everything(seed: int, threads: int | None = None) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def total_steps(cfg: ScheduleConfig, n_examples: int, full_batch: bool = False) -> int:
+    if cfg.epochs is None:
+        return cfg.steps
+    # an epoch is the full batches of a shuffle (``batches`` drops the last partial one)
+    per_epoch = 1 if full_batch else max(1, n_examples // min(cfg.batch_size, n_examples))
+    return cfg.epochs * per_epoch
+
+
+def warmup_cosine(step: int, total: int, warmup: int) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def batches(n: int, batch_size: int, steps: int, generator: torch.Generator):
+    """Index batches for ``steps`` steps, reshuffling each epoch; the last partial batch of an epoch is dropped."""
+    batch_size = min(batch_size, n)
+    per_epoch = n // batch_size
+    done = 0
+    while done < steps:
+        order = torch.randperm(n, generator=generator)
+        for i in range(per_epoch):
+            if done == steps:
+                return
+            yield order[i * batch_size : (i + 1) * batch_size]
+            done += 1
+
+
+def _optimizer(kind: str, params, cfg: ScheduleConfig, momentum: float = 0.0, device: torch.device | None = None) -> torch.optim.Optimizer:
+    # on CUDA one fused kernel for every tensor's update (a ViT-B's ~150 tensors: ~150 launches a step otherwise);
+    # the CPU keeps the default implementation, so CPU runs give the bytes they always gave
+    fused = {"fused": True} if device is not None and device.type == "cuda" else {}
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+    # SGD and full-batch GD: weight decay as plain L2, so one GD step is exactly theta - lr * grad(L + wd/2 |theta|^2)
+    return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=momentum, **fused)
+
+
+# losses read back to the host every this many steps: reading one waits for the device, so a read per step keeps the
+# host from queueing the next step's kernels while the GPU runs this one
+LOSS_READ_EVERY = 32
+
+
+def non_finite_loss(desc: str, value: float, step: int, cfg: ScheduleConfig) -> str:
+    """The line for a loss that became NaN or infinite at ``step`` of the schedule, naming the keys of params.yaml
+    that likely caused it: after updates, a learning rate (or weight decay) too high for the data; before any
+    update, not those but the starting weights or the inputs."""
+    section = "finetune" if isinstance(cfg, FinetuneConfig) else "pretrain" if type(cfg).__name__ == "PretrainConfig" else None
+    lr, wd = (f"{section}.lr", f"{section}.weight_decay") if section else ("lr", "weight_decay")
+    if step == 0:
+        return f"{desc}: loss became {value} at step 0, before any update (so not {lr} or {wd}): the starting weights or the inputs hold NaN or infinity"
+    return f"{desc}: loss became {value} at step {step}: likely {lr} = {cfg.lr:g} is too high (or {wd} = {cfg.weight_decay:g}); lower it"
+
+
+def train_loop(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    n_examples: int,
+    cfg: ScheduleConfig,
+    *,
+    optimizer: str,
+    seed: int,
+    device: torch.device,
+    momentum: float = 0.0,
+    desc: str = "train",
+    on_epoch_end: Callable[[int], None] | None = None,
+    start: int = 0,
+    schedule_length: int | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+) -> Curve:
+    """Run the schedule; ``loss_fn(indices)`` returns the mean loss of the batch with those example indices.
+
+    The defaults run one whole schedule from a fresh optimiser. A part of a longer schedule (the regimes' rounds):
+    ``start`` is the first step's position both in a warm-up + cosine schedule ``schedule_length`` steps long (None:
+    this call's steps) and in the data order that ``seed`` draws, and ``optimizer_state`` (a ``state_dict``) is
+    loaded into the optimiser first; the returned curve holds the optimiser's final state."""
+    full_batch = optimizer == "gd"
+    steps = total_steps(cfg, n_examples, full_batch)
+    length = steps if schedule_length is None else schedule_length
+    batch_size = n_examples if full_batch else cfg.batch_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(optimizer, params, cfg, momentum, device)
+    if optimizer_state is not None:
+        # a copy: the optimiser updates its state in place, and the caller's may be a checkpoint still to be written
+        opt.load_state_dict(copy.deepcopy(dict(optimizer_state)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(start + s, length, cfg.warmup_steps))
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = max(1, n_examples // min(batch_size, n_examples))
+    curve = Curve()
+    model.train()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    # the first ``start`` batches of the data order belong to earlier parts of the schedule
+    order = itertools.islice(batches(n_examples, batch_size, start + steps, gen), start, None)
+    pending: list[torch.Tensor] = []  # this stretch's losses, still on the device
+
+    def read_losses() -> None:
+        # the first non-finite loss names its step; the steps after it (at most LOSS_READ_EVERY) are thrown away
+        first = len(curve.loss)
+        values = torch.stack(pending).float().tolist() if pending else []
+        pending.clear()
+        for i, value in enumerate(values):
+            if not math.isfinite(value):
+                raise MergeflowError(non_finite_loss(desc, value, curve.step[first + i], cfg))
+        curve.loss.extend(values)
+
+    for step, idx in enumerate(tqdm(order, total=steps, desc=desc, mininterval=5, disable=None)):
+        with autocast:
+            loss = loss_fn(idx)
+        if device.type != "cuda" and not torch.isfinite(loss):  # on the CPU a read costs nothing: stop at once
+            raise MergeflowError(non_finite_loss(desc, loss.item(), start + step, cfg))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        curve.step.append(start + step)
+        pending.append(loss.detach())
+        curve.lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        if len(pending) == LOSS_READ_EVERY:
+            read_losses()
+        if on_epoch_end and (step + 1) % per_epoch == 0:
+            read_losses()  # a kept epoch's weights are finite ones
+            on_epoch_end((step + 1) // per_epoch)
+    read_losses()
+    model.eval()
+    curve.optimizer_state = opt.state_dict()
+    return curve
+
+
+def _batch(images: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if images.device != idx.device:  # images resident on the device: index there
+        idx = idx.to(images.device, non_blocking=True)
+    return images[idx].to(device, non_blocking=True)
+
+
+def pretrain(
+    backbone: Backbone,
+    images: torch.Tensor,
+    labels: Mapping[str, torch.Tensor],
+    cfg: ScheduleConfig,
+    *,
+    seed: int,
+    device: torch.device,
+) -> tuple[dict[str, nn.Linear], Curve]:
+    """Supervised multi-head pretraining: the loss is the sum of each label head's cross-entropy."""
+    heads = nn.ModuleDict({name: make_head(backbone.num_features, int(y.max()) + 1) for name, y in labels.items()})
+    model = nn.ModuleDict({"backbone": backbone, "heads": heads}).to(device)
+    targets = {name: y.to(device) for name, y in labels.items()}
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        feats = backbone(_batch(images, idx, device))
+        idx = idx.to(device)
+        return sum(nn.functional.cross_entropy(heads[name](feats).float(), y[idx]) for name, y in targets.items())
+
+    curve = train_loop(model, loss_fn, len(images), cfg, optimizer="adamw", seed=seed, device=device, desc="pretrain")
+    return dict(heads.items()), curve
+
+
+@torch.no_grad()
+def extract_features(backbone: Backbone, images: torch.Tensor, *, batch_size: int, device: torch.device, bf16: bool = False) -> torch.Tensor:
+    """Features of ``images`` in batches, float32 on the CPU. ``bf16``: under bfloat16 autocast on CUDA (the merge
+    search's candidates); float32 everywhere else. Images already on the device are sliced there."""
+    backbone.eval().to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda"):
+        out = [backbone(images[i : i + batch_size].to(device)).float() for i in range(0, len(images), batch_size)]
+    return torch.cat(out).cpu() if out else torch.empty(0, backbone.num_features)
+
+
+@dataclass
+class ProbeResult:
+    head: nn.Linear
+    c: float
+    val_accuracy: float
+    val_curve: dict[str, float]
+    iterations: dict[str, int] = field(default_factory=dict)  # the solver's iterations per C; max_iter: stopped unconverged
+    max_iter: int = 0
+    solver: str = "newton-cholesky"
+
+    def convergence_line(self, where: str) -> str:
+        """One line for the stage's log: the chosen fit's iterations, and whether the solver converged."""
+        used = self.iterations.get(str(self.c), 0)
+        name = "Newton" if self.solver == "newton-cholesky" else "L-BFGS"
+        if used < self.max_iter:
+            return f"{where}: probe C={self.c:g} converged in {used} {name} iterations (val {100 * self.val_accuracy:.1f}%)"
+        return f"{where}: probe C={self.c:g} stopped at probe.max_iter={self.max_iter} {name} iterations before converging (val {100 * self.val_accuracy:.1f}%)"
+
+
+def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int, num_classes: int | None = None) -> ProbeResult:
+    """Multinomial logistic regression on standardised features; C chosen on validation.
+
+    The solver is Newton's method (``probe.solver: newton-cholesky``), which reaches the L2-regularised optimum in
+    about ten iterations: the head is a smooth function of the features. L-BFGS stopped on its path (150
+    iterations, or even at its tolerance) is not: features perturbed by 1e-6 (last bits) moved its coefficients by
+    0.3-4% and a task's test accuracy by up to 1.2 points, Newton's by 1e-5 and none (digits, signs, texture, count
+    on the default suite, 2026-11-28). Past NEWTON_MAX_UNKNOWNS features x classes, L-BFGS runs (to ``max_iter``).
+
+    The head has ``num_classes`` outputs (the task's declared classes; by default the largest training label
+    plus one): a class absent from the training split gets a logit that is never the largest.
+
+    The standardisation is folded into the returned head, so it reads raw backbone features. The fits run with
+    one BLAS thread: their products (n x d by d x classes, here 3000 x 128 by 128 x 10) are too small to share, and
+    on the 2-core machine a real task's probe took 4.3-5.6 s with OpenBLAS's default threads against 0.4-0.7 s with
+    one. One thread also makes the solver's path, and so the head, independent of the core count.
+    """
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression  # imported here: it costs every other stage a second
+    from threadpoolctl import threadpool_limits
+
+    mu = train_x.mean(0)
+    sd = train_x.std(0) + 1e-6
+    seed %= 2**32  # scikit-learn's random_state range: a task's seed (seed x 1000003 + crc) can pass it
+    xs, vs = ((train_x - mu) / sd).numpy(), ((val_x - mu) / sd).numpy()
+    best = None
+    curve, iterations = {}, {}
+    classes_seen = len(np.unique(train_y.numpy()))
+    solver = cfg.solver if cfg.solver == "lbfgs" or train_x.shape[1] * classes_seen <= NEWTON_MAX_UNKNOWNS else "lbfgs"
+    for c in cfg.c_grid:
+        clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=seed, solver=solver)
+        # an unconverged fit is reported once, as a figure (ProbeResult.convergence_line), not as a warning per fit
+        with threadpool_limits(limits=1, user_api="blas"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            clf.fit(xs, train_y.numpy())
+        acc = float((clf.predict(vs) == val_y.numpy()).mean())
+        curve[str(c)] = acc
+        iterations[str(c)] = int(max(clf.n_iter_))
+        if best is None or acc > best[0]:
+            best = (acc, c, clf)
+    acc, c, clf = best
+    n_classes = num_classes if num_classes is not None else int(train_y.max()) + 1
+    coef = torch.zeros(n_classes, train_x.shape[1])
+    bias = torch.full((n_classes,), -1e4)  # a class absent from training is never predicted
+    classes = torch.as_tensor(clf.classes_)
+    weights = torch.as_tensor(clf.coef_, dtype=torch.float32)
+    intercepts = torch.as_tensor(clf.intercept_, dtype=torch.float32)
+    if len(classes) == 2:  # scikit-learn keeps one logit for two classes: split it symmetrically
+        weights, intercepts = torch.cat([-weights, weights]) / 2, torch.cat([-intercepts, intercepts]) / 2
+    coef[classes] = weights
+    bias[classes] = intercepts
+    head = make_head(train_x.shape[1], n_classes)
+    with torch.no_grad():
+        head.weight.copy_(coef / sd)
+        head.bias.copy_(bias - (coef / sd) @ mu)
+    return ProbeResult(head=head, c=c, val_accuracy=acc, val_curve=curve, iterations=iterations, max_iter=cfg.max_iter, solver=solver)
+
+
+@dataclass
+class FeatureAnchor:
+    """Out-of-task images and theta0's features on them, for ``finetune``'s feature-preservation term
+
+        beta * mean_i ||f_theta(x_i) - f_theta0(x_i)||^2 / (d * mean per-feature variance of f_theta0),
+
+    over ``batch_size`` of the images per step. It asks a task vector to leave the function unchanged outside its
+    task, which is weight disentanglement as Ortiz-Jimenez et al. (NeurIPS 2023, arXiv:2305.12827) define it, and
+    which task arithmetic needs; the term itself is feature distillation from the pretrained model, as in
+    Li & Hoiem's Learning without Forgetting (2016), here on pretraining images.
+    """
+
+    images: torch.Tensor  # uint8 [N, H, W, 3]
+    features: torch.Tensor  # theta0's, float32 [N, d]
+    weight: float
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        self.feature_variance = self.features.var(0).mean()  # the penalty's normaliser, fixed for the whole run
+
+    @classmethod
+    def build(cls, backbone: Backbone, corpus: torch.Tensor, cfg: PreserveFeaturesConfig, *, seed: int, device: torch.device, eval_batch_size: int) -> FeatureAnchor:
+        pick = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed))[: cfg.images].sort().values
+        images = corpus[pick]
+        return cls(images, extract_features(backbone, images, batch_size=eval_batch_size, device=device), cfg.weight, cfg.batch_size)
+
+    def penalty(self, backbone: Backbone, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+        target = self.features[idx].to(device)
+        change = (backbone(_batch(self.images, idx, device)).float() - target).pow(2).mean()
+        return self.weight * change / self.feature_variance.to(device)
+
+
+def finetune(
+    backbone: Backbone,
+    head: nn.Linear,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: FinetuneConfig,
+    *,
+    seed: int,
+    device: torch.device,
+    desc: str = "finetune",
+    on_epoch_end: Callable[[int], None] | None = None,
+    anchor: FeatureAnchor | None = None,
+    start: int = 0,
+    schedule_length: int | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+) -> Curve:
+    """Fine-tune the backbone in place with the head frozen (the seeds' protocol), plus the anchor's
+    feature-preservation term when one is given. ``start``, ``schedule_length`` and ``optimizer_state`` continue
+    a longer schedule, as in ``train_loop``."""
+    backbone.to(device)
+    head.to(device).requires_grad_(False)
+    y = labels.to(device)
+    images = resident(images, device)
+    anchor_draws = torch.Generator().manual_seed(seed + 1)
+    if anchor is not None and anchor.weight > 0:
+        for _ in range(start):  # the anchor batches of the schedule's earlier steps
+            torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws)
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(head(backbone(_batch(images, idx, device))).float(), y[idx.to(device)])
+        if anchor is not None and anchor.weight > 0:
+            loss = loss + anchor.penalty(backbone, torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws), device)
+        return loss
+
+    return train_loop(
+        backbone, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end,
+        start=start, schedule_length=schedule_length, optimizer_state=optimizer_state,
+    )
+
+
+@torch.no_grad()
+def accuracy(backbone: Backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, device: torch.device) -> float:
+    feats = extract_features(backbone, images, batch_size=batch_size, device=device)
+    return head_accuracy(head, feats, labels)
+
+
+@torch.no_grad()
+def head_accuracy(head: nn.Linear, features: torch.Tensor, labels: torch.Tensor) -> float:
+    head = head.cpu()
+    return float((head(features).argmax(1) == labels).float().mean())
+
+
+class Timer:
+    """Seconds spent inside (a monotonic clock), and when that was (Unix times, for the stages' real start and end
+    in MLflow)."""
+
+    def __enter__(self) -> Timer:
+        self.started = time.time()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+        self.ended = time.time()
+
+    def record(self) -> dict[str, float]:
+        return {"wall_time_s": self.seconds, "started": self.started, "ended": self.ended}

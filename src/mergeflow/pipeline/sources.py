@@ -1,0 +1,90 @@
+"""Which source files a merge's bytes follow from, so that changing or adding one method re-runs only its merges.
+
+A merge runs its method's module, the merging modules that module imports (at its top or inside a function, read
+from the code with ``ast``, transitively), and what every merge runs: the registry (``mergeflow.ml.merging``), the
+validation search, and the stage side's binding of data and models (mergeflow.pipeline.binding). The stage ``sources`` writes, for every registered method,
+``sources/merge/<method>.json`` ({file: md5} of those files). ``merge@<method>`` depends on its own file, not on
+the whole of src/mergeflow/ml/merging: the stage re-runs on any change there (a second), and DVC re-runs only the
+merges whose file changed. Modules outside ``mergeflow.ml.merging`` are not followed, as before (the stage code is
+not a merge's dependency). The regime merges (their methods are params), the studies and the replicates look
+methods up by name at run time and still depend on the folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+
+PACKAGE = "mergeflow.ml.merging"
+# what every merge runs besides its method: the registry and option checks, the validation search; and, on the
+# stage side, the binding of data and models (mergeflow.pipeline.binding, with the merging modules it imports)
+SHARED = (PACKAGE, f"{PACKAGE}.search")
+BINDING = "mergeflow.pipeline.binding"
+
+
+def module_file(package_dir: Path, package: str, module: str) -> Path | None:
+    """The file of ``module`` (a dotted name inside ``package``, whose folder is ``package_dir``); None if none."""
+    if module == package:
+        return package_dir / "__init__.py"
+    if not module.startswith(package + "."):
+        return None
+    rel = Path(*module[len(package) + 1 :].split("."))
+    for candidate in (package_dir / rel.with_suffix(".py"), package_dir / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every module ``path`` (the module ``module``) imports, anywhere in it: ``from a.b import c`` counts as a.b
+    and as a.b.c (c may be a submodule); relative imports resolved."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".")
+                base = parts[: len(parts) - node.level + (1 if is_package else 0)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            found.add(origin)
+            found |= {f"{origin}.{alias.name}" for alias in node.names}
+    return found
+
+
+def closure(package_dir: Path, package: str, roots: list[str]) -> list[Path]:
+    """The files of ``roots`` and of every module of ``package`` they import, transitively, sorted."""
+    seen: dict[str, Path] = {}
+    pending = list(roots)
+    while pending:
+        name = pending.pop()
+        if name in seen or (path := module_file(package_dir, package, name)) is None:
+            continue
+        seen[name] = path
+        pending += [m for m in imported_modules(path, name) if m not in seen]
+    return sorted(set(seen.values()))
+
+
+def merging_dir(root: Path) -> Path:
+    """The merging modules DVC sees: the project's src/mergeflow/ml/merging (where the project is a clone), else the
+    imported package's."""
+    project = root / "src" / "mergeflow" / "ml" / "merging"
+    return project if project.is_dir() else Path(__file__).resolve().parents[1] / "ml" / "merging"
+
+
+def method_sources(method: str, package_dir: Path) -> list[Path]:
+    """The files a merge with ``method`` follows from (its module, what that imports, the shared machinery)."""
+    from mergeflow.ml.merging import REGISTRY
+
+    binding = package_dir.parents[1] / "pipeline" / "binding.py"
+    roots = [*SHARED, REGISTRY[method].fn.__module__, *sorted(m for m in imported_modules(binding, BINDING) if m.startswith(PACKAGE))]
+    return sorted({*closure(package_dir, PACKAGE, roots), binding})
+
+
+def digest(files: list[Path], package_dir: Path) -> dict[str, str]:
+    """{path as mergeflow/ml/merging/ties.py: md5 of its bytes}."""
+    return {f.relative_to(package_dir.parents[2]).as_posix(): hashlib.md5(f.read_bytes()).hexdigest() for f in files}

@@ -1,0 +1,90 @@
+"""`mergeflow compare`: DVC experiments side by side, one column each, in a table that fits a terminal. `dvc exp
+show` gives each metric a column named by its file and key (`metrics/headline/ties.json:test_avg`), and each
+method has four; here a row is a parameter or a headline entry (a method, a regime variant's method, a study's
+verdicts) and the columns are the experiments, so the width grows with the experiments, not the methods."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from mergeflow.core.errors import MergeflowError
+
+HEADLINE = "metrics/headline/"
+VERDICTS = "metrics/verdicts/"
+METRICS = ("test_avg", "val_avg", "gap")
+CELL = 24  # a value's width at most: a grid or a task list would take a line
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _columns(shown: list[dict]) -> list[tuple[str, dict]]:
+    """(label, data) per experiment of `dvc exp show --json`: the workspace, each baseline commit, its experiments."""
+    columns = []
+    for row in shown:
+        label = "workspace" if row["rev"] == "workspace" else (row.get("name") or row["rev"][:7])
+        if row.get("data"):
+            columns.append((label, row["data"]))
+        for exp in row.get("experiments") or []:
+            rev = exp["revs"][0]
+            if rev.get("data"):
+                columns.append((rev.get("name") or rev["rev"][:7], rev["data"]))
+    return columns
+
+
+def _cell(value: object, width: int = CELL) -> str:
+    """A value as shown: "-" when absent, a long one (a grid, a task list) cut to ``width`` characters."""
+    text = "-" if value is None else str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def comparison(shown: list[dict], metric: str = "test_avg", every_row: bool = False) -> list[list[str]]:
+    """The table's rows, a header first: the parameters, then each headline entry's ``metric`` and each study's
+    verdict counts, for every experiment; only the rows whose values differ unless ``every_row``."""
+    columns = _columns(shown)
+    rows: dict[str, list[object]] = {}
+
+    def put(name: str, i: int, value: object) -> None:
+        rows.setdefault(name, [None] * len(columns))[i] = value
+
+    for i, (_, data) in enumerate(columns):
+        for key, value in _flatten((data.get("params") or {}).get("params.yaml", {}).get("data") or {}).items():
+            put(key, i, value)
+        for path, record in (data.get("metrics") or {}).items():
+            values = record.get("data") or {}
+            if path.startswith(HEADLINE):
+                put(path[len(HEADLINE):].removesuffix(".json"), i, values.get(metric))
+            elif path.startswith(VERDICTS):
+                put(f"{path[len(VERDICTS):].removesuffix('.json')} (holds/fails)", i, f"{values.get('holds')}/{values.get('fails')}")
+    shown_rows = [[name, *(_cell(v) for v in values)] for name, values in rows.items() if every_row or len({json.dumps(v) for v in values}) > 1]
+    return [["", *(label for label, _ in columns)], *shown_rows]
+
+
+def render(table: list[list[str]], markdown: bool = False) -> str:
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    if markdown:
+        lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in table]
+        return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
+    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in table)
+
+
+def compare(metric: str = "test_avg", every_row: bool = False, markdown: bool = False, root: str = ".") -> str:
+    if metric not in METRICS:
+        raise MergeflowError(f"--metric {metric}: choose one of {', '.join(METRICS)}")
+    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True)  # this environment's DVC, on PATH or not
+    if proc.returncode != 0:
+        raise MergeflowError(f"dvc exp show: {(proc.stderr.strip().splitlines() or ['failed'])[-1]}")
+    table = comparison(json.loads(proc.stdout), metric, every_row)
+    if len(table) == 1:
+        return "no experiment differs from the others (`dvc exp run -S key=value` makes one; --all shows every row)"
+    return render(table, markdown)
