@@ -202,13 +202,13 @@ class _InProcess:
 def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, tmp_path, monkeypatch):
     import yaml
 
-    from mergeflow.pipeline import stages
+    from mergeflow.pipeline import stages, train
     from mergeflow.config import DOWNLOAD_ENV
     from mergeflow.params import parse_params
 
     seen = []
     monkeypatch.setattr(tvd, "MNIST", _fake_mnist(seen))
-    monkeypatch.setattr(stages, "process_pool", _InProcess)
+    monkeypatch.setattr(train, "process_pool", _InProcess)  # prepare's worker pool, in this process
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
     raw["suite"] = {"source": "torchvision", "root": str(tmp_path / "data"), "download": False, "tasks": ["MNIST"],
                     "image_size": 16, "n_train": 12, "n_val": 4, "n_test": 6, "pretrain_images": 0}

@@ -101,12 +101,12 @@ def test_imagefolder_train_without_class_folders_and_a_relative_root(tmp_path, r
 
 
 def test_prepare_finds_the_same_layout_fault_before_it_starts_a_worker(tmp_path, repo_root, monkeypatch):
-    from mergeflow.pipeline import stages
+    from mergeflow.pipeline import stages, train
 
     root = _imagefolder(tmp_path, repo_root, str(tmp_path / "photos"))
     _folder_task(tmp_path / "photos" / "pets", splits=("train",))
     started = []
-    monkeypatch.setattr(stages, "process_pool", lambda *a, **k: started.append(a) or pytest.fail("a worker pool started"))
+    monkeypatch.setattr(train, "process_pool", lambda *a, **k: started.append(a) or pytest.fail("a worker pool started"))
     params = parse_params(yaml.safe_load((root / "params.yaml").read_text()))
     with pytest.raises(MergeflowError) as err:
         stages.prepare(params, stages.Layout(tmp_path / "repo"))

@@ -6,7 +6,7 @@ A study is one module in this package: a function ``(context: StudyContext) -> S
 default; ``studies.<name>`` in params.yaml overrides them). Modules are discovered by name, as the merge methods
 and regimes are, so adding a study means adding one file. A study reads the pipeline's outputs through
 ``context.layout`` (mergeflow.core.layout.Layout) and may compute its own measurements; it writes its figures into
-``context.out_dir`` and returns its claims and the report's body. ``mergeflow.pipeline.stages.study`` writes
+``context.out_dir`` and returns its claims and the report's body. ``mergeflow.pipeline.merge.study`` writes
 ``studies/<name>/report.md`` (title, verdict table, body) and ``metrics/studies/<name>.json`` atomically.
 As the merge methods do, study modules import torch inside their functions (``no_grad`` below for a decorator),
 so that params.yaml's ``studies`` are validated without it.

@@ -3,7 +3,7 @@
 coefficient swept by interpolation), the hyperparameters chosen per task (``choose_per_task``), the search itself
 (``search``: the best validation average wins) and task negation's (``negation_search``).
 
-The merge stage (mergeflow.pipeline.stages.merge_and_evaluate) calls ``search`` or ``negation_search`` with a scorer, the
+The merge stage (mergeflow.pipeline.merge.merge_and_evaluate) calls ``search`` or ``negation_search`` with a scorer, the
 validation split's mergeflow.ml.evaluation.MultiTaskEvaluator; this module knows the registry's methods (their
 grids, coefficient, per-task hyperparameters) and nothing of models or data, so it imports nothing of the
 pipeline (mergeflow.ml.merging.MergeMethod's ``search_space``, ``per_task_space`` and ``candidates`` delegate here).
