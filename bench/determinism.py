@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "src"))
-    from mergeflow.runner.orchestration import stage_graph
+    from mergeflow.runner.graph import stage_graph
 
     base = Path(tempfile.mkdtemp(prefix="mergeflow-bench-det-"))
     copies = {mode: base / ("deterministic" if mode else "machine") for mode in (True, False)}

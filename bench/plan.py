@@ -29,7 +29,7 @@ import mergeflow.cli  # noqa: F401 - what the command imports before it runs (to
 from mergeflow.params import load_params
 params = load_params(sys.argv[1])
 t1 = time.perf_counter()
-from mergeflow.runner.orchestration import stage_graph, stale_stages
+from mergeflow.runner.graph import stage_graph, stale_stages
 nodes = stage_graph(".")
 stale = stale_stages(".", nodes)
 t2 = time.perf_counter()

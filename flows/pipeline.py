@@ -35,7 +35,9 @@ from mergeflow.runner.checks import check_project
 from mergeflow.config import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError
-from mergeflow.runner.orchestration import DASK_CONNECT_TIMEOUT_S, PipelineFailed, StageNode, check_repo, check_workers, commit_stage, local_cluster, locked_repo, probe_dask_scheduler, quiet_failure_tracebacks, stage_graph, stale_stages, stop_stages, stopping, workers_argument
+from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, probe_dask_scheduler, workers_argument
+from mergeflow.runner.graph import StageNode, check_repo, commit_stage, locked_repo, stage_graph, stale_stages
+from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
 from mergeflow.runner.remote import default_remote, push_outputs
 from mergeflow.runner.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
 from mergeflow.runner.stage_server import SERVER_ENV, running_server, running_servers

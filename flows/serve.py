@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from mergeflow.runner.checks import check_project
     from mergeflow.params import apply_overrides
     from mergeflow.core.errors import MergeflowError
-    from mergeflow.runner.orchestration import check_repo, check_schedule
+    from mergeflow.runner.arguments import check_schedule
+    from mergeflow.runner.graph import check_repo
     from flows.pipeline import check_runner, pipeline
 
     try:  # the same checks as a run's, once now: a deployment that would fail every night is refused here

@@ -1,4 +1,4 @@
-"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner.orchestration."""
+"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner (running, gpus)."""
 
 import sys
 import time
@@ -7,7 +7,9 @@ from prefect import get_run_logger, task
 
 from mergeflow.runner.checkouts import Source, run_in_checkout
 from mergeflow.core.devices import RUN_GPUS_ENV
-from mergeflow.runner.orchestration import StageFailed, StageNode, completed_line, last_lines, process_device_pool, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
+from mergeflow.runner.gpus import process_device_pool
+from mergeflow.runner.graph import StageNode
+from mergeflow.runner.running import StageFailed, completed_line, last_lines, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
 from mergeflow.runner.stage_server import served_env
 
 quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's

@@ -134,7 +134,7 @@ def test_a_stages_output_reaches_the_logs_on_success_and_on_failure(tmp_path, pr
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from mergeflow.runner.orchestration import StageNode
+    from mergeflow.runner.graph import StageNode
     from tasks.stages import run_stage_task
 
     (tmp_path / "works.py").write_text("import sys\nfor i in range(30):\n    print(f'step {i}')\nprint('summary: 30 steps', flush=True)\nprint('UserWarning: noisy', file=sys.stderr)\n")

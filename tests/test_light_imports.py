@@ -108,8 +108,8 @@ def test_a_stage_command_sent_to_the_stage_server_imports_no_torch():
     """`mergeflow <stage>` started by `mergeflow repro` or the flow asks for its parent-death signal, then hands its
     arguments to the stage server: neither may import torch (2 s a stage, 27 stages in the tiny run)."""
     out = fresh("""
-import mergeflow.runner.orchestration, mergeflow.runner.stage_server, mergeflow.cli
-from mergeflow.runner.orchestration import die_with_parent
+import mergeflow.runner.lifetime, mergeflow.runner.stage_server, mergeflow.cli
+from mergeflow.runner.lifetime import die_with_parent
 from mergeflow.runner.stage_server import forward
 out = {}
 """)
@@ -124,7 +124,7 @@ def test_mergeflow_repro_on_a_machine_without_a_gpu_driver_imports_no_torch_to_f
 import os
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 from mergeflow.params import load_params
-from mergeflow.runner.orchestration import visible_gpus
+from mergeflow.runner.gpus import visible_gpus
 params = load_params("params.yaml")
 out = {"gpus": visible_gpus(), "threads": params.stage_share("merge@ties", cores=16)}
 """)

@@ -157,7 +157,7 @@ def test_commits_that_skip_reading_their_own_lock_write_dvcs_own_bytes(project, 
 
     from dvc.utils.serialize import _yaml
 
-    from mergeflow.runner.orchestration import commit_stage, locked_repo
+    from mergeflow.runner.graph import commit_stage, locked_repo
 
     plain = tmp_path / "plain"
     shutil.copytree(project, plain)
@@ -177,7 +177,7 @@ def test_commits_that_skip_reading_their_own_lock_write_dvcs_own_bytes(project, 
 def test_a_lock_changed_between_commits_is_read_again(project, monkeypatch):
     """A dvc.lock that changed after mergeflow's last write (here: a comment someone added) is read as it is now:
     DVC's round-trip reader keeps the comment through the next commit."""
-    from mergeflow.runner.orchestration import commit_stage, locked_repo
+    from mergeflow.runner.graph import commit_stage, locked_repo
 
     monkeypatch.chdir(project)
     with locked_repo(project) as repo:

@@ -13,9 +13,10 @@ import pytest
 
 from mergeflow.core import lockfile
 
-from mergeflow.runner import orchestration
+from mergeflow.runner import graph, running
 from mergeflow.core.errors import MergeflowError
-from mergeflow.runner.orchestration import StageFailed, StageNode, StageNotStarted, locked_repo, run_stage
+from mergeflow.runner.graph import StageNode, locked_repo
+from mergeflow.runner.running import StageFailed, StageNotStarted, run_stage
 from tasks.stages import _retry_if_transient
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
@@ -71,7 +72,7 @@ def test_stage_runs_as_an_argument_list_with_dvc_stage_set(tmp_path):
 @pytest.mark.parametrize("cmd", ["mergeflow prepare && rm -rf data", "mergeflow merge | tee log", "mergeflow report > out"])
 def test_a_command_needing_a_shell_is_refused(cmd):
     with pytest.raises(MergeflowError, match=r"needs a shell; the flow runs commands as argument lists"):
-        orchestration._argv("report", cmd)
+        graph._argv("report", cmd)
 
 
 def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
@@ -80,11 +81,11 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
     thread = threading.Thread(target=lambda: errors.append(pytest.raises(StageFailed, run_stage, node, tmp_path).value))
     thread.start()
     deadline = time.monotonic() + 20
-    while not orchestration._running and time.monotonic() < deadline:
+    while not running._running and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
         started = time.monotonic()
-        assert orchestration.stop_stages(grace_s=5) == 1
+        assert running.stop_stages(grace_s=5) == 1
         thread.join(50)
         # well short of the stage's 60 s sleep (SIGTERM after a 5 s grace), with room for a busy machine
         assert time.monotonic() - started < 50 and errors[0].returncode == -signal.SIGTERM
@@ -92,7 +93,7 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
         with pytest.raises(StageNotStarted, match="not started: the run is stopping"):  # a StageFailed, recorded as not run
             run_stage(node, tmp_path)
     finally:
-        orchestration._stopping.clear()
+        running._stopping.clear()
 
 
 def test_a_foreach_stages_items_share_the_cores_by_params_alone(repo_root, monkeypatch):
@@ -209,7 +210,7 @@ def test_dvc_lock_writes_are_atomic(tmp_path, monkeypatch):
     with lockfile.atomic_dvc_writes(), Repo(str(root)) as repo:
         monkeypatch.setattr(ruamel.yaml.YAML, "dump", half_then_die)
         with pytest.raises(KeyboardInterrupt):
-            orchestration.commit_stage(repo, "one")
+            graph.commit_stage(repo, "one")
     assert (root / "dvc.lock").read_text() == before
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
 

@@ -1,7 +1,7 @@
 """A stage started by plain `dvc repro` dies with it: SIGKILL or SIGTERM to the dvc process alone (a closed
 terminal, a job scheduler) leaves no process of the run, neither the stage nor its worker pool's processes.
 
-The stage here is a stand-in that does what a mergeflow stage does at its start (mergeflow.runner.orchestration's
+The stage here is a stand-in that does what a mergeflow stage does at its start (mergeflow.runner.lifetime's
 die_with_parent, then a pool from mergeflow.core.parent_death.process_pool, as prepare's), without seconds of torch."""
 
 import contextlib
@@ -28,7 +28,7 @@ STAGE = textwrap.dedent('''
         time.sleep(3600)
 
     if __name__ == "__main__":
-        from mergeflow.runner.orchestration import die_with_parent
+        from mergeflow.runner.lifetime import die_with_parent
         from mergeflow.core.parent_death import process_pool
 
         if os.environ.get("STANDIN_DIES_WITH_PARENT", "1") == "1":

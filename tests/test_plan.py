@@ -13,7 +13,7 @@ import pytest
 from mergeflow.runner import plan as P
 from mergeflow.cli import main
 from mergeflow.params import parse_params
-from mergeflow.runner.orchestration import StageNode
+from mergeflow.runner.graph import StageNode
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["a", "b", "c"]

@@ -16,7 +16,7 @@ import pytest
 
 from flows import pipeline, serve
 from mergeflow.core.errors import MergeflowError
-from mergeflow.runner.orchestration import check_schedule, check_workers, probe_dask_scheduler
+from mergeflow.runner.arguments import check_schedule, check_workers, probe_dask_scheduler
 
 
 def _one_line(capsys, call) -> tuple[int, str]:

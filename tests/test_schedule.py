@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergeflow.runner.orchestration import DevicePool, StageFailed, StageNode, parse_visible_devices, process_device_pool, run_stage, stage_graph, worker_devices
+from mergeflow.runner.gpus import DevicePool, parse_visible_devices, process_device_pool, worker_devices
+
+from mergeflow.runner.graph import StageNode, stage_graph
+
+from mergeflow.runner.running import StageFailed, run_stage
 
 from .conftest import copy_project, run as _run
 
@@ -99,7 +103,7 @@ def test_local_cluster_workers_keep_the_thread_settings(monkeypatch):
     import-time environment is the stage server's (the stage forks from it instead of importing torch again)."""
     from distributed import Client
 
-    from mergeflow.runner.orchestration import local_cluster
+    from mergeflow.runner.arguments import local_cluster
     from mergeflow.runner.stage_server import _import_time_env, _same_imports
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -305,7 +309,7 @@ def test_dask_runner_reruns_only_what_changed(tmp_path, tiny_reference, tiny_env
     out = _run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600)
     print(f"flow run on a shared working tree (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
     assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
-    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.runner.orchestration.local_cluster`" in out
+    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.runner.arguments.local_cluster`" in out
     assert "Data and pipelines are up to date." in _run(["dvc", "status"], root, env)
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert lock["stages"]["merge@ties"]["params"]["params.yaml"]["merge.ties"]["k"] == 0.1

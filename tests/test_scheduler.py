@@ -10,7 +10,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mergeflow.runner.orchestration import StageFailed, StageNode
+from mergeflow.runner.graph import StageNode
+
+from mergeflow.runner.running import StageFailed
 from mergeflow.runner.scheduler import run_graph
 
 DVC = os.path.join(os.path.dirname(sys.executable), "dvc")

@@ -105,7 +105,7 @@ def test_missing_and_added_files_and_the_commands_exit_status(project):
 def test_what_the_flow_reruns_when_bytes_changed(project):
     """The Prefect flow's use: outputs of stages about to run are not read; a stage whose bytes changed joins the
     stale ones (with what is downstream of it), though DVC sees nothing."""
-    from mergeflow.runner.orchestration import stage_graph, stale_stages
+    from mergeflow.runner.graph import stage_graph, stale_stages
 
     _flip_keeping_size_and_mtime(project / "model.bin")
     nodes = stage_graph(project)

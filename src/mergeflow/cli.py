@@ -109,7 +109,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     reproduce.add_argument("--scratch", metavar="DIR", help="re-run in DIR and keep it (default: a temporary folder, removed after)")
     sub.add_parser("check", help="validate params.yaml and what dvc.yaml takes from it; restore a cut-short dvc.lock", description="Validate params.yaml in full and what dvc.yaml takes from it; restore a cut-short dvc.lock.")
     repro = sub.add_parser("repro", help="`mergeflow check`, then every stale stage, several at once (or `dvc repro ARGS`)", description="`mergeflow check`, then every stale stage of dvc.yaml, --workers at once as the cores allow, each recorded in dvc.lock as it completes. With any of dvc repro's options or stage names, `dvc repro ARGS` runs instead, one stage at a time. dvc.lock is written atomically either way.", usage="mergeflow repro [-h] [--workers N] [DVC_REPRO_ARGS ...]")
-    from mergeflow.runner.orchestration import workers_argument  # no torch
+    from mergeflow.runner.arguments import workers_argument  # no torch
 
     repro.add_argument("--workers", type=workers_argument, default=None, metavar="N", help="stages at once (default: one per GPU, each stage a GPU to itself; else one per CPU core)")
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
@@ -229,7 +229,7 @@ def run_command(args: argparse.Namespace) -> int:
                     status = dvc_main(["repro", "--force", "--single-item", "track"])
             return status
 
-    from mergeflow.runner.orchestration import die_with_parent
+    from mergeflow.runner.lifetime import die_with_parent
 
     die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
     from mergeflow.pipeline import stages
@@ -400,7 +400,7 @@ def _forwarded(argv: list[str]) -> int | None:
     if not os.environ.get(SERVER_ENV) or _command_of(argv) not in STAGE_COMMANDS or {"-h", "--help", "--download"} & set(argv):
         return None
     if os.environ.get("MERGEFLOW_DIE_WITH_PARENT"):
-        from mergeflow.runner.orchestration import die_with_parent
+        from mergeflow.runner.lifetime import die_with_parent
 
         die_with_parent()
     return forward(argv)

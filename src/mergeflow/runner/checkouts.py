@@ -16,7 +16,8 @@ from pathlib import Path
 from mergeflow.core import lockfile
 from mergeflow.core.errors import MergeflowError
 from mergeflow.core.io import atomic_path
-from mergeflow.runner.orchestration import StageNode, run_stage
+from mergeflow.runner.graph import StageNode
+from mergeflow.runner.running import run_stage
 from mergeflow.core.yaml_files import parse_yaml
 
 CHECKOUT_ENV = "MERGEFLOW_CHECKOUT"  # where a worker keeps its checkout (default: its Dask local directory)

@@ -164,7 +164,7 @@ def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance
     """Re-run ``stages`` (default: default_stages) in a scratch copy of the workspace at ``root`` and compare; the
     report is printed through ``echo`` and returned. The scratch copy is removed afterwards unless given."""
     from mergeflow.params import load_params
-    from mergeflow.runner.orchestration import stage_graph
+    from mergeflow.runner.graph import stage_graph
     from mergeflow.core.reproducibility.machine import describe, explain, recorded
 
     root = Path(root).resolve()

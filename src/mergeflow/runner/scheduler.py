@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergeflow.core.devices import RUN_GPUS_ENV
-from mergeflow.runner.orchestration import DevicePool, StageFailed, StageNode, StageNotStarted, commit_stage, locked_repo, run_stage, stage_graph, stale_stages, stop_stages, stopping, visible_gpus
+from mergeflow.runner.gpus import DevicePool, visible_gpus
+from mergeflow.runner.graph import StageNode, commit_stage, locked_repo, stage_graph, stale_stages
+from mergeflow.runner.running import StageFailed, StageNotStarted, run_stage, stop_stages, stopping
 from mergeflow.runner.stage_server import CUDA_DEVICES_ENV, SERVER_ENV, running_server, running_servers, served_env
 
 @dataclass
@@ -147,7 +149,7 @@ def stage_cores(root: str | Path) -> tuple[Callable[[StageNode], int] | None, in
 
 
 def stage_gpus(root: str | Path) -> list[str]:
-    """The GPUs a run's stages each get one of to themselves (orchestration.visible_gpus): none where params.yaml
+    """The GPUs a run's stages each get one of to themselves (gpus.visible_gpus): none where params.yaml
     keeps the stages on the CPU (runtime.device: cpu)."""
     from mergeflow.params import load_params
     from mergeflow.core.errors import MergeflowError

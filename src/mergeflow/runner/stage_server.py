@@ -38,7 +38,7 @@ from pathlib import Path
 from mergeflow.core.stage_table import STAGES
 
 SERVER_ENV = "MERGEFLOW_STAGE_SERVER"
-CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"  # a stage's GPU (mergeflow.runner.orchestration.DevicePool hands them out)
+CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"  # a stage's GPU (mergeflow.runner.gpus.DevicePool hands them out)
 SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRESS`: the server (not a user command)
 # the commands a server runs: the stages (everything else is quick or starts its own processes)
 STAGE_COMMANDS = frozenset(STAGES)

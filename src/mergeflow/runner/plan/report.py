@@ -40,7 +40,7 @@ def machine_memory(tp: Throughput) -> tuple[int | None, str]:
 
 
 def make_plan(params: Params, nodes, stale: set[str], tp: Throughput, *, include_all: bool = False, memory_bytes: int | None = None, memory_of: str = "RAM") -> dict:
-    """Every stage (``nodes``: orchestration.StageNode, in order) with whether it will run, its estimate (those
+    """Every stage (``nodes``: graph.StageNode, in order) with whether it will run, its estimate (those
     that will run, or all with ``include_all``), and the total of those that will run. With ``memory_bytes``
     (the machine's), each estimated stage says whether its peak exceeds it, and ``exceeds_memory`` lists them."""
     n_params = model_shape(params).parameters
@@ -71,7 +71,7 @@ def project_plan(root: str | Path, params: Params, *, include_all: bool = False,
     with the throughput given, or this machine's cached one (measured when not cached, or ``remeasure``)."""
     from dvc.repo import Repo
 
-    from mergeflow.runner.orchestration import check_repo, stage_graph, stale_stages
+    from mergeflow.runner.graph import check_repo, stage_graph, stale_stages
 
     check_repo(root)
     with Repo(str(root)) as repo:  # one repository for the graph and the status
