@@ -12,7 +12,7 @@ import pytest
 from mergeflow.params import parse_params
 from mergeflow.pipeline.stages import Layout
 from mergeflow.studies import REGISTRY, StudyContext
-from mergeflow.studies import mima as mima_module
+from mergeflow.studies.mima import report as mima_module  # the study function, and the figures it calls
 from mergeflow.studies.mima import MimaSettings, rises, shrinks
 
 TASKS = ["digits", "house_numbers", "count", "texture"]
