@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from mergeflow.report import plots
+from mergeflow.report import plots, search_plots
 from mergeflow.report.summary import summary_rows
 
 TASKS = ["a", "b"]
@@ -50,13 +50,14 @@ def layout_problems(fig) -> list[str]:
 @pytest.fixture(autouse=True)
 def layout_checked(monkeypatch):
     """Every figure a test draws is checked by ``layout_problems`` before it is saved."""
-    save = plots._save
+    save = plots.save
 
     def checked(fig, path):
         assert layout_problems(fig) == []
         save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", checked)
+    monkeypatch.setattr(plots, "save", checked)
+    monkeypatch.setattr(search_plots, "save", checked)  # the search plots' own reference to it
 
 
 # ---------------------------------------------------------------- summary
@@ -128,47 +129,47 @@ ONE_D = merge_metrics({"lam": [0.1, 0.3, 1.0, 3.0]}, [({"lam": 0.1}, 0.5), ({"la
 
 
 def test_one_searched_hyperparameter_is_a_curve_with_the_chosen_value(tmp_path):
-    (panel,) = plots.search_panels(ONE_D)
-    assert isinstance(panel, plots.GridCurve)
+    (panel,) = search_plots.search_panels(ONE_D)
+    assert isinstance(panel, search_plots.GridCurve)
     assert panel.key == "lam" and panel.values == [0.1, 0.3, 1.0, 3.0]
     assert panel.averages == pytest.approx([50, 60, 70, 40])
     assert panel.chosen == 1.0 and panel.chosen_average == pytest.approx(70)
-    assert plots.uses_log_scale(panel.values)  # 0.1 to 3: more than a decade
-    plots.plot_merge_search(ONE_D, tmp_path / "one_d.png")
+    assert search_plots.uses_log_scale(panel.values)  # 0.1 to 3: more than a decade
+    search_plots.plot_merge_search(ONE_D, tmp_path / "one_d.png")
     assert png_size(tmp_path / "one_d.png")[0] > 500
 
 
 def test_log_scale_only_past_a_decade():
-    assert not plots.uses_log_scale([0.8, 1.0, 1.5, 2.5])
-    assert plots.uses_log_scale([0.05, 0.1, 1.0])
-    assert not plots.uses_log_scale([0.0, 0.5, 1.0]) and not plots.uses_log_scale(["row", "global"])
+    assert not search_plots.uses_log_scale([0.8, 1.0, 1.5, 2.5])
+    assert search_plots.uses_log_scale([0.05, 0.1, 1.0])
+    assert not search_plots.uses_log_scale([0.0, 0.5, 1.0]) and not search_plots.uses_log_scale(["row", "global"])
 
 
 def test_a_categorical_hyperparameter_is_drawn_at_its_place(tmp_path):
     metrics = merge_metrics({"scope": ["row", "global"]}, [({"scope": "row"}, 0.5), ({"scope": "global"}, 0.6)], {"scope": "global"})
-    (panel,) = plots.search_panels(metrics)
-    assert panel.values == ["row", "global"] and panel.chosen == "global" and plots._x(panel.values, panel.chosen) == 1
-    plots.plot_merge_search(metrics, tmp_path / "categorical.png")
+    (panel,) = search_plots.search_panels(metrics)
+    assert panel.values == ["row", "global"] and panel.chosen == "global" and search_plots._x(panel.values, panel.chosen) == 1
+    search_plots.plot_merge_search(metrics, tmp_path / "categorical.png")
 
 
 def test_two_searched_hyperparameters_are_a_heatmap_with_the_chosen_cell(tmp_path):
     grid = {"rank_ratio": [0.1, 0.2], "lam": [0.5, 1.0, 1.5]}
     averages = {(0.1, 0.5): 0.50, (0.1, 1.0): 0.55, (0.1, 1.5): 0.52, (0.2, 0.5): 0.58, (0.2, 1.0): 0.61, (0.2, 1.5): 0.60}
     metrics = merge_metrics(grid, [({"rank_ratio": r, "lam": lam}, avg) for (r, lam), avg in averages.items()], {"rank_ratio": 0.2, "lam": 1.0})
-    (panel,) = plots.search_panels(metrics)
-    assert isinstance(panel, plots.GridHeatmap)
+    (panel,) = search_plots.search_panels(metrics)
+    assert isinstance(panel, search_plots.GridHeatmap)
     # lam has more values: it spans x
     assert (panel.x_key, panel.y_key) == ("lam", "rank_ratio") and panel.best_over == []
     assert panel.averages == [pytest.approx([50, 55, 52]), pytest.approx([58, 61, 60])]
     assert panel.chosen == (1, 1) and panel.chosen_average == pytest.approx(61)
-    plots.plot_merge_search(metrics, tmp_path / "two_d.png")
+    search_plots.plot_merge_search(metrics, tmp_path / "two_d.png")
     assert png_size(tmp_path / "two_d.png")[0] > 500
 
 
 def test_a_third_searched_hyperparameter_is_folded_into_each_cell_as_its_best():
     grid = {"k": [0.1, 0.2], "lam": [0.5, 1.0, 1.5], "seed": [0, 1]}
     curve = [({"k": k, "lam": lam, "seed": s}, 0.5 + 0.1 * k + 0.01 * lam + 0.001 * s) for k in grid["k"] for lam in grid["lam"] for s in grid["seed"]]
-    (panel,) = plots.search_panels(merge_metrics(grid, curve, {"k": 0.2, "lam": 1.5, "seed": 1}))
+    (panel,) = search_plots.search_panels(merge_metrics(grid, curve, {"k": 0.2, "lam": 1.5, "seed": 1}))
     assert (panel.x_key, panel.y_key, panel.best_over) == ("lam", "k", ["seed"])
     assert panel.averages[0][0] == pytest.approx(100 * (0.5 + 0.01 + 0.005 + 0.001))
     assert panel.chosen == (1, 2)
@@ -179,29 +180,29 @@ PER_TASK_CURVES = {"tall_lambda": {"a": {"0.4": 0.7, "0.2": 0.5, "0.3": 0.6}, "b
 
 def test_a_choice_per_task_is_one_curve_per_task_with_each_chosen_value(tmp_path):
     metrics = merge_metrics({}, [({"lam": 1.0}, 0.7)], {"tall_lambda": {"a": 0.4, "b": 0.2}}, PER_TASK_CURVES, kind="per_task")
-    (panel,) = plots.search_panels(metrics)
-    assert isinstance(panel, plots.PerTaskCurves)
+    (panel,) = search_plots.search_panels(metrics)
+    assert isinstance(panel, search_plots.PerTaskCurves)
     assert panel.values == [0.2, 0.3, 0.4]  # sorted, whatever the file's order
     assert panel.accuracies == {"a": pytest.approx([50, 60, 70]), "b": pytest.approx([80, 70, 60])}
     assert panel.chosen == {"a": 0.4, "b": 0.2} and panel.chosen_accuracy == pytest.approx({"a": 70, "b": 80})
-    plots.plot_merge_search(metrics, tmp_path / "per_task.png")
+    search_plots.plot_merge_search(metrics, tmp_path / "per_task.png")
     assert png_size(tmp_path / "per_task.png")[0] > 500
 
 
 def test_a_grid_and_a_choice_per_task_are_two_panels(tmp_path):
     metrics = merge_metrics({"alpha": [0.5, 1.0]}, [({"alpha": 0.5}, 0.6), ({"alpha": 1.0}, 0.65)], {"alpha": 1.0, "tall_lambda": {"a": 0.4, "b": 0.2}}, PER_TASK_CURVES)
-    curve, per_task = plots.search_panels(metrics)
-    assert isinstance(curve, plots.GridCurve) and curve.chosen == 1.0
-    assert isinstance(per_task, plots.PerTaskCurves) and per_task.chosen == {"a": 0.4, "b": 0.2}
-    plots.plot_merge_search(metrics, tmp_path / "both.png")
+    curve, per_task = search_plots.search_panels(metrics)
+    assert isinstance(curve, search_plots.GridCurve) and curve.chosen == 1.0
+    assert isinstance(per_task, search_plots.PerTaskCurves) and per_task.chosen == {"a": 0.4, "b": 0.2}
+    search_plots.plot_merge_search(metrics, tmp_path / "both.png")
 
 
 @pytest.mark.parametrize("grid", [{}, {"lam": [0.3]}], ids=["no grid", "a grid of one value"])
 def test_no_search_is_the_one_setting_per_task(tmp_path, grid):
     metrics = merge_metrics(grid, [({"lam": 0.3}, 0.7)], {"lam": 0.3} if grid else {}, kind="per_task")
-    (panel,) = plots.search_panels(metrics)
-    assert panel == plots.OneSetting({"a": pytest.approx(60), "b": pytest.approx(80)}, pytest.approx(70))
-    plots.plot_merge_search(metrics, tmp_path / "one.png")
+    (panel,) = search_plots.search_panels(metrics)
+    assert panel == search_plots.OneSetting({"a": pytest.approx(60), "b": pytest.approx(80)}, pytest.approx(70))
+    search_plots.plot_merge_search(metrics, tmp_path / "one.png")
     assert png_size(tmp_path / "one.png")[0] > 500
 
 
@@ -229,7 +230,7 @@ def negation_metrics() -> dict:
 
 
 def test_negation_is_one_panel_per_task_with_its_floor_and_chosen_lam(tmp_path):
-    panels = plots.search_panels(negation_metrics())
+    panels = search_plots.search_panels(negation_metrics())
     assert [p.task for p in panels] == ["a", "b", "c"]
     a, b, c = panels
     # lam = 0 is the pretrained model: target its accuracy, control the others' mean
@@ -242,7 +243,7 @@ def test_negation_is_one_panel_per_task_with_its_floor_and_chosen_lam(tmp_path):
         i = p.lams.index(p.chosen_lam)
         assert (p.target[i], p.control[i]) == (pytest.approx(p.chosen_target), pytest.approx(p.chosen_control))
     assert c.chosen_lam == 0.0
-    plots.plot_merge_search(negation_metrics(), tmp_path / "negation.png")
+    search_plots.plot_merge_search(negation_metrics(), tmp_path / "negation.png")
     width, height = png_size(tmp_path / "negation.png")
     assert width > 800 and height > 300
 
@@ -263,7 +264,7 @@ def test_masks_learned_add_the_components_kept_per_task_and_matrix(tmp_path):
     plots.plot_learned_coefficients(metrics, plain)
     plots.plot_learned_coefficients({**metrics, "learned": {**learned, "kept": kept}}, masked)
     assert png_size(masked)[0] > png_size(plain)[0] * 1.3  # a third panel
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots()
     plots._plot_kept(fig, ax, kept)
     assert ax.images[0].get_array().tolist() == [[3, 0], [1, 2], [40, 37]]

@@ -21,7 +21,8 @@ from mergeflow.pipeline.binding import bind_data
 from mergeflow.ml.merging.search import negation_search, search
 from mergeflow.ml.models import build_backbone, load_heads as _load_heads
 from mergeflow.core.reproducibility.machine import environment_markdown, recorded
-from mergeflow.report.plots import plot_accuracy_heatmap, plot_averages, plot_learned_coefficients, plot_merge_search
+from mergeflow.report.plots import plot_accuracy_heatmap, plot_averages, plot_learned_coefficients
+from mergeflow.report.search_plots import plot_merge_search
 from mergeflow.report.summary import SPREAD_SDS, headline_metrics, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_markdown, summary_rows, validation_records
 from mergeflow.ml.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes
 from mergeflow.ml.training import Timer
