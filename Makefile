@@ -66,10 +66,12 @@ pipeline: install
 flow: install
 	$(BIN)/python -m flows.pipeline
 
-# everything but the kill-at-random fault injection, which `make test-faults` runs (CI runs both); on pytest-xdist
+# ruff's checks (pyproject.toml), then everything but the kill-at-random fault injection, which `make test-faults`
+# runs (CI runs both); on pytest-xdist
 # workers, one a core (at most 4), a test module a unit of work: the tiny reference run and the Prefect server are
 # made once for all of them (tests/conftest.py), the modules that use them start first
 test: install
+	$(BIN)/ruff check src flows tasks tests bench
 	$(BIN)/mergeflow check
 	$(BIN)/pytest -q -m "not faults" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 

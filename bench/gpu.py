@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 

@@ -14,7 +14,6 @@ import pytest
 
 import mergeflow  # noqa: F401 - before torch: the deterministic mode's kernels, pinned as every stage has them
 import torch
-import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]

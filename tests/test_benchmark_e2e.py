@@ -78,7 +78,8 @@ def ta8_run(repo_root, tmp_path_factory):
         stages.pretrain(params, layout)
         finetune = {t: stages.finetune(params, t, layout) for t in TA8}
         stages.vectors(params, layout)
-        merged = {m: stages.merge(params, m, layout) for m in METHODS}
+        for m in METHODS:
+            stages.merge(params, m, layout)
         report = stages.report(params, layout)
     finally:
         mp.undo()

@@ -198,13 +198,18 @@ def test_a_stage_a_worker_ran_is_recorded_whole(tmp_path):
 
 @pytest.mark.e2e
 def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_env, prefect_server, tmp_path):
-    """`--runner dask --worker-checkouts` on the pushed reference run with merge.ties.k = 0.1: each stage runs in
-    a Dask worker's own clone (its local directory, none of the project's files), pulling its inputs from the
-    remote and pushing its outputs; the flow records each in dvc.lock and pulls the outputs at the end, so that
-    its working tree is the whole run and `dvc status` is clean; a fresh clone pulls the new merge too."""
+    """`--runner dask --workers 2 --worker-checkouts` (a LocalCluster of 2 worker processes) on the pushed reference
+    run with merge.ties.k = 0.1: exactly merge@ties, report and track run; each stage but track runs in a Dask
+    worker's own clone (its local directory, none of the project's files), pulling its inputs from the remote and
+    pushing its outputs, each worker handing out its own share of two pretend GPUs; the flow records each in
+    dvc.lock and pulls the outputs at the end, so that its working tree is the whole run and `dvc status` is clean;
+    the Prefect server holds the three task runs, completed; a fresh clone pulls the new merge too. (One flow run
+    for the Dask runner's and the worker checkouts' checks: each costs a minute on 2 cores.)"""
     import yaml
 
-    env = tiny_env | {"PREFECT_API_URL": prefect_server}
+    from .test_schedule import _api
+
+    env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": "7,9"}  # no such devices: stages run on the CPU
     project = copy_project(committed_run, tmp_path / "project")
     run(["mergeflow", "remote", "add", str(tmp_path / "store")], project, env)
     run("git add .dvc/config && git commit -qm remote && dvc push -q", project, env)
@@ -213,7 +218,15 @@ def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_e
     start = time.perf_counter()
     out = run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--worker-checkouts", "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env, timeout=900)
     print(f"flow run with worker checkouts (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
-    assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]
+    assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
+    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.runner.arguments.local_cluster`" in out
+    # the task runs, on the server: the three stages, completed, each on one of the pretend GPUs
+    flow_run = [r for r in _api(prefect_server, "flow_runs/filter", {"sort": "START_TIME_DESC"}) if r["parameters"].get("root") == "."][0]
+    assert flow_run["parameters"]["runner"] == "dask" and flow_run["parameters"]["worker_checkouts"] and flow_run["state_type"] == "COMPLETED"
+    task_runs = _api(prefect_server, "task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+    assert sorted((t["name"], t["state_type"]) for t in task_runs) == [("merge@ties", "COMPLETED"), ("report", "COMPLETED"), ("track", "COMPLETED")]
+    logs = [e["message"] for e in _api(prefect_server, "logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}})]
+    assert sorted(m for m in logs if " runs on GPU " in m) in ([f"merge@ties runs on GPU {a}", f"report runs on GPU {b}", f"track runs on GPU {c}"] for a in "79" for b in "79" for c in "79"), logs
     # merge@ties and report on the workers, each in a clone in its Dask local directory; track here, where MLflow's
     # store is, on its inputs pulled
     checkouts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"(merge@ties|report|track) ran in the checkout (\S+)", out)}

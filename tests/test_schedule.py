@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mergeflow.runner.gpus import DevicePool, parse_visible_devices, process_device_pool, worker_devices
 
@@ -299,27 +298,8 @@ def test_serve_refuses_bad_input_before_registering(tmp_path, repo_root):
 
 # ---------------------------------------------------------------- the Dask runner
 @pytest.mark.e2e
-def test_dask_runner_reruns_only_what_changed(tmp_path, tiny_reference, tiny_env, prefect_server):
-    """`--runner dask --workers 2` (a LocalCluster of 2 worker processes) on the reference run with
-    merge.ties.k = 0.1: exactly merge@ties, report and track run, on the cluster's workers (each handing out its
-    own share of two pretend GPUs), each committed to dvc.lock by the flow; `dvc status` is clean after."""
-    root = copy_project(tiny_reference[0], tmp_path / "dask")
-    env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": "7,9"}  # no such devices: stages run on the CPU
-    start = time.perf_counter()
-    out = _run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, timeout=600)
-    print(f"flow run on a shared working tree (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
-    assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
-    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.runner.arguments.local_cluster`" in out
-    assert "Data and pipelines are up to date." in _run(["dvc", "status"], root, env)
-    lock = yaml.safe_load((root / "dvc.lock").read_text())
-    assert lock["stages"]["merge@ties"]["params"]["params.yaml"]["merge.ties"]["k"] == 0.1
-    # the task runs, on the server: the three stages, completed, each on one of the pretend GPUs
-    flow_run = [r for r in _api(prefect_server, "flow_runs/filter", {"sort": "START_TIME_DESC"}) if r["parameters"].get("root") == str(root)][0]
-    assert flow_run["parameters"]["runner"] == "dask" and flow_run["state_type"] == "COMPLETED"
-    task_runs = _api(prefect_server, "task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
-    assert sorted((t["name"], t["state_type"]) for t in task_runs) == [("merge@ties", "COMPLETED"), ("report", "COMPLETED"), ("track", "COMPLETED")]
-    logs = [e["message"] for e in _api(prefect_server, "logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}})]
-    assert sorted(m for m in logs if " runs on GPU " in m) in ([f"merge@ties runs on GPU {a}", f"report runs on GPU {b}", f"track runs on GPU {c}"] for a in "79" for b in "79" for c in "79"), logs
+# the Dask runner on a reference run (merge@ties, report and track on a LocalCluster's workers, each with a pretend
+# GPU of its own, recorded by the Prefect server) is tests/test_remote.py's worker-checkouts flow run
 
 
 def test_a_dask_address_needs_the_dask_runner(tmp_path, repo_root):

@@ -20,7 +20,7 @@ DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
 
 def test_a_stage_starts_after_its_upstream_is_committed_and_never_downstream_of_a_failure():
     nodes = [StageNode("a", ("a",), ()), *(StageNode(f"b@{i}", ("b",), ("a",)) for i in range(4)), StageNode("c", ("c",), ("b@0",)), StageNode("d", ("d",), ("b@1",))]
-    committed, events, running, most = [], [], set(), [0]
+    committed, running, most = [], set(), [0]
     lock = threading.Lock()
 
     def work(node):

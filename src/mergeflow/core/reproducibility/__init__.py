@@ -108,7 +108,6 @@ def stage_threads() -> int:
 
 def kernels_in_use() -> dict[str, str]:
     """The CPU kernel paths this process runs: torch's capability, MKL's branch, OpenBLAS's core, numpy's SIMD."""
-    import numpy as np
     import torch
 
     from mergeflow.core.reproducibility import gemm

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-import torch
 from safetensors.torch import load as load_bytes, save as save_bytes
 
 from mergeflow.core.io import StateDict

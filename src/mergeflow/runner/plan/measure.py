@@ -381,7 +381,7 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
     shape = model_shape(params)
     matrix = torch.randn(*shape.largest_matrix)
     svd_s = stopwatch.time(synced(lambda: svd(matrix)))
-    del optimizer
+    optimizer = None  # its states freed before the next measurement
     cuda = device.type == "cuda"
     base = 0 if cuda else before_model  # CPU: the growth over the process before the model
     import_s, import_rss = process_start or stage_process_start()

@@ -18,7 +18,7 @@ from mergeflow.studies.cart.settings import NAMES, PAPER_8, PAPER_INDEXING, SCAL
 from mergeflow.studies.cart.spectra import rank_of, spectra
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 def _individual(context: StudyContext) -> dict[str, float] | None:

@@ -14,7 +14,7 @@ from mergeflow.studies.provable.real import RealMeasurements, RealOod
 from mergeflow.studies.provable.settings import ProvableSettings
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 def _pyplot():
