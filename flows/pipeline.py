@@ -138,31 +138,14 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     outputs moved by the DVC remote, for a cluster without a shared file system (mergeflow.runner.checkouts). The run ends
     by publishing the Markdown artifact mergeflow-summary: the summary table and the MLflow run, or what failed."""
     logger = get_run_logger()
-    try:
-        check_repo(root)
-        check_workers(workers, "workers")
-        check_runner(runner, dask_address, worker_checkouts)
-        commit = check_source(root) if worker_checkouts else None  # before params.yaml is written: a refusal leaves it
-        if overrides:
-            apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
-        _, notices = check_project(root)
-    except MergeflowError as err:
-        publish_summary(failure_markdown(None, f"error: {err}"))
-        raise
-    for notice in notices:
-        logger.warning(notice)
+    commit = _checked(root, workers, runner, dask_address, worker_checkouts, overrides)
     # DVC names a stage relative to the working directory ("../repo/dvc.yaml:merge@ties" from elsewhere), and a
     # stage learns its task or method from that name (DVC_STAGE): the run works from the repository root, whatever
     # directory a deployment's runner or worker started it in
     root = str(Path(root).resolve())
     with contextlib.chdir(root), locked_repo(root) as repo:
         nodes = stage_graph(repo)
-        stale = stale_stages(repo, nodes)
-        # outputs whose bytes changed with their size and mtime kept pass DVC's status: hashed again (mergeflow
-        # verify, seconds), and their stages run again with everything downstream
-        if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
-            logger.warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
-            stale = stale_stages(repo, nodes, also={c.stage for c in rotted})
+        stale = _stale(repo, nodes, root)
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
         # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
         # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
@@ -223,20 +206,56 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
                 outcome = run_graph(to_run, submit, record, None if dask_address else workers, on_stop, cores, capacity)
             if commit:  # the outputs the workers pushed, into this working tree
                 pull_outputs(repo, [a for a in outcome.done if a not in here])
+    return _finish(outcome, len(nodes), len(to_run), root)
+
+
+def _checked(root: str, workers: int | None, runner: Runner, dask_address: str | None, worker_checkouts: bool, overrides: list[str] | None) -> str | None:
+    """Every argument and the project checked (mergeflow check) before any stage runs, the overrides written into
+    params.yaml; a refusal is published as the run's summary. Returns the commit worker checkouts start from."""
+    try:
+        check_repo(root)
+        check_workers(workers, "workers")
+        check_runner(runner, dask_address, worker_checkouts)
+        commit = check_source(root) if worker_checkouts else None  # before params.yaml is written: a refusal leaves it
+        if overrides:
+            apply_overrides(os.path.join(root, "params.yaml"), list(overrides))
+        _, notices = check_project(root)
+    except MergeflowError as err:
+        publish_summary(failure_markdown(None, f"error: {err}"))
+        raise
+    for notice in notices:
+        get_run_logger().warning(notice)
+    return commit
+
+
+def _stale(repo, nodes: list[StageNode], root: str) -> set[str]:
+    """The stages to run: DVC's stale ones, and those whose outputs' bytes changed with their size and mtime kept
+    (which pass DVC's status): hashed again (mergeflow verify, seconds), run again with everything downstream."""
+    stale = stale_stages(repo, nodes)
+    if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
+        get_run_logger().warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
+        stale = stale_stages(repo, nodes, also={c.stage for c in rotted})
+    return stale
+
+
+def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[str]:
+    """The run's end: each failed or unrun stage logged and the failure summary published (PipelineFailed), or the
+    outputs pushed to the DVC remote and the success summary published."""
+    logger = get_run_logger()
     if outcome.failed or outcome.not_run:
         for address in outcome.failed:
             logger.error("failed: %s, %s: %s", address, outcome.status(address), outcome.error_line(address))
         if outcome.not_run:
             logger.error("not run: %s", "; ".join(f"{a} ({why})" for a, why in outcome.not_run.items()))
-        publish_summary(failure_markdown(outcome, stages=len(nodes)))
+        publish_summary(failure_markdown(outcome, stages=stages))
         if stopping():
-            raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {len(to_run)} stages completed and were recorded in dvc.lock; the rest run next time")
+            raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {to_run} stages completed and were recorded in dvc.lock; the rest run next time")
         first = next(iter(outcome.failed.values()), None)
         missing = len(outcome.failed) + len(outcome.not_run)
-        raise PipelineFailed(f"{missing} of {len(to_run)} stages did not complete; first failure: {first if first is not None else next(iter(outcome.not_run.values()))}")
+        raise PipelineFailed(f"{missing} of {to_run} stages did not complete; first failure: {first if first is not None else next(iter(outcome.not_run.values()))}")
     pushed, push_error = push_section(Path(root))
     logger.info("outputs: %s", pushed)
-    publish_summary(success_markdown(Path(root), outcome.done, len(nodes), pushed))
+    publish_summary(success_markdown(Path(root), outcome.done, stages, pushed))
     if push_error:
         raise PipelineFailed(f"every stage completed, but {push_error}")
     return outcome.done

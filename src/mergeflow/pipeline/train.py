@@ -289,6 +289,46 @@ def regime_trainer(params: Params, layout: Layout, device: str):
     return finetune_trainer(params.backbone, heads, {t: (d.train.images, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=torch.device(device), anchors=anchors)
 
 
+def _variant_record(params: Params, result, kwargs: dict, tasks: dict, heads: dict, device) -> dict:
+    """A variant's metrics: its task models' accuracies, its own model's (where it has one), per-round norms and
+    cosines."""
+    bs = params.runtime.eval_batch_size
+
+    def accuracies(state, task):
+        model = build_backbone(params.backbone, split_factors(state)[0])
+        return {s: accuracy(model, heads[task], tasks[task].split(s).images, tasks[task].split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+
+    individual = {t: accuracies(result.task_states[t], t) for t in tasks}
+    own = None
+    if result.model is not None:
+        own_acc = {s: {t: accuracies(result.model, t)[s] for t in tasks} for s in ("val", "test")}
+        own = {"accuracy": own_acc, "average": {s: mean(own_acc[s].values()) for s in own_acc}}
+    return {
+        "hyperparameters": kwargs,
+        "individual": individual,
+        "individual_average": {s: mean(individual[t][s] for t in tasks) for s in ("val", "test")},
+        "model": own,
+        "rounds": [
+            {"round": r.round, "update_norms": r.update_norms, "update_cosines": _pairs(r.update_cosines), "task_vector_norms": r.task_vector_norms, "task_vector_cosines": _pairs(r.task_vector_cosines)}
+            for r in result.rounds
+        ],
+    }
+
+
+def _save_variant(params: Params, layout: Layout, folder, name: str, variant: str, result, theta0, record: dict, cfg) -> None:
+    """A variant's task vectors (LoRA's as their factors) and their statistics, its own model, ATM's per-round
+    updates, into ``folder``; its vectors' storage into ``record``."""
+    meta = {"regime": name, "variant": variant}
+    tvs, storage = save_task_vectors(folder / "vectors", theta0, result.task_states, adapter=cfg.adapter(record["hyperparameters"]), meta=meta, pretrained_name=str(layout.pretrained))
+    record["storage_bytes"] = storage
+    write_json(folder / "vectors" / "stats.json", vector_statistics(theta0, tvs))
+    if result.model is not None:
+        save_state_dict(folder / "model.safetensors", result.model, backbone_metadata(params.backbone) | meta)
+    for rec in result.rounds:
+        for t, update in (rec.updates or {}).items():
+            save_state_dict(folder / "updates" / f"round{rec.round}" / f"{t}.safetensors", update, meta | {"task": t, "round": str(rec.round)})
+
+
 def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     """Stage regime@<name>: every variant of one training-time regime (mergeflow.ml.regimes; MIMA and ATM make one per
     round count), through the pipeline's own fine-tune from theta0 under each task's probe head (the standard
@@ -306,7 +346,6 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     tasks = _load_tasks(params, layout)
     theta0 = load_state_dict(layout.pretrained)
     heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
-    bs = params.runtime.eval_batch_size
     variants_out: dict[str, dict] = {}
     variant_times: dict[str, dict] = {}
     # a round's fine-tunes run at once, one process each up to the CPU threads this stage has (one thread each);
@@ -336,40 +375,13 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
             with Timer() as variant_timer:
                 result = REGIMES[name](theta0, list(tasks), train, on_round_end=on_round_end, resume=resume, **kwargs)
 
-            def accuracies(state, task):
-                model = build_backbone(params.backbone, split_factors(state)[0])
-                return {s: accuracy(model, heads[task], tasks[task].split(s).images, tasks[task].split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
-
-            individual = {t: accuracies(result.task_states[t], t) for t in tasks}
-            own = None
-            if result.model is not None:
-                own_acc = {s: {t: accuracies(result.model, t)[s] for t in tasks} for s in ("val", "test")}
-                own = {"accuracy": own_acc, "average": {s: mean(own_acc[s].values()) for s in own_acc}}
-            variants_out[variant] = {
-                "hyperparameters": kwargs,
-                "individual": individual,
-                "individual_average": {s: mean(individual[t][s] for t in tasks) for s in ("val", "test")},
-                "model": own,
-                "rounds": [
-                    {"round": r.round, "update_norms": r.update_norms, "update_cosines": _pairs(r.update_cosines), "task_vector_norms": r.task_vector_norms, "task_vector_cosines": _pairs(r.task_vector_cosines)}
-                    for r in result.rounds
-                ],
-            }
+            variants_out[variant] = _variant_record(params, result, kwargs, tasks, heads, device)
             # apart from the metrics, whose bytes must not change with the machine's load (logs/timing)
             variant_times[variant] = {"wall_time_s": variant_timer.seconds, "rounds_wall_time_s": round_times}
             results[variant] = result
     with atomic_path(layout.regime(name), directory=True) as tmp:
         for variant, result in results.items():
-            meta = {"regime": name, "variant": variant}
-            adapter = cfg.adapter(variants_out[variant]["hyperparameters"])
-            tvs, storage = save_task_vectors(tmp / variant / "vectors", theta0, result.task_states, adapter=adapter, meta=meta, pretrained_name=str(layout.pretrained))
-            variants_out[variant]["storage_bytes"] = storage
-            write_json(tmp / variant / "vectors" / "stats.json", vector_statistics(theta0, tvs))
-            if result.model is not None:
-                save_state_dict(tmp / variant / "model.safetensors", result.model, backbone_metadata(params.backbone) | meta)
-            for record in result.rounds:
-                for t, update in (record.updates or {}).items():
-                    save_state_dict(tmp / variant / "updates" / f"round{record.round}" / f"{t}.safetensors", update, meta | {"task": t, "round": str(record.round)})
+            _save_variant(params, layout, tmp / variant, name, variant, result, theta0, variants_out[variant], cfg)
     metrics = {"regime": name, "paper": REGIMES[name].paper, "variants": variants_out}
     write_json(layout.metrics("regime", name), metrics)
     write_json(layout.timing("regime", name), timer.record() | {"variants": variant_times})
