@@ -187,6 +187,33 @@ class _Stage:
         self.conn, self.pid = conn, pid
 
 
+def _pass_on_signal(stage: _Stage, selector: selectors.BaseSelector) -> None:
+    """The signal a command sent, to its stage's process group; SIGKILL when the command closed (it was killed)."""
+    try:
+        message, _ = _receive(stage.conn)
+    except OSError:
+        message = None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(stage.pid, message["signal"] if message else signal.SIGKILL)
+    if message is None:
+        selector.unregister(stage.conn)
+
+
+def _reap(stages: dict[int, _Stage], selector: selectors.BaseSelector) -> None:
+    """Each stage that ended: its exit status sent to its command, its connection closed."""
+    for fd, stage in list(stages.items()):
+        done, status = os.waitpid(stage.pid, os.WNOHANG)
+        if not done:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(OSError):
+            _send(stage.conn, {"status": code if code >= 0 else 128 - code})
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(stage.conn)
+        stage.conn.close()
+        del stages[fd]
+
+
 def serve(address: str, entry: Callable[[list[str]], int]) -> None:
     """Listen on ``address`` (a Unix socket path) and fork a child per request that runs ``entry(argv)`` (the
     ``mergeflow`` command's main), until the parent dies or a SIGTERM: then every running stage's group is killed
@@ -247,26 +274,8 @@ def serve(address: str, entry: Callable[[list[str]], int]) -> None:
                     stages[conn.fileno()] = _Stage(conn, pid)
                     selector.register(conn, selectors.EVENT_READ)
                 else:  # a command sent a signal to pass on, or closed: it was killed, so is its stage
-                    stage = stages[key.fileobj.fileno()]
-                    try:
-                        message, _ = _receive(stage.conn)
-                    except OSError:
-                        message = None
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(stage.pid, message["signal"] if message else signal.SIGKILL)
-                    if message is None:
-                        selector.unregister(stage.conn)
-            for fd, stage in list(stages.items()):
-                done, status = os.waitpid(stage.pid, os.WNOHANG)
-                if not done:
-                    continue
-                code = os.waitstatus_to_exitcode(status)
-                with contextlib.suppress(OSError):
-                    _send(stage.conn, {"status": code if code >= 0 else 128 - code})
-                with contextlib.suppress(KeyError, ValueError):
-                    selector.unregister(stage.conn)
-                stage.conn.close()
-                del stages[fd]
+                    _pass_on_signal(stages[key.fileobj.fileno()], selector)
+            _reap(stages, selector)
     finally:
         for stage in stages.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
