@@ -40,17 +40,13 @@ def _coefs(items: Sequence[Sequence[Mapping[str, torch.Tensor]]]) -> list[torch.
     return [torch.cat([p[L]["coef"] for p in items]) for L in range(len(items[0]))]
 
 
-@register("ctl", paper=PAPER, title="Cross-task linearity: interpolated weights give interpolated features, layer by layer", settings=CtlSettings)
-def ctl_study(context: StudyContext) -> StudyResult:
-    import torch
-
-    from mergeflow.ml import data as data_mod
+def _load(params, layout, device) -> tuple[dict, dict, dict, Suite, Probe]:
+    """theta0, each task's data and head, the suite (theta0, the fine-tunes, the heads, the test splits) and the
+    probe that hooks the backbone's blocks."""
     from mergeflow.core.io import load_state_dict
+    from mergeflow.ml import data as data_mod
     from mergeflow.ml.models import build_backbone, load_head
 
-    params, layout, s, device = context.params, context.layout, context.settings, context.device
-    started = time.perf_counter()
-    timings: dict[str, float] = {}
     tasks = list(params.suite.tasks)
     if len(tasks) < 2:
         raise MergeflowError("studies.ctl: needs at least two tasks in suite.tasks")
@@ -62,8 +58,49 @@ def ctl_study(context: StudyContext) -> StudyResult:
     blocks = list(getattr(backbone.net, "blocks", []))
     if not blocks:
         raise MergeflowError(f"studies.ctl: backbone '{params.backbone.model}' has no 'blocks' (the study hooks a timm ViT's blocks)")
-    probe = Probe(backbone, backbone.net, blocks, params.runtime.eval_batch_size, device)
-    depth = len(blocks)
+    return theta0, data, heads, suite, Probe(backbone, backbone.net, blocks, params.runtime.eval_batch_size, device)
+
+
+def _measure_scratch(params, s: CtlSettings, suite: Suite, probe: Probe, data: dict, heads: dict, theta0, pair8: tuple[str, str], n: int, device) -> tuple[dict, dict, dict]:
+    """Claim 8's measurements: the pair trained from a random init and, on the same schedule, from theta0; the
+    CTL terms at alpha = 0.5 of those two and of the pipeline's fine-tunes (by name, in the plot's order), each
+    model's test accuracy, and each pair's distance relative to its init's norm."""
+    import torch
+
+    from mergeflow.ml.models import build_backbone
+
+    train = {t: (data[t].train.images, data[t].train.labels) for t in pair8}
+    torch.manual_seed(params.seed)
+    random_init = {k: v.detach().clone() for k, v in build_backbone(params.backbone).net.state_dict().items()}
+    from_scratch = train_pair(params, suite, train, random_init, pair8, s.scratch_steps, device, "scratch")
+    from_theta0 = train_pair(params, suite, train, theta0, pair8, s.scratch_steps, device, "from-theta0")
+    x8, _ = suite.x(list(pair8), n)
+    terms = {
+        "random init": ctl_at(probe, from_scratch[pair8[0]], from_scratch[pair8[1]], x8, 0.5),
+        "from θ0, same schedule": ctl_at(probe, from_theta0[pair8[0]], from_theta0[pair8[1]], x8, 0.5),
+        "pipeline": ctl_at(probe, suite.thetas[pair8[0]], suite.thetas[pair8[1]], x8, 0.5),
+    }
+    acc8 = {}
+    for name, states in (("scratch", from_scratch), ("finetuned", from_theta0)):
+        acc8[name] = {}
+        for t in pair8:
+            _, out = probe.run(states[t], data[t].test.images)
+            acc8[name][t] = _head_acc(out, heads[t], data[t].test.labels)
+    rel8 = {name: _r(_distance(states[pair8[0]], states[pair8[1]]) / _norm(init)) for name, states, init in (("scratch", from_scratch, random_init), ("finetuned", from_theta0, theta0))}
+    return terms, acc8, rel8
+
+
+@register("ctl", paper=PAPER, title="Cross-task linearity: interpolated weights give interpolated features, layer by layer", settings=CtlSettings)
+def ctl_study(context: StudyContext) -> StudyResult:
+    import torch
+
+
+    params, layout, s, device = context.params, context.layout, context.settings, context.device
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    tasks = list(params.suite.tasks)
+    theta0, data, heads, suite, probe = _load(params, layout, device)
+    depth = len(probe.layers)
     layer = s.stitch_layer if s.stitch_layer is not None else max(0, depth // 2 - 1)
     if layer >= depth:
         raise MergeflowError(f"studies.ctl.stitch_layer: block {layer} does not exist (the backbone has {depth})")
@@ -105,38 +142,23 @@ def ctl_study(context: StudyContext) -> StudyResult:
     pair8 = tuple(s.scratch_pair) if s.scratch_pair is not None else pairs[0]
     for t in pair8:
         params.check_task(t)
-    train = {t: (data[t].train.images, data[t].train.labels) for t in pair8}
-    torch.manual_seed(params.seed)
-    random_init = {k: v.detach().clone() for k, v in build_backbone(params.backbone).net.state_dict().items()}
-    from_scratch = train_pair(params, suite, train, random_init, pair8, s.scratch_steps, device, "scratch")
-    from_theta0 = train_pair(params, suite, train, theta0, pair8, s.scratch_steps, device, "from-theta0")
-    x8, _ = suite.x(list(pair8), n)
-    t_scratch = ctl_at(probe, from_scratch[pair8[0]], from_scratch[pair8[1]], x8, 0.5)
-    t_control = ctl_at(probe, from_theta0[pair8[0]], from_theta0[pair8[1]], x8, 0.5)
-    t_pipeline = ctl_at(probe, suite.thetas[pair8[0]], suite.thetas[pair8[1]], x8, 0.5)
-    acc8 = {}
-    for name, states in (("scratch", from_scratch), ("finetuned", from_theta0)):
-        acc8[name] = {}
-        for t in pair8:
-            _, out = probe.run(states[t], data[t].test.images)
-            acc8[name][t] = _head_acc(out, heads[t], data[t].test.labels)
-    rel8 = {name: _r(_distance(states[pair8[0]], states[pair8[1]]) / _norm(init)) for name, states, init in (("scratch", from_scratch, random_init), ("finetuned", from_theta0, theta0))}
-    scratch, control, pipeline8 = _by_layer([t_scratch]), _by_layer([t_control]), _by_layer([t_pipeline])
+    terms8, acc8, rel8 = _measure_scratch(params, s, suite, probe, data, heads, theta0, pair8, n, device)
+    scratch, control, pipeline8 = (_by_layer([terms8[k]]) for k in ("random init", "from θ0, same schedule", "pipeline"))
     timings["scratch"] = time.perf_counter() - t0
 
     c1 = claim_ctl(per_alpha, s)
     claims = [c1, claim_coef(per_alpha, s), claim_average(per_k, s), claim_addition(addition, s, lam), claim_negation(negation, s, lam),
               claim_barrier(barriers, c1.holds, s), claim_stitching(stitch, s), claim_scratch(pair8, scratch, control, acc8, s, rel8)]
 
+    figures = ["ctl.png", "arithmetic.png", "barrier.png", "stitching.png", "scratch.png"]
     out = Path(context.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    figures = ["ctl.png", "arithmetic.png", "barrier.png", "stitching.png", "scratch.png"]
     plot_ctl(per_alpha, {a: _coefs([m["ctl"][a] for m in measured.values()]) for a in s.alphas}, len(pairs), out / figures[0])
-    plot_arithmetic(per_k, addition, negation, {"average": {k: _coefs([v]) for k, v in avg_terms.items()}, "addition": _coefs([m["addition"] for m in measured.values()]),
-                                                "negation": _coefs([v["eq3"] for v in neg.values()])}, lam, out / figures[1])
+    coefs = {"average": {k: _coefs([v]) for k, v in avg_terms.items()}, "addition": _coefs([m["addition"] for m in measured.values()]), "negation": _coefs([v["eq3"] for v in neg.values()])}
+    plot_arithmetic(per_k, addition, negation, coefs, lam, out / figures[1])
     plot_barrier({f"{i} / {j}": m["losses"] for (i, j), m in measured.items()}, out / figures[2])
     plot_stitching(stitch, out / figures[3])
-    plot_scratch(scratch, control, pipeline8, {"random init": _coefs([t_scratch]), "from θ0, same schedule": _coefs([t_control]), "pipeline": _coefs([t_pipeline])}, pair8, out / figures[4])
+    plot_scratch(scratch, control, pipeline8, {k: _coefs([v]) for k, v in terms8.items()}, pair8, out / figures[4])
     timings["total"] = time.perf_counter() - started
     # to the stage's log, not the report: the report's bytes must not change with the machine's load
     print("study ctl: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), flush=True)
