@@ -160,8 +160,13 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
               "the numbers; the claim's detail also gives the drop from the second size.", "", "![scaling with T](scaling.png)", ""]
     else:
         b += ["Not measured: metrics/finetune is missing.", ""]
-    b += ["## 5. The 8-task ranking, and why ours differs from the seed's", "",
-          "| method | ours | seed |", "|---|---|---|"]
+    return "\n".join(b + _ranking_section(context, s, sweep, layers, evaluated, cosine))
+
+
+def _ranking_section(context, s: CartSettings, sweep, layers, evaluated, cosine) -> list[str]:
+    """Section 5: the 8-task ranking against the seed's, each matrix's spectrum, and why CART gains what it does."""
+    b = ["## 5. The 8-task ranking, and why ours differs from the seed's", "",
+         "| method | ours | seed |", "|---|---|---|"]
     for m in SEED_ORDER:
         b.append(f"| {NAMES[m]} | {_pct(evaluated.get(m))} | {PAPER_8[m]} |")
     ec = [L.energy_centred for L in layers]
@@ -190,4 +195,4 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
           + "(The ratio counts as near the orthogonal value within 0.03 of it.) "
           + f"CART − WA at its best ratio here: {100 * (max(sweep['cart']) - sweep['weight_averaging']):+.1f} points; "
           f"TA − WA: {100 * ((evaluated.get('task_arithmetic') or float('nan')) - sweep['weight_averaging']):+.1f} (the seed, Table 1: +18.8 and +3.2).", ""]
-    return "\n".join(b)
+    return b
