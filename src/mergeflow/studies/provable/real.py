@@ -213,23 +213,18 @@ def measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasureme
         torch.set_num_threads(threads)
 
 
-def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
+def _real_inputs(params: Any, layout: Any, s: ProvableSettings) -> tuple[Any, Any, dict, int]:
+    """The task's data, the backbone's trained tail (its first ``real_blocks`` blocks frozen in front of it), the
+    frozen part's tokens of every image inked red and inked green (computed once), and the backbone's depth."""
     import torch
 
-    from mergeflow.config import ProbeConfig
     from mergeflow.ml.data import load_task
     from mergeflow.ml.models import load_backbone
-    from mergeflow.ml.training import fit_probe, total_steps, train_loop
 
-    start = time.perf_counter()
-    seed = int(params.seed)
     data = load_task(layout.task_data(s.real_task), params.suite.image_size)
     backbone = load_backbone(params.backbone, layout.pretrained).eval()
-    depth = len(backbone.net.blocks)
     prefix, tail0 = split_backbone(backbone, s.real_blocks)
     tail0.eval()
-    theta0 = {k: v.detach().clone() for k, v in tail0.state_dict().items()}
-    # the frozen part's tokens of every image inked red and inked green, computed once
     tokens = {}
     for split in ("train", "val", "test"):
         images = data.split(split).images
@@ -237,6 +232,35 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
     check = data.test.images[:8]
     if not torch.allclose(tail0(prefix(colour(check, torch.ones(8, dtype=torch.bool)))), backbone(colour(check, torch.ones(8, dtype=torch.bool))), atol=1e-5):
         raise MergeflowError("study provable: the split backbone (frozen prefix + tail) does not reproduce the backbone")
+    return data, tail0, tokens, len(backbone.net.blocks)
+
+
+def _real_ood(s: ProvableSettings, tasks: list[RealTask], alpha_between, tail0, theta0, head) -> RealOod:
+    """Out of domain: theta0 + l1 delta_a + l2 delta_b on a third task's test and validation splits, over a grid of
+    (l1, l2), with the alphas between the three tasks."""
+    import torch
+
+    a, b, target = tasks
+    lams = grid(s.real_ood_lambda_min, s.real_ood_lambda_max, s.real_ood_lambda_step)
+    x, y, n = torch.cat([target.test[0], target.val[0]]), torch.cat([target.test[1], target.val[1]]), len(target.test[1])
+    acc, val_acc = [], []
+    for l1 in lams:
+        rows = [tail_outputs(tail0, merge(theta0, [a.delta, b.delta], [l1, l2]), head, x).argmax(1) == y for l2 in lams]
+        acc.append([float(r[:n].float().mean()) for r in rows])
+        val_acc.append([float(r[n:].float().mean()) for r in rows])
+    return RealOod(tuple(s.real_ood_r), alpha_between(a, b), (alpha_between(a, target), alpha_between(b, target)), target.accuracy, lams, acc, val_acc)
+
+
+def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
+    import torch
+
+    from mergeflow.config import ProbeConfig
+    from mergeflow.ml.training import fit_probe, total_steps, train_loop
+
+    start = time.perf_counter()
+    seed = int(params.seed)
+    data, tail0, tokens, depth = _real_inputs(params, layout, s)
+    theta0 = {k: v.detach().clone() for k, v in tail0.state_dict().items()}
     labels = {split: parity(data.split(split).labels) for split in ("train", "val", "test")}
 
     def coloured(split: str, r_o: float, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -294,17 +318,7 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
             acc2.append(float(pred[n1:].float().mean()))
         pairs.append(RealPair(relation, t2.r_o, alpha_between(t1, t2), acc1, acc2, t1.accuracy, t2.accuracy))
 
-    ood = None
-    if s.real_ood_r is not None:
-        a, b, target = (task(r) for r in s.real_ood_r)
-        lams = grid(s.real_ood_lambda_min, s.real_ood_lambda_max, s.real_ood_lambda_step)
-        x, y, n = torch.cat([target.test[0], target.val[0]]), torch.cat([target.test[1], target.val[1]]), len(target.test[1])
-        acc, val_acc = [], []
-        for l1 in lams:
-            rows = [tail_outputs(tail0, merge(theta0, [a.delta, b.delta], [l1, l2]), head, x).argmax(1) == y for l2 in lams]
-            acc.append([float(r[:n].float().mean()) for r in rows])
-            val_acc.append([float(r[n:].float().mean()) for r in rows])
-        ood = RealOod(tuple(s.real_ood_r), alpha_between(a, b), (alpha_between(a, target), alpha_between(b, target)), target.accuracy, lams, acc, val_acc)
+    ood = None if s.real_ood_r is None else _real_ood(s, [task(r) for r in s.real_ood_r], alpha_between, tail0, theta0, head)
 
     images = {split: len(data.split(split).labels) for split in ("train", "val", "test")}
     return RealMeasurements(s.real_task, min(s.real_blocks, depth), depth, total_steps(cfg, images["train"]), images, {"C": probe.c, "val_accuracy": probe.val_accuracy},
