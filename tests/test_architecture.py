@@ -197,3 +197,15 @@ def test_no_import_circle():
 )
 def test_the_walk_reads_imports_as_python_does(module, target, in_function, typing_only):
     assert (target, in_function, typing_only) in {(t, f, c) for t, _, f, c in imports(module)}
+
+
+def test_no_file_over_500_lines_and_no_function_over_80():
+    """Small enough to read at once: a module of at most 500 lines, a function of at most 80."""
+    long_files = [f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 500]
+    long_functions = [
+        f"{p.relative_to(ROOT)}:{node.lineno}: {node.name}, {node.end_lineno - node.lineno + 1} lines"
+        for p in MODULES.values()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert not long_files and not long_functions, "\n".join(long_files + long_functions)

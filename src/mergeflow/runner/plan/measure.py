@@ -305,6 +305,38 @@ def decode_seconds(image_size: int, budget_s: float = 0.3) -> float:
     return fastest_time(once, budget_s, most=20, least=3)
 
 
+def _train_cost(model, images, synced, batch_size: int, stopwatch: Stopwatch, meter: PeakMemory) -> tuple[float, int, list[int]]:
+    """A training step's seconds and peak memory at ``batch_size`` (batch_cost), AdamW's step timed apart; the peak
+    extrapolated where a smaller batch was timed. The optimiser's states are freed on return."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    backward_peaks: list[int] = []  # each step's peak before the optimiser's step: what grows with the batch is in it
+
+    def train_call(n):
+        x = images(n)
+
+        def step():
+            meter.reset()
+            loss = model(x).float().pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            backward_peaks.append(meter.peak())
+            optimizer.step()
+
+        return synced(step)
+
+    model.train()
+    # what stays whatever the batch: the weights (in memory now) and, float32 each, their gradients and AdamW's
+    # two states; the optimiser's step is the same at any batch too: timed alone, it leaves one batch size to time
+    stays = meter.now() + 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    train_s, train_peak, train_at = batch_cost(train_call, batch_size, stopwatch, meter, fixed_call=synced(optimizer.step))
+    if train_at != [batch_size]:  # extrapolated: the activations (and their gradients) grow
+        activations_per_image = max(0, backward_peaks[-1] - stays) / train_at[0]
+        train_peak = int(max(train_peak, stays + activations_per_image * batch_size))
+    return train_s, train_peak, train_at
+
+
 def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start: tuple[float, int] | None = None) -> Throughput:
     """Measure the backbone's speeds on runtime.device with the threads the stages use, each figure the fastest
     of a few calls within ``budget_s`` seconds (at least two calls: a big model's take longer). A stage process's
@@ -347,31 +379,7 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
     model.eval()
     forward_s, forward_peak, forward_at = batch_cost(forward_call, params.runtime.eval_batch_size, stopwatch, meter)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-
-    backward_peaks: list[int] = []  # each step's peak before the optimiser's step: what grows with the batch is in it
-
-    def train_call(n):
-        x = images(n)
-
-        def step():
-            meter.reset()
-            loss = model(x).float().pow(2).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            backward_peaks.append(meter.peak())
-            optimizer.step()
-
-        return synced(step)
-
-    model.train()
-    # what stays whatever the batch: the weights (in memory now) and, float32 each, their gradients and AdamW's
-    # two states; the optimiser's step is the same at any batch too: timed alone, it leaves one batch size to time
-    stays = meter.now() + 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    train_s, train_peak, train_at = batch_cost(train_call, params.finetune.batch_size, stopwatch, meter, fixed_call=synced(optimizer.step))
-    if train_at != [params.finetune.batch_size]:  # extrapolated: the activations (and their gradients) grow
-        activations_per_image = max(0, backward_peaks[-1] - stays) / train_at[0]
-        train_peak = int(max(train_peak, stays + activations_per_image * params.finetune.batch_size))
+    train_s, train_peak, train_at = _train_cost(model, images, synced, params.finetune.batch_size, stopwatch, meter)
     model.eval()
     weights = [p for p in model.parameters() if p.requires_grad]  # CLIP's projection bias is frozen
     x1 = images(1)
@@ -381,7 +389,6 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
     shape = model_shape(params)
     matrix = torch.randn(*shape.largest_matrix)
     svd_s = stopwatch.time(synced(lambda: svd(matrix)))
-    optimizer = None  # its states freed before the next measurement
     cuda = device.type == "cuda"
     base = 0 if cuda else before_model  # CPU: the growth over the process before the model
     import_s, import_rss = process_start or stage_process_start()
