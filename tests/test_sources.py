@@ -1,6 +1,7 @@
 """mergeflow.pipeline.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one method's
 module changes (only the merges whose modules import it)."""
 
+import hashlib
 import json
 import subprocess
 
@@ -29,8 +30,9 @@ def test_imports_are_followed_at_the_top_inside_functions_and_relative(tmp_path)
     assert imported_modules(pkg / "__init__.py", "pkg") == {"pkg", "pkg.shared"}
     names = lambda roots: [p.name for p in closure(pkg, "pkg", roots)]  # noqa: E731
     assert names(["pkg.a"]) == ["__init__.py", "_helper.py", "a.py", "b.py", "c.py", "shared.py"]  # pkg: a's `from . import b`
-    assert names(["pkg.d"]) == ["d.py"]
-    assert names(["pkg.c"]) == ["c.py"]
+    # a submodule's package runs first (its __init__, and what that imports)
+    assert names(["pkg.d"]) == ["__init__.py", "d.py", "shared.py"]
+    assert names(["pkg.c"]) == ["__init__.py", "c.py", "shared.py"]
 
 
 def test_a_method_follows_from_its_module_what_it_imports_and_the_shared_machinery(repo_root):
@@ -59,3 +61,24 @@ def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tin
     status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
     merges = sorted(s for s in status if s.startswith("merge@"))  # (the regime merges, studies: the whole folder)
     assert merges == ["merge@emr"], status
+
+
+def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
+    """study@cart follows from the cart package and the studies' registry, not from another study; regime@mima from
+    its module, the registry and the regimes' private machinery (imported by name), not from another regime; and
+    dvc.yaml makes each stage depend on its own file."""
+    import yaml
+
+    from mergeflow.pipeline.sources import regime_sources, source_dir, study_sources
+
+    src = source_dir(repo_root)
+    cart = {p.relative_to(src).as_posix() for p in study_sources("cart", src)}
+    assert {"studies/__init__.py", "studies/cart/__init__.py", "studies/cart/report.py", "studies/cart/spectra.py"} <= cart
+    assert not [p for p in cart if p.startswith("studies/mima")]
+    mima = {p.relative_to(src).as_posix() for p in regime_sources("mima", src)}
+    assert {"ml/regimes/__init__.py", "ml/regimes/mima.py", "ml/regimes/_rounds.py", "ml/regimes/_finetune.py"} <= mima and "ml/regimes/atm.py" not in mima
+    recorded = digest(regime_sources("mima", src), src)
+    assert recorded["mergeflow/ml/regimes/mima.py"] == hashlib.md5((src / "ml" / "regimes" / "mima.py").read_bytes()).hexdigest()
+    stages = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]
+    assert "sources/study/${item}.json" in stages["study"]["do"]["deps"] and "src/mergeflow/studies" not in stages["study"]["do"]["deps"]
+    assert "sources/regime/${item}.json" in stages["regime"]["do"]["deps"] and "src/mergeflow/ml/regimes" not in stages["regime"]["do"]["deps"]

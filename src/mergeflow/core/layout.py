@@ -77,6 +77,14 @@ class Layout:
         """The source files (path: md5) that merge@<method> follows from (stage sources: mergeflow.pipeline.sources)."""
         return self.sources / "merge" / f"{method}.json"
 
+    def study_sources(self, study: str) -> Path:
+        """The source files that study@<study> follows from."""
+        return self.sources / "study" / f"{study}.json"
+
+    def regime_sources(self, regime: str) -> Path:
+        """The source files that regime@<regime> follows from."""
+        return self.sources / "regime" / f"{regime}.json"
+
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")
 

@@ -65,7 +65,8 @@ def closure(package_dir: Path, package: str, roots: list[str]) -> list[Path]:
         if name in seen or (path := module_file(package_dir, package, name)) is None:
             continue
         seen[name] = path
-        pending += [m for m in imported_modules(path, name) if m not in seen]
+        parents = [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)]  # a submodule's packages run first
+        pending += [m for m in [*imported_modules(path, name), *parents] if m not in seen]
     return sorted(set(seen.values()))
 
 
@@ -85,6 +86,32 @@ def method_sources(method: str, package_dir: Path) -> list[Path]:
     return sorted({*closure(package_dir, PACKAGE, roots), binding})
 
 
+def source_dir(root: Path) -> Path:
+    """src/mergeflow as DVC sees it: the project's (where the project is a clone), else the imported package's."""
+    project = root / "src" / "mergeflow"
+    return project if project.is_dir() else Path(__file__).resolve().parents[1]
+
+
+def study_sources(study: str, src: Path) -> list[Path]:
+    """The files study@<study> follows from: its module (or its package's modules it imports) and the studies'
+    registry. The library it calls (data, models, merging, regimes by name) is its stage's dependency as folders."""
+    from mergeflow.studies import REGISTRY
+
+    return closure(src / "studies", "mergeflow.studies", ["mergeflow.studies", REGISTRY[study].fn.__module__])
+
+
+def regime_sources(regime: str, src: Path) -> list[Path]:
+    """The files regime@<regime> follows from: its module, the registry and every private module of the package
+    (the round loop, trainers, checkpoints: the registry imports them by name when first asked for)."""
+    from mergeflow.ml.regimes import REGISTRY
+
+    package_dir = src / "ml" / "regimes"
+    private = [f"mergeflow.ml.regimes.{p.stem}" for p in sorted(package_dir.glob("_*.py")) if p.stem != "__init__"]
+    return closure(package_dir, "mergeflow.ml.regimes", ["mergeflow.ml.regimes", REGISTRY[regime].fn.__module__, *private])
+
+
 def digest(files: list[Path], package_dir: Path) -> dict[str, str]:
-    """{path as mergeflow/ml/merging/ties.py: md5 of its bytes}."""
-    return {f.relative_to(package_dir.parents[2]).as_posix(): hashlib.md5(f.read_bytes()).hexdigest() for f in files}
+    """{path as mergeflow/ml/merging/ties.py: md5 of its bytes}; ``package_dir`` is any folder under src/mergeflow
+    (the paths start at src/)."""
+    src = next(p for p in (package_dir, *package_dir.parents) if p.name == "mergeflow").parent
+    return {f.relative_to(src).as_posix(): hashlib.md5(f.read_bytes()).hexdigest() for f in files}

@@ -257,17 +257,23 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
 
 # ---------------------------------------------------------------- sources
 def sources(params: Params, layout: Layout = Layout()) -> dict:
-    """What each merge's bytes follow from (mergeflow.pipeline.sources): sources/merge/<method>.json, {file: md5}, for every
-    registered method (params aside: the stage re-runs on code changes only)."""
-    from mergeflow.pipeline.sources import digest, merging_dir, method_sources
+    """What each merge's, study's and regime's bytes follow from (mergeflow.pipeline.sources): sources/merge/<method>.json,
+    sources/study/<name>.json, sources/regime/<name>.json, {file: md5}, for every registered one (params aside: the
+    stage re-runs on code changes only)."""
+    from mergeflow.ml.regimes import REGISTRY as REGIMES
+    from mergeflow.pipeline.sources import digest, merging_dir, method_sources, regime_sources, source_dir, study_sources
+    from mergeflow.studies import REGISTRY as STUDIES
 
-    package_dir = merging_dir(layout.root)
+    package_dir, src = merging_dir(layout.root), source_dir(layout.root)
+    files = {layout.method_sources(m): method_sources(m, package_dir) for m in REGISTRY}
+    files |= {layout.study_sources(s): study_sources(s, src) for s in STUDIES}
+    files |= {layout.regime_sources(r): regime_sources(r, src) for r, spec in REGIMES.items() if spec.settings_model is not None}
     with atomic_path(layout.sources, directory=True) as tmp:
-        for method in REGISTRY:
-            path = tmp / layout.method_sources(method).relative_to(layout.sources)
+        for out, found in files.items():
+            path = tmp / out.relative_to(layout.sources)
             path.parent.mkdir(exist_ok=True)
-            write_json(path, digest(method_sources(method, package_dir), package_dir))
-    return {"files": len(REGISTRY)}
+            write_json(path, digest(found, src))
+    return {"files": len(files)}
 
 
 # ---------------------------------------------------------------- regime
