@@ -250,7 +250,10 @@ def test_entropy_falls_on_the_embedded_suite_and_the_pipeline_records_what_was_l
 
     from mergeflow.params import load_params
     from mergeflow.pipeline.binding import bind_data as _merge_data
-    from mergeflow.pipeline.stages import Layout, _load_heads, _load_task_vectors, _load_tasks
+    from mergeflow.core.layout import Layout
+    from mergeflow.ml.data import load_tasks as _load_tasks
+    from mergeflow.ml.models import load_heads as _load_heads
+    from mergeflow.ml.task_vectors import load_task_vectors as _load_task_vectors
 
     root, _ = tiny_reference
     params, layout = load_params(root / "params.yaml"), Layout(root)
