@@ -59,12 +59,16 @@ def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tin
     run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
     assert json.loads((root / "sources" / "merge" / "ties.json").read_text()) == before
     status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
-    merges = sorted(s for s in status if s.startswith("merge@"))  # (the regime merges, studies: the whole folder)
+    merges = sorted(s for s in status if s.startswith("merge@"))  # (the regime merges: the whole folder)
     assert merges == ["merge@emr"], status
+    # a study that looks methods up by name (cart) follows every method; those that merge nothing do not
+    studies = sorted(s for s in status if s.startswith("study@"))
+    assert studies == ["study@cart"], status
 
 
 def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
-    """study@cart follows from the cart package and the studies' registry, not from another study; regime@mima from
+    """study@cart follows from the cart package, the studies' registry and the library modules it imports, not from
+    another study; regime@mima from
     its module, the registry and the regimes' private machinery (imported by name), not from another regime; and
     dvc.yaml makes each stage depend on its own file."""
     import yaml
@@ -75,6 +79,9 @@ def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
     cart = {p.relative_to(src).as_posix() for p in study_sources("cart", src)}
     assert {"studies/__init__.py", "studies/cart/__init__.py", "studies/cart/report.py", "studies/cart/spectra.py"} <= cart
     assert not [p for p in cart if p.startswith("studies/mima")]
+    # cart merges by method name: the merging registry's every method; mima reads the pipeline's outputs: none
+    assert {"ml/merging/__init__.py", "ml/merging/ties.py", "ml/merging/cart.py"} <= cart
+    assert not [p for p in (q.relative_to(src).as_posix() for q in study_sources("mima", src)) if p.startswith("ml/merging")]
     mima = {p.relative_to(src).as_posix() for p in regime_sources("mima", src)}
     assert {"ml/regimes/__init__.py", "ml/regimes/mima.py", "ml/regimes/_rounds.py", "ml/regimes/_finetune.py"} <= mima and "ml/regimes/atm.py" not in mima
     recorded = digest(regime_sources("mima", src), src)

@@ -56,8 +56,10 @@ def imported_modules(path: Path, module: str) -> set[str]:
     return found
 
 
-def closure(package_dir: Path, package: str, roots: list[str]) -> list[Path]:
-    """The files of ``roots`` and of every module of ``package`` they import, transitively, sorted."""
+def closure(package_dir: Path, package: str, roots: list[str], registries: frozenset[str] = frozenset()) -> list[Path]:
+    """The files of ``roots`` and of every module of ``package`` they import, transitively, sorted. A package of
+    ``registries`` discovers its modules when imported (``pkgutil.iter_modules``): importing it imports every
+    public module of it, which a registry looks up by name at run time."""
     seen: dict[str, Path] = {}
     pending = list(roots)
     while pending:
@@ -66,7 +68,8 @@ def closure(package_dir: Path, package: str, roots: list[str]) -> list[Path]:
             continue
         seen[name] = path
         parents = [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)]  # a submodule's packages run first
-        pending += [m for m in [*imported_modules(path, name), *parents] if m not in seen]
+        discovered = [f"{name}.{p.stem}" for p in sorted(path.parent.iterdir()) if name in registries and not p.name.startswith("_") and p.suffix == ".py"]
+        pending += [m for m in [*imported_modules(path, name), *parents, *discovered] if m not in seen]
     return sorted(set(seen.values()))
 
 
@@ -92,12 +95,17 @@ def source_dir(root: Path) -> Path:
     return project if project.is_dir() else Path(__file__).resolve().parents[1]
 
 
+# the registries a study may look methods or regimes up in by name: importing one follows all of its modules
+STUDY_REGISTRIES = frozenset({"mergeflow.ml.merging", "mergeflow.ml.regimes"})
+
+
 def study_sources(study: str, src: Path) -> list[Path]:
-    """The files study@<study> follows from: its module (or its package's modules it imports) and the studies'
-    registry. The library it calls (data, models, merging, regimes by name) is its stage's dependency as folders."""
+    """The files study@<study> follows from: its module (or its package's modules it imports), the studies'
+    registry, and every module of mergeflow they import, transitively (the whole merging or regimes package where
+    it imports that registry: it looks methods up by name); not the other studies."""
     from mergeflow.studies import REGISTRY
 
-    return closure(src / "studies", "mergeflow.studies", ["mergeflow.studies", REGISTRY[study].fn.__module__])
+    return closure(src, "mergeflow", ["mergeflow.studies", REGISTRY[study].fn.__module__], STUDY_REGISTRIES)
 
 
 def regime_sources(regime: str, src: Path) -> list[Path]:
