@@ -36,7 +36,7 @@ from mergeflow.config import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError
 from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, probe_dask_scheduler, workers_argument
-from mergeflow.runner.graph import StageNode, check_repo, commit_stage, locked_repo, stage_graph, stale_stages
+from mergeflow.runner.graph import StageNode, changed_stages, check_repo, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
 from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
 from mergeflow.runner.remote import default_remote, push_outputs
 from mergeflow.runner.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
@@ -145,7 +145,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
     root = str(Path(root).resolve())
     with contextlib.chdir(root), locked_repo(root) as repo:
         nodes = stage_graph(repo)
-        stale = _stale(repo, nodes, root)
+        changed, stale = _stale(repo, nodes, root)
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
         # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
         # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
@@ -203,7 +203,7 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
                 on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
                 # on this machine's CPU, as many stages as their threads leave cores for; on GPUs, one a GPU
                 cores, capacity = stage_cores(root) if runner == "thread" and not gpus else (None, None)
-                outcome = run_graph(to_run, submit, record, None if dask_address else workers, on_stop, cores, capacity)
+                outcome = run_graph(to_run, submit, record, None if dask_address else workers, on_stop, cores, capacity, still_changed(repo, changed))
             if commit:  # the outputs the workers pushed, into this working tree
                 pull_outputs(repo, [a for a in outcome.done if a not in here])
     return _finish(outcome, len(nodes), len(to_run), root)
@@ -228,14 +228,17 @@ def _checked(root: str, workers: int | None, runner: Runner, dask_address: str |
     return commit
 
 
-def _stale(repo, nodes: list[StageNode], root: str) -> set[str]:
-    """The stages to run: DVC's stale ones, and those whose outputs' bytes changed with their size and mtime kept
-    (which pass DVC's status): hashed again (mergeflow verify, seconds), run again with everything downstream."""
-    stale = stale_stages(repo, nodes)
+def _stale(repo, nodes: list[StageNode], root: str) -> tuple[set[str], set[str]]:
+    """(the changed stages, the stages that may run): DVC's changed ones and those whose outputs' bytes changed with
+    their size and mtime kept (which pass DVC's status: hashed again, mergeflow verify, seconds), and everything
+    downstream of them, each run when the stages before it leave its inputs changed (scheduler.run_graph)."""
+    changed = changed_stages(repo)
+    stale = stale_stages(repo, nodes, changed=changed)
     if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
         get_run_logger().warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
-        stale = stale_stages(repo, nodes, also={c.stage for c in rotted})
-    return stale
+        changed |= {c.stage for c in rotted}
+        stale = stale_stages(repo, nodes, changed=changed)
+    return changed, stale
 
 
 def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[str]:

@@ -43,6 +43,24 @@ def test_a_stage_starts_after_its_upstream_is_committed_and_never_downstream_of_
     assert outcome.not_run == {"c": "needs b@0, which failed"}
 
 
+def test_a_stage_downstream_of_a_change_runs_only_if_its_inputs_changed():
+    """sources -> merge@ties, merge@emr -> report: sources changed, and of its outputs only emr's changed (as when one
+    method's module was edited). merge@ties is up to date once sources ran, so report waits only for merge@emr; a
+    stage asked is asked once its upstream stages are committed."""
+    nodes = [StageNode("sources", ("s",), ()), StageNode("merge@ties", ("m",), ("sources",)), StageNode("merge@emr", ("m",), ("sources",)), StageNode("report", ("r",), ("merge@ties", "merge@emr"))]
+    committed, asked = [], []
+
+    def changed(node):
+        asked.append((node.address, list(committed)))
+        return node.address in ("sources", "merge@emr", "report")
+
+    with ThreadPoolExecutor(2) as pool:
+        outcome = run_graph(nodes, lambda node, upstream: pool.submit(lambda: {"stage": node.address}), committed.append, limit=2, must_run=changed)
+    assert committed == ["sources", "merge@emr", "report"] and outcome.up_to_date == ["merge@ties"] and outcome.done == committed
+    assert dict(asked)["merge@ties"] == ["sources"] and dict(asked)["report"] == ["sources", "merge@emr"]
+    assert not outcome.failed and not outcome.not_run
+
+
 STAGE = "import json, os, sys, time; item = os.environ['DVC_STAGE'].split('@')[1]; start = time.time(); time.sleep(0.5); json.dump({'item': item, 'span': [start, time.time()]}, open(f'out/{item}.json', 'w')); print('made', item); sys.exit(3 if item == 'bad' else 0)"
 TOTAL = "import glob, json; open('total.txt', 'w').write(','.join(sorted(json.load(open(p))['item'] for p in glob.glob('out/*.json'))))"
 

@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +57,30 @@ def stage_graph(root_or_repo=".") -> list[StageNode]:
         return [StageNode(s.addressing, _argv(s.addressing, s.cmd), tuple(sorted(u.addressing for u in graph.successors(s))), tuple(str(o.def_path) for o in s.outs)) for s in order]
 
 
-def stale_stages(root_or_repo, nodes: list[StageNode], also: set[str] | frozenset[str] = frozenset()) -> set[str]:
-    """Stages DVC reports as changed (and those in ``also``), and every stage downstream of one."""
+def changed_stages(root_or_repo) -> set[str]:
+    """The stages DVC reports as changed: their own dependencies, parameters or outputs differ from dvc.lock."""
     with contextlib.nullcontext(root_or_repo) if not isinstance(root_or_repo, (str, Path)) else _repo(root_or_repo) as repo:
-        changed = set(repo.status()) | set(also)
+        return set(repo.status())
+
+
+def still_changed(repo, changed: set[str]) -> Callable[[StageNode], bool]:
+    """For the scheduler (scheduler.run_graph's ``must_run``): whether a stage must run now that the stages before
+    it ran. One of ``changed`` must; one only downstream of them is asked of DVC again (its dependencies are the
+    upstream stages' outputs, which may have come out the same bytes)."""
+
+    def check(node: StageNode) -> bool:
+        if node.address in changed:
+            return True
+        repo._reset()  # dvc.lock changed since the index was read: the upstream stages' commits
+        return bool(repo.status(targets=[node.address]))
+
+    return check
+
+
+def stale_stages(root_or_repo, nodes: list[StageNode], also: set[str] | frozenset[str] = frozenset(), changed: set[str] | None = None) -> set[str]:
+    """Stages DVC reports as changed (``changed`` when the caller asked already) and those in ``also``, and every
+    stage downstream of one."""
+    changed = (changed_stages(root_or_repo) if changed is None else set(changed)) | set(also)
     downstream = {n.address: set() for n in nodes}
     for n in nodes:
         for u in n.upstream:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mergeflow.core.devices import RUN_GPUS_ENV
 from mergeflow.runner.gpus import DevicePool, visible_gpus
-from mergeflow.runner.graph import StageNode, commit_stage, locked_repo, stage_graph, stale_stages
+from mergeflow.runner.graph import StageNode, changed_stages, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
 from mergeflow.runner.running import StageFailed, StageNotStarted, run_stage, stop_stages, stopping
 from mergeflow.runner.stage_server import CUDA_DEVICES_ENV, SERVER_ENV, running_server, running_servers, served_env
 
@@ -39,6 +39,13 @@ class RunOutcome:
     done: list[str] = field(default_factory=list)  # completed and committed to dvc.lock
     failed: dict[str, BaseException] = field(default_factory=dict)  # address -> its failure (StageFailed, mostly)
     not_run: dict[str, str] = field(default_factory=dict)  # address -> why it never started
+    # downstream of a changed stage, but up to date once that one ran (the sources stage's files: a method's
+    # change leaves the other merges' unchanged): not run
+    up_to_date: list[str] = field(default_factory=list)
+
+    def settled(self, address: str) -> bool:
+        """Whether ``address`` completed or was found up to date: what waits for it may start."""
+        return address in self.done or address in self.up_to_date
 
     def error_line(self, address: str) -> str:
         """A failed stage's one line: its own last line (``error: ...`` for bad input), or the failure's message."""
@@ -52,7 +59,7 @@ class RunOutcome:
         return f"exit status {err.returncode}" + (" (bad input)" if err.bad_input else "")
 
 
-def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object], commit: Callable[[str], None], limit: int | None = None, on_stop: Callable[[], None] | None = None, cores: Callable[[StageNode], int] | None = None, capacity: int | None = None) -> RunOutcome:
+def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object], commit: Callable[[str], None], limit: int | None = None, on_stop: Callable[[], None] | None = None, cores: Callable[[StageNode], int] | None = None, capacity: int | None = None, must_run: Callable[[StageNode], bool] | None = None) -> RunOutcome:
     """Run ``nodes`` (stale stages, in dependency order): ``submit(node, upstream_futures)`` starts one and returns
     a future (concurrent.futures' or Prefect's); ``commit(address)`` records a finished one in dvc.lock, one at a
     time from this thread. A stage starts once every stage it waits for in this run has completed and been
@@ -62,7 +69,9 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
     threads spin). Of the stages ready at once, the one more stages wait on starts
     first, and none after it starts before it. One downstream of a failure never starts and is recorded as not
     run, by address. The calling thread waits in short spells (Python runs signal handlers only on the main
-    thread); ``on_stop`` is called once when the run is being stopped (stop_stages)."""
+    thread); ``on_stop`` is called once when the run is being stopped (stop_stages). Given ``must_run(node)``, a
+    stage whose upstream stages in this run are settled is asked first whether it still has to run (DVC's status
+    of that stage, now that they ran): one that has not is up to date, and counts as settled for what waits on it."""
     outcome = RunOutcome([n.address for n in nodes])
     # of the stages ready at once, those more stages wait on start first (vectors before a regime: 24 merges wait)
     waiting = {n.address: n for n in sorted(nodes, key=lambda n: -len(_downstream(nodes, n.address)))}
@@ -88,21 +97,23 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
                 if blocked or stopping():
                     outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the run was stopped"
                 elif committing in upstream:
-                    full = full or all(u in outcome.done or u == committing for u in upstream)
+                    full = full or all(outcome.settled(u) or u == committing for u in upstream)
                     continue
-                elif all(u in outcome.done for u in upstream) and not full and fits(node):
-                    future = submit(node, [futures[u] for u in upstream])
+                elif all(outcome.settled(u) for u in upstream) and must_run is not None and not must_run(node):
+                    outcome.up_to_date.append(address)
+                elif all(outcome.settled(u) for u in upstream) and not full and fits(node):
+                    future = submit(node, [futures[u] for u in upstream if u in futures])
                     futures[address] = future
                     running[address] = cores(node) if cores else 1
                     future.add_done_callback(lambda f, a=address: finished.put((a, f)))
                 else:
-                    full = full or all(u in outcome.done for u in upstream)
+                    full = full or all(outcome.settled(u) for u in upstream)
                     continue
                 del waiting[address]
                 changed = True
 
     submit_ready()
-    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) < len(nodes):
+    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) + len(outcome.up_to_date) < len(nodes):
         try:
             address, future = finished.get(timeout=0.5)
         except queue.Empty:
@@ -203,7 +214,8 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         stack.enter_context(contextlib.chdir(root))
         repo = stack.enter_context(locked_repo(root))
         nodes = stage_graph(repo)
-        stale = stale_stages(repo, nodes) | set(force)
+        changed = changed_stages(repo)
+        stale = stale_stages(repo, nodes, changed=changed) | set(force)  # a forced stage alone: not what follows it
         to_run = [n for n in nodes if n.address in stale]
         if not to_run:
             _say("Data and pipelines are up to date.")
@@ -225,7 +237,8 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="stage") as pool:
-                outcome = run_graph(to_run, lambda node, _: pool.submit(one, node), lambda address: commit_stage(repo, address), limit=workers, cores=cores, capacity=capacity)
+                outcome = run_graph(to_run, lambda node, _: pool.submit(one, node), lambda address: commit_stage(repo, address), limit=workers, cores=cores, capacity=capacity,
+                                    must_run=still_changed(repo, changed | set(force)))
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -238,7 +251,8 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
         return 130
     if outcome.failed or outcome.not_run:
         return 1
-    _say(f"{len(outcome.done)} stages ran; dvc.lock records them")
+    up_to_date = f"; {len(outcome.up_to_date)} more were up to date once the stages before them ran" if outcome.up_to_date else ""
+    _say(f"{len(outcome.done)} stages ran; dvc.lock records them{up_to_date}")
     return 0
 
 
