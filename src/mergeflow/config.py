@@ -249,8 +249,13 @@ class RegimesConfig(BaseModel):
             raise ValueError(f"regime '{dup[0]}' is listed twice")
         return run
 
-    def overrides(self, regime: str) -> dict[str, Any]:
-        return dict((self.model_extra or {}).get(regime) or {})
+    def overrides(self, regime: str) -> Any:
+        """params.yaml's ``regimes.<regime>`` as written (params.py checks that it is a mapping)."""
+        return (self.model_extra or {}).get(regime)
+
+    def attach(self, resolved: dict[str, tuple[Any, list[str]]]) -> None:
+        """Each regime's validated settings and methods (params.py, which knows the registry)."""
+        self._resolved.update(resolved)
 
     def _entry(self, regime: str) -> tuple[Any, list[str]]:
         if regime not in self._resolved:
@@ -280,6 +285,10 @@ class StudiesConfig(BaseModel):
 
     def overrides(self, study: str) -> Any:
         return (self.model_extra or {}).get(study)
+
+    def attach(self, resolved: dict[str, Any]) -> None:
+        """Each study's validated settings (params.py, which knows the registry)."""
+        self._resolved.update(resolved)
 
     def settings(self, study: str) -> Any:
         if study not in self._resolved:

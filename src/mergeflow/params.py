@@ -23,13 +23,25 @@ def _shown(value: Any) -> str:
     return repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
 
 
+def _known(named: list[tuple[str, str]], registered: list[str], what: str) -> None:
+    """ValueError for the first (key, name) whose name is not registered, naming the key and the registered names."""
+    for where, name in named:
+        if name not in registered:
+            raise ValueError(f"{where}: unknown {what} {name!r} (registered: {', '.join(registered) or 'none'})")
+
+
+def _mapping(overrides: Any, where: str, whose: str) -> dict:
+    """A registered item's settings in params.yaml: a mapping, or empty (its defaults)."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"{where}: expected a mapping of the {whose} settings (key: value lines), got {_shown(overrides)}")
+    return overrides or {}
+
+
 def _check_merge(params: Params) -> None:
     from mergeflow.ml.merging import REGISTRY, validate_overrides
 
     merge = params.merge
-    for name in list(merge.methods) + list(merge.model_extra or {}):
-        if name not in REGISTRY:
-            raise ValueError(f"merge: unknown merge method {name!r} (registered: {', '.join(sorted(REGISTRY))})")
+    _known([("merge", n) for n in [*merge.methods, *(merge.model_extra or {})]], sorted(REGISTRY), "merge method")
     for name, overrides in (merge.model_extra or {}).items():
         validate_overrides(REGISTRY[name], overrides, where=f"merge.{name}")
     for name in merge.methods:  # a method that merges only so many task vectors (SLERP: two)
@@ -58,35 +70,26 @@ def _resolve_regimes(params: Params) -> None:
     regimes = params.regimes
     runnable = sorted(n for n, r in REGISTRY.items() if r.settings_model is not None)
     named = [("regimes.run", n) for n in regimes.run] + [("regimes.methods", n) for n in regimes.methods] + [("regimes", n) for n in regimes.model_extra or {}]
-    for where, name in named:
-        if name not in runnable:
-            raise ValueError(f"{where}: unknown regime {name!r} (registered: {', '.join(runnable)})")
+    _known(named, runnable, "regime")
     resolved = {}
     for name in runnable:
         regime = REGISTRY[name]
-        overrides = (regimes.model_extra or {}).get(name)
-        if overrides is not None and not isinstance(overrides, dict):
-            raise ValueError(f"regimes.{name}: expected a mapping of the regime's settings (key: value lines), got {_shown(overrides)}")
-        settings = regime.settings(overrides or {}, where=f"regimes.{name}")
+        settings = regime.settings(_mapping(regimes.overrides(name), f"regimes.{name}", "regime's"), where=f"regimes.{name}")
         methods = list(regimes.methods.get(name, regime.methods))
         _regime_methods(name, methods, regime.own_model)
         if name in regimes.run:
             settings.check_budget(name, params.finetune.steps)
         resolved[name] = (settings, methods)
-    regimes._resolved.update(resolved)
+    regimes.attach(resolved)
 
 
 def _resolve_studies(params: Params) -> None:
     from mergeflow.studies import REGISTRY
 
     studies = params.studies
-    for name in list(studies.run) + list(studies.model_extra or {}):
-        if name not in REGISTRY:
-            raise ValueError(f"studies: unknown study {name!r} (registered: {', '.join(sorted(REGISTRY)) or 'none'})")
-    for name, overrides in (studies.model_extra or {}).items():
-        if overrides is not None and not isinstance(overrides, dict):
-            raise ValueError(f"studies.{name}: expected a mapping of the study's settings (key: value lines), got {_shown(overrides)}")
-    studies._resolved.update({name: REGISTRY[name].settings(studies.overrides(name) or {}, where=f"studies.{name}") for name in REGISTRY})
+    _known([("studies", n) for n in [*studies.run, *(studies.model_extra or {})]], sorted(REGISTRY), "study")
+    overrides = {name: _mapping(studies.overrides(name), f"studies.{name}", "study's") for name in studies.model_extra or {}}
+    studies.attach({name: REGISTRY[name].settings(overrides.get(name, {}), where=f"studies.{name}") for name in REGISTRY})
 
 
 def resolve(params: Params, source: str = DEFAULT_PARAMS) -> Params:

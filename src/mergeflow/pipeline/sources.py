@@ -74,10 +74,8 @@ def closure(package_dir: Path, package: str, roots: list[str], registries: froze
 
 
 def merging_dir(root: Path) -> Path:
-    """The merging modules DVC sees: the project's src/mergeflow/ml/merging (where the project is a clone), else the
-    imported package's."""
-    project = root / "src" / "mergeflow" / "ml" / "merging"
-    return project if project.is_dir() else Path(__file__).resolve().parents[1] / "ml" / "merging"
+    """The merging modules DVC sees (under source_dir)."""
+    return source_dir(root) / "ml" / "merging"
 
 
 def method_sources(method: str, package_dir: Path) -> list[Path]:
