@@ -65,7 +65,7 @@ def test_a_valid_task_file_loads_with_int64_labels(tmp_path):
     task = load_task(_write(tmp_path / "digits.safetensors", arrays), 32)
     assert task.classes == TEN_CLASSES and task.name == "digits"
     assert task.val.labels.dtype == torch.int64 and task.val.labels.tolist() == [0, 1, 2, 3]
-    assert torch.equal(task.test.images, arrays["test_x"])
+    assert torch.equal(task.test.inputs, arrays["test_x"])
 
 
 # (what is wrong, the array dict, the message after "<file>: ")

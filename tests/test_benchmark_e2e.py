@@ -92,7 +92,7 @@ def test_every_dataset_arrives_with_its_real_class_names(ta8_run):
     for task in TA8:
         data = load_task(layout.task_data(task), params.suite.image_size)
         assert len(data.classes) == real[task] and data.classes == benchmark.class_names(task)
-        assert data.train.images.shape[1:] == (224, 224, 3)
+        assert data.train.inputs.shape[1:] == (224, 224, 3)
         # every stand-in image lands in one split (SUN397 and EuroSAT have no test split: a seeded one is made)
         total = len(USED[task]) * sum(PER_CLASS.values())
         sizes = [len(data.split(s).labels) for s in ("train", "val", "test")]

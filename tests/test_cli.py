@@ -161,7 +161,7 @@ def test_download_anywhere_on_the_line_lets_the_stages_download(monkeypatch, rep
 def test_the_hub_downloads_only_when_downloads_are_on(monkeypatch):
     from huggingface_hub import constants
 
-    from mergeflow.ml.models import hub_access
+    from mergeflow.core.hub import hub_access
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as outside the Makefile
     with hub_access(False):

@@ -70,7 +70,7 @@ def test_imagefolder_and_local_timm_checkpoint_through_the_stages(repo_root, tmp
     task = load_task(layout.task_data("colours"))
     assert task.classes == ["blue", "green", "red"]
     assert len(task.train.labels) == 30 and len(task.val.labels) == 6 and len(task.test.labels) == 12  # val split off train
-    assert task.train.images.shape[1:] == (32, 32, 3)
+    assert task.train.inputs.shape[1:] == (32, 32, 3)
 
     stages.pretrain(params, layout)
     loaded = load_state_dict(layout.pretrained)
@@ -128,4 +128,4 @@ def test_a_merge_reads_only_the_splits_it_evaluates(tmp_path):
     some = load_task(tmp_path / "digits.safetensors", 32, ("val", "test"))
     assert some.train is None and some.classes == full.classes
     for split in ("val", "test"):
-        assert torch.equal(some.split(split).images, full.split(split).images) and torch.equal(some.split(split).labels, full.split(split).labels)
+        assert torch.equal(some.split(split).inputs, full.split(split).inputs) and torch.equal(some.split(split).labels, full.split(split).labels)

@@ -116,12 +116,12 @@ def test_the_evaluation_applies_each_tasks_correction_and_a_routed_network():
     surgery = REGISTRY["surgery"]
     acc = evaluator.per_task(lambda t: surgery.reconstruct(store, theta0, t), surgery.feature_maps(store))
     with torch.no_grad():
-        expected = by_hand(lambda t: surgery.features(store, t)(_own_features(objective, surgery.reconstruct(store, theta0, t), tasks[t].test.images).float()))
+        expected = by_hand(lambda t: surgery.features(store, t)(_own_features(objective, surgery.reconstruct(store, theta0, t), tasks[t].test.inputs).float()))
     assert acc == pytest.approx(expected)
 
     routed = REGISTRY["wemoe"].with_data(MergeData(objective=copy.copy(objective)))(theta0, taus, steps=3, batch_size=8, lr=0.05)
     acc = evaluator.network(lambda backbone: network(routed, backbone))
     model = network(routed, objective.backbone)
     with torch.no_grad():
-        expected = by_hand(lambda t: model(tasks[t].test.images))
+        expected = by_hand(lambda t: model(tasks[t].test.inputs))
     assert acc == pytest.approx(expected)

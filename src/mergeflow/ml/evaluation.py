@@ -16,12 +16,13 @@ from mergeflow.ml.data import TaskData
 from mergeflow.core.io import StateDict
 from mergeflow.ml.models import build_backbone
 from mergeflow.core.devices import resident_stack
-from mergeflow.ml.training import extract_features, head_accuracy
+from mergeflow.ml.training import extract_features, head_score
 
 
 @dataclass
 class MultiTaskEvaluator:
-    """Accuracy of a backbone state on one split of every task: one forward pass over all tasks' images.
+    """Each task's score (accuracy; a text task's GLUE metric) of a backbone state on one split of every task: one
+    forward pass over all tasks' inputs.
 
     On CUDA the images are moved to the device once (when they fit in half its free memory) and stay there for
     every candidate; ``bf16``: the forward passes run under bfloat16 autocast there (the validation search; the
@@ -37,7 +38,7 @@ class MultiTaskEvaluator:
 
     def __post_init__(self) -> None:
         parts = [self.tasks[t].split(self.split) for t in self.tasks]
-        self._images = resident_stack([p.images for p in parts], self.device)
+        self._images = resident_stack([p.inputs for p in parts], self.device)
         self._labels = [p.labels for p in parts]
         self._sizes = [len(p.labels) for p in parts]
         self._model = build_backbone(self.backbone_cfg)
@@ -45,12 +46,13 @@ class MultiTaskEvaluator:
         offsets = [0, *itertools.accumulate(self._sizes)]
         self._slices = {t: slice(a, b) for t, a, b in zip(self.tasks, offsets, offsets[1:])}
         self._task_labels = dict(zip(self.tasks, self._labels))
+        self._metrics = {t: self.tasks[t].metric for t in self.tasks}
 
     def __call__(self, state: StateDict) -> dict[str, float]:
         """Every task, one model."""
         self._model.net.load_state_dict(state)
         feats = extract_features(self._model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
-        return {t: head_accuracy(self.heads[t], f, y) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
+        return {t: head_score(self.heads[t], f, y, self._metrics[t]) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
 
     def task(self, task: str, state: StateDict, feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
         """One task, on its own split only; ``feature_map``: applied to the features before the head (Surgery)."""
@@ -59,13 +61,13 @@ class MultiTaskEvaluator:
         if feature_map is not None:
             with torch.no_grad():
                 feats = feature_map(feats)
-        return head_accuracy(self.heads[task], feats, self._task_labels[task])
+        return head_score(self.heads[task], feats, self._task_labels[task], self._metrics[task])
 
     def network(self, build: Callable[[nn.Module], nn.Module]) -> dict[str, float]:
         """Every task through one network that ``build(backbone)`` makes (a routed method's), images -> features."""
         model = build(self._model)
         feats = extract_features(model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
-        return {t: head_accuracy(self.heads[t], f, y) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
+        return {t: head_score(self.heads[t], f, y, self._metrics[t]) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
 
     def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]:
         """Each task with its own model (per-task methods), and its own map on the features where the method has one."""

@@ -6,7 +6,6 @@ stage feeds it the same way. The normalisation has no parameters: the backbone's
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pickle
 import re
@@ -234,23 +233,19 @@ def _from_hub(cfg: BackboneConfig, create_kwargs: dict) -> nn.Module:
         raise _load_failure(cfg, "hub", err, create_kwargs) from None
 
 
-@contextlib.contextmanager
-def hub_access(allowed: bool):
-    """Downloads are opt-in (--download, suite.download): without them the Hugging Face hub is read from the local
-    cache only, whatever HF_HUB_OFFLINE says; with them it may download, even under the Makefile's HF_HUB_OFFLINE=1."""
-    from huggingface_hub import constants
+def new_backbone(cfg: BackboneConfig, *, pretrained: bool = False) -> Backbone:
+    """The backbone ``cfg`` describes: timm's image model, or a transformers text encoder (mergeflow.ml.text_models),
+    both taking their inputs as tensors and giving pooled features; ``pretrained``: with backbone.pretrained's weights."""
+    if cfg.library == "transformers":
+        from mergeflow.ml.text_models import TextBackbone
 
-    previous = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = not allowed
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE = previous
+        return TextBackbone(cfg, pretrained=pretrained)
+    return Backbone(cfg, pretrained=pretrained)
 
 
 def build_backbone(cfg: BackboneConfig, state: StateDict | None = None, *, source: str = "backbone") -> Backbone:
     """A backbone with random init, or holding ``state`` after checking its keys, shapes and dtypes."""
-    model = Backbone(cfg)
+    model = new_backbone(cfg)
     if state is not None:
         check_compatible(model.net.state_dict(), state, reference_name=f"backbone '{cfg.model}'", other_name=source)
         model.net.load_state_dict(state)
@@ -266,6 +261,8 @@ def backbone_state(model: Backbone) -> StateDict:
 
 
 def backbone_metadata(cfg: BackboneConfig) -> dict[str, str]:
+    if cfg.library == "transformers":
+        return {"library": cfg.library, "model": cfg.model, "kwargs": json.dumps(cfg.kwargs, sort_keys=True), "global_pool": cfg.global_pool}
     return {"model": cfg.model, "kwargs": json.dumps(cfg.kwargs, sort_keys=True), "global_pool": cfg.global_pool, "input_norm": cfg.input_norm}
 
 

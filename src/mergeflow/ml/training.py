@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from mergeflow.config import NEWTON_MAX_UNKNOWNS, FinetuneConfig, PreserveFeaturesConfig, ProbeConfig, ScheduleConfig
 from mergeflow.core.devices import resident
 from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.metrics import is_regression, score as metric_score, task_loss
 from mergeflow.ml.models import Backbone, make_head
 
 
@@ -234,7 +235,7 @@ class ProbeResult:
         return f"{where}: probe C={self.c:g} stopped at probe.max_iter={self.max_iter} {name} iterations before converging (val {100 * self.val_accuracy:.1f}%)"
 
 
-def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int, num_classes: int | None = None) -> ProbeResult:
+def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int, num_classes: int | None = None, metric: str = "accuracy") -> ProbeResult:
     """Multinomial logistic regression on standardised features; C chosen on validation.
 
     The solver is Newton's method (``probe.solver: newton-cholesky``), which reaches the L2-regularised optimum in
@@ -257,6 +258,8 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
     from sklearn.linear_model import LogisticRegression  # imported here: it costs every other stage a second
     from threadpoolctl import threadpool_limits
 
+    if is_regression(metric):
+        return _ridge_probe(train_x, train_y, val_x, val_y, cfg, metric)
     mu = train_x.mean(0)
     sd = train_x.std(0) + 1e-6
     seed %= 2**32  # scikit-learn's random_state range: a task's seed (seed x 1000003 + crc) can pass it
@@ -271,7 +274,10 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
         with threadpool_limits(limits=1, user_api="blas"), warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             clf.fit(xs, train_y.numpy())
-        acc = float((clf.predict(vs) == val_y.numpy()).mean())
+        if metric == "accuracy":
+            acc = float((clf.predict(vs) == val_y.numpy()).mean())
+        else:  # the task's own metric on val (GLUE's Matthews correlation, accuracy and F1)
+            acc = metric_score(metric, torch.as_tensor(clf.predict_proba(vs)), val_y)
         curve[str(c)] = acc
         iterations[str(c)] = int(max(clf.n_iter_))
         if best is None or acc > best[0]:
@@ -292,6 +298,29 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
         head.weight.copy_(coef / sd)
         head.bias.copy_(bias - (coef / sd) @ mu)
     return ProbeResult(head=head, c=c, val_accuracy=acc, val_curve=curve, iterations=iterations, max_iter=cfg.max_iter, solver=solver)
+
+
+def _ridge_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, metric: str) -> ProbeResult:
+    """A regression task's probe: ridge regression on standardised features (L2 strength 1 / C, C from
+    ``probe.c_grid`` chosen by the metric on val), solved exactly (Cholesky): a one-output head."""
+    mu, sd = train_x.mean(0), train_x.std(0) + 1e-6
+    xs, vs = ((train_x - mu) / sd).double(), ((val_x - mu) / sd).double()
+    target = train_y.double()
+    offset = target.mean()
+    gram, moment = xs.T @ xs, xs.T @ (target - offset)
+    best, curve = None, {}
+    for c in cfg.c_grid:
+        weights = torch.linalg.solve(gram + torch.eye(len(gram), dtype=gram.dtype) / c, moment)
+        value = metric_score(metric, (vs @ weights + offset).unsqueeze(1), val_y)
+        curve[str(c)] = value
+        if best is None or value > best[0]:
+            best = (value, c, weights)
+    value, c, weights = best
+    head = make_head(train_x.shape[1], 1)
+    with torch.no_grad():
+        head.weight.copy_((weights.float() / sd).unsqueeze(0))
+        head.bias.copy_((offset - (weights / sd.double()) @ mu.double()).float().reshape(1))
+    return ProbeResult(head=head, c=c, val_accuracy=value, val_curve=curve, iterations={str(k): 1 for k in cfg.c_grid}, max_iter=cfg.max_iter, solver="cholesky")
 
 
 @dataclass
@@ -341,12 +370,14 @@ def finetune(
     start: int = 0,
     schedule_length: int | None = None,
     optimizer_state: Mapping[str, Any] | None = None,
+    train_head: bool = False,
 ) -> Curve:
-    """Fine-tune the backbone in place with the head frozen (the seeds' protocol), plus the anchor's
-    feature-preservation term when one is given. ``start``, ``schedule_length`` and ``optimizer_state`` continue
-    a longer schedule, as in ``train_loop``."""
+    """Fine-tune the backbone in place with the head frozen (the seeds' protocol; ``train_head``: trained with it, in
+    place), plus the anchor's feature-preservation term when one is given. The loss is the task's
+    (``metrics.task_loss``: squared error for a regression task's float scores, else cross-entropy). ``start``,
+    ``schedule_length`` and ``optimizer_state`` continue a longer schedule, as in ``train_loop``."""
     backbone.to(device)
-    head.to(device).requires_grad_(False)
+    head.to(device).requires_grad_(train_head)
     y = labels.to(device)
     images = resident(images, device)
     anchor_draws = torch.Generator().manual_seed(seed + 1)
@@ -355,27 +386,31 @@ def finetune(
             torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(head(backbone(_batch(images, idx, device))).float(), y[idx.to(device)])
+        loss = task_loss(head(backbone(_batch(images, idx, device))), y[idx.to(device)])
         if anchor is not None and anchor.weight > 0:
             loss = loss + anchor.penalty(backbone, torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws), device)
         return loss
 
+    trained = nn.ModuleDict({"backbone": backbone, "head": head}) if train_head else backbone
     return train_loop(
-        backbone, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end,
+        trained, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end,
         start=start, schedule_length=schedule_length, optimizer_state=optimizer_state,
     )
 
 
 @torch.no_grad()
-def accuracy(backbone: Backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, device: torch.device) -> float:
-    feats = extract_features(backbone, images, batch_size=batch_size, device=device)
-    return head_accuracy(head, feats, labels)
+def score(backbone: Backbone, head: nn.Linear, inputs: torch.Tensor, labels: torch.Tensor, *, batch_size: int, device: torch.device, metric: str = "accuracy") -> float:
+    feats = extract_features(backbone, inputs, batch_size=batch_size, device=device)
+    return head_score(head, feats, labels, metric)
 
 
 @torch.no_grad()
-def head_accuracy(head: nn.Linear, features: torch.Tensor, labels: torch.Tensor) -> float:
+def head_score(head: nn.Linear, features: torch.Tensor, labels: torch.Tensor, metric: str = "accuracy") -> float:
+    """The task's metric (mergeflow.ml.metrics) of the head on ``features``; accuracy as images have always had it."""
     head = head.cpu()
-    return float((head(features).argmax(1) == labels).float().mean())
+    if metric == "accuracy":
+        return float((head(features).argmax(1) == labels).float().mean())
+    return metric_score(metric, head(features), labels)
 
 
 class Timer:

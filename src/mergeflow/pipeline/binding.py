@@ -38,14 +38,14 @@ def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> Mer
         from mergeflow.ml.data import load_tasks
 
         n = params.statistics.examples
-        train = {t: d.split("train").images[:n] for t, d in load_tasks(params, layout, ("train",)).items()}
+        train = {t: d.split("train").inputs[:n] for t, d in load_tasks(params, layout, ("train",)).items()}
         return MergeData(backbone=build_backbone(params.backbone), train_inputs=train)
     if spec.reads == "train_examples":
         from mergeflow.ml.data import load_tasks
 
         train = {t: d.split("train") for t, d in load_tasks(params, layout, ("train",)).items()}
-        objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, {"train": {t: s.images for t, s in train.items()}}, device)
+        objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, {"train": {t: s.inputs for t, s in train.items()}}, device)
         return MergeData(objective=objective, train_labels={t: s.labels for t, s in train.items()})
-    inputs = {s: {t: d.split(s).images for t, d in tasks.items()} for s in ("val", "test")}
+    inputs = {s: {t: d.split(s).inputs for t, d in tasks.items()} for s in ("val", "test")}
     objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
     return MergeData(objective=objective)

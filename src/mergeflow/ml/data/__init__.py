@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mergeflow.ml.data._arrays import ARRAYS, SPLITS, check_array_names
 from mergeflow.ml.data.images import resize_image
 from mergeflow.core.errors import MergeflowError
 
@@ -24,13 +25,12 @@ if TYPE_CHECKING:
     from mergeflow.config import Params, SuiteConfig
     from mergeflow.core.layout import Layout
 
-SPLITS = ("train", "val", "test")
 
 
 @dataclass(frozen=True)
 class Split:
-    images: torch.Tensor  # uint8 [N, H, W, 3]
-    labels: torch.Tensor  # int64 [N]
+    inputs: torch.Tensor  # uint8 images [N, H, W, 3], or text's int32 token ids [N, L]
+    labels: torch.Tensor  # int64 [N]; a regression task's float32 scores
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,11 @@ class TaskData:
     train: Split | None  # None: not read (load_task's splits)
     val: Split | None
     test: Split | None
+    # the task's score (mergeflow.ml.metrics): accuracy for images, GLUE's metric for a text task
+    metric: str = "accuracy"
 
     def split(self, name: str) -> Split:
         return getattr(self, name)
-
-
-ARRAYS = tuple(f"{split}_{part}" for split in SPLITS for part in ("x", "y"))
 
 
 def _integer_dtypes() -> tuple:
@@ -66,12 +65,7 @@ def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size
 
     if not isinstance(classes, list) or len(classes) < 2 or not all(isinstance(c, str) for c in classes):
         raise MergeflowError(f"{source}: metadata 'classes' is {json.dumps(classes)[:60]}, expected a JSON list of at least two class names")
-    for name in ARRAYS:
-        if name not in arrays and name.split("_")[0] in splits:
-            raise MergeflowError(f"{source}: array '{name}' is missing (a task file holds {', '.join(ARRAYS)})")
-    unexpected = sorted(set(arrays) - set(ARRAYS))
-    if unexpected:
-        raise MergeflowError(f"{source}: unexpected array '{unexpected[0]}' (a task file holds only {', '.join(ARRAYS)})")
+    check_array_names(arrays, source, splits)
     size = image_size
     if size is None and arrays[f"{splits[0]}_x"].ndim == 4:
         size = arrays[f"{splits[0]}_x"].shape[1]  # no size given: every split must have the first's square size
@@ -153,17 +147,28 @@ def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str
         classes = json.loads(meta["classes"])
     except json.JSONDecodeError:
         raise MergeflowError(f"{path}: metadata 'classes' is not JSON, expected a JSON list of class names") from None
-    check_task(tensors, classes, str(path), image_size, splits)
+    metric = meta.get("metric", "accuracy")
+    if meta.get("modality", "image") == "text":
+        from mergeflow.ml.data.text import check_text_task
+        from mergeflow.ml.metrics import is_regression
+
+        check_text_task(tensors, classes, metric, str(path), splits=splits)
+        labels = (lambda y: y.float()) if is_regression(metric) else (lambda y: y.long())
+    else:
+        check_task(tensors, classes, str(path), image_size, splits)
+        labels = lambda y: y.long()  # noqa: E731
     return TaskData(
         name=meta.get("task", path.stem),
         classes=classes,
-        **{s: Split(tensors[f"{s}_x"], tensors[f"{s}_y"].long()) if s in splits else None for s in SPLITS},
+        **{s: Split(tensors[f"{s}_x"], labels(tensors[f"{s}_y"])) if s in splits else None for s in SPLITS},
+        metric=metric,
     )
 
 
 def load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = SPLITS) -> dict[str, TaskData]:
     """Every task of ``params.suite``, read from the pipeline's files (the prepare stage's outputs)."""
     return {t: load_task(layout.task_data(t), params.suite.image_size, splits) for t in params.suite.tasks}
+
 
 
 def _decode_files(files, size: int, mode: str) -> np.ndarray:
@@ -231,11 +236,16 @@ def check_layout(cfg: SuiteConfig, task: str, download: bool = False) -> None:
     suite's task names; an ImageFolder task's folders (``imagefolder_layout``); a torchvision dataset's files
     (``benchmark.check_files``: what torchvision's own readers check first). The prepare stage calls it before it
     builds anything, and ``mergeflow check`` before any stage runs. One line naming suite.tasks or suite.root."""
-    if cfg.source == "embedded":
-        from mergeflow.ml.data import embedded
+    if cfg.source in ("embedded", "text"):
+        from mergeflow.ml.data import embedded, text_suite
 
-        if task not in embedded.TASKS:
-            raise MergeflowError(f"suite.tasks: the embedded suite has no task '{task}' (tasks: {', '.join(embedded.TASKS)})")
+        known = embedded.TASKS if cfg.source == "embedded" else text_suite.TASKS
+        if task not in known:
+            raise MergeflowError(f"suite.tasks: the {cfg.source} suite has no task '{task}' (tasks: {', '.join(known)})")
+    elif cfg.source == "glue":
+        from mergeflow.ml.data.glue import check_glue
+
+        check_glue(cfg.root, task)
     elif cfg.source == "imagefolder":
         imagefolder_layout(cfg.root, task)
     else:
@@ -332,9 +342,14 @@ def build_task(cfg: SuiteConfig, task: str, seed: int, download: bool | None = N
     return _torchvision_task(cfg, task, seed, download=download)
 
 
-def write_task(path: Path, cfg: SuiteConfig, task: str, seed: int, download: bool | None = None) -> dict[str, int]:
+def write_task(path: Path, cfg: SuiteConfig, task: str, seed: int, download: bool | None = None, backbone=None) -> dict[str, int]:
     """Build the task and save it (atomically, checked: ``save_task``) in this process: the prepare stage's worker,
     so that the stage's parent never holds any task's arrays. Returns the split sizes."""
+    if cfg.modality == "text":  # the text suite, or GLUE tokenized with the backbone's own tokenizer
+        from mergeflow.ml.data.text import write_text_task
+
+        check_layout(cfg, task)
+        return write_text_task(Path(path), cfg, task, seed, backbone, bool(download))
     arrays, classes = build_task(cfg, task, seed, download=download)
     save_task(Path(path), task, arrays, classes, cfg.image_size)
     return {s: int(len(arrays[f"{s}_y"])) for s in SPLITS}
@@ -342,6 +357,8 @@ def write_task(path: Path, cfg: SuiteConfig, task: str, seed: int, download: boo
 
 def task_bytes(cfg: SuiteConfig) -> int:
     """About the most memory one task's worker holds: its images, and safetensors' copy of them while saving."""
+    if cfg.modality == "text":
+        return 2 * (cfg.n_train + cfg.n_val + cfg.n_test) * cfg.seq_len * 4
     return 2 * (cfg.n_train + cfg.n_val + cfg.n_test) * cfg.image_size ** 2 * 3
 
 
@@ -353,8 +370,13 @@ def build_pretraining_corpus(cfg: SuiteConfig, seed: int) -> dict[str, np.ndarra
 
 def write_pretraining_corpus(path: Path, cfg: SuiteConfig, seed: int, build: bool = True) -> int:
     """Build (``build``; else an empty one: a pretrained backbone needs none) and save the pretraining corpus in this
-    process. Returns its number of images."""
+    process. Returns its number of images (text: of sentences, and data/tokenizer.json beside it)."""
     import torch
+
+    if cfg.source == "text":
+        from mergeflow.ml.data.text import write_text_corpus
+
+        return write_text_corpus(path, cfg, seed, build)
 
     from mergeflow.core.io import save_state_dict
 

@@ -183,8 +183,13 @@ def partition_magnitudes(mags: np.ndarray, i: int, axis: int = -1) -> None:
 
 
 def is_matrix(key: str, tensor: torch.Tensor) -> bool:
-    """A 2-D weight (attention and MLP projections, heads); embeddings, norms, biases, convs are not."""
-    return tensor.ndim == 2 and key.endswith("weight") and min(tensor.shape) > 1
+    """A 2-D weight (attention and MLP projections, heads); embeddings, norms, biases, convs are not. A text model's
+    embedding tables are 2-D weights too (transformers: ``*embeddings.*``, ``embed_tokens``, T5's ``shared``): as
+    seed 002 merges RoBERTa, only the attention and MLP matrices are low-rank, the rest averaged."""
+    if tensor.ndim != 2 or not key.endswith("weight") or min(tensor.shape) <= 1:
+        return False
+    module = key.rsplit(".", 1)[0]
+    return not ("embeddings" in module.split(".") or module.endswith("embed_tokens") or module == "shared")
 
 
 def svd_device() -> torch.device:

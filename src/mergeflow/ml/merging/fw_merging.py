@@ -22,8 +22,11 @@ INITIAL = "initial"  # the starting model, a vertex too (FusionBench's)
 
 
 def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
-    """(mean cross-entropy over every task's examples, its gradient {key: tensor}) at ``params``."""
+    """(mean task loss, cross-entropy for a classifier, over every task's examples; its gradient {key: tensor}) at
+    ``params``."""
     import torch
+
+    from mergeflow.ml.metrics import task_loss
 
     leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in params.items()}
     count = sum(len(y) for y in labels.values())
@@ -31,7 +34,7 @@ def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
     for t, x in inputs.items():
         for i in range(0, len(x), batch_size):
             features = objective.features(leaves, x[i : i + batch_size].to(objective.device))
-            loss = torch.nn.functional.cross_entropy(objective.heads[t](features), labels[t][i : i + batch_size].to(objective.device), reduction="sum") / count
+            loss = task_loss(objective.heads[t](features), labels[t][i : i + batch_size].to(objective.device), reduction="sum") / count
             loss.backward()
             total += float(loss.detach())
     return total, {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}

@@ -28,9 +28,9 @@ class _NoSignatureNotice(logging.Filter):
 def _feature_count(backbone_json: str) -> int:
     """D of the features a backbone configuration gives, from its architecture (built once per configuration)."""
     from mergeflow.config import BackboneConfig
-    from mergeflow.ml.models import Backbone
+    from mergeflow.ml.models import new_backbone
 
-    return Backbone(BackboneConfig(**json.loads(backbone_json)).model_copy(update={"pretrained": None})).num_features
+    return new_backbone(BackboneConfig(**json.loads(backbone_json)).model_copy(update={"pretrained": None})).num_features
 
 
 def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str, params: Params) -> str:

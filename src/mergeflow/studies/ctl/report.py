@@ -54,7 +54,7 @@ def _load(params, layout, device) -> tuple[dict, dict, dict, Suite, Probe]:
     backbone = build_backbone(params.backbone, theta0, source=str(layout.pretrained)).to(device)
     data = {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in tasks}
     heads = {t: load_head(layout.head(t), backbone.num_features, num_classes=len(data[t].classes), classes_source=str(layout.task_data(t))) for t in tasks}
-    suite = Suite(theta0, {t: load_state_dict(layout.finetuned(t)) for t in tasks}, heads, {t: (data[t].test.images, data[t].test.labels) for t in tasks})
+    suite = Suite(theta0, {t: load_state_dict(layout.finetuned(t)) for t in tasks}, heads, {t: (data[t].test.inputs, data[t].test.labels) for t in tasks})
     blocks = list(getattr(backbone.net, "blocks", []))
     if not blocks:
         raise MergeflowError(f"studies.ctl: backbone '{params.backbone.model}' has no 'blocks' (the study hooks a timm ViT's blocks)")
@@ -69,7 +69,7 @@ def _measure_scratch(params, s: CtlSettings, suite: Suite, probe: Probe, data: d
 
     from mergeflow.ml.models import build_backbone
 
-    train = {t: (data[t].train.images, data[t].train.labels) for t in pair8}
+    train = {t: (data[t].train.inputs, data[t].train.labels) for t in pair8}
     torch.manual_seed(params.seed)
     random_init = {k: v.detach().clone() for k, v in build_backbone(params.backbone).net.state_dict().items()}
     from_scratch = train_pair(params, suite, train, random_init, pair8, s.scratch_steps, device, "scratch")
@@ -84,7 +84,7 @@ def _measure_scratch(params, s: CtlSettings, suite: Suite, probe: Probe, data: d
     for name, states in (("scratch", from_scratch), ("finetuned", from_theta0)):
         acc8[name] = {}
         for t in pair8:
-            _, out = probe.run(states[t], data[t].test.images)
+            _, out = probe.run(states[t], data[t].test.inputs)
             acc8[name][t] = _head_acc(out, heads[t], data[t].test.labels)
     rel8 = {name: _r(_distance(states[pair8[0]], states[pair8[1]]) / _norm(init)) for name, states, init in (("scratch", from_scratch, random_init), ("finetuned", from_theta0, theta0))}
     return terms, acc8, rel8

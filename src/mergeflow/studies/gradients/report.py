@@ -48,7 +48,7 @@ class _Setup:
     gd_trainer: Any
 
     def train_set(self, t: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tasks[t].train.images[:n], self.tasks[t].train.labels[:n]
+        return self.tasks[t].train.inputs[:n], self.tasks[t].train.labels[:n]
 
     def grad_fn(self, t: str, n: int, dtype=None) -> GradFn:
         import torch
@@ -76,7 +76,7 @@ def _setup(context: StudyContext) -> _Setup:
     tasks = {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in all_tasks}
     heads = {t: load_head(layout.head(t), backbone.num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in all_tasks}
     seeds = {t: task_seed(params.seed, t) for t in all_tasks}
-    sets = {t: (tasks[t].train.images[: s.examples], tasks[t].train.labels[: s.examples]) for t in all_tasks}
+    sets = {t: (tasks[t].train.inputs[: s.examples], tasks[t].train.labels[: s.examples]) for t in all_tasks}
     gd_cfg = params.finetune.model_copy(update={"optimizer": "gd", "lr": s.gd_lr, "weight_decay": 0.0, "warmup_steps": 0, "epochs": 1, "momentum": 0.0,
                                                 "preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0})})
     # on the CPU whatever runtime.device is: on CUDA the trainer autocasts to bfloat16, and the identities are float32 ones
@@ -167,7 +167,7 @@ def _claim_trajectory(u: _Setup) -> tuple[Claim, dict, dict, int, int]:
     from mergeflow.ml.models import backbone_state
     from mergeflow.ml.training import FeatureAnchor, finetune as finetune_loop
 
-    s, params, first = u.s, u.params, u.tasks[u.subset[0]].train.images
+    s, params, first = u.s, u.params, u.tasks[u.subset[0]].train.inputs
     n5 = min(s.trajectory_examples, len(first))
     per_epoch = max(1, n5 // min(params.finetune.batch_size, n5))
     full_per_epoch = max(1, len(first) // min(params.finetune.batch_size, len(first)))

@@ -227,9 +227,9 @@ def _real_inputs(params: Any, layout: Any, s: ProvableSettings) -> tuple[Any, An
     tail0.eval()
     tokens = {}
     for split in ("train", "val", "test"):
-        images = data.split(split).images
+        images = data.split(split).inputs
         tokens[split] = {c: _tokens(prefix, colour(images, torch.full((len(images),), c == "red"))) for c in ("red", "green")}
-    check = data.test.images[:8]
+    check = data.test.inputs[:8]
     if not torch.allclose(tail0(prefix(colour(check, torch.ones(8, dtype=torch.bool)))), backbone(colour(check, torch.ones(8, dtype=torch.bool))), atol=1e-5):
         raise MergeflowError("study provable: the split backbone (frozen prefix + tail) does not reproduce the backbone")
     return data, tail0, tokens, len(backbone.net.blocks)
