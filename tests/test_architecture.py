@@ -31,7 +31,9 @@ LAYER = {
     "mergeflow.ml.zeroshot": "models",  # CLIP's zero-shot heads
     "mergeflow.ml.mlflow_model": "models",  # a merged model as an MLflow model
     "mergeflow.ml.lora": "models",  # LoRA adapters on the backbone, and LoRA task vectors as their factors
+    "mergeflow.ml.text_models": "models",  # the text backbone: a transformers encoder, features only
     "mergeflow.ml.training": "training",  # probe, fine-tuning, pretraining loops
+    "mergeflow.ml.text_training": "training",  # the text backbone's masked-LM pretraining
     "mergeflow.ml.regimes": "training",  # training-time regimes: other ways to make the task models
     "mergeflow.ml.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge
     "mergeflow.ml.statistics": "task vectors",  # per-task Fisher diagonals and Grams the data-aware methods read

@@ -38,7 +38,22 @@ def test_profile_is_complete_and_in_step_with_params_yaml(repo_root, path):
     raw, default = yaml.safe_load(path.read_text()), yaml.safe_load((repo_root / "params.yaml").read_text())
     for key in _dvc_params(repo_root, raw):
         _lookup(raw, key)
-    assert list(raw) == list(default) and raw["merge"]["methods"] == default["merge"]["methods"]
+    assert list(raw) == list(default) and params.suite.name == path.stem
+    if params.suite.source == "glue":
+        from mergeflow.ml.data.glue import GLUE
+
+        assert params.suite.tasks == list(GLUE) and params.backbone.pretrained == "hub" and params.finetune.train_head
+        return
+    if params.suite.modality == "text":
+        from mergeflow.ml.data.text import special_ids
+        from mergeflow.ml.data.text_suite import TASKS
+
+        ids = special_ids()
+        kwargs = params.backbone.kwargs
+        assert params.suite.tasks == list(TASKS) and kwargs["vocab_size"] == ids["vocab_size"]
+        assert (kwargs["bos_token_id"], kwargs["pad_token_id"], kwargs["eos_token_id"]) == (ids["<s>"], ids["<pad>"], ids["</s>"])
+        assert kwargs["max_position_embeddings"] >= params.suite.seq_len + ids["<pad>"] + 1  # RoBERTa's positions start after the pad id
+        return
+    assert raw["merge"]["methods"] == default["merge"]["methods"]
     suite = path.stem.split("_")[0]
     assert params.suite.tasks == SUITES[suite] and params.finetune.head == "zeroshot" and params.backbone.embedding == "clip"
-    assert params.suite.name == path.stem

@@ -107,7 +107,8 @@ class SuiteConfig(_Strict):
     # names the MLflow experiment (mergeflow/<name>) and registered model; empty (null): "embedded" for the
     # embedded suite, else the last folder of root
     name: str = Field("embedded", pattern=NAME_PATTERN)
-    source: Literal["embedded", "imagefolder", "torchvision"] = "embedded"
+    # embedded, text: the generated image or text suite (text: GLUE's eight kinds of task); else images under root
+    source: Literal["embedded", "text", "imagefolder", "torchvision", "glue"] = "embedded"  # glue: GLUE on disk (ml/data/glue.py)
     root: str | None = None  # imagefolder: <root>/<task>/{train,val,test}/<class>/*; torchvision: the datasets' root
     download: bool = False  # torchvision: download what is missing under root (also `mergeflow prepare --download`)
     tasks: list[str] = Field(min_length=1)  # downstream tasks, in report order
@@ -119,7 +120,10 @@ class SuiteConfig(_Strict):
     n_train: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(3000, ge=8, le=MAX_IMAGES)  # per task; embedded suite generates exactly this many, real data is capped by it
     n_val: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(300, ge=4, le=MAX_IMAGES)
     n_test: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(800, ge=4, le=MAX_IMAGES)
-    pretrain_images: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(50000, ge=0, le=MAX_IMAGES)  # size of the formula-driven pretraining corpus (embedded source)
+    pretrain_images: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(50000, ge=0, le=MAX_IMAGES)  # size of the formula-driven pretraining corpus (embedded source; text: sentences)
+    seq_len: int = Field(64, ge=8, le=4096)  # text: tokens per example, "<s> a </s></s> b </s>" padded to it
+
+    modality = property(lambda self: "text" if self.source in ("text", "glue") else "image")
 
     @model_validator(mode="before")
     @classmethod
@@ -127,7 +131,7 @@ class SuiteConfig(_Strict):
         """An empty name: the suite's own (a copied params.yaml pointed at other data must not log as 'embedded')."""
         if isinstance(raw, dict) and raw.get("name") is None:
             root = raw.get("root")
-            name = Path(str(root)).resolve().name if raw.get("source", "embedded") != "embedded" and root else "embedded"
+            name = Path(str(root)).resolve().name if raw.get("source", "embedded") not in ("embedded", "text") and root else raw.get("source", "embedded")
             raw = dict(raw, name=re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("_.-") or "suite")
         return raw
 
@@ -143,14 +147,17 @@ class SuiteConfig(_Strict):
 
     @model_validator(mode="after")
     def _root_needed(self) -> SuiteConfig:
-        if self.source != "embedded" and not self.root:
+        if self.source not in ("embedded", "text") and not self.root:
             raise ValueError(f"source '{self.source}' needs 'root' (a directory)")
         return self
 
 
 class BackboneConfig(_Strict):
-    model: str = Field("vit_tiny_patch16_224", pattern=NAME_PATTERN)  # any timm model name
-    kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to timm.create_model (img_size, patch_size, embed_dim, ...)
+    # timm: images; transformers: text, a Hugging Face encoder (model: its model_type, e.g. roberta) with a head per
+    # task on the first token's feature (global_pool: token) or the mean of the tokens' (avg)
+    library: Literal["timm", "transformers"] = "timm"
+    model: str = Field("vit_tiny_patch16_224", pattern=NAME_PATTERN)  # any timm model name; transformers: its model_type
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # timm.create_model's (img_size, patch_size, embed_dim, ...); transformers: the model config's
     global_pool: str = "avg"
     input_norm: Literal["center", "per_image", "pretrained_cfg", "none"] = "center"  # per-image normalisation, or the weights' own mean/std
     pretrained: str | None = None  # None: pretrain on the corpus; "hub": timm's weights; a path: a local weights file
@@ -201,6 +208,8 @@ class FinetuneConfig(ScheduleConfig):
     # the frozen classification head: a linear probe fitted on theta0's features, or CLIP's zero-shot head from
     # the class names and prompt templates (backbone.embedding: clip and backbone.text)
     head: Literal["probe", "zeroshot"] = "probe"
+    # the head trained with the backbone from the probe (seed 002's language models), or frozen (the vision papers')
+    train_head: bool = False
     # per task, a published fine-tuned checkpoint imported instead of fine-tuning: a local file or hf:<owner>/<repo>
     checkpoints: dict[str, str] = Field(default_factory=dict)
     momentum: float = Field(0.0, ge=0, lt=1)  # sgd only
@@ -389,6 +398,15 @@ class Params(_Strict):
         else:
             share = max(MIN_STAGE_THREADS, cores // min(cores, items)) if items else cores
         return share if share < cores else None
+
+    @model_validator(mode="after")
+    def _modality(self) -> Params:  # text data need a text backbone, images an image one
+        text_backbone = self.backbone.library == "transformers"
+        if (self.suite.modality == "text") != text_backbone:
+            raise ValueError(f"backbone.library: suite.source '{self.suite.source}' holds {self.suite.modality}s, which need backbone.library: {'transformers' if self.suite.modality == 'text' else 'timm'} (not '{self.backbone.library}')")
+        if text_backbone and self.finetune.preserve_features.weight:
+            raise ValueError("finetune.preserve_features: the feature anchor reads pretraining-corpus images; for text set finetune.preserve_features.weight to 0")
+        return self
 
     @model_validator(mode="after")
     def _clip(self) -> Params:

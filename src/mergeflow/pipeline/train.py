@@ -24,12 +24,13 @@ from mergeflow.core.io import LazyStateDict, atomic_path, load_state_dict, save_
 from mergeflow.core.layout import Layout
 from mergeflow.ml.merging import REGISTRY
 from mergeflow.core.parent_death import process_pool
-from mergeflow.ml.models import Backbone, backbone_metadata, backbone_state, build_backbone, hub_access, load_backbone, load_heads as _load_heads, select_device
+from mergeflow.core.hub import hub_access
+from mergeflow.ml.models import Backbone, backbone_metadata, backbone_state, build_backbone, new_backbone, load_backbone, load_heads as _load_heads, select_device
 from mergeflow.ml.lora import split_factors
 from mergeflow.ml.regimes import regime_identity, resume_from
 from mergeflow.report.plots import plot_cosine_heatmap
 from mergeflow.ml.task_vectors import save_task_vectors, statistics as vector_statistics, task_vector
-from mergeflow.ml.training import FeatureAnchor, Timer, accuracy, extract_features, finetune as finetune_loop, fit_probe, pretrain as pretrain_loop, seed_everything
+from mergeflow.ml.training import FeatureAnchor, Timer, extract_features, finetune as finetune_loop, fit_probe, head_score, pretrain as pretrain_loop, score, seed_everything
 
 
 def _setup(params: Params, seed: int) -> torch.device:
@@ -60,7 +61,7 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
         with process_pool(workers) as pool:  # its workers die with the stage, killed or not
             try:
                 corpus_job = pool.submit(data_mod.write_pretraining_corpus, layout.pretrain_corpus, suite, params.seed) if build_corpus else None
-                jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads()) for t in suite.tasks}
+                jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads(), backbone=params.backbone) for t in suite.tasks}
                 sizes = {t: job.result() for t, job in jobs.items()}
                 pretrain_images = corpus_job.result() if corpus_job else 0
             except BaseException:
@@ -76,13 +77,16 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
 
 # ---------------------------------------------------------------- pretrain
 def pretrain(params: Params, layout: Layout = Layout()) -> dict:
-    """Train the backbone on the formula-driven corpus, or load real pretrained weights (a file or the hub)."""
+    """Train the backbone on the formula-driven corpus (text: masked-LM on the text corpus), or load real pretrained
+    weights (a file or the hub)."""
     device = _setup(params, params.seed)
     with Timer() as timer:
         if params.backbone.pretrained is not None:
             with hub_access(params.downloads()):
-                backbone = Backbone(params.backbone, pretrained=True)
+                backbone = new_backbone(params.backbone, pretrained=True)
             curve, head_acc = [], {}
+        elif params.suite.modality == "text":
+            (backbone, curve), head_acc = _pretrain_text(params, layout, device), {}
         else:
             corpus = load_state_dict(layout.pretrain_corpus, check=False)
             data_mod.check_corpus(tensor_specs(corpus), str(layout.pretrain_corpus), params.suite.image_size, labels=corpus)
@@ -106,6 +110,18 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
     write_json(layout.metrics("pretrain"), metrics)
     write_json(layout.timing("pretrain"), timer.record())
     return metrics
+
+
+def _pretrain_text(params: Params, layout: Layout, device: torch.device):
+    """(the text backbone after masked-LM pretraining on the corpus' sentences, its loss curve's records)."""
+    from mergeflow.ml.data.text import special_ids
+    from mergeflow.ml.text_training import pretrain_masked_lm
+
+    tokens = load_state_dict(layout.pretrain_corpus, check=False).get("tokens")
+    if tokens is None or tokens.ndim != 2 or len(tokens) == 0:
+        raise MergeflowError(f"{layout.pretrain_corpus}: expected a text corpus, array 'tokens' [N, L] of at least one sentence (suite.pretrain_images sentences)")
+    state, curve = pretrain_masked_lm(params.backbone, tokens, params.pretrain, special=special_ids(), seed=params.seed, device=device)
+    return build_backbone(params.backbone, state, source="masked-LM pretraining"), curve.records()
 
 
 # ---------------------------------------------------------------- finetune
@@ -134,7 +150,7 @@ def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict
             text = zeroshot.text_model(params.backbone, seed=seed)
         head = zeroshot.zeroshot_head(text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates, device=device)
         return head, {"head": "zeroshot", "templates": len(templates)}
-    probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes))
+    probe = fit_probe(feats["train"], data.train.labels, feats["val"], data.val.labels, params.probe, seed=seed, num_classes=len(data.classes), metric=data.metric)
     print(probe.convergence_line(task))
     return probe.head, {"head": "probe", "C": probe.c}
 
@@ -167,9 +183,9 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     with Timer() as timer:
         # the probe fits on train's features; a zero-shot head needs only val's and test's (its accuracy on theta0)
         featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED
-        feats = {s: extract_features(backbone, data.split(s).images, batch_size=bs, device=device) for s in featured}
+        feats = {s: extract_features(backbone, data.split(s).inputs, batch_size=bs, device=device) for s in featured}
         head, head_record = _frozen_head(params, task, data, feats, seed, device)
-        probe_acc = {s: float((head(feats[s]).argmax(1) == data.split(s).labels).float().mean()) for s in ("val", "test")}
+        probe_acc = {s: head_score(head, feats[s], data.split(s).labels, data.metric) for s in ("val", "test")}
         epoch_states: dict[int, dict] = {}
         if task in params.finetune.checkpoints:
             model, curve = _imported(params, task, backbone), None
@@ -181,8 +197,11 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
                     epoch_states[epoch] = backbone_state(model)
 
             anchor = _feature_anchor(params, layout, backbone, seed, device)
-            curve = finetune_loop(model, head, data.train.images, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor)
-        individual = {s: accuracy(model, head, data.split(s).images, data.split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+            curve = finetune_loop(
+                model, head, data.train.inputs, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor,
+                train_head=params.finetune.train_head,
+            )
+        individual = {s: score(model, head, data.split(s).inputs, data.split(s).labels, batch_size=bs, device=device, metric=data.metric) for s in ("val", "test")}
     # a path changed in params.yaml: DVC records the new file after the run (written once the inputs proved good)
     imports.sync(params, layout.root, [task])
     meta = backbone_metadata(params.backbone) | {"task": task}
@@ -231,6 +250,7 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
     with its head (labels sampled from the model, and the true labels) and the Gram of every linear layer's inputs,
     on the first statistics.examples training examples. Once per task here, so that a merge hyperparameter change
     does not recompute them."""
+    from mergeflow.ml.metrics import is_regression
     from mergeflow.ml.statistics import fisher_diagonal, input_grams
 
     device = _setup(params, params.seed)
@@ -241,11 +261,11 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
         for t, data in tasks.items():
             with Timer() as task_timer:
                 model = load_backbone(params.backbone, layout.finetuned(t))
-                images, labels = data.train.images[: params.statistics.examples], data.train.labels[: params.statistics.examples]
+                images, labels = data.train.inputs[: params.statistics.examples], data.train.labels[: params.statistics.examples]
                 generator = torch.Generator().manual_seed(_task_seed(params.seed, t))
                 out = {}
                 for kind, given in (("fisher_sampled", None), ("fisher_empirical", labels)):
-                    out |= {f"{kind}/{k}": v for k, v in fisher_diagonal(model, heads[t], images, given, generator=generator, device=device).items()}
+                    out |= {f"{kind}/{k}": v for k, v in fisher_diagonal(model, heads[t], images, given, generator=generator, device=device, regression=is_regression(data.metric)).items()}
                 out |= {f"gram/{k}": v for k, v in input_grams(model, images, batch_size=params.runtime.eval_batch_size, device=device).items()}
                 save_state_dict(tmp / layout.statistics(t).name, out, {"task": t, "examples": str(len(images))})
             sizes[t], times[t] = len(images), task_timer.seconds
@@ -292,7 +312,7 @@ def regime_trainer(params: Params, layout: Layout, device: str):
     heads = _load_heads(params, layout, backbone.num_features, tasks)
     seeds = {t: _task_seed(params.seed, t) for t in tasks}
     anchors = LazyAnchors(tasks, lambda t: _feature_anchor(params, layout, backbone, seeds[t], torch.device(device)))
-    return finetune_trainer(params.backbone, heads, {t: (d.train.images, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=torch.device(device), anchors=anchors)
+    return finetune_trainer(params.backbone, heads, {t: (d.train.inputs, d.train.labels) for t, d in tasks.items()}, params.finetune, seeds=seeds, device=torch.device(device), anchors=anchors)
 
 
 def _variant_record(params: Params, result, kwargs: dict, tasks: dict, heads: dict, device) -> dict:
@@ -302,7 +322,7 @@ def _variant_record(params: Params, result, kwargs: dict, tasks: dict, heads: di
 
     def accuracies(state, task):
         model = build_backbone(params.backbone, split_factors(state)[0])
-        return {s: accuracy(model, heads[task], tasks[task].split(s).images, tasks[task].split(s).labels, batch_size=bs, device=device) for s in ("val", "test")}
+        return {s: score(model, heads[task], tasks[task].split(s).inputs, tasks[task].split(s).labels, batch_size=bs, device=device, metric=tasks[task].metric) for s in ("val", "test")}
 
     individual = {t: accuracies(result.task_states[t], t) for t in tasks}
     own = None

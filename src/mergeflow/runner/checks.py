@@ -131,12 +131,27 @@ def check_data(params: Params, root: Path, source: str) -> None:
 def check_local_files(params: Params, root: Path, source: str) -> None:
     """The weights files params names exist (relative paths from the repository root): found now, not in a stage
     after the data is prepared."""
-    named = [("backbone.pretrained", params.backbone.pretrained), ("backbone.text", params.backbone.text)]
+    if params.backbone.library == "transformers":
+        _check_transformers_source(params, root, source)
+    named = [("backbone.pretrained", params.backbone.pretrained if params.backbone.library == "timm" else None), ("backbone.text", params.backbone.text)]
     named += [(f"finetune.checkpoints.{task}", spec) for task, spec in params.finetune.checkpoints.items() if not spec.startswith("hf:")]
     for key, value in named:
         if value not in (None, "hub", "random") and not (root / value).is_file():
             raise MergeflowError(f"{source}: {key}: weights file '{value}' not found")
     check_checkpoint_headers(params, root, source)
+
+
+def _check_transformers_source(params: Params, root: Path, source: str) -> None:
+    """A text backbone's weights are there: its save_pretrained folder's config.json, or the hub model's in the local
+    cache (unless downloads are on)."""
+    pretrained, model = params.backbone.pretrained, params.backbone.model
+    if pretrained not in (None, "hub") and not (root / pretrained / "config.json").is_file():
+        raise MergeflowError(f"{source}: backbone.pretrained: '{pretrained}' is not a transformers model folder (no config.json; save one with save_pretrained)")
+    if pretrained == "hub" and not params.downloads():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+            raise MergeflowError(f"{source}: backbone.pretrained: hub: '{model}' is not in the local Hugging Face cache, and downloads are off; run with --download once (or save it with save_pretrained and name the folder)")
 
 
 def _shapes(path: Path, key: str, value: str, source: str) -> dict[str, tuple[int, ...]] | None:

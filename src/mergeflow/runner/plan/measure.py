@@ -73,10 +73,10 @@ def model_shape(params: Params) -> ModelShape:
     if key not in _SHAPES:
         import torch
 
-        from mergeflow.ml.models import Backbone
+        from mergeflow.ml.models import new_backbone
 
         with torch.device("meta"):
-            backbone = Backbone(params.backbone, pretrained=False)
+            backbone = new_backbone(params.backbone)
         state = backbone.net.state_dict()
         matrices = tuple(tuple(v.shape) for k, v in state.items() if v.ndim == 2 and k.endswith("weight") and min(v.shape) > 1)
         _SHAPES[key] = ModelShape(sum(v.numel() for v in state.values()), matrices, backbone.num_features)
@@ -337,6 +337,19 @@ def _train_cost(model, images, synced, batch_size: int, stopwatch: Stopwatch, me
     return train_s, train_peak, train_at
 
 
+def _inputs(params: Params, model, n: int, device):
+    """``n`` random inputs of the suite's kind: uint8 images, or token ids with words in the first half of each row
+    and padding after (a pair's typical length)."""
+    import torch
+
+    if params.suite.modality == "text":
+        ids = torch.randint(5, model.net.config.vocab_size, (n, params.suite.seq_len), device=device)
+        ids[:, params.suite.seq_len // 2 :] = model.net.config.pad_token_id
+        return ids
+    size = params.suite.image_size
+    return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, device=device)
+
+
 def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start: tuple[float, int] | None = None) -> Throughput:
     """Measure the backbone's speeds on runtime.device with the threads the stages use, each figure the fastest
     of a few calls within ``budget_s`` seconds (at least two calls: a big model's take longer). A stage process's
@@ -360,7 +373,7 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
     size = params.suite.image_size
 
     def images(n):
-        return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, device=device)
+        return _inputs(params, model, n, device)
 
     def synced(fn):
         if device.type != "cuda":
@@ -408,7 +421,7 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
         import_s=import_s,
         batches={"forward": params.runtime.eval_batch_size, "train": params.finetune.batch_size},
         timed_at={"forward": forward_at, "train": train_at},
-        decode_s=decode_seconds(size) if params.suite.source != "embedded" else 0.0,
+        decode_s=decode_seconds(size) if params.suite.source not in ("embedded", "text") else 0.0,
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else 0,
         measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         load_average=round(load, 2),

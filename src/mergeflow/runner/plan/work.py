@@ -114,7 +114,12 @@ class Work:
 def _task_bytes(params: Params, splits: tuple[str, ...] = ("train", "val", "test")) -> float:
     """The task files' images (uint8, at most n_<split> a task): what a stage reads. Merges read val and test."""
     s = params.suite
-    return len(s.tasks) * sum(getattr(s, f"n_{split}") for split in splits) * s.image_size**2 * 3
+    return len(s.tasks) * sum(getattr(s, f"n_{split}") for split in splits) * example_bytes(s)
+
+
+def example_bytes(s) -> int:
+    """One stored example: an image's uint8 pixels, or a text example's int32 token ids."""
+    return s.seq_len * 4 if s.modality == "text" else s.image_size**2 * 3
 
 
 def total_steps(cfg, n_examples: int, full_batch: bool = False) -> int:
@@ -281,7 +286,7 @@ def prepare_work(params: Params) -> Work:
     # real data: every image decoded and resized once, the tasks in parallel processes (at most the caps:
     # a smaller dataset takes less); each process holds its task's arrays
     workers = min(len(s.tasks), params.threads() or os.cpu_count() or 1)
-    w = Work(fixed_s=PREPARE_POOL_START_S, decoded_images=images / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * s.image_size**2 * 3)
+    w = Work(fixed_s=PREPARE_POOL_START_S, decoded_images=images / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * example_bytes(s))
     w.notes.append("real data: decoding measured on a 500x375 JPEG; downloads not estimated")
     return w
 
@@ -292,7 +297,7 @@ def pretrain_work(params: Params) -> Work:
         return Work(notes=["loads pretrained weights: read time not estimated"])
     cfg = params.pretrain
     steps = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, s.pretrain_images // cfg.batch_size)
-    return Work(train_images=steps * cfg.batch_size, forward_images=min(2000, s.pretrain_images), trains=True, held_bytes=s.pretrain_images * s.image_size**2 * 3)
+    return Work(train_images=steps * cfg.batch_size, forward_images=min(2000, s.pretrain_images), trains=True, held_bytes=s.pretrain_images * example_bytes(s))
 
 
 def track_work(params: Params) -> Work:

@@ -1,0 +1,92 @@
+"""The text modality end to end on a tiny text run, in this process: the same stage functions as for images (prepare,
+pretrain, finetune, vectors, statistics, merge, report) on the text suite's eight tasks with a tiny RoBERTa-style
+encoder, and every registered method merging its task vectors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from mergeflow.core.errors import MergeflowError
+from mergeflow.ml.merging import REGISTRY
+from mergeflow.params import parse_params
+from mergeflow.pipeline.stages import Layout, finetune, merge, prepare, pretrain, statistics, vectors
+
+from .conftest import REPO
+
+TINY_TEXT = {
+    "suite": {"n_train": 48, "n_val": 16, "n_test": 16, "pretrain_images": 256},
+    "backbone": {"kwargs": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}},
+    "pretrain": {"steps": 6, "batch_size": 32, "warmup_steps": 1},
+    "probe": {"c_grid": [1.0]},
+    "finetune": {"steps": 4, "batch_size": 16, "warmup_steps": 1},
+    "statistics": {"examples": 8},
+    "runtime": {"threads": 1},
+}
+
+
+def _tiny(raw: dict, override: dict) -> dict:
+    for key, value in override.items():
+        if key == "kwargs":
+            raw[key] = raw[key] | value
+        elif isinstance(value, dict):
+            _tiny(raw[key], value)
+        else:
+            raw[key] = value
+    return raw
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """(params, layout) of the tiny text run up to the statistics: the profile's own file with small sizes."""
+    raw = _tiny(yaml.safe_load((REPO / "profiles" / "text8.yaml").read_text()), TINY_TEXT)
+    params, layout = parse_params(raw), Layout(tmp_path_factory.mktemp("text-run"))
+    prepare(params, layout)
+    pretrain(params, layout)
+    for task in params.suite.tasks:
+        finetune(params, task, layout)
+    vectors(params, layout)
+    statistics(params, layout)
+    return raw, layout
+
+
+def test_each_task_is_scored_by_its_glue_metric(text_run):
+    raw, layout = text_run
+    metrics = {t: json.loads(layout.metrics("finetune", t).read_text()) for t in raw["suite"]["tasks"]}
+    for task, record in metrics.items():
+        for score in (record["individual"]["test"], record["probe"]["test"]):
+            assert -1.0 <= score <= 1.0 and math.isfinite(score), task
+    # a regression head has one output, a classifier one per class
+    from mergeflow.core.io import load_state_dict
+
+    assert load_state_dict(layout.head("similarity"))["weight"].shape[0] == 1
+    assert load_state_dict(layout.head("inference"))["weight"].shape[0] == 3
+
+
+# every method that merges any number of task models (the text suite has eight)
+METHODS = sorted(name for name, method in REGISTRY.items() if method.tasks in (None, 8))
+
+
+# RegMean++ and WEMoE walk a timm ViT's blocks (their activations, their MLPs): refused on a text encoder, one line
+VIT_BLOCKS = {"regmean_plusplus": "merges a timm ViT block by block", "wemoe": "the backbone has no blocks"}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_merges_text_models(text_run, name):
+    raw, layout = text_run
+    raw = json.loads(json.dumps(raw))
+    raw["merge"]["methods"] = [name]
+    # one setting: the paper's, its optimisation (AdaMerging's, Surgery's, WUDI's, ...) cut to a few steps
+    raw["merge"][name] = {k: min(v, 3) if k == "steps" else v for k, v in REGISTRY[name].defaults.items()}
+    params = parse_params(raw)
+    if name in VIT_BLOCKS:
+        with pytest.raises(MergeflowError, match=VIT_BLOCKS[name]):
+            merge(params, name, layout)
+        return
+    merge(params, name, layout)
+    evaluated = json.loads(layout.metrics("evaluate", name).read_text())
+    average = evaluated["average"]["target"] if evaluated["kind"] == "negation" else evaluated["average"]
+    assert -1.0 <= average <= 1.0 and math.isfinite(average), name
