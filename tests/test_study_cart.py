@@ -170,3 +170,18 @@ def test_subsets_distinct_deterministic_and_capped():
     assert all(len(set(v)) == len(v) == 3 for n, v in subs.items() if n < 8)
     assert subs == draw_subsets(tasks, [2, 4, 8, 9], 3, 0) and subs != draw_subsets(tasks, [2, 4, 8, 9], 3, 1)
     assert math.comb(3, 2) == len(draw_subsets(list("abc"), [2], 5, 0)[2])
+
+
+def test_table_2_claim_on_a_text_suite_by_hand():
+    from mergeflow.studies.cart.claims import claim_glue
+
+    per_task = {"cart": {"a": 0.8, "b": 0.6}, "task_arithmetic": {"a": 0.7, "b": 0.65}, "ties": {"a": 0.5, "b": 0.5}, "weight_averaging": {"a": 0.4, "b": 0.7}}
+    acc = {m: sum(v.values()) / 2 for m, v in per_task.items()}  # CART 0.70, TA 0.675, TIES 0.50, WA 0.55
+    claim = claim_glue(acc, per_task)
+    assert claim.holds and claim.numbers["tasks_cart_above"] == {"task_arithmetic": 1, "ties": 2, "weight_averaging": 1}
+    assert claim.margin == pytest.approx(0.025)
+    per_task["task_arithmetic"]["b"] = 0.75  # TA 0.725: above CART
+    acc["task_arithmetic"] = 0.725
+    assert claim_glue(acc, per_task).holds is False
+    del acc["ties"]
+    assert claim_glue(acc, per_task).holds is None

@@ -8,7 +8,7 @@ from statistics import median
 from typing import Any
 
 from mergeflow.studies import Claim
-from mergeflow.studies.cart.settings import NAMES, PAPER_8, SEED_ORDER, CartSettings
+from mergeflow.studies.cart.settings import GLUE_ORDER, NAMES, PAPER_8, PAPER_GLUE, SEED_ORDER, CartSettings
 from mergeflow.studies.cart.spectra import LayerSpectra
 
 
@@ -150,3 +150,20 @@ def claim_ranking(acc: dict[str, float], layers: list[LayerSpectra], s: CartSett
               f"top {100 * s.rank_ratio:g}% of the rank holds {100 * ec:.0f}% of the centred vectors' energy (median layer; original {100 * eo:.0f}%, a Gaussian matrix {100 * eg:.0f}%); "
               f"‖θ_t − θ_avg‖ / ‖τ_t‖ = {median(L.norm_ratio for L in layers):.3f} (orthogonal τ_t: √(1 − 1/T) = {math.sqrt(1 - 1 / n_tasks):.3f})")
     return Claim("002.5", text, holds, numbers, detail)
+
+
+def claim_glue(acc: dict[str, float], per_task: dict[str, dict[str, float]]) -> Claim:
+    """Table 2 on a text suite: CART's average above task arithmetic's, TIES' and weight averaging's; the tasks on
+    which it is above each are counted (shown, not judged: the seed reports averages)."""
+    text = "On GLUE's eight tasks (RoBERTa-base), CART's average is above TA's, TIES' and WA's (Table 2)"
+    numbers: dict[str, Any] = {"seed": dict(PAPER_GLUE)}
+    missing = [m for m in GLUE_ORDER if m not in acc or m not in per_task]
+    if missing:
+        return Claim("002.5", text, None, numbers, f"needs metrics/evaluate for {', '.join(missing)}: put them in merge.methods")
+    above = {m: sum(per_task["cart"][t] > per_task[m][t] for t in per_task["cart"]) for m in GLUE_ORDER[1:]}
+    margins = {m: acc["cart"] - acc[m] for m in GLUE_ORDER[1:]}
+    numbers |= {"average": {m: _r(acc[m]) for m in GLUE_ORDER}, "cart_minus": {m: _r(v) for m, v in margins.items()},
+                "tasks_cart_above": above, "tasks": len(per_task["cart"])}
+    detail = (f"CART {100 * acc['cart']:.1f} against " + ", ".join(f"{NAMES[m]} {100 * acc[m]:.1f} ({100 * margins[m]:+.1f}; above on {above[m]} of {len(per_task['cart'])} tasks)" for m in GLUE_ORDER[1:])
+              + f"; the seed: CART {PAPER_GLUE['cart']}, TA {PAPER_GLUE['task_arithmetic']}, TIES {PAPER_GLUE['ties']}, WA {PAPER_GLUE['weight_averaging']}")
+    return Claim("002.5", text, all(v > 0 for v in margins.values()), numbers, detail, margin=min(margins.values()))

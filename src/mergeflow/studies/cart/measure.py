@@ -101,7 +101,10 @@ def draw_subsets(tasks: list[str], sizes: list[int], per_size: int, seed: int) -
 
 
 def scaling(bench: Bench, individual: dict[str, float], s: CartSettings) -> dict:
-    subsets = draw_subsets(list(bench.params.suite.tasks), s.subset_sizes, s.subsets_per_size, s.seed)
+    # normalized accuracy divides by the individual model's score: a task whose score is not positive (a text task's
+    # correlation can be) has none, and is left out of the subsets
+    scored = [t for t in bench.params.suite.tasks if individual[t] > 0]
+    subsets = draw_subsets(scored, s.subset_sizes, s.subsets_per_size, s.seed)
     ties_fixed = {k: v for k, v in bench.params.merge.overrides("ties").items() if not isinstance(v, list) and k != "lam"}
     rows = []
     for size, subs in subsets.items():

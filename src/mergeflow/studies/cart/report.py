@@ -11,10 +11,10 @@ from statistics import mean, median, stdev
 
 
 from mergeflow.studies import Claim, StudyContext, StudyResult, register
-from mergeflow.studies.cart.claims import claim_indexing, claim_interference, claim_rank_curve, claim_ranking, claim_scaling, claim_tradeoff, layer_medians
+from mergeflow.studies.cart.claims import claim_glue, claim_indexing, claim_interference, claim_rank_curve, claim_ranking, claim_scaling, claim_tradeoff, layer_medians
 from mergeflow.studies.cart.figures import plot_interference, plot_rank_curve, plot_scaling, plot_spectra, plot_tradeoff
 from mergeflow.studies.cart.measure import Bench, _json, rank_sweep, scaling
-from mergeflow.studies.cart.settings import NAMES, PAPER_8, PAPER_INDEXING, SCALING_METHODS, SEED_ORDER, CartSettings
+from mergeflow.studies.cart.settings import GLUE_ORDER, NAMES, PAPER_8, PAPER_GLUE, PAPER_INDEXING, SCALING_METHODS, SEED_ORDER, CartSettings
 from mergeflow.studies.cart.spectra import rank_of, spectra
 
 if TYPE_CHECKING:
@@ -31,12 +31,15 @@ def _individual(context: StudyContext) -> dict[str, float] | None:
     return out
 
 
-def _evaluated(context: StudyContext) -> dict[str, float]:
+def _evaluated(context: StudyContext, per_task: dict | None = None) -> dict[str, float]:
+    """Each method's test average (metrics/evaluate); ``per_task``, when given, gets its per-task scores."""
     out = {}
     for m in set(SEED_ORDER) | {"cart_indexing", "emr", "low_rank_ta"}:
         ev = _json(context.layout.merge_run(m).evaluation)
         if ev is not None and isinstance(ev.get("average"), (int, float)):
             out[m] = float(ev["average"])
+            if per_task is not None:
+                per_task[m] = ev["accuracy"]
     return out
 
 
@@ -48,7 +51,9 @@ def cart_study(context: StudyContext) -> StudyResult:
     s: CartSettings = context.settings
     started = time.perf_counter()
     individual = _individual(context)
-    evaluated = _evaluated(context)
+    per_task: dict[str, dict[str, float]] = {}
+    evaluated = _evaluated(context, per_task)
+    text = context.params.suite.modality == "text"  # the seed's language experiment: its Table 2, not Table 1
     bench = Bench(context)
     tasks = list(context.params.suite.tasks)
     layers = spectra(bench.pretrained, bench.vectors, tasks, s.ratios, s.rank_ratio, s.seed)
@@ -73,7 +78,7 @@ def cart_study(context: StudyContext) -> StudyResult:
         claim_tradeoff(layers, s.ratios, s),
         claim_indexing(evaluated.get("cart_indexing"), evaluated.get("emr"), ind_avg, s),
         claim_scaling(sizes, norm) if individual else Claim("002.4", "scaling with T", None, {}, "needs metrics/finetune (individual accuracies)"),
-        claim_ranking(evaluated, layers, s, len(tasks), cosine),
+        claim_glue(evaluated, per_task) if text else claim_ranking(evaluated, layers, s, len(tasks), cosine),
     ]
 
     out = Path(context.out_dir)
@@ -165,10 +170,12 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
 
 def _ranking_section(context, s: CartSettings, sweep, layers, evaluated, cosine) -> list[str]:
     """Section 5: the 8-task ranking against the seed's, each matrix's spectrum, and why CART gains what it does."""
+    text = context.params.suite.modality == "text"
+    order, paper, seed = (GLUE_ORDER, PAPER_GLUE, "seed (RoBERTa-base, GLUE, Table 2)") if text else (SEED_ORDER, PAPER_8, "seed (ViT-B/32, Table 1)")
     b = ["## 5. The 8-task ranking, and why ours differs from the seed's", "",
-         "| method | ours | seed |", "|---|---|---|"]
-    for m in SEED_ORDER:
-        b.append(f"| {NAMES[m]} | {_pct(evaluated.get(m))} | {PAPER_8[m]} |")
+         f"| method | ours | {seed} |", "|---|---|---|"]
+    for m in order:
+        b.append(f"| {NAMES[m]} | {_pct(evaluated.get(m))} | {paper[m]} |")
     ec = [L.energy_centred for L in layers]
     nr = [L.norm_ratio for L in layers]
     T = len(context.params.suite.tasks)
@@ -194,5 +201,5 @@ def _ranking_section(context, s: CartSettings, sweep, layers, evaluated, cosine)
                     if abs(median(nr) - math.sqrt(1 - 1 / T)) < 0.03 else "the τ_t share a common component that centring removes. ")
           + "(The ratio counts as near the orthogonal value within 0.03 of it.) "
           + f"CART − WA at its best ratio here: {100 * (max(sweep['cart']) - sweep['weight_averaging']):+.1f} points; "
-          f"TA − WA: {100 * ((evaluated.get('task_arithmetic') or float('nan')) - sweep['weight_averaging']):+.1f} (the seed, Table 1: +18.8 and +3.2).", ""]
+          f"TA − WA: {100 * ((evaluated.get('task_arithmetic') or float('nan')) - sweep['weight_averaging']):+.1f} (the seed, " + ("Table 2: +19.4 and +15.3" if text else "Table 1: +18.8 and +3.2") + ").", ""]
     return b

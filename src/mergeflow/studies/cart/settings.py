@@ -13,6 +13,11 @@ PAPER_8 = {"weight_averaging": 65.9, "task_arithmetic": 69.1, "ties": 72.4, "con
 PAPER_INDEXING = {"cart_indexing": 90.1, "emr": 88.8, "individual": 90.5}
 
 
+# Seed 002, Table 2 (RoBERTa-base on GLUE's eight tasks, GLUE's metric per task, average %)
+PAPER_GLUE = {"weight_averaging": 51.34, "task_arithmetic": 66.65, "ties": 64.04, "cart": 70.78, "individual": 85.56}
+GLUE_ORDER = ["cart", "task_arithmetic", "ties", "weight_averaging"]
+
+
 SEED_ORDER = ["cart", "consensus_ta", "ties", "task_arithmetic", "weight_averaging"]
 
 
