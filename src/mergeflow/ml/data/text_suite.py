@@ -45,19 +45,17 @@ Downstream tasks (GLUE counterpart, label: what deciding it needs; domain)
     verbs and objects, travel words).  acceptability and sentiment stand alone.  No label noise except
     similarity's score noise.
 
-Measured (AMD EPYC, 2 cores; profiles/text8.yaml: 60000 corpus sentences, 1000 masked-LM steps, 3000 train /
-200 val / 500 test, 300 fine-tuning steps, seed 0).  Bag of words: logistic regression (ridge for similarity) on
-the two sentences' binary bags of words, 2000 train; probe: a linear head on the frozen pretrained <s> feature;
-fine-tuned: the backbone and head trained together (test scores; MCC, accuracy, (accuracy + F1) / 2, or
-(Pearson + Spearman) / 2, as on GLUE):
+Measured (AMD EPYC, 2 cores; profiles/text8.yaml, seed 0: 60000 corpus lines, 1000 masked-LM steps, 3000 train /
+200 val / 500 test, the probe at C 0.1, 300 fine-tuning steps; docs/text-suite.md has the whole run).  Bag of words:
+logistic regression (ridge for similarity) on the two sentences' binary bags of words, 2000 train; probe: a linear
+head on the frozen pretrained <s> feature; fine-tuned: the backbone and head trained together (test scores; MCC,
+accuracy, (accuracy + F1) / 2, or (Pearson + Spearman) / 2, as on GLUE):
                  acceptab  sentiment  paraphr  similar  duplic  inference  answerab  entailm   average
   bag of words     0.17      0.60      0.53     0.07     0.57     0.40       0.53      0.54
-  probe            0.32      0.55      0.65     0.40     0.64     0.67       0.66      0.61      0.56
-  fine-tuned       0.68      0.97      0.65     0.56     0.79     0.73       0.70      0.74      0.73
-  Merging (validation average; fine-tuned 0.73): weight averaging 0.40, task arithmetic 0.45, TIES 0.37.
-  The fine-tuned scores move by up to 0.15 between pretraining runs: the fine-tune's first ~100 steps, from the
-  probe's head (C up to 10), run at a loss of 3 to 12 before settling; with probe c_grid [0.1] the same data gave
-  paraphrase 0.77, similarity 0.67, inference 0.80.
+  probe            0.25      0.55      0.63     0.37     0.64     0.64       0.66      0.61      0.55
+  fine-tuned       0.71      0.99      0.77     0.67     0.79     0.81       0.75      0.75      0.78
+  Merging (test average): weight averaging 0.41, task arithmetic 0.44, TIES 0.37, CART 0.45.
+  The fine-tuned scores moved by up to 0.15 between pretraining runs while the suite was built.
 """
 
 from __future__ import annotations
