@@ -263,7 +263,7 @@ def bench_adamerging(cfg: BackboneConfig, size: dict, image_size: int, device: t
     theta0, taus = vectors
     tasks = synthetic_tasks(size, image_size, {"test": max(4 * size["ada_batch"], size["ada_batch"] * 2)})
     heads = random_heads(tasks, build_backbone(cfg).num_features, size["classes"])
-    inputs = {"test": {t: d.test.images for t, d in tasks.items()}}
+    inputs = {"test": {t: d.test.inputs for t, d in tasks.items()}}
     out: dict = {"tasks": size["tasks"], "batch_size": size["ada_batch"], "steps": size["ada_steps"]}
     with peak_memory(device, out):
         data = MergeData(objective=EntropyObjective(build_backbone(cfg), heads, inputs, device))
@@ -356,7 +356,7 @@ def bench_merge_stage(cfg: BackboneConfig, size: dict, image_size: int, device: 
     workdir = Path(tempfile.mkdtemp(prefix="mergeflow-bench-", dir=args.workdir))
     files = []
     for t, data in synthetic_tasks(size, image_size, {"train": 4, "val": size["n_val"], "test": size["n_test"]}).items():
-        arrays = {f"{s}_{p}": getattr(data.split(s), "images" if p == "x" else "labels").numpy() for s in ("train", "val", "test") for p in ("x", "y")}
+        arrays = {f"{s}_{p}": getattr(data.split(s), "inputs" if p == "x" else "labels").numpy() for s in ("train", "val", "test") for p in ("x", "y")}
         save_task(workdir / f"{t}.safetensors", t, arrays, data.classes, image_size)
         files.append(workdir / f"{t}.safetensors")
     save_state_dict(workdir / "pretrained.safetensors", theta0)
