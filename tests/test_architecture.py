@@ -32,6 +32,7 @@ LAYER = {
     "mergeflow.ml.mlflow_model": "models",  # a merged model as an MLflow model
     "mergeflow.ml.lora": "models",  # LoRA adapters on the backbone, and LoRA task vectors as their factors
     "mergeflow.ml.text_models": "models",  # the text backbone: a transformers encoder, features only
+    "mergeflow.ml.seq2seq_models": "models",  # the text-to-text backbone: an encoder-decoder read at its first token
     "mergeflow.ml.training": "training",  # probe, fine-tuning, pretraining loops
     "mergeflow.ml.text_training": "training",  # the text backbone's masked-LM pretraining
     "mergeflow.ml.regimes": "training",  # training-time regimes: other ways to make the task models

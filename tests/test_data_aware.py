@@ -177,6 +177,19 @@ def test_regmean_alpha_zero_keeps_only_the_diagonal():
     torch.testing.assert_close(_regmean(theta0, taus, grams, alpha=0.0)["fc.weight"], torch.tensor([[0.75, 0.75]], dtype=torch.float64))
 
 
+def test_regmean_gives_an_input_no_task_activates_the_weights_average():
+    """Input 2 is zero in every example (a dead ReLU unit): the least-squares fit on inputs 0-1 is unchanged (the
+    same as without input 2) and the free column is the average of the models' columns."""
+    g = torch.Generator().manual_seed(5)
+    xs = {t: torch.cat([torch.randn(n, 2, generator=g, dtype=torch.float64), torch.zeros(n, 1, dtype=torch.float64)], 1) for t, n in (("a", 9), ("b", 6))}
+    ws = {t: torch.randn(3, 3, generator=g, dtype=torch.float64) for t in xs}
+    theta0 = {"fc.weight": torch.zeros(3, 3, dtype=torch.float64)}
+    merged = _regmean(theta0, {t: {"fc.weight": ws[t]} for t in xs}, {t: {"fc.weight": x.T @ x} for t, x in xs.items()}, alpha=0.9)["fc.weight"]
+    live = _regmean({"fc.weight": torch.zeros(3, 2, dtype=torch.float64)}, {t: {"fc.weight": ws[t][:, :2]} for t in xs}, {t: {"fc.weight": (x.T @ x)[:2, :2]} for t, x in xs.items()}, alpha=0.9)["fc.weight"]
+    torch.testing.assert_close(merged[:, :2], live, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merged[:, 2], (ws["a"][:, 2] + ws["b"][:, 2]) / 2, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------- AdaMerging
 def _tiny_setup(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)

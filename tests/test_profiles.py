@@ -48,8 +48,13 @@ def test_profile_is_complete_and_in_step_with_params_yaml(repo_root, path):
         from mergeflow.ml.data.text import special_ids
         from mergeflow.ml.data.text_suite import TASKS
 
-        ids = special_ids()
         kwargs = params.backbone.kwargs
+        if params.suite.source == "text2text":  # the classification tasks, written T5's way; pad is the decoder's start
+            ids = special_ids(text2text=True)
+            assert params.suite.tasks == [t for t, spec in TASKS.items() if spec.kind == "classification"] and kwargs["vocab_size"] == ids["vocab_size"]
+            assert (kwargs["pad_token_id"], kwargs["decoder_start_token_id"], kwargs["eos_token_id"]) == (ids["<pad>"], ids["<pad>"], ids["</s>"])
+            return
+        ids = special_ids()
         assert params.suite.tasks == list(TASKS) and kwargs["vocab_size"] == ids["vocab_size"]
         assert (kwargs["bos_token_id"], kwargs["pad_token_id"], kwargs["eos_token_id"]) == (ids["<s>"], ids["<pad>"], ids["</s>"])
         assert kwargs["max_position_embeddings"] >= params.suite.seq_len + ids["<pad>"] + 1  # RoBERTa's positions start after the pad id

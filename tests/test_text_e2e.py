@@ -90,3 +90,73 @@ def test_every_method_merges_text_models(text_run, name):
     evaluated = json.loads(layout.metrics("evaluate", name).read_text())
     average = evaluated["average"]["target"] if evaluated["kind"] == "negation" else evaluated["average"]
     assert -1.0 <= average <= 1.0 and math.isfinite(average), name
+
+
+# ---------------------------------------------------------------- the text-to-text suite (T5-style)
+TINY_T2T = {
+    "suite": {"tasks": ["sentiment", "inference", "entailment"], "n_train": 48, "n_val": 16, "n_test": 16, "pretrain_images": 256},
+    "backbone": {"kwargs": {"d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 2, "num_decoder_layers": 1, "num_heads": 2}},
+    "pretrain": {"steps": 6, "batch_size": 32, "warmup_steps": 1},
+    "finetune": {"steps": 4, "batch_size": 16, "warmup_steps": 1},
+    "statistics": {"examples": 8},
+    "studies": {"run": ["ctl"], "ctl": {"examples": 8, "pairs": 2, "average_sizes": [3], "scratch_steps": 2, "stitch_examples": 8}},
+    "runtime": {"threads": 1},
+}
+T2T_METHODS = ["task_arithmetic", "ties", "cart", "fisher", "regmean", "adamerging"]
+
+
+@pytest.fixture(scope="module")
+def t2t_run(tmp_path_factory):
+    raw = _tiny(yaml.safe_load((REPO / "profiles" / "t2t7.yaml").read_text()), TINY_T2T)
+    raw["merge"]["adamerging"] = {"steps": 3, "lr": 0.005}
+    params, layout = parse_params(raw), Layout(tmp_path_factory.mktemp("t2t-run"))
+    prepare(params, layout)
+    pretrain(params, layout)
+    for task in params.suite.tasks:
+        finetune(params, task, layout)
+    vectors(params, layout)
+    statistics(params, layout)
+    return params, layout
+
+
+def test_a_text_to_text_model_is_scored_by_its_answer_words(t2t_run):
+    """theta0's score under the verbalizer, recomputed with transformers' own model on the padded batch: the
+    answer among the task's words with the largest first-token logit."""
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    from mergeflow.core.io import load_state_dict
+    from mergeflow.ml.data import load_task
+    from mergeflow.ml.models import new_backbone
+
+    params, layout = t2t_run
+    config = new_backbone(params.backbone).net.config
+    ref = T5ForConditionalGeneration(config).eval()
+    ref.load_state_dict(load_state_dict(layout.pretrained), strict=False)  # the tied aliases follow shared.weight
+    ref.tie_weights()
+    data = load_task(layout.task_data("sentiment"))
+    ids = data.test.inputs.long()
+    with torch.no_grad():
+        logits = ref(input_ids=ids, attention_mask=(ids != config.pad_token_id).long(), decoder_input_ids=torch.full((len(ids), 1), config.decoder_start_token_id)).logits[:, 0]
+    expected = float((logits[:, data.answers].argmax(1) == data.test.labels).float().mean())
+    record = json.loads(layout.metrics("finetune", "sentiment").read_text())
+    assert record["probe"]["head"] == "verbalizer" and record["probe"]["test"] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", T2T_METHODS)
+def test_methods_merge_text_to_text_models(t2t_run, name):
+    params, layout = t2t_run
+    merge(params.model_copy(update={"merge": params.merge.model_copy(update={"methods": [name]})}), name, layout)
+    average = json.loads(layout.metrics("evaluate", name).read_text())["average"]
+    assert 0.0 <= average <= 1.0 and math.isfinite(average), name
+
+
+def test_study_ctl_reads_the_encoders_and_decoders_features(t2t_run):
+    from mergeflow.pipeline.merge import study
+
+    params, layout = t2t_run
+    merge(params.model_copy(update={"merge": params.merge.model_copy(update={"methods": ["task_arithmetic"]})}), "task_arithmetic", layout)
+    result = study(params, "ctl", layout)
+    assert len(result["claims"]) == 8
+    report = (layout.root / "studies" / "ctl" / "report.md").read_text()
+    assert "blocks 0–1 the encoder's, the mean of the real tokens; blocks 2–2 the decoder's, at the first generated token" in report

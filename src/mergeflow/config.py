@@ -103,12 +103,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+GENERATED = ("embedded", "text", "text2text")  # suites generated in the pipeline, no root
+
 class SuiteConfig(_Strict):
     # names the MLflow experiment (mergeflow/<name>) and registered model; empty (null): "embedded" for the
     # embedded suite, else the last folder of root
     name: str = Field("embedded", pattern=NAME_PATTERN)
     # embedded, text: the generated image or text suite (text: GLUE's eight kinds of task); else images under root
-    source: Literal["embedded", "text", "imagefolder", "torchvision", "glue"] = "embedded"  # glue: GLUE on disk (ml/data/glue.py)
+    source: Literal["embedded", "text", "text2text", "imagefolder", "torchvision", "glue"] = "embedded"  # text2text: text's, T5-style; glue: GLUE on disk
     root: str | None = None  # imagefolder: <root>/<task>/{train,val,test}/<class>/*; torchvision: the datasets' root
     download: bool = False  # torchvision: download what is missing under root (also `mergeflow prepare --download`)
     tasks: list[str] = Field(min_length=1)  # downstream tasks, in report order
@@ -123,7 +125,7 @@ class SuiteConfig(_Strict):
     pretrain_images: Annotated[int, at_most(MAX_IMAGES, "images")] = Field(50000, ge=0, le=MAX_IMAGES)  # size of the formula-driven pretraining corpus (embedded source; text: sentences)
     seq_len: int = Field(64, ge=8, le=4096)  # text: tokens per example, "<s> a </s></s> b </s>" padded to it
 
-    modality = property(lambda self: "text" if self.source in ("text", "glue") else "image")
+    modality = property(lambda self: "text" if self.source in ("text", "text2text", "glue") else "image")
 
     @model_validator(mode="before")
     @classmethod
@@ -131,7 +133,7 @@ class SuiteConfig(_Strict):
         """An empty name: the suite's own (a copied params.yaml pointed at other data must not log as 'embedded')."""
         if isinstance(raw, dict) and raw.get("name") is None:
             root = raw.get("root")
-            name = Path(str(root)).resolve().name if raw.get("source", "embedded") not in ("embedded", "text") and root else raw.get("source", "embedded")
+            name = Path(str(root)).resolve().name if raw.get("source", "embedded") not in GENERATED and root else raw.get("source", "embedded")
             raw = dict(raw, name=re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("_.-") or "suite")
         return raw
 
@@ -140,21 +142,20 @@ class SuiteConfig(_Strict):
     def _unique(cls, tasks: list[str]) -> list[str]:
         for i, task in enumerate(tasks):
             check_name(task, f"task {i}")
-        dup = sorted({t for t in tasks if tasks.count(t) > 1})
-        if dup:
+        if dup := sorted({t for t in tasks if tasks.count(t) > 1}):
             raise ValueError(f"task '{dup[0]}' is listed twice")
         return tasks
 
     @model_validator(mode="after")
     def _root_needed(self) -> SuiteConfig:
-        if self.source not in ("embedded", "text") and not self.root:
+        if self.source not in GENERATED and not self.root:
             raise ValueError(f"source '{self.source}' needs 'root' (a directory)")
         return self
 
 
 class BackboneConfig(_Strict):
-    # timm: images; transformers: text, a Hugging Face encoder (model: its model_type, e.g. roberta) with a head per
-    # task on the first token's feature (global_pool: token) or the mean of the tokens' (avg)
+    # timm: images; transformers: text, an encoder (model: its model_type, e.g. roberta; a head on the first token's
+    # feature, global_pool: token, or the tokens' mean, avg) or an encoder-decoder (t5: read at its first token)
     library: Literal["timm", "transformers"] = "timm"
     model: str = Field("vit_tiny_patch16_224", pattern=NAME_PATTERN)  # any timm model name; transformers: its model_type
     kwargs: dict[str, Any] = Field(default_factory=dict)  # timm.create_model's (img_size, patch_size, embed_dim, ...); transformers: the model config's
@@ -177,13 +178,10 @@ class ScheduleConfig(_Strict):
     warmup_steps: Annotated[int, at_most(MAX_STEPS, "steps")] = Field(0, ge=0, le=MAX_STEPS)  # linear warm-up, then cosine decay to zero
 
 
-class PretrainConfig(ScheduleConfig):
-    pass
+class PretrainConfig(ScheduleConfig): ...
 
 
-# the probe's Newton solver on more unknowns (features x classes) than this would build a Hessian of over 130 MB:
-# L-BFGS runs instead
-NEWTON_MAX_UNKNOWNS = 4096
+NEWTON_MAX_UNKNOWNS = 4096  # more unknowns (features x classes) would build a Hessian of over 130 MB: L-BFGS runs instead
 
 
 class ProbeConfig(_Strict):
@@ -205,9 +203,9 @@ class PreserveFeaturesConfig(_Strict):
 
 class FinetuneConfig(ScheduleConfig):
     optimizer: Literal["adamw", "sgd", "gd"] = "adamw"  # gd = full-batch gradient descent (batch = whole split)
-    # the frozen classification head: a linear probe fitted on theta0's features, or CLIP's zero-shot head from
-    # the class names and prompt templates (backbone.embedding: clip and backbone.text)
-    head: Literal["probe", "zeroshot"] = "probe"
+    # the frozen head: a linear probe fitted on theta0's features, CLIP's zero-shot head from the class names and
+    # prompt templates (backbone.embedding: clip, backbone.text), or a text-to-text model's answer words' logits
+    head: Literal["probe", "zeroshot", "verbalizer"] = "probe"
     # the head trained with the backbone from the probe (seed 002's language models), or frozen (the vision papers')
     train_head: bool = False
     # per task, a published fine-tuned checkpoint imported instead of fine-tuning: a local file or hf:<owner>/<repo>
@@ -404,6 +402,8 @@ class Params(_Strict):
         text_backbone = self.backbone.library == "transformers"
         if (self.suite.modality == "text") != text_backbone:
             raise ValueError(f"backbone.library: suite.source '{self.suite.source}' holds {self.suite.modality}s, which need backbone.library: {'transformers' if self.suite.modality == 'text' else 'timm'} (not '{self.backbone.library}')")
+        if (self.finetune.head == "verbalizer") != (self.suite.source == "text2text") or (self.finetune.head == "verbalizer" and self.finetune.train_head):
+            raise ValueError(f"finetune.head: a text-to-text suite (suite.source: text2text) is read by its answer words, finetune.head: verbalizer with train_head: false, and only it (not head '{self.finetune.head}', train_head {str(self.finetune.train_head).lower()}, source '{self.suite.source}')")
         if text_backbone and self.finetune.preserve_features.weight:
             raise ValueError("finetune.preserve_features: the feature anchor reads pretraining-corpus images; for text set finetune.preserve_features.weight to 0")
         return self

@@ -234,11 +234,17 @@ def _from_hub(cfg: BackboneConfig, create_kwargs: dict) -> nn.Module:
 
 
 def new_backbone(cfg: BackboneConfig, *, pretrained: bool = False) -> Backbone:
-    """The backbone ``cfg`` describes: timm's image model, or a transformers text encoder (mergeflow.ml.text_models),
-    both taking their inputs as tensors and giving pooled features; ``pretrained``: with backbone.pretrained's weights."""
+    """The backbone ``cfg`` describes: timm's image model, a transformers text encoder (mergeflow.ml.text_models) or
+    encoder-decoder (mergeflow.ml.seq2seq_models: its first generated token's logits), all taking their inputs as
+    tensors and giving features; ``pretrained``: with backbone.pretrained's weights."""
     if cfg.library == "transformers":
-        from mergeflow.ml.text_models import TextBackbone
+        from mergeflow.ml.text_models import TextBackbone, model_config
 
+        config = model_config(cfg)
+        if getattr(config, "is_encoder_decoder", False):
+            from mergeflow.ml.seq2seq_models import Seq2SeqBackbone
+
+            return Seq2SeqBackbone(cfg, pretrained=pretrained, config=config)
         return TextBackbone(cfg, pretrained=pretrained)
     return Backbone(cfg, pretrained=pretrained)
 

@@ -10,6 +10,7 @@ transformers base model's (no pooler): ``save_pretrained`` folders and the hub's
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ def _features_class(base: type) -> type:
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids, mask = trim_padding(input_ids.long(), self.config.pad_token_id)
+        self.real_tokens = mask  # what feature_layers' pooling reads
         hidden = base.forward(self, input_ids=ids, attention_mask=mask.long()).last_hidden_state
         if self.pooling == "token":
             return hidden[:, 0]
@@ -118,6 +120,20 @@ class TextBackbone(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.net(token_ids)
+
+    feature_reading = "encoder layer l's output, the mean of the real tokens"
+
+    def feature_layers(self) -> list[tuple[nn.Module, Callable[[object], torch.Tensor]]]:
+        """(layer, its output -> [N, D] feature) for each encoder layer: the real tokens' mean (seed 003's reading of
+        an encoder, mergeflow.studies.ctl)."""
+        return [(layer, functools.partial(mean_tokens, self.net)) for layer in self.net.encoder.layer]
+
+
+def mean_tokens(net: nn.Module, output) -> torch.Tensor:
+    """The mean over the real tokens (the last forward's ``net.real_tokens``) of a block's hidden states [N, L, D]."""
+    hidden = output[0] if isinstance(output, tuple) else output
+    weights = net.real_tokens.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
 
 
 def masked_lm(cfg: BackboneConfig) -> nn.Module:

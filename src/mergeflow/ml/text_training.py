@@ -1,4 +1,5 @@
-"""Masked-language-model pretraining of the text backbone on the text suite's corpus (RoBERTa's objective).
+"""Pretraining of the text backbone on the text suite's corpus: masked-language-model (RoBERTa's objective) for an
+encoder, denoising for an encoder-decoder (``pretrain_denoising``).
 
 Each step masks 15% of a batch's real tokens (never ``<s>``, ``</s>`` or padding), chosen afresh every step from a
 seeded generator (RoBERTa's dynamic masking): 80% of them become ``<mask>``, 10% a random word, 10% stay; the loss
@@ -22,7 +23,7 @@ MASK_SHARE, REPLACE_SHARE, KEEP_SHARE = 0.15, 0.1, 0.1
 def mask_tokens(ids: torch.Tensor, config, generator: torch.Generator, first_word: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the masked inputs, the targets: the original ids where masked, -100 elsewhere). Words are ids from
     ``first_word`` on (the special tokens come first)."""
-    special = (ids == config.pad_token_id) | (ids == config.bos_token_id) | (ids == config.eos_token_id)
+    special = ids < first_word
     chosen = (torch.rand(ids.shape, generator=generator) < MASK_SHARE) & ~special
     draw = torch.rand(ids.shape, generator=generator)
     randoms = torch.randint(first_word, config.vocab_size, ids.shape, generator=generator)
@@ -37,20 +38,28 @@ def _decode(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return head(hidden)
 
 
+def _check_special(config, special: dict[str, int], keys: tuple[tuple[str, str], ...]) -> None:
+    for name, key in keys:
+        if getattr(config, key) != special[name]:
+            raise MergeflowError(f"backbone.kwargs.{key}: {getattr(config, key)}, but the tokenizer (data/tokenizer.json) gives {name} id {special[name]}")
+    if config.vocab_size != special["vocab_size"]:
+        raise MergeflowError(f"backbone.kwargs.vocab_size: {config.vocab_size}, but the tokenizer (data/tokenizer.json) has {special['vocab_size']} tokens")
+
+
+def _first_word(special: dict[str, int]) -> int:
+    return max(special[name] for name in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")) + 1
+
+
 def pretrain_masked_lm(cfg: BackboneConfig, tokens: torch.Tensor, schedule: ScheduleConfig, *, special: dict[str, int], seed: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Curve]:
     """The base model's state dict after masked-LM training on ``tokens`` (int [N, L]), and the loss curve.
     ``special``: the tokenizer's special-token ids and vocabulary size, which the model's config must match."""
     model = masked_lm(cfg)
     config = model.config
-    for name, key in (("<pad>", "pad_token_id"), ("<s>", "bos_token_id"), ("</s>", "eos_token_id")):
-        if getattr(config, key) != special[name]:
-            raise MergeflowError(f"backbone.kwargs.{key}: {getattr(config, key)}, but the tokenizer (data/tokenizer.json) gives {name} id {special[name]}")
-    if config.vocab_size != special["vocab_size"]:
-        raise MergeflowError(f"backbone.kwargs.vocab_size: {config.vocab_size}, but the tokenizer (data/tokenizer.json) has {special['vocab_size']} tokens")
+    _check_special(config, special, (("<pad>", "pad_token_id"), ("<s>", "bos_token_id"), ("</s>", "eos_token_id")))
     config.mask_token_id = special["<mask>"]
     model.to(device)
     generator = torch.Generator().manual_seed(seed + 2)
-    first_word = max(special[name] for name in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")) + 1
+    first_word = _first_word(special)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
         ids, real = trim_padding(tokens[idx].long(), config.pad_token_id)
@@ -62,3 +71,27 @@ def pretrain_masked_lm(cfg: BackboneConfig, tokens: torch.Tensor, schedule: Sche
 
     curve = train_loop(model, loss_fn, len(tokens), schedule, optimizer="adamw", seed=seed, device=device, desc="pretrain (masked LM)")
     return {k: v.detach().cpu().clone() for k, v in model.base_model.state_dict().items()}, curve
+
+
+def pretrain_denoising(cfg: BackboneConfig, tokens: torch.Tensor, schedule: ScheduleConfig, *, special: dict[str, int], seed: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Curve]:
+    """The encoder-decoder's state dict after denoising training on ``tokens`` (int [N, L]), and the loss curve: the
+    encoder reads a sentence masked as for the masked LM (``mask_tokens``, afresh each step), the decoder writes the
+    whole sentence back (BART's token-masking objective; the cross-entropy of every real target token)."""
+    from mergeflow.ml.seq2seq_models import backbone_state, denoising_lm
+
+    model = denoising_lm(cfg)
+    config = model.config
+    _check_special(config, special, (("<pad>", "pad_token_id"), ("</s>", "eos_token_id"), ("<pad>", "decoder_start_token_id")))
+    config.mask_token_id = special["<mask>"]
+    model.to(device)
+    generator = torch.Generator().manual_seed(seed + 2)
+    first_word = _first_word(special)
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        ids, real = trim_padding(tokens[idx].long(), config.pad_token_id)
+        masked, _ = mask_tokens(ids, config, generator, first_word)
+        labels = torch.where(real, ids, torch.full_like(ids, -100))
+        return model(input_ids=masked.to(device), attention_mask=real.long().to(device), labels=labels.to(device)).loss
+
+    curve = train_loop(model, loss_fn, len(tokens), schedule, optimizer="adamw", seed=seed, device=device, desc="pretrain (denoising)")
+    return backbone_state(model), curve

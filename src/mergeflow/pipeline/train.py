@@ -115,13 +115,16 @@ def pretrain(params: Params, layout: Layout = Layout()) -> dict:
 def _pretrain_text(params: Params, layout: Layout, device: torch.device):
     """(the text backbone after masked-LM pretraining on the corpus' sentences, its loss curve's records)."""
     from mergeflow.ml.data.text import special_ids
-    from mergeflow.ml.text_training import pretrain_masked_lm
+    from mergeflow.ml.text_models import model_config
+    from mergeflow.ml.text_training import pretrain_denoising, pretrain_masked_lm
 
     tokens = load_state_dict(layout.pretrain_corpus, check=False).get("tokens")
     if tokens is None or tokens.ndim != 2 or len(tokens) == 0:
         raise MergeflowError(f"{layout.pretrain_corpus}: expected a text corpus, array 'tokens' [N, L] of at least one sentence (suite.pretrain_images sentences)")
-    state, curve = pretrain_masked_lm(params.backbone, tokens, params.pretrain, special=special_ids(), seed=params.seed, device=device)
-    return build_backbone(params.backbone, state, source="masked-LM pretraining"), curve.records()
+    denoising = getattr(model_config(params.backbone), "is_encoder_decoder", False)
+    special = special_ids(text2text=params.suite.source == "text2text")
+    state, curve = (pretrain_denoising if denoising else pretrain_masked_lm)(params.backbone, tokens, params.pretrain, special=special, seed=params.seed, device=device)
+    return build_backbone(params.backbone, state, source="denoising pretraining" if denoising else "masked-LM pretraining"), curve.records()
 
 
 # ---------------------------------------------------------------- finetune
@@ -138,8 +141,15 @@ def _feature_anchor(params: Params, layout: Layout, backbone: Backbone, seed: in
 
 
 def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict[str, torch.Tensor], seed: int, device: torch.device):
-    """The task's frozen head and its record: a linear probe fitted on theta0's features (C chosen on val), or
-    CLIP's zero-shot head from the task's class names and prompt templates."""
+    """The task's frozen head and its record: a linear probe fitted on theta0's features (C chosen on val), CLIP's
+    zero-shot head from the task's class names and prompt templates, or a text-to-text model's verbalizer (its
+    answers' logits)."""
+    if params.finetune.head == "verbalizer":
+        from mergeflow.ml.seq2seq_models import verbalizer_head
+
+        if data.answers is None:
+            raise MergeflowError(f"finetune.head: verbalizer reads a text-to-text task's answer words, and {task}'s file names none (suite.source: text2text writes them)")
+        return verbalizer_head(len(feats["val"][0]), data.answers), {"head": "verbalizer", "answers": data.answers}
     if params.finetune.head == "zeroshot":
         from mergeflow.ml import zeroshot
         from mergeflow.ml.data import benchmark
@@ -182,7 +192,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     bs = params.runtime.eval_batch_size
     with Timer() as timer:
         # the probe fits on train's features; a zero-shot head needs only val's and test's (its accuracy on theta0)
-        featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED
+        featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED  # (a verbalizer: val's width)
         feats = {s: extract_features(backbone, data.split(s).inputs, batch_size=bs, device=device) for s in featured}
         head, head_record = _frozen_head(params, task, data, feats, seed, device)
         probe_acc = {s: head_score(head, feats[s], data.split(s).labels, data.metric) for s in ("val", "test")}

@@ -42,6 +42,8 @@ class TaskData:
     test: Split | None
     # the task's score (mergeflow.ml.metrics): accuracy for images, GLUE's metric for a text task
     metric: str = "accuracy"
+    # a text-to-text task's answers: each class's word's token id (metadata 'answers'), what its verbalizer head reads
+    answers: list[int] | None = None
 
     def split(self, name: str) -> Split:
         return getattr(self, name)
@@ -154,15 +156,30 @@ def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str
 
         check_text_task(tensors, classes, metric, str(path), splits=splits)
         labels = (lambda y: y.float()) if is_regression(metric) else (lambda y: y.long())
+        answers = _answers(meta, classes, path)
     else:
         check_task(tensors, classes, str(path), image_size, splits)
-        labels = lambda y: y.long()  # noqa: E731
+        labels, answers = (lambda y: y.long()), None  # noqa: E731
     return TaskData(
         name=meta.get("task", path.stem),
         classes=classes,
         **{s: Split(tensors[f"{s}_x"], labels(tensors[f"{s}_y"])) if s in splits else None for s in SPLITS},
         metric=metric,
+        answers=answers,
     )
+
+
+def _answers(meta: dict[str, str], classes: list[str], path: Path) -> list[int] | None:
+    """A text-to-text task's answer token ids (metadata 'answers'): one distinct non-negative id per class."""
+    if "answers" not in meta:
+        return None
+    try:
+        answers = json.loads(meta["answers"])
+    except json.JSONDecodeError:
+        answers = None
+    if not isinstance(answers, list) or len(answers) != len(classes) or len(set(answers)) != len(answers) or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in answers):
+        raise MergeflowError(f"{path}: metadata 'answers' is {meta['answers'][:60]}, expected a JSON list of {len(classes)} distinct token ids (one per class)")
+    return answers
 
 
 def load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = SPLITS) -> dict[str, TaskData]:
@@ -236,7 +253,7 @@ def check_layout(cfg: SuiteConfig, task: str, download: bool = False) -> None:
     suite's task names; an ImageFolder task's folders (``imagefolder_layout``); a torchvision dataset's files
     (``benchmark.check_files``: what torchvision's own readers check first). The prepare stage calls it before it
     builds anything, and ``mergeflow check`` before any stage runs. One line naming suite.tasks or suite.root."""
-    if cfg.source in ("embedded", "text"):
+    if cfg.source in ("embedded", "text", "text2text"):
         from mergeflow.ml.data import embedded, text_suite
 
         known = embedded.TASKS if cfg.source == "embedded" else text_suite.TASKS
@@ -373,7 +390,7 @@ def write_pretraining_corpus(path: Path, cfg: SuiteConfig, seed: int, build: boo
     process. Returns its number of images (text: of sentences, and data/tokenizer.json beside it)."""
     import torch
 
-    if cfg.source == "text":
+    if cfg.source in ("text", "text2text"):
         from mergeflow.ml.data.text import write_text_corpus
 
         return write_text_corpus(path, cfg, seed, build)

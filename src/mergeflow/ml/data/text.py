@@ -7,6 +7,11 @@ tokenizer is a Hugging Face ``tokenizers`` word-level one over the suite's fixed
 (data/tokenizer.json) so that any example can be decoded; the pretraining corpus is single sentences, array
 ``tokens``.
 
+The text-to-text rendering (``suite.source: text2text``, for an encoder-decoder such as T5) is the same suite's
+classification tasks with T5's conventions: the input starts with the task's name and a colon ("sentiment : ..."),
+and the answer is a word, the class's name; the vocabulary gains those words at its end (the text suite's ids are
+kept), and each task file names its answers' token ids (metadata ``answers``).
+
 Importing this module loads no torch; ``tokenizers`` loads when one is built."""
 
 from __future__ import annotations
@@ -29,14 +34,22 @@ if TYPE_CHECKING:
 PAD, MASK = "<pad>", "<mask>"
 
 
-def tokenizer(seq_len: int):
-    """A ``tokenizers.Tokenizer``: whitespace-split words of the suite's vocabulary, RoBERTa's special tokens and
-    pair template, padded and truncated to ``seq_len``."""
+def text2text_words() -> list[str]:
+    """The words the text-to-text rendering adds to the vocabulary: the colon, the tasks' names and their answers."""
+    from mergeflow.ml.data import text_suite
+
+    words = [":"] + [w for t in text_suite.TASKS.values() if t.kind == "classification" for w in (t.name, *t.classes)]
+    return list(dict.fromkeys(w for w in words if w not in set(text_suite.vocabulary())))
+
+
+def tokenizer(seq_len: int, text2text: bool = False):
+    """A ``tokenizers.Tokenizer``: whitespace-split words of the suite's vocabulary (``text2text``: and
+    ``text2text_words``), RoBERTa's special tokens and pair template, padded and truncated to ``seq_len``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     from mergeflow.ml.data import text_suite
 
-    vocab = {word: i for i, word in enumerate(text_suite.vocabulary())}
+    vocab = {word: i for i, word in enumerate(text_suite.vocabulary() + (text2text_words() if text2text else []))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.add_special_tokens(list(text_suite.SPECIALS))  # already in the vocabulary: marked special, ids kept
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -81,18 +94,21 @@ def check_text_task(arrays: dict[str, torch.Tensor], classes, metric: str, sourc
             raise MergeflowError(f"{source}: array '{split}_y' holds labels outside 0 .. {len(classes) - 1} (the task declares {len(classes)} classes)")
 
 
-def build_text_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str], str]:
-    """The generated task's arrays, class names and metric."""
+def build_text_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str, np.ndarray], list[str], str, list[int] | None]:
+    """The generated task's arrays, class names, metric and (text-to-text) its answers' token ids."""
     from mergeflow.ml.data import text_suite
 
-    spec = text_suite.TASKS[task]
+    spec, text2text = text_suite.TASKS[task], cfg.source == "text2text"
+    if text2text and spec.kind != "classification":
+        raise MergeflowError(f"suite.tasks: '{task}' is a regression task; a text-to-text task answers with a word (suite.source: text2text takes {', '.join(t for t, s in text_suite.TASKS.items() if s.kind == 'classification')})")
     raw = text_suite.make_task(task, cfg.n_train, cfg.n_val, cfg.n_test, seed)
-    tok = tokenizer(cfg.seq_len)
+    tok = tokenizer(cfg.seq_len, text2text)
     arrays = {}
     for split in SPLITS:
-        arrays[f"{split}_x"] = encode(tok, raw[f"{split}_a"], raw[f"{split}_b"])
+        first = [[task, ":", *words] for words in raw[f"{split}_a"]] if text2text else raw[f"{split}_a"]
+        arrays[f"{split}_x"] = encode(tok, first, raw[f"{split}_b"])
         arrays[f"{split}_y"] = np.asarray(raw[f"{split}_y"], dtype=np.float32 if is_regression(spec.metric) else np.int64)
-    return arrays, list(spec.classes), spec.metric
+    return arrays, list(spec.classes), spec.metric, [tok.token_to_id(c) for c in spec.classes] if text2text else None
 
 
 def write_text_task(path: Path, cfg: SuiteConfig, task: str, seed: int, backbone: BackboneConfig | None = None, downloads: bool = False) -> dict[str, int]:
@@ -106,11 +122,13 @@ def write_text_task(path: Path, cfg: SuiteConfig, task: str, seed: int, backbone
         from mergeflow.ml.data.glue import build_glue_task
 
         arrays, classes, metric = build_glue_task(cfg, backbone, task, seed, downloads)
+        answers = None
     else:
-        arrays, classes, metric = build_text_task(cfg, task, seed)
+        arrays, classes, metric, answers = build_text_task(cfg, task, seed)
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
     check_text_task(tensors, classes, metric, str(path), cfg.seq_len)
-    save_state_dict(path, tensors, {"task": task, "classes": json.dumps(classes), "metric": metric, "modality": "text"})
+    meta = {"task": task, "classes": json.dumps(classes), "metric": metric, "modality": "text"}
+    save_state_dict(path, tensors, meta | ({"answers": json.dumps(answers)} if answers else {}))
     return {s: int(len(arrays[f"{s}_y"])) for s in SPLITS}
 
 
@@ -122,7 +140,7 @@ def write_text_corpus(path: Path, cfg: SuiteConfig, seed: int, build: bool = Tru
     from mergeflow.core.io import atomic_path, save_state_dict
     from mergeflow.ml.data import text_suite
 
-    tok = tokenizer(cfg.seq_len)
+    tok = tokenizer(cfg.seq_len, cfg.source == "text2text")
     tokens = encode(tok, text_suite.make_corpus(cfg.pretrain_images, seed), None) if build else np.zeros((0, cfg.seq_len), np.int32)
     with atomic_path(Path(path).parent / "tokenizer.json") as tmp:
         tok.save(str(tmp))
@@ -130,7 +148,7 @@ def write_text_corpus(path: Path, cfg: SuiteConfig, seed: int, build: bool = Tru
     return int(len(tokens))
 
 
-def special_ids(seq_len: int = 8) -> dict[str, int]:
+def special_ids(seq_len: int = 8, text2text: bool = False) -> dict[str, int]:
     """The ids of RoBERTa's special tokens in the suite's tokenizer: what a text backbone's config must agree with."""
-    tok = tokenizer(seq_len)
+    tok = tokenizer(seq_len, text2text)
     return {name: tok.token_to_id(name) for name in ("<s>", PAD, "</s>", "<unk>", MASK)} | {"vocab_size": tok.get_vocab_size()}

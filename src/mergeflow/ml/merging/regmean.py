@@ -6,7 +6,9 @@ Jin, Ren, Preotiuc-Pietro and Cheng, "Dataless knowledge fusion by merging weigh
 off-diagonal entries. It is the least-squares fit of every task's outputs X_t W_t^T on the union of the tasks'
 inputs (alpha = 1), so G_t = I gives weight averaging and one task gives its own W back. torch's Linear computes
 x W^T: with W [out, in], W = (sum_t W_t G~_t) (sum_t G~_t)^-1 (the Grams are symmetric). Biases, norms, embeddings
-and convolutions: weight averaging. Defaults: alpha 0.95 (the paper's), searched on validation.
+and convolutions: weight averaging. Defaults: alpha 0.95 (the paper's), searched on validation. An input that is
+zero in every task's examples (a ReLU unit none of them activates: a T5 decoder's at its first token) leaves its
+column of W free, and takes the weights' average there.
 """
 
 from mergeflow.ml.merging import FRACTION, register
@@ -24,8 +26,13 @@ def regression_mean(weights, grams, alpha: float, *, key: str, method: str = "re
         g = g.double()
         shrunk.append(alpha * g + (1 - alpha) * torch.diag(torch.diagonal(g)))
     weighted = sum(w.double() @ g for w, g in zip(weights, shrunk))
+    total = sum(shrunk)
+    dead = torch.diagonal(total) == 0  # its row and column are zero: the average's column solves it alone
+    if bool(dead.any()):
+        total[dead, dead] = 1.0
+        weighted[:, dead] = torch.stack([w.double()[:, dead] for w in weights]).mean(0)
     try:
-        return torch.linalg.solve(sum(shrunk), weighted.T).T.to(weights[0].dtype)
+        return torch.linalg.solve(total, weighted.T).T.to(weights[0].dtype)
     except RuntimeError:  # torch.linalg.LinAlgError
         raise ValueError(f"merge.{method}: the Gram of {key}'s inputs is singular at alpha={alpha} (an input never varies); use alpha < 1") from None
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergeflow.config import Params
+from mergeflow.config import GENERATED, Params
 
 # The smaller of the two batches a long call is timed at (the other is twice it): ViT-B/32 on 2 cores runs 4
 # images in ~1 s, within 10% of batch 8's time per image.
@@ -421,7 +421,7 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
         import_s=import_s,
         batches={"forward": params.runtime.eval_batch_size, "train": params.finetune.batch_size},
         timed_at={"forward": forward_at, "train": train_at},
-        decode_s=decode_seconds(size) if params.suite.source not in ("embedded", "text") else 0.0,
+        decode_s=decode_seconds(size) if params.suite.source not in GENERATED else 0.0,
         device_memory_bytes=torch.cuda.get_device_properties(device).total_memory if cuda else 0,
         measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         load_average=round(load, 2),

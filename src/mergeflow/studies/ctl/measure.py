@@ -149,8 +149,8 @@ def measure_stitching(probe: Probe, suite: Suite, i: str, j: str, lam: float, la
     """Claim 7 on one pair: accuracies on D_i and D_j of theta0 continued after ``layer`` from the averaged, the
     i-edited and the j-edited features, of the pair's task-arithmetic model and of theta0."""
     x, rows = suite.x([i, j], n)
-    (fa,), _ = probe.run(suite.edit([(lam, i)]), x, keep=[layer])
-    (fb,), _ = probe.run(suite.edit([(lam, j)]), x, keep=[layer])
+    (fa,), _ = probe.run(suite.edit([(lam, i)]), x, keep=[layer], raw=True)
+    (fb,), _ = probe.run(suite.edit([(lam, j)]), x, keep=[layer], raw=True)
     outs = {
         "avg": probe.run(suite.theta0, x, replace=(layer, combine([(0.5, fa), (0.5, fb)]).float()), keep=[])[1],
         "stitch_i": probe.run(suite.theta0, x, replace=(layer, fa), keep=[])[1],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -119,26 +119,36 @@ def _cpu() -> torch.device:
     return torch.device("cpu")
 
 
+def _hidden(output) -> torch.Tensor:
+    """A block's hidden states (a transformers block returns them first in a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 @dataclass
 class Probe:
     """A model whose layers' outputs are read by forward hooks: ``model(x)`` runs it, ``target`` receives the
-    states (a state dict), ``layers`` are the modules whose outputs are f_l."""
+    states (a state dict), ``layers`` are the modules whose outputs are f_l, and ``pools`` (per layer, when given)
+    make f_l of an output: a text model's pooled tokens (seed 003's T5 features); without them f_l is every token's
+    output, flattened (the ViT's)."""
 
     model: nn.Module
     target: nn.Module
     layers: list[nn.Module]
     batch_size: int = 512
     device: torch.device = field(default_factory=_cpu)
+    pools: list[Callable] | None = None
+    reading: str = "block l's output, every token, flattened"  # what f_l is, for the report
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         self.target.load_state_dict(dict(state))
 
     @no_grad
     def run(self, state: Mapping[str, torch.Tensor] | None, x: torch.Tensor, *, replace: tuple[int, torch.Tensor] | None = None,
-            keep: Sequence[int] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(f_l for l in ``keep`` (default all), each [N, tokens x width] in the model's dtype (at least float32), and
-        the model's output) on ``x``;
-        ``replace`` = (l, F): layer l's output is replaced by F (stitching)."""
+            keep: Sequence[int] | None = None, raw: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(f_l for l in ``keep`` (default all), each [N, features] in the model's dtype (at least float32), and the
+        model's output) on ``x``; ``raw``: every token's output instead of the pooled feature (a text model's padded
+        to x's length: a batch's tokens are cut after its longest example);
+        ``replace`` = (l, F): layer l's output is replaced by F, a raw output (stitching)."""
         import torch
 
         if state is not None:
@@ -147,13 +157,22 @@ class Probe:
         keep = list(range(len(self.layers))) if keep is None else list(keep)
         feats: dict[int, list[torch.Tensor]] = {i: [] for i in keep}
         outs, handles, batch = [], [], {}
+        text = self.pools is not None
 
         def hook(i):
             def fn(_module, _inputs, output):
+                hidden = _hidden(output)
                 if replace is not None and replace[0] == i:
-                    output = replace[1][batch["lo"] : batch["hi"]].reshape(output.shape).to(device=output.device, dtype=output.dtype)
+                    new = replace[1][batch["lo"] : batch["hi"]]
+                    new = new.reshape(len(new), -1, hidden.shape[-1])[:, : hidden.shape[1]] if text else new
+                    hidden = new.reshape(hidden.shape).to(device=hidden.device, dtype=hidden.dtype)
+                    output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
                 if i in feats:
-                    feats[i].append(_wide(output).reshape(len(output), -1).cpu())
+                    if text and not raw:
+                        feats[i].append(_wide(self.pools[i](output)).cpu())
+                    else:
+                        tokens = torch.nn.functional.pad(hidden, (0, 0, 0, x.shape[1] - hidden.shape[1])) if text else hidden
+                        feats[i].append(_wide(tokens).reshape(len(tokens), -1).cpu())
                 return output
 
             return fn

@@ -55,10 +55,13 @@ def _load(params, layout, device) -> tuple[dict, dict, dict, Suite, Probe]:
     data = {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in tasks}
     heads = {t: load_head(layout.head(t), backbone.num_features, num_classes=len(data[t].classes), classes_source=str(layout.task_data(t))) for t in tasks}
     suite = Suite(theta0, {t: load_state_dict(layout.finetuned(t)) for t in tasks}, heads, {t: (data[t].test.inputs, data[t].test.labels) for t in tasks})
-    blocks = list(getattr(backbone.net, "blocks", []))
-    if not blocks:
-        raise MergeflowError(f"studies.ctl: backbone '{params.backbone.model}' has no 'blocks' (the study hooks a timm ViT's blocks)")
-    return theta0, data, heads, suite, Probe(backbone, backbone.net, blocks, params.runtime.eval_batch_size, device)
+    probe = Probe(backbone, backbone.net, list(getattr(backbone.net, "blocks", [])), params.runtime.eval_batch_size, device)
+    if hasattr(backbone, "feature_layers"):  # a text model: its blocks and how seed 003 pools their tokens
+        probe.layers, probe.pools = map(list, zip(*backbone.feature_layers()))
+        probe.reading = backbone.feature_reading
+    if not probe.layers:
+        raise MergeflowError(f"studies.ctl: backbone '{params.backbone.model}' has no 'blocks' (the study hooks a timm ViT's blocks, or a text model's feature_layers)")
+    return theta0, data, heads, suite, probe
 
 
 def _measure_scratch(params, s: CtlSettings, suite: Suite, probe: Probe, data: dict, heads: dict, theta0, pair8: tuple[str, str], n: int, device) -> tuple[dict, dict, dict]:
@@ -162,7 +165,7 @@ def ctl_study(context: StudyContext) -> StudyResult:
     timings["total"] = time.perf_counter() - started
     # to the stage's log, not the report: the report's bytes must not change with the machine's load
     print("study ctl: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), flush=True)
-    body = _body(params, s, depth, layer, lam, lam_source, pairs, n, m_st, measured, per_alpha, per_k, subsets, addition, negation, eq4, first_order, barriers,
+    body = _body(params, s, probe.reading, depth, layer, lam, lam_source, pairs, n, m_st, measured, per_alpha, per_k, subsets, addition, negation, eq4, first_order, barriers,
                  stitch, pair8, scratch, control, pipeline8, acc8, rel8, claims)
     return StudyResult(claims, body, figures)
 
@@ -183,14 +186,14 @@ def _row(label: str, values: Sequence[float], fmt: str = ".3g") -> str:
     return f"| {label} | " + " | ".join(format(v, fmt) for v in values) + " |"
 
 
-def _body(params, s: CtlSettings, depth, layer, lam, lam_source, pairs, n, m_st, measured, per_alpha, per_k, subsets, addition, negation, eq4, first_order, barriers,
+def _body(params, s: CtlSettings, reading: str, depth, layer, lam, lam_source, pairs, n, m_st, measured, per_alpha, per_k, subsets, addition, negation, eq4, first_order, barriers,
           stitch, pair8, scratch, control, pipeline8, acc8, rel8, claims) -> str:
     head = "| | " + " | ".join(f"block {L}" for L in range(depth)) + " |"
     sep = "|---|" + "---|" * depth
     steps8 = s.scratch_steps if s.scratch_steps is not None else params.finetune.steps
     b = [
-        f"Our suite: {len(params.suite.tasks)} tasks, backbone `{params.backbone.model}` {params.backbone.kwargs} ({depth} blocks); f_l is block l's output, "
-        f"every token, flattened. {len(pairs)} task pairs ({'all' if s.pairs is None or len(pairs) == len(params.suite.tasks) * (len(params.suite.tasks) - 1) // 2 else f'drawn with seed {params.seed}'}): "
+        f"Our suite: {len(params.suite.tasks)} tasks, backbone `{params.backbone.model}` {params.backbone.kwargs} ({depth} blocks); f_l is {reading}. "
+        f"{len(pairs)} task pairs ({'all' if s.pairs is None or len(pairs) == len(params.suite.tasks) * (len(params.suite.tasks) - 1) // 2 else f'drawn with seed {params.seed}'}): "
         + ", ".join(f"{i}/{j}" for i, j in pairs) + f". D_t: the first {n} test images of task t (D_i ∪ D_j: {2 * n}). λ = {lam:g}, from {lam_source}.",
         "",
         "Thresholds (settings, fixed before the numbers): a d_l is \"near 0\" when its mean is at most "
