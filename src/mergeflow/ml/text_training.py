@@ -74,9 +74,11 @@ def pretrain_masked_lm(cfg: BackboneConfig, tokens: torch.Tensor, schedule: Sche
 
 
 def pretrain_denoising(cfg: BackboneConfig, tokens: torch.Tensor, schedule: ScheduleConfig, *, special: dict[str, int], seed: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Curve]:
-    """The encoder-decoder's state dict after denoising training on ``tokens`` (int [N, L]), and the loss curve: the
-    encoder reads a sentence masked as for the masked LM (``mask_tokens``, afresh each step), the decoder writes the
-    whole sentence back (BART's token-masking objective; the cross-entropy of every real target token)."""
+    """The encoder-decoder's state dict after denoising training on ``tokens`` (int [N, L]), and the loss curve. T5's
+    objective with one sentinel: the encoder reads a sentence whose chosen words (15% of the real ones, afresh each
+    step: ``mask_tokens``'s choice) are ``<mask>``, and the decoder writes those words in order, then ``</s>``
+    (``masked_targets``); the cross-entropy of every target token. The decoder's first token is a masked word, as a
+    fine-tuned model's first token is its answer."""
     from mergeflow.ml.seq2seq_models import backbone_state, denoising_lm
 
     model = denoising_lm(cfg)
@@ -89,9 +91,22 @@ def pretrain_denoising(cfg: BackboneConfig, tokens: torch.Tensor, schedule: Sche
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
         ids, real = trim_padding(tokens[idx].long(), config.pad_token_id)
-        masked, _ = mask_tokens(ids, config, generator, first_word)
-        labels = torch.where(real, ids, torch.full_like(ids, -100))
+        _, chosen = mask_tokens(ids, config, generator, first_word)
+        chosen = chosen != -100
+        masked = torch.where(chosen, torch.full_like(ids, special["<mask>"]), ids)
+        labels = masked_targets(ids, chosen, special["</s>"])
         return model(input_ids=masked.to(device), attention_mask=real.long().to(device), labels=labels.to(device)).loss
 
     curve = train_loop(model, loss_fn, len(tokens), schedule, optimizer="adamw", seed=seed, device=device, desc="pretrain (denoising)")
     return backbone_state(model), curve
+
+
+def masked_targets(ids: torch.Tensor, chosen: torch.Tensor, eos: int) -> torch.Tensor:
+    """Per row, the ``chosen`` tokens of ``ids`` in order and then ``eos``, padded with -100 (ignored by the loss)."""
+    counts = chosen.sum(1)
+    out = torch.full((len(ids), int(counts.max()) + 1 if len(ids) else 1), -100, dtype=ids.dtype)
+    for row in range(len(ids)):
+        k = int(counts[row])
+        out[row, :k] = ids[row][chosen[row]]
+        out[row, k] = eos
+    return out
