@@ -71,7 +71,7 @@ class Suite:
     test: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
     def x(self, tasks: Sequence[str], n: int) -> tuple[torch.Tensor, list[tuple[str, slice]]]:
-        """The first n test images of each task, concatenated, and each task's rows."""
+        """The first n test examples of each task, concatenated, and each task's rows."""
         import torch
 
         xs, rows, at = [], [], 0

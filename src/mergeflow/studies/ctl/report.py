@@ -194,7 +194,7 @@ def _body(params, s: CtlSettings, reading: str, depth, layer, lam, lam_source, p
     b = [
         f"Our suite: {len(params.suite.tasks)} tasks, backbone `{params.backbone.model}` {params.backbone.kwargs} ({depth} blocks); f_l is {reading}. "
         f"{len(pairs)} task pairs ({'all' if s.pairs is None or len(pairs) == len(params.suite.tasks) * (len(params.suite.tasks) - 1) // 2 else f'drawn with seed {params.seed}'}): "
-        + ", ".join(f"{i}/{j}" for i, j in pairs) + f". D_t: the first {n} test images of task t (D_i ∪ D_j: {2 * n}). λ = {lam:g}, from {lam_source}.",
+        + ", ".join(f"{i}/{j}" for i, j in pairs) + f". D_t: the first {n} test examples of task t (D_i ∪ D_j: {2 * n}). λ = {lam:g}, from {lam_source}.",
         "",
         "Thresholds (settings, fixed before the numbers): a d_l is \"near 0\" when its mean is at most "
         f"{s.ctl_ratio:g} × the mean baseline at every layer (and every α or k); coef is \"≈ 1\" when its median is within 1 ± {s.coef_tolerance:g} at every layer; "
@@ -245,7 +245,7 @@ def _body(params, s: CtlSettings, reading: str, depth, layer, lam, lam_source, p
           "cross-entropy is convex in them, so the loss on any dataset lies below the chord (the seed's Lemma 1): a barrier needs CTL to be inexact.", "",
           "![loss along the path](barrier.png)", "",
           f"## 7. Stitching averaged features at block {layer} (seed Sec. 4.3, Fig. 9)", "",
-          f"θ0's blocks after block {layer} (then its norm and pooling, then task t's head) fed the features of θ0 + λτ; the first {m_st} test images of each task. "
+          f"θ0's blocks after block {layer} (then its norm and pooling, then task t's head) fed the features of θ0 + λτ; the first {m_st} test examples of each task. "
           "Accuracies (%):", "",
           "| pair | stitched avg on D_i | on D_j | stitched f(θ0+λτi) on D_i | on D_j | stitched f(θ0+λτj) on D_i | on D_j | θ0+λ(τi+τj) on D_i | on D_j | θ0 on D_i | on D_j |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
