@@ -244,8 +244,9 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
         write_json(tmp / "summary.json", {"rows": rows, "negation": negations} | ({"seeds": spread, "pooled_sd": pooled_sd(spread)} if spread else {}))
         write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])
-        plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png")
-        plot_averages(labelled, tmp / "averages.png")
+        measure = "accuracy" if params.suite.modality == "image" else "score"  # text: each task's GLUE metric
+        plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png", measure)
+        plot_averages(labelled, tmp / "averages.png", measure)
     with atomic_path(layout.headline, directory=True) as tmp:
         for name, entry in headline.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)

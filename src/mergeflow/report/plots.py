@@ -66,9 +66,14 @@ def _gap_closed(rows: list[dict], column: str) -> list[float]:
     return [(r[column] - low) / (high - low) if high > low else 0.5 for r in rows]
 
 
-def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path) -> list[str]:
+def _unit(measure: str) -> str:
+    return "(%)" if measure == "accuracy" else "(×100: each task's own metric)"
+
+
+def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str = "accuracy") -> list[str]:
     """Test accuracy (%) of every method on every task and on average, methods sorted by average (best on top)
-    between the reference rows Individual (top) and Pretrained (bottom). Returns the rows' order, top to bottom."""
+    between the reference rows Individual (top) and Pretrained (bottom); ``measure``: "score" when the tasks have
+    other metrics (text: GLUE's). Returns the rows' order, top to bottom."""
     plt = pyplot()
     from matplotlib.colors import Normalize
 
@@ -112,13 +117,13 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path) -> list[str]
         spine.set_visible(False)
     bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, ticks=[0, 0.5, 1])
     bar.ax.set_yticklabels(["Pretrained", "half-way", "Individual"])
-    ax.set_xlabel("numbers: test accuracy (%), each task with its own head\ncolour: each column scaled from Pretrained to Individual")
-    ax.set_title("Test accuracy (%) per method and task, sorted by average", loc="left")
+    ax.set_xlabel(f"numbers: test {measure} {_unit(measure)}, each task with its own head\ncolour: each column scaled from Pretrained to Individual")
+    ax.set_title(f"Test {measure} {_unit(measure)} per method and task, sorted by average", loc="left")
     save(fig, path)
     return order
 
 
-def plot_averages(rows: list[dict], path) -> list[str]:
+def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str]:
     """Average test accuracy (%) of every method as sorted horizontal bars (best on top), with Pretrained and
     Individual as labelled reference lines. Returns the methods' order, top to bottom."""
     plt = pyplot()
@@ -156,10 +161,10 @@ def plot_averages(rows: list[dict], path) -> list[str]:
         colour, style, side = styles[name]
         ax.axvline(v, color=colour, ls=style, lw=2)
         ax.text(v, 1.0, f" {name}: {v:.1f} ", transform=ax.get_xaxis_transform(), ha=side, va="bottom", color=colour, fontsize=9, fontweight="bold")
-    ax.set_xlabel(f"average test accuracy (%) over tasks (axis starts at {left:g})")
+    ax.set_xlabel(f"average test {measure} {_unit(measure)} over tasks (axis starts at {left:g})")
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
-    ax.set_title("Average test accuracy per method", loc="left", pad=22)
+    ax.set_title(f"Average test {measure} per method", loc="left", pad=22)
     save(fig, path)
     return order
 
