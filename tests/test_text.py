@@ -98,6 +98,25 @@ def test_mean_pooling_is_the_mean_of_the_real_tokens():
         torch.testing.assert_close(backbone(ids), hidden.mean(1), rtol=1e-5, atol=1e-5)
 
 
+def test_seed_003s_encoder_features_are_each_layers_real_tokens_mean():
+    """study@ctl's f_l of a text encoder: layer l's output averaged over the real tokens, against the base model's
+    own hidden states on the example alone (no padding at all)."""
+    torch.manual_seed(2)
+    backbone = new_backbone(TINY_TEXT.model_copy(update={"kwargs": TINY_TEXT.kwargs | {"num_hidden_layers": 2}})).eval()
+    layers = backbone.feature_layers()
+    feats = [None] * len(layers)
+    hooks = [m.register_forward_hook(lambda _m, _i, out, k=k, pool=pool: feats.__setitem__(k, pool(out))) for k, (m, pool) in enumerate(layers)]
+    with torch.no_grad():
+        backbone(_ids([10, 11, 12], [20, 21, 22, 23, 24, 25], length=11))
+        for h in hooks:
+            h.remove()
+        base = backbone.net.__class__.__mro__[1].forward
+        alone = [base(backbone.net, input_ids=_ids(words, length=len(words) + 2), output_hidden_states=True).hidden_states for words in ([10, 11, 12], [20, 21, 22, 23, 24, 25])]
+    assert len(layers) == 2
+    for layer in range(2):
+        torch.testing.assert_close(feats[layer], torch.cat([h[layer + 1].mean(1) for h in alone]), rtol=1e-5, atol=1e-5)
+
+
 def test_a_save_pretrained_folder_loads_by_name(tmp_path):
     from transformers import RobertaConfig, RobertaModel
 

@@ -126,7 +126,7 @@ def test_seed_003s_features_are_the_encoders_mean_and_the_decoders_first_token()
     backbone = new_backbone(TINY_T5).eval()
     ids = _batch()
     layers = backbone.feature_layers()
-    assert len(layers) == 3  # two encoder blocks, one decoder block
+    assert len(layers) == 3 and backbone.feature_names == ["encoder 0", "encoder 1", "decoder 0"]
     feats = [None] * len(layers)
     hooks = [m.register_forward_hook(lambda _m, _i, out, k=k, pool=pool: feats.__setitem__(k, pool(out))) for k, (m, pool) in enumerate(layers)]
     with torch.no_grad():

@@ -121,6 +121,10 @@ class Seq2SeqBackbone(nn.Module):
         e, d = len(self.net.encoder.block), len(self.net.decoder.block)
         return f"block l's output as seed 003 reads T5: blocks 0–{e - 1} the encoder's, the mean of the real tokens; blocks {e}–{e + d - 1} the decoder's, at the first generated token"
 
+    @property
+    def feature_names(self) -> list[str]:
+        return [f"encoder {b}" for b in range(len(self.net.encoder.block))] + [f"decoder {b}" for b in range(len(self.net.decoder.block))]
+
     def feature_layers(self) -> list[tuple[nn.Module, Callable[[object], torch.Tensor]]]:
         """(block, its output -> [N, D] feature) for each encoder then decoder block, as seed 003 reads T5: the
         encoder's real tokens mean-pooled, the decoder at the first generated token."""

@@ -138,6 +138,7 @@ class Probe:
     device: torch.device = field(default_factory=_cpu)
     pools: list[Callable] | None = None
     reading: str = "block l's output, every token, flattened"  # what f_l is, for the report
+    names: list[str] | None = None  # the layers' names in the figures (None: block 0, block 1, ...)
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         self.target.load_state_dict(dict(state))

@@ -58,7 +58,7 @@ def _load(params, layout, device) -> tuple[dict, dict, dict, Suite, Probe]:
     probe = Probe(backbone, backbone.net, list(getattr(backbone.net, "blocks", [])), params.runtime.eval_batch_size, device)
     if hasattr(backbone, "feature_layers"):  # a text model: its blocks and how seed 003 pools their tokens
         probe.layers, probe.pools = map(list, zip(*backbone.feature_layers()))
-        probe.reading = backbone.feature_reading
+        probe.reading, probe.names = backbone.feature_reading, getattr(backbone, "feature_names", None)
     if not probe.layers:
         raise MergeflowError(f"studies.ctl: backbone '{params.backbone.model}' has no 'blocks' (the study hooks a timm ViT's blocks, or a text model's feature_layers)")
     return theta0, data, heads, suite, probe
@@ -156,12 +156,12 @@ def ctl_study(context: StudyContext) -> StudyResult:
     figures = ["ctl.png", "arithmetic.png", "barrier.png", "stitching.png", "scratch.png"]
     out = Path(context.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plot_ctl(per_alpha, {a: _coefs([m["ctl"][a] for m in measured.values()]) for a in s.alphas}, len(pairs), out / figures[0])
+    plot_ctl(per_alpha, {a: _coefs([m["ctl"][a] for m in measured.values()]) for a in s.alphas}, len(pairs), out / figures[0], probe.names)
     coefs = {"average": {k: _coefs([v]) for k, v in avg_terms.items()}, "addition": _coefs([m["addition"] for m in measured.values()]), "negation": _coefs([v["eq3"] for v in neg.values()])}
-    plot_arithmetic(per_k, addition, negation, coefs, lam, out / figures[1])
+    plot_arithmetic(per_k, addition, negation, coefs, lam, out / figures[1], probe.names)
     plot_barrier({f"{i} / {j}": m["losses"] for (i, j), m in measured.items()}, out / figures[2])
     plot_stitching(stitch, out / figures[3])
-    plot_scratch(scratch, control, pipeline8, {k: _coefs([v]) for k, v in terms8.items()}, pair8, out / figures[4])
+    plot_scratch(scratch, control, pipeline8, {k: _coefs([v]) for k, v in terms8.items()}, pair8, out / figures[4], probe.names)
     timings["total"] = time.perf_counter() - started
     # to the stage's log, not the report: the report's bytes must not change with the machine's load
     print("study ctl: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), flush=True)
