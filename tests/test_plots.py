@@ -65,6 +65,15 @@ def test_reference_names_are_summary_rows_own():
     assert [r["method"] for r in rows_by_hand()[:2]] == [plots.PRETRAINED, plots.INDIVIDUAL]
 
 
+@pytest.mark.parametrize(("head", "name"), [("zeroshot", "Pretrained (zero-shot)"), ("verbalizer", "Pretrained (answer words)")])
+def test_the_pretrained_row_names_the_head_that_reads_it_and_stays_a_reference(tmp_path, head, name):
+    finetune = {t: {"probe": {"head": head, "test": PROBE[t]}, "individual": {"test": INDIVIDUAL[t]}} for t in TASKS}
+    rows = summary_rows(TASKS, finetune, {m: {"searched": {}, "accuracy": acc} for m, acc in METHODS.items()})
+    assert rows[0]["method"] == name and plots.is_pretrained(name)
+    assert plots.plot_accuracy_heatmap(rows, TASKS, tmp_path / "accuracy.png") == [plots.INDIVIDUAL, "m2", "m1", "m3", name]
+    assert plots.plot_averages(rows, tmp_path / "averages.png") == ["m2", "m1", "m3"]
+
+
 def test_accuracy_heatmap_sorts_methods_between_the_references(tmp_path):
     path = tmp_path / "accuracy.png"
     order = plots.plot_accuracy_heatmap(rows_by_hand(), TASKS, path)

@@ -9,10 +9,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-# the reference rows of summary.summary_rows (a test checks the names agree)
+# the reference rows of summary.summary_rows (a test checks the names agree): the pretrained one says which head
+# reads it, "Pretrained (linear probe)", "(zero-shot)" or "(answer words)"
 PRETRAINED = "Pretrained (linear probe)"
 INDIVIDUAL = "Individual"
-REFERENCES = (INDIVIDUAL, PRETRAINED)
+
+
+def is_reference(name: str) -> bool:
+    return name == INDIVIDUAL or is_pretrained(name)
+
+
+def is_pretrained(name: str) -> bool:
+    return name.startswith("Pretrained (")
 
 DPI = 130
 FONT_SIZE = 10  # matplotlib's default; annotations use 9, nothing is under 8
@@ -51,7 +59,7 @@ def chosen_text(searched: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------- summary: accuracy per method and task
 def sorted_methods(rows: list[dict]) -> list[str]:
     """The methods (reference rows aside) by average accuracy, best first; ties keep the rows' order."""
-    methods = [r for r in rows if r["method"] not in REFERENCES]
+    methods = [r for r in rows if not is_reference(r["method"])]
     return [r["method"] for r in sorted(methods, key=lambda r: -r["average"])]
 
 
@@ -59,7 +67,7 @@ def _gap_closed(rows: list[dict], column: str) -> list[float]:
     """Each row's value in ``column`` as the share of the Pretrained-to-Individual gap it closes (0: Pretrained,
     1: Individual); min-to-max instead when a reference row is missing or there is no gap."""
     by_name = {r["method"]: r[column] for r in rows}
-    low, high = by_name.get(PRETRAINED), by_name.get(INDIVIDUAL)
+    low, high = next((v for n, v in by_name.items() if is_pretrained(n)), None), by_name.get(INDIVIDUAL)
     if low is None or high is None or high <= low:
         values = [r[column] for r in rows]
         low, high = min(values), max(values)
@@ -78,7 +86,7 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
     from matplotlib.colors import Normalize
 
     by_name = {r["method"]: r for r in rows}
-    order = [n for n in (INDIVIDUAL,) if n in by_name] + sorted_methods(rows) + [n for n in (PRETRAINED,) if n in by_name]
+    order = [n for n in (INDIVIDUAL,) if n in by_name] + sorted_methods(rows) + [n for n in by_name if is_pretrained(n)]
     drawn = [by_name[n] for n in order]
     columns = [*tasks, "average"]
     # colour per column: tasks differ in difficulty (a 55% can be good on one task and poor on another), so each
@@ -102,14 +110,14 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
     ax.set_xticks(range(n_cols), columns, rotation=30, ha="left", rotation_mode="anchor")
     ax.set_yticks(range(n_rows), order)
     for label in ax.get_yticklabels():
-        if label.get_text() in REFERENCES:
+        if is_reference(label.get_text()):
             label.set_fontstyle("italic")
             label.set_fontweight("bold")
     ax.get_xticklabels()[-1].set_fontweight("bold")
     # white rules set the reference rows and the average column apart
     if order and order[0] == INDIVIDUAL:
         ax.axhline(0.5, color="white", lw=4)
-    if order and order[-1] == PRETRAINED:
+    if order and is_pretrained(order[-1]):
         ax.axhline(n_rows - 1.5, color="white", lw=4)
     ax.axvline(n_cols - 1.5, color="white", lw=4)
     ax.tick_params(length=0)
@@ -131,7 +139,7 @@ def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str
     by_name = {r["method"]: r for r in rows}
     order = sorted_methods(rows)
     values = [pct(by_name[m]["average"]) for m in order]
-    references = {n: pct(by_name[n]["average"]) for n in REFERENCES if n in by_name}
+    references = {n: pct(by_name[n]["average"]) for n in by_name if is_reference(n)}
 
     fig, ax = plt.subplots(figsize=(8.5, 1.6 + 0.32 * max(len(order), 1)), layout="constrained")
     positions = list(range(len(order)))[::-1]  # best on top
@@ -156,9 +164,8 @@ def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str
     left = max(0.0, 5 * math.floor((low - 3) / 5))
     ax.set_xlim(left, high + 0.12 * (high - left) + 1)
     # each label on the outer side of its line (Pretrained to the left, Individual to the right): they never meet
-    styles = {INDIVIDUAL: ("#2ca02c", "--", "left"), PRETRAINED: ("#7f7f7f", ":", "right")}
     for name, v in references.items():
-        colour, style, side = styles[name]
+        colour, style, side = ("#2ca02c", "--", "left") if name == INDIVIDUAL else ("#7f7f7f", ":", "right")
         ax.axvline(v, color=colour, ls=style, lw=2)
         ax.text(v, 1.0, f" {name}: {v:.1f} ", transform=ax.get_xaxis_transform(), ha=side, va="bottom", color=colour, fontsize=9, fontweight="bold")
     ax.set_xlabel(f"average test {measure} {_unit(measure)} over tasks (axis starts at {left:g})")

@@ -139,8 +139,12 @@ def gap_cell(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f}%"
 
 
+# the Pretrained row's name by the head that reads theta0 (finetune.head)
+PRETRAINED_BY_HEAD = {"probe": "Pretrained (linear probe)", "zeroshot": "Pretrained (zero-shot)", "verbalizer": "Pretrained (answer words)"}
+
+
 def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict], *, regime: str = "standard", individual_models: Mapping[str, float] | None = None, data: Mapping[str, str] | None = None) -> list[dict]:
-    """Rows Pretrained (linear probe), Individual and one per method: accuracy per task, average, normalized
+    """Rows Pretrained (read by the tasks' heads: PRETRAINED_BY_HEAD), Individual and one per method: accuracy per task, average, normalized
     accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
 
     ``data``: per method, what it reads besides the weights (merging.DATA's labels: "none", train statistics, or
@@ -170,7 +174,8 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
         return "per task" if isinstance(v, Mapping) else str(v)
 
     if individual_models is None:
-        rows = [row("Pretrained (linear probe)", probe), row("Individual", individual, storage=float(len(tasks)))]
+        head = finetune[tasks[0]]["probe"].get("head", "probe")  # what reads theta0: the tasks' frozen heads
+        rows = [row(PRETRAINED_BY_HEAD.get(head, PRETRAINED_BY_HEAD["probe"]), probe), row("Individual", individual, storage=float(len(tasks)))]
     else:
         rows = [row("Individual", individual_models, storage=float(len(tasks)))]
     for name, ev in evaluations.items():
