@@ -43,14 +43,18 @@ def _tiny(raw: dict, override: dict) -> dict:
 def text_run(tmp_path_factory):
     """(params, layout) of the tiny text run up to the statistics: the profile's own file with small sizes."""
     raw = _tiny(yaml.safe_load((REPO / "profiles" / "text8.yaml").read_text()), TINY_TEXT)
-    params, layout = parse_params(raw), Layout(tmp_path_factory.mktemp("text-run"))
+    return raw, _run_to_statistics(parse_params(raw), Layout(tmp_path_factory.mktemp("text-run")))
+
+
+def _run_to_statistics(params, layout: Layout) -> Layout:
+    """The stages up to the merges, in this process."""
     prepare(params, layout)
     pretrain(params, layout)
     for task in params.suite.tasks:
         finetune(params, task, layout)
     vectors(params, layout)
     statistics(params, layout)
-    return raw, layout
+    return layout
 
 
 def test_each_task_is_scored_by_its_glue_metric(text_run):
@@ -109,14 +113,8 @@ T2T_METHODS = ["task_arithmetic", "ties", "cart", "fisher", "regmean", "adamergi
 def t2t_run(tmp_path_factory):
     raw = _tiny(yaml.safe_load((REPO / "profiles" / "t2t7.yaml").read_text()), TINY_T2T)
     raw["merge"]["adamerging"] = {"steps": 3, "lr": 0.005}
-    params, layout = parse_params(raw), Layout(tmp_path_factory.mktemp("t2t-run"))
-    prepare(params, layout)
-    pretrain(params, layout)
-    for task in params.suite.tasks:
-        finetune(params, task, layout)
-    vectors(params, layout)
-    statistics(params, layout)
-    return params, layout
+    params = parse_params(raw)
+    return params, _run_to_statistics(params, Layout(tmp_path_factory.mktemp("t2t-run")))
 
 
 def test_a_text_to_text_model_is_scored_by_its_answer_words(t2t_run):

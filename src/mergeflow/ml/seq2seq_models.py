@@ -26,7 +26,7 @@ from torch import nn
 
 from mergeflow.config import BackboneConfig
 from mergeflow.core.errors import MergeflowError
-from mergeflow.ml.text_models import mean_tokens, model_config, trim_padding
+from mergeflow.ml.text_models import block_hidden, load_pretrained, mean_tokens, model_config, trim_padding
 
 
 def aliases(model: nn.Module) -> dict[str, str]:
@@ -80,17 +80,9 @@ def _lm_class(config) -> type:
 
 
 def build_seq2seq(cfg: BackboneConfig, config, *, pretrained: bool = False) -> nn.Module:
-    """The encoder-decoder with random init, or with backbone.pretrained's weights (a save_pretrained folder, or
-    "hub": backbone.model as a hub id, read from the local cache unless downloads are on)."""
+    """The encoder-decoder with random init, or with backbone.pretrained's weights (text_models.load_pretrained)."""
     cls = _lm_class(config)
-    if not (pretrained and cfg.pretrained is not None):
-        return cls(config)
-    source = cfg.model if cfg.pretrained == "hub" else cfg.pretrained
-    try:
-        return cls.from_pretrained(source, config=config)
-    except (OSError, ValueError, RuntimeError) as err:
-        where = f"hub: '{source}' (download it once with --download, or save it with save_pretrained and point backbone.pretrained at the folder)" if cfg.pretrained == "hub" else source
-        raise MergeflowError(f"backbone.pretrained: {where}: transformers could not load it ({str(err).splitlines()[0]})") from None
+    return load_pretrained(cls, cfg, config) if pretrained and cfg.pretrained is not None else cls(config)
 
 
 class Seq2SeqBackbone(nn.Module):
@@ -133,7 +125,7 @@ class Seq2SeqBackbone(nn.Module):
 
 
 def _first_token(output) -> torch.Tensor:
-    return (output[0] if isinstance(output, tuple) else output)[:, 0]
+    return block_hidden(output)[:, 0]
 
 
 def verbalizer_head(vocab_size: int, answers: list[int]) -> nn.Linear:
@@ -150,12 +142,12 @@ def verbalizer_head(vocab_size: int, answers: list[int]) -> nn.Linear:
 
 def denoising_lm(cfg: BackboneConfig) -> nn.Module:
     """The encoder-decoder of ``cfg``'s architecture as transformers builds it (its forward takes labels), for
-    denoising pretraining on the text corpus; ``backbone_state`` gives its weights in the backbone's naming."""
+    denoising pretraining on the text corpus; ``state_without_aliases`` gives its weights in the backbone's naming."""
     config = model_config(cfg)
     return _lm_class(config).__mro__[1](config)
 
 
-def backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def state_without_aliases(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s weights without the aliases of tied ones, detached on the CPU."""
     tied = aliases(model)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in tied}

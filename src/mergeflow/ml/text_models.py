@@ -78,6 +78,17 @@ def _no_pooler(config) -> dict:
     return {"add_pooling_layer": False} if config.model_type in ("roberta", "bert", "xlm-roberta") else {}
 
 
+def load_pretrained(cls: type, cfg: BackboneConfig, config, **kwargs) -> nn.Module:
+    """``cls.from_pretrained`` on backbone.pretrained: a save_pretrained folder, or with "hub" backbone.model as a hub
+    id, read from the local cache unless downloads are on (the caller's hub_access); a failure is one line."""
+    source = cfg.model if cfg.pretrained == "hub" else cfg.pretrained
+    try:
+        return cls.from_pretrained(source, config=config, **kwargs)
+    except (OSError, ValueError, RuntimeError) as err:
+        where = f"hub: '{source}' (download it once with --download, or save it with save_pretrained and point backbone.pretrained at the folder)" if cfg.pretrained == "hub" else source
+        raise MergeflowError(f"backbone.pretrained: {where}: transformers could not load it ({str(err).splitlines()[0]})") from None
+
+
 def build_encoder(cfg: BackboneConfig, *, pretrained: bool = False) -> nn.Module:
     """The encoder with random init, or with the weights of ``backbone.pretrained``'s ``save_pretrained`` folder."""
     if cfg.global_pool not in ("token", "avg"):
@@ -86,12 +97,7 @@ def build_encoder(cfg: BackboneConfig, *, pretrained: bool = False) -> nn.Module
     if pretrained and cfg.pretrained is not None:
         # a save_pretrained folder, or with "hub" backbone.model as a hub id (roberta-base), read from the local cache
         # unless downloads are on (the caller's hub_access)
-        source = cfg.model if cfg.pretrained == "hub" else cfg.pretrained
-        try:
-            net = _features_class(_base_class(config)).from_pretrained(source, config=config, **_no_pooler(config))
-        except (OSError, ValueError, RuntimeError) as err:
-            where = f"hub: '{source}' (download it once with --download, or save it with save_pretrained and point backbone.pretrained at the folder)" if cfg.pretrained == "hub" else source
-            raise MergeflowError(f"backbone.pretrained: {where}: transformers could not load it ({str(err).splitlines()[0]})") from None
+        net = load_pretrained(_features_class(_base_class(config)), cfg, config, **_no_pooler(config))
     else:
         net = _features_class(_base_class(config))(config, **_no_pooler(config))
     net.pooling = cfg.global_pool
@@ -129,9 +135,14 @@ class TextBackbone(nn.Module):
         return [(layer, functools.partial(mean_tokens, self.net)) for layer in self.net.encoder.layer]
 
 
+def block_hidden(output) -> torch.Tensor:
+    """A block's hidden states [N, L, D] (a transformers block may return them first in a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 def mean_tokens(net: nn.Module, output) -> torch.Tensor:
     """The mean over the real tokens (the last forward's ``net.real_tokens``) of a block's hidden states [N, L, D]."""
-    hidden = output[0] if isinstance(output, tuple) else output
+    hidden = block_hidden(output)
     weights = net.real_tokens.unsqueeze(-1).to(hidden.dtype)
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
 

@@ -46,8 +46,13 @@ def _check_special(config, special: dict[str, int], keys: tuple[tuple[str, str],
         raise MergeflowError(f"backbone.kwargs.vocab_size: {config.vocab_size}, but the tokenizer (data/tokenizer.json) has {special['vocab_size']} tokens")
 
 
-def _first_word(special: dict[str, int]) -> int:
-    return max(special[name] for name in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")) + 1
+def _prepare(model: nn.Module, special: dict[str, int], keys: tuple[tuple[str, str], ...], seed: int, device: torch.device) -> tuple[torch.Generator, int]:
+    """``model``'s config checked against the tokenizer's ``special`` ids and given its mask id, the model on
+    ``device``; returns the masking's generator and the first word's id (the special tokens come first)."""
+    _check_special(model.config, special, keys)
+    model.config.mask_token_id = special["<mask>"]
+    model.to(device)
+    return torch.Generator().manual_seed(seed + 2), max(special[name] for name in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")) + 1
 
 
 def pretrain_masked_lm(cfg: BackboneConfig, tokens: torch.Tensor, schedule: ScheduleConfig, *, special: dict[str, int], seed: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Curve]:
@@ -55,11 +60,7 @@ def pretrain_masked_lm(cfg: BackboneConfig, tokens: torch.Tensor, schedule: Sche
     ``special``: the tokenizer's special-token ids and vocabulary size, which the model's config must match."""
     model = masked_lm(cfg)
     config = model.config
-    _check_special(config, special, (("<pad>", "pad_token_id"), ("<s>", "bos_token_id"), ("</s>", "eos_token_id")))
-    config.mask_token_id = special["<mask>"]
-    model.to(device)
-    generator = torch.Generator().manual_seed(seed + 2)
-    first_word = _first_word(special)
+    generator, first_word = _prepare(model, special, (("<pad>", "pad_token_id"), ("<s>", "bos_token_id"), ("</s>", "eos_token_id")), seed, device)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
         ids, real = trim_padding(tokens[idx].long(), config.pad_token_id)
@@ -79,15 +80,11 @@ def pretrain_denoising(cfg: BackboneConfig, tokens: torch.Tensor, schedule: Sche
     step: ``mask_tokens``'s choice) are ``<mask>``, and the decoder writes those words in order, then ``</s>``
     (``masked_targets``); the cross-entropy of every target token. The decoder's first token is a masked word, as a
     fine-tuned model's first token is its answer."""
-    from mergeflow.ml.seq2seq_models import backbone_state, denoising_lm
+    from mergeflow.ml.seq2seq_models import denoising_lm, state_without_aliases
 
     model = denoising_lm(cfg)
     config = model.config
-    _check_special(config, special, (("<pad>", "pad_token_id"), ("</s>", "eos_token_id"), ("<pad>", "decoder_start_token_id")))
-    config.mask_token_id = special["<mask>"]
-    model.to(device)
-    generator = torch.Generator().manual_seed(seed + 2)
-    first_word = _first_word(special)
+    generator, first_word = _prepare(model, special, (("<pad>", "pad_token_id"), ("</s>", "eos_token_id"), ("<pad>", "decoder_start_token_id")), seed, device)
 
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
         ids, real = trim_padding(tokens[idx].long(), config.pad_token_id)
@@ -98,15 +95,14 @@ def pretrain_denoising(cfg: BackboneConfig, tokens: torch.Tensor, schedule: Sche
         return model(input_ids=masked.to(device), attention_mask=real.long().to(device), labels=labels.to(device)).loss
 
     curve = train_loop(model, loss_fn, len(tokens), schedule, optimizer="adamw", seed=seed, device=device, desc="pretrain (denoising)")
-    return backbone_state(model), curve
+    return state_without_aliases(model), curve
 
 
 def masked_targets(ids: torch.Tensor, chosen: torch.Tensor, eos: int) -> torch.Tensor:
     """Per row, the ``chosen`` tokens of ``ids`` in order and then ``eos``, padded with -100 (ignored by the loss)."""
-    counts = chosen.sum(1)
-    out = torch.full((len(ids), int(counts.max()) + 1 if len(ids) else 1), -100, dtype=ids.dtype)
-    for row in range(len(ids)):
-        k = int(counts[row])
-        out[row, :k] = ids[row][chosen[row]]
-        out[row, k] = eos
-    return out
+    counts = chosen.sum(1, keepdim=True)
+    width = int(counts.max()) + 1 if len(ids) else 1
+    first = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)  # the chosen positions first, in order
+    picked = torch.nn.functional.pad(ids.gather(1, first), (0, 1))[:, :width]
+    column = torch.arange(width).expand(len(ids), width)
+    return torch.where(column < counts, picked, torch.where(column == counts, torch.full_like(picked, eos), torch.full_like(picked, -100)))

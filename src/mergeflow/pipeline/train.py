@@ -149,7 +149,7 @@ def _frozen_head(params: Params, task: str, data: data_mod.TaskData, feats: dict
 
         if data.answers is None:
             raise MergeflowError(f"finetune.head: verbalizer reads a text-to-text task's answer words, and {task}'s file names none (suite.source: text2text writes them)")
-        return verbalizer_head(len(feats["val"][0]), data.answers), {"head": "verbalizer", "answers": data.answers}
+        return verbalizer_head(feats["val"].shape[1], data.answers), {"head": "verbalizer", "answers": data.answers}  # the features: the vocabulary's logits
     if params.finetune.head == "zeroshot":
         from mergeflow.ml import zeroshot
         from mergeflow.ml.data import benchmark
@@ -192,7 +192,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     bs = params.runtime.eval_batch_size
     with Timer() as timer:
         # the probe fits on train's features; a zero-shot head needs only val's and test's (its accuracy on theta0)
-        featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED  # (a verbalizer: val's width)
+        featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED
         feats = {s: extract_features(backbone, data.split(s).inputs, batch_size=bs, device=device) for s in featured}
         head, head_record = _frozen_head(params, task, data, feats, seed, device)
         probe_acc = {s: head_score(head, feats[s], data.split(s).labels, data.metric) for s in ("val", "test")}

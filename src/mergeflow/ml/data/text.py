@@ -38,8 +38,8 @@ def text2text_words() -> list[str]:
     """The words the text-to-text rendering adds to the vocabulary: the colon, the tasks' names and their answers."""
     from mergeflow.ml.data import text_suite
 
-    words = [":"] + [w for t in text_suite.TASKS.values() if t.kind == "classification" for w in (t.name, *t.classes)]
-    return list(dict.fromkeys(w for w in words if w not in set(text_suite.vocabulary())))
+    words, known = [":"] + [w for t in text_suite.TASKS.values() if t.kind == "classification" for w in (t.name, *t.classes)], set(text_suite.vocabulary())
+    return list(dict.fromkeys(w for w in words if w not in known))
 
 
 def tokenizer(seq_len: int, text2text: bool = False):

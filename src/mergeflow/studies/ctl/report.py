@@ -55,13 +55,14 @@ def _load(params, layout, device) -> tuple[dict, dict, dict, Suite, Probe]:
     data = {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in tasks}
     heads = {t: load_head(layout.head(t), backbone.num_features, num_classes=len(data[t].classes), classes_source=str(layout.task_data(t))) for t in tasks}
     suite = Suite(theta0, {t: load_state_dict(layout.finetuned(t)) for t in tasks}, heads, {t: (data[t].test.inputs, data[t].test.labels) for t in tasks})
-    probe = Probe(backbone, backbone.net, list(getattr(backbone.net, "blocks", [])), params.runtime.eval_batch_size, device)
     if hasattr(backbone, "feature_layers"):  # a text model: its blocks and how seed 003 pools their tokens
-        probe.layers, probe.pools = map(list, zip(*backbone.feature_layers()))
-        probe.reading, probe.names = backbone.feature_reading, getattr(backbone, "feature_names", None)
-    if not probe.layers:
+        blocks, pools = map(list, zip(*backbone.feature_layers()))
+        text = {"pools": pools, "reading": backbone.feature_reading, "names": getattr(backbone, "feature_names", None)}
+    else:
+        blocks, text = list(getattr(backbone.net, "blocks", [])), {}
+    if not blocks:
         raise MergeflowError(f"studies.ctl: backbone '{params.backbone.model}' has no 'blocks' (the study hooks a timm ViT's blocks, or a text model's feature_layers)")
-    return theta0, data, heads, suite, probe
+    return theta0, data, heads, suite, Probe(backbone, backbone.net, blocks, params.runtime.eval_batch_size, device, **text)
 
 
 def _measure_scratch(params, s: CtlSettings, suite: Suite, probe: Probe, data: dict, heads: dict, theta0, pair8: tuple[str, str], n: int, device) -> tuple[dict, dict, dict]:
