@@ -33,4 +33,4 @@ def test_experiments_side_by_side():
     assert every_row[3][1] == "[0.8, 1.0, 1.2, 1.5, 2.…"  # a grid cut to 24 characters
     # the names left-aligned (18 wide), the values right-aligned under their experiment, two spaces between
     assert render(table).splitlines()[1] == "merge.ties.k" + " " * 6 + "  " + "0.1".rjust(9) + "  " + "0.2".rjust(4) + "  " + "0.1".rjust(8)
-    assert render(table, markdown=True).splitlines()[:2] == ["|                    | workspace | main | ties-k01 |", "|--------------------|-----------|------|----------|"]
+    assert render(table, markdown=True).splitlines()[:2] == ["|                    | workspace | main | ties-k01 |", "|--------------------|----------:|-----:|---------:|"]

@@ -18,10 +18,10 @@ def test_dvc_stages_match_layout(repo_root):
     assert set(stages) == expected
     assert str(layout.pretrained) in outs["pretrain"] and str(layout.metrics("pretrain")) in outs["pretrain"]
     for t in params.suite.tasks:
-        assert {str(layout.finetuned(t)), str(layout.head(t)), str(layout.epochs(t)), str(layout.metrics("finetune", t)), str(layout.log("finetune", t))} == outs[f"finetune@{t}"]
+        assert {str(layout.finetuned(t)), str(layout.head(t)), str(layout.epochs(t)), str(layout.metrics("finetune", t)), str(layout.log("finetune", t)), str(layout.predictions("finetune", t))} == outs[f"finetune@{t}"]
         assert stages[f"finetune@{t}"].cmd == "mergeflow finetune"  # the task comes from DVC_STAGE
     for m in params.merge.methods:
-        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png")), str(layout.log("merge", m))} == outs[f"merge@{m}"]
+        assert {str(layout.merged(m)), str(layout.metrics("merge", m)), str(layout.metrics("evaluate", m)), str(layout.log("merge", m, ".png")), str(layout.log("merge", m)), str(layout.predictions("merge", m))} == outs[f"merge@{m}"]
         assert stages[f"merge@{m}"].cmd == "mergeflow merge"  # the method comes from DVC_STAGE
     for r in params.regimes.run:
         assert outs[f"regime@{r}"] == {str(layout.regime(r)), str(layout.metrics("regime", r))}
@@ -30,7 +30,7 @@ def test_dvc_stages_match_layout(repo_root):
             assert layout.regime_vectors(r, variant).is_relative_to(layout.regime(r))
             for m in params.regimes.methods_of(r):
                 run = layout.merge_run(m, r, variant)
-                for path in (run.merged, run.choice, run.evaluation, run.search_plot, run.search_log):  # each inside one of the stage's outs
+                for path in (run.merged, run.choice, run.evaluation, run.search_plot, run.search_log, run.predictions):  # each inside one of the stage's outs
                     assert sum(path.is_relative_to(o) for o in outs[f"regime_merge@{r}"]) == 1, path
     for s in params.studies.run:
         assert outs[f"study@{s}"] == {str(layout.study(s)), str(layout.metrics("studies", s)), str(layout.verdicts(s))}

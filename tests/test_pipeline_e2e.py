@@ -79,8 +79,38 @@ def test_pipeline_end_to_end(project, prefect_server):
     for r in rows.values():
         assert all(0.0 <= r[t] <= 1.0 for t in TASKS)
         assert r["average"] == pytest.approx(sum(r[t] for t in TASKS) / len(TASKS))
-    assert (root / "results/summary.md").read_text().count("\n") == 2 + 2 + len(ROWS) + len(VARIANTS) * (1 + len(REGIME_METHODS)) + 6 + len(TASKS) + 7  # + negation table, environment (one)
-    assert "\n### Environment\n\n- deterministic: torch AVX2, MKL COMPATIBLE, GEMMs on OpenBLAS, " in (root / "results/summary.md").read_text()
+    summary_md = (root / "results/summary.md").read_text()
+    assert summary_md.startswith("# embedded: merging 3 tasks\n\n## Leaderboard\n") and "\n## Every score\n" in summary_md
+    assert "Test examples per task: digits 60, house_numbers 60, count 60." in summary_md
+    every_score = summary_md.split("\n## Every score\n")[1].split("\n###")[0]
+    assert sum(line.startswith("| ") for line in every_score.splitlines()) == 1 + len(rows) + len(VARIANTS) * (1 + len(REGIME_METHODS))
+
+    # the leaderboard: ranked, its intervals from the predictions the stages kept, which give back the recorded
+    # accuracies (an independent route: the predictions against the labels, here)
+    boards = json.loads((root / "results/leaderboard.json").read_text())["boards"]
+    assert list(boards) == ["standard", *VARIANTS]
+    standard = {e["method"]: e for e in boards["standard"]}
+    assert [e["rank"] for e in boards["standard"] if e["rank"]] == list(range(1, len(ROWS) + 1)) and standard["Individual"]["rank"] is None
+    assert [e["score"] for e in boards["standard"]] == sorted((e["score"] for e in boards["standard"]), reverse=True)
+    kept = {t: load_state_dict(root / f"predictions/finetune/{t}.safetensors") for t in TASKS}
+    finetuned = {t: json.loads((root / f"metrics/finetune/{t}.json").read_text()) for t in TASKS}
+    for t in TASKS:
+        for name, key in (("probe", "probe"), ("individual", "individual")):
+            assert float((kept[t][name] == kept[t]["labels"]).double().mean()) == pytest.approx(finetuned[t][key]["test"], abs=1e-6)
+    for m in ROWS:
+        predicted = load_state_dict(root / f"predictions/merge/{m}.safetensors")
+        assert [float((predicted[t] == kept[t]["labels"]).double().mean()) for t in TASKS] == pytest.approx([rows[m][t] for t in TASKS], abs=1e-6)
+        e = standard[m]
+        assert e["score"] == round(100 * rows[m]["average"], 2) and e["low"] <= e["score"] <= e["high"]
+        assert e["vs_reference"]["delta"] == (None if m == "task_arithmetic" else pytest.approx(e["score"] - standard["task_arithmetic"]["score"], abs=0.02))
+    assert all(e["low"] is not None for e in boards["mima_n2"] if e["method"] != "Individual")
+    # the report prints the leaderboard, each merge one line: what it chose, its validation and test averages (each
+    # line after its stage's address, as `mergeflow repro` shows them)
+    for line in ("[report] Standard fine-tune: best ", "[report] mima_n2: best ", "[merge@task_negation] task_negation: lam per negated task digits=", "] mima_n2/ties: chose lam="):
+        assert line in out, line
+    for m in ROWS:
+        assert re.search(rf"\[merge@{m}\] {m}: chose .*; validation [0-9.]+%, test [0-9.]+%", out), m
+    assert "\n### Environment\n\n- deterministic: torch AVX2, MKL COMPATIBLE, GEMMs on OpenBLAS, " in summary_md
     assert rows["emr"]["storage_models"] > 1.0 and rows["Individual"]["storage_models"] == len(TASKS)
     consensus = json.loads((root / "metrics/merge/consensus_ta.json").read_text())
     assert set(consensus["searched"]["tall_lambda"]) == set(TASKS) and set(consensus["searched"]["tall_lambda"].values()) <= {0.2, 0.6}

@@ -36,7 +36,7 @@ class Layout:
     @property
     def output_roots(self) -> list[Path]:
         """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints", "replicates", "sources")]
+        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints", "replicates", "sources", "predictions")]
 
     @property
     def pretrain_corpus(self) -> Path:
@@ -68,6 +68,11 @@ class Layout:
 
     def merged(self, method: str) -> Path:
         return self._p("merged", f"{method}.safetensors")
+
+    def predictions(self, stage: str, name: str) -> Path:
+        """The test predictions an evaluation kept (the leaderboard's bootstrap): finetune@<task>'s labels, probe
+        and individual model; merge@<method>'s, one tensor per task."""
+        return self._p("predictions", stage, f"{name}.safetensors")
 
     @property
     def sources(self) -> Path:
@@ -134,7 +139,7 @@ class Layout:
         """Where one merge reads and writes: the standard regime's at merge@<method>'s paths, a regime's
         variant's under regime_merge@<regime>'s folders."""
         if regime is None:
-            return MergeRun(method, self.vectors, self.merged(method), self.metrics("merge", method), self.metrics("evaluate", method), self.log("merge", method, ".png"), self.log("merge", method))
+            return MergeRun(method, self.vectors, self.merged(method), self.metrics("merge", method), self.metrics("evaluate", method), self.log("merge", method, ".png"), self.log("merge", method), self.predictions("merge", method))
         return MergeRun(
             method, self.regime_vectors(regime, variant),
             self._p("merged", "regime", regime, variant, f"{method}.safetensors"),
@@ -142,6 +147,7 @@ class Layout:
             self._p("metrics", "regime_merge", regime, variant, "evaluate", f"{method}.json"),
             self._p("logs", "regime_merge", regime, variant, f"{method}.png"),
             self._p("logs", "regime_merge", regime, variant, f"{method}.json"),
+            self._p("predictions", "regime_merge", regime, variant, f"{method}.safetensors"),
         )
 
     # ------------------------------------------------------------ studies (stage study@<study>)
@@ -153,7 +159,7 @@ class Layout:
 @dataclass(frozen=True)
 class MergeRun:
     """One merge's inputs and outputs: the task vectors it merges, and where its merged model, its choice on
-    validation (metrics), its test evaluation and its search (plot, records) go."""
+    validation (metrics), its test evaluation, its search (plot, records) and its test predictions go."""
 
     method: str
     vectors: Path
@@ -162,3 +168,4 @@ class MergeRun:
     evaluation: Path
     search_plot: Path
     search_log: Path
+    predictions: Path

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from mergeflow.ml.data import TaskData
 from mergeflow.core.io import StateDict
 from mergeflow.ml.models import build_backbone
 from mergeflow.core.devices import resident_stack
-from mergeflow.ml.training import extract_features, head_score
+from mergeflow.ml.training import extract_features, head_predictions, head_score
 
 
 @dataclass
@@ -26,7 +26,8 @@ class MultiTaskEvaluator:
 
     On CUDA the images are moved to the device once (when they fit in half its free memory) and stay there for
     every candidate; ``bf16``: the forward passes run under bfloat16 autocast there (the validation search; the
-    chosen model's test accuracy is float32)."""
+    chosen model's test accuracy is float32). ``keep_predictions``: each task's predictions on its split are kept in
+    ``predictions`` (the last model's; the test evaluation saves them for the leaderboard's bootstrap)."""
 
     backbone_cfg: BackboneConfig
     tasks: Mapping[str, TaskData]
@@ -35,6 +36,8 @@ class MultiTaskEvaluator:
     device: torch.device
     batch_size: int = 512
     bf16: bool = False
+    keep_predictions: bool = False
+    predictions: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parts = [self.tasks[t].split(self.split) for t in self.tasks]
@@ -52,7 +55,12 @@ class MultiTaskEvaluator:
         """Every task, one model."""
         self._model.net.load_state_dict(state)
         feats = extract_features(self._model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
-        return {t: head_score(self.heads[t], f, y, self._metrics[t]) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
+        return {t: self._score(t, f) for t, f in zip(self.tasks, feats.split(self._sizes))}
+
+    def _score(self, task: str, features: torch.Tensor) -> float:
+        if self.keep_predictions:
+            self.predictions[task] = head_predictions(self.heads[task], features, self._metrics[task])
+        return head_score(self.heads[task], features, self._task_labels[task], self._metrics[task])
 
     def task(self, task: str, state: StateDict, feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
         """One task, on its own split only; ``feature_map``: applied to the features before the head (Surgery)."""
@@ -61,13 +69,13 @@ class MultiTaskEvaluator:
         if feature_map is not None:
             with torch.no_grad():
                 feats = feature_map(feats)
-        return head_score(self.heads[task], feats, self._task_labels[task], self._metrics[task])
+        return self._score(task, feats)
 
     def network(self, build: Callable[[nn.Module], nn.Module]) -> dict[str, float]:
         """Every task through one network that ``build(backbone)`` makes (a routed method's), images -> features."""
         model = build(self._model)
         feats = extract_features(model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
-        return {t: head_score(self.heads[t], f, y, self._metrics[t]) for t, f, y in zip(self.tasks, feats.split(self._sizes), self._labels)}
+        return {t: self._score(t, f) for t, f in zip(self.tasks, feats.split(self._sizes))}
 
     def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]:
         """Each task with its own model (per-task methods), and its own map on the features where the method has one."""

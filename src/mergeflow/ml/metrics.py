@@ -76,17 +76,25 @@ def _f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
     return 2 * true_positive / (predicted_positive + positive) if predicted_positive + positive else 0.0
 
 
-def score(metric: str, outputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """The metric of a head's ``outputs`` [N, C] (regression: [N, 1]) against ``labels`` [N]."""
+def predicted(metric: str, outputs: torch.Tensor) -> torch.Tensor:
+    """What a head's ``outputs`` [N, C] predict: the class (argmax), or a regression head's score."""
+    return outputs.float()[:, 0] if is_regression(metric) else outputs.argmax(1)
+
+
+def score_predicted(metric: str, predictions: torch.Tensor, labels: torch.Tensor) -> float:
+    """The metric of ``predictions`` (``predicted``'s) against ``labels`` [N]."""
     if is_regression(metric):
-        predicted = outputs.float()[:, 0]
-        return (_pearson(predicted, labels) + _pearson(_ranks(predicted), _ranks(labels))) / 2
-    predicted = outputs.argmax(1)
-    accuracy = float((predicted == labels).double().mean())
+        return (_pearson(predictions, labels) + _pearson(_ranks(predictions), _ranks(labels))) / 2
+    accuracy = float((predictions == labels).double().mean())
     if metric == "accuracy":
         return accuracy
     if metric == "matthews":
-        return _matthews(predicted, labels)
+        return _matthews(predictions, labels)
     if metric == "accuracy_f1":
-        return (accuracy + _f1(predicted, labels)) / 2
+        return (accuracy + _f1(predictions, labels)) / 2
     raise ValueError(f"metric '{metric}' is not one of {', '.join(METRICS)}")
+
+
+def score(metric: str, outputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """The metric of a head's ``outputs`` [N, C] (regression: [N, 1]) against ``labels`` [N]."""
+    return score_predicted(metric, predicted(metric, outputs), labels)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from mergeflow.config import NEWTON_MAX_UNKNOWNS, FinetuneConfig, PreserveFeaturesConfig, ProbeConfig, ScheduleConfig
 from mergeflow.core.devices import resident
 from mergeflow.core.errors import MergeflowError
-from mergeflow.ml.metrics import is_regression, score as metric_score, task_loss
+from mergeflow.ml.metrics import is_regression, predicted, score as metric_score, task_loss
 from mergeflow.ml.models import Backbone, make_head
 
 
@@ -411,6 +411,13 @@ def head_score(head: nn.Linear, features: torch.Tensor, labels: torch.Tensor, me
     if metric == "accuracy":
         return float((head(features).argmax(1) == labels).float().mean())
     return metric_score(metric, head(features), labels)
+
+
+@torch.no_grad()
+def head_predictions(head: nn.Linear, features: torch.Tensor, metric: str = "accuracy") -> torch.Tensor:
+    """What the head predicts from ``features`` (the classes; a regression head's scores): what the leaderboard's
+    bootstrap rescores (mergeflow.report.uncertainty)."""
+    return predicted(metric, head.cpu()(features))
 
 
 class Timer:

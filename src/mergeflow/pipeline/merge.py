@@ -4,7 +4,9 @@ each regime's merges, the replicates with other seeds, the summary report and th
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -13,7 +15,7 @@ from mergeflow.config import Params
 from mergeflow.ml.data import load_tasks as _load_tasks
 from mergeflow.core.errors import MergeflowError
 from mergeflow.ml.evaluation import MultiTaskEvaluator, mean, normalized, normalized_average
-from mergeflow.core.io import atomic_path, load_state_dict, read_json, save_state_dict, write_json
+from mergeflow.core.io import atomic_path, load_metadata, load_state_dict, read_json, save_state_dict, write_json
 from mergeflow.core.layout import Layout, MergeRun
 from mergeflow.ml.merging import DATA, REGISTRY
 from mergeflow.ml.merging import BASE_PREFIX, store_bytes
@@ -22,8 +24,10 @@ from mergeflow.ml.merging.search import negation_search, search
 from mergeflow.ml.models import build_backbone, load_heads as _load_heads
 from mergeflow.core.reproducibility.machine import environment_markdown, recorded
 from mergeflow.report.plots import plot_accuracy_heatmap, plot_averages, plot_learned_coefficients
+from mergeflow.report.leaderboard import board, board_markdown, board_text, is_baseline
 from mergeflow.report.search_plots import plot_merge_search
-from mergeflow.report.summary import SPREAD_SDS, headline_metrics, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_markdown, summary_rows, validation_records
+from mergeflow.report.uncertainty import LEVEL, RESAMPLES, resample_indices
+from mergeflow.report.summary import SPREAD_SDS, headline_metrics, merge_line, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_legend, summary_markdown, summary_rows, validation_records
 from mergeflow.ml.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes
 from mergeflow.ml.training import Timer
 
@@ -61,7 +65,8 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
                     }
                     write_json(run.evaluation, evaluation)
                 else:
-                    _, evaluation = merge_and_evaluate(params, run, layout, tasks, heads, device)
+                    choice, evaluation = merge_and_evaluate(params, run, layout, tasks, heads, device)
+                    print(merge_line(f"{variant}/{method}", choice, evaluation), flush=True)
                 out[f"{variant}/{method}"] = evaluation
     write_json(layout.timing("regime_merge", name), timer.record())
     return out
@@ -76,6 +81,7 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         tasks = _load_tasks(params, layout, EVALUATED)
         heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         metrics, evaluated = merge_and_evaluate(params, layout.merge_run(method), layout, tasks, heads, device)
+        print(merge_line(method, metrics, evaluated), flush=True)
     learning = {"learning": evaluated["learning"]} if "learning" in evaluated else {}
     write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()} | learning)
     return metrics
@@ -154,13 +160,17 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
         output = load_state_dict(run.merged)
         tasks = tasks or _load_tasks(params, layout, EVALUATED)
         heads = heads or _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
-        evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size)
+        # the test predictions of the model(s) tested, for the leaderboard's bootstrap (negation: each task's under
+        # its own negation)
+        evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size, keep_predictions=True)
+        predictions = evaluator.predictions
         if spec.kind == "negation":
             pretrained, tvs = _load_task_vectors(params, layout, run.vectors)
-            per_task = {}
+            per_task, negated = {}, {}
             for t in params.suite.tasks:
                 lam = round(float(output[f"lam/{t}"]), 6)  # stored as a float32 tensor
                 acc = evaluator(spec(pretrained, {t: tvs[t]}, **{**chosen["hyperparameters"], "lam": lam}))
+                negated[t] = evaluator.predictions[t]
                 others = [o for o in params.suite.tasks if o != t]
                 per_task[t] = {
                     "lam": lam,
@@ -188,6 +198,7 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
             "normalized_average": normalized_average(acc, individual),
             "storage_models": chosen["storage_bytes"] / chosen["model_bytes"] if "storage_bytes" in chosen else 1.0,
         }
+    save_state_dict(run.predictions, negated if spec.kind == "negation" else predictions, {"method": method})
     write_json(run.evaluation, metrics)
     return metrics | {"wall_time_s": timer.seconds}
 
@@ -227,10 +238,14 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     negations = {m: e for m, e in ev.items() if e["kind"] == "negation"}
     rows = summary_rows(tasks, ft, {m: e for m, e in ev.items() if m not in negations}, data=data_labels())
     headline = headline_metrics(rows, ev, {m: read_json(layout.metrics("merge", m)).get("val_average") for m in ev})
-    for variant, r in regime_evaluations(params, layout).items():
+    regimes = regime_evaluations(params, layout)
+    for variant, r in regimes.items():
         variant_rows = summary_rows(tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"], data=data_labels())
         rows += variant_rows
         headline |= regime_headline(variant, variant_rows, r["evaluations"], r["val_averages"])
+    measure = "accuracy" if params.suite.modality == "image" else "score"  # text: each task's GLUE metric
+    boards, sizes = leaderboards(params, layout, rows, {v: r['regime'] for v, r in regimes.items()})
+    print(board_text(boards, sizes, measure, shutil.get_terminal_size((160, 24)).columns), flush=True)
     labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
     spread = seed_spread(params, layout)
     for name, entry in spread.items():  # with more seeds: each name's mean and spread beside the run's own
@@ -240,11 +255,16 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         # the environments of the stages so far (provenance.json, not a declared dependency: each stage's end,
         # this one's included, rewrites it)
         environments = environment_markdown({a: r for a, r in recorded(layout.root).items() if a not in ("report", "track")})
-        (tmp / "summary.md").write_text(summary_markdown(rows, tasks) + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()) + environments)
+        board = board_markdown(boards, sizes, measure)
+        (tmp / "leaderboard.md").write_text(board)
+        write_json(tmp / "leaderboard.json", {"resamples": RESAMPLES, "level": LEVEL, "test_examples": sizes, "boards": boards})
+        (tmp / "summary.md").write_text(
+            f"# {params.suite.name}: merging {len(tasks)} tasks\n\n{board}\n{summary_legend(measure, sizes)}{summary_markdown(rows, tasks)}"
+            + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()) + environments
+        )
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
         write_json(tmp / "summary.json", {"rows": rows, "negation": negations} | ({"seeds": spread, "pooled_sd": pooled_sd(spread)} if spread else {}))
         write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])
-        measure = "accuracy" if params.suite.modality == "image" else "score"  # text: each task's GLUE metric
         plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png", measure)
         plot_averages(labelled, tmp / "averages.png", measure)
     with atomic_path(layout.headline, directory=True) as tmp:
@@ -252,6 +272,30 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             write_json(tmp / f"{name}.json", entry)
     return {"rows": rows, "negation": negations, "headline": headline}
+
+
+def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Mapping[str, str]) -> tuple[dict[str, list[dict]], dict[str, int]]:
+    """Each regime's leaderboard (report.leaderboard.board) from the summary's ``rows`` (``regime_of``: a regime
+    variant's regime) and the test predictions
+    the fine-tunes and merges kept, every model on the same resamples of each task's test examples; and each
+    task's number of test examples. A model whose predictions are missing (a regime's own model) has no interval."""
+    tasks = params.suite.tasks
+    kept = {t: load_state_dict(layout.predictions("finetune", t)) for t in tasks}
+    labels = {t: kept[t]["labels"] for t in tasks}
+    metrics = {t: load_metadata(layout.predictions("finetune", t))["metric"] for t in tasks}
+    indices = resample_indices({t: len(y) for t, y in labels.items()}, RESAMPLES, params.seed)
+    boards: dict[str, list[dict]] = {}
+    for regime in dict.fromkeys(r["regime"] for r in rows):
+        regime_rows = [r for r in rows if r["regime"] == regime]
+        predictions = {}
+        if regime == "standard":
+            predictions = {regime_rows[0]["method"]: {t: kept[t]["probe"] for t in tasks}, "Individual": {t: kept[t]["individual"] for t in tasks}}
+        for r in regime_rows:
+            run = layout.merge_run(r["method"]) if regime == "standard" else layout.merge_run(r["method"], regime_of[regime], regime)
+            if not is_baseline(r["method"]) and run.predictions.is_file():
+                predictions[r["method"]] = load_state_dict(run.predictions)
+        boards[regime] = board(regime_rows, predictions, labels, metrics, indices)
+    return boards, {t: len(y) for t, y in labels.items()}
 
 
 # ---------------------------------------------------------------- replicate

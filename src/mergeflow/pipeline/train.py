@@ -30,7 +30,7 @@ from mergeflow.ml.lora import split_factors
 from mergeflow.ml.regimes import regime_identity, resume_from
 from mergeflow.report.plots import plot_cosine_heatmap
 from mergeflow.ml.task_vectors import save_task_vectors, statistics as vector_statistics, task_vector
-from mergeflow.ml.training import FeatureAnchor, Timer, extract_features, finetune as finetune_loop, fit_probe, head_score, pretrain as pretrain_loop, score, seed_everything
+from mergeflow.ml.training import FeatureAnchor, Timer, extract_features, finetune as finetune_loop, fit_probe, head_predictions, head_score, pretrain as pretrain_loop, score, seed_everything
 
 
 def _setup(params: Params, seed: int) -> torch.device:
@@ -211,11 +211,15 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
                 model, head, data.train.inputs, data.train.labels, params.finetune, seed=seed, device=device, desc=f"finetune {task}", on_epoch_end=keep_epoch, anchor=anchor,
                 train_head=params.finetune.train_head,
             )
-        individual = {s: score(model, head, data.split(s).inputs, data.split(s).labels, batch_size=bs, device=device, metric=data.metric) for s in ("val", "test")}
+        model_feats = {s: extract_features(model, data.split(s).inputs, batch_size=bs, device=device) for s in ("val", "test")}
+        individual = {s: head_score(head, model_feats[s], data.split(s).labels, data.metric) for s in ("val", "test")}
+        # the test predictions of both, which the leaderboard's bootstrap rescores
+        predictions = {"labels": data.test.labels, "probe": head_predictions(head, feats["test"], data.metric), "individual": head_predictions(head, model_feats["test"], data.metric)}
     # a path changed in params.yaml: DVC records the new file after the run (written once the inputs proved good)
     imports.sync(params, layout.root, [task])
     meta = backbone_metadata(params.backbone) | {"task": task}
     save_state_dict(layout.finetuned(task), backbone_state(model.cpu()), meta)
+    save_state_dict(layout.predictions("finetune", task), predictions, {"task": task, "metric": data.metric})
     save_state_dict(layout.head(task), {"weight": head.weight.detach().cpu(), "bias": head.bias.detach().cpu()}, {"task": task, "classes": json.dumps(data.classes)})
     with atomic_path(layout.epochs(task), directory=True) as tmp:
         for epoch, state in epoch_states.items():

@@ -25,6 +25,37 @@ def choice_label(searched: Mapping) -> str | None:
     return " ".join(parts) or None
 
 
+def _edges(grid: Mapping[str, list], chosen: Mapping[str, object]) -> list[str]:
+    """The choices worth a second look: at the end of a grid of three or more values (the best may lie beyond it),
+    or 0 (a coefficient of 0 leaves the pretrained weights as they were)."""
+    flags = []
+    for name, values in grid.items():
+        value = chosen.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        numeric = sorted(v for v in values if isinstance(v, (int, float)))
+        if value == 0:
+            flags.append(f"{name}=0 has no effect")
+        elif len(numeric) >= 3 and value in (numeric[0], numeric[-1]):
+            flags.append(f"{name}={value:g} at the grid's {'top' if value == numeric[-1] else 'bottom'}")
+    return flags
+
+
+def merge_line(label: str, choice: Mapping, evaluation: Mapping) -> str:
+    """What a merge found, in one line: the choice on validation, the validation and test averages, and a flag
+    for a choice at its grid's edge or without effect. ``choice``, ``evaluation``: the merge's and its test's
+    metrics (metrics/merge/, metrics/evaluate/)."""
+    if choice["kind"] == "negation":
+        flags = [f"{t}: {f}" for t, r in choice["per_task"].items() for f in _edges(choice["grid"], r["chosen"])]
+        lams = " ".join(f"{t}={r['chosen']['lam']:g}" for t, r in choice["per_task"].items())
+        average = evaluation["average"]
+        line = f"{label}: lam per negated task {lams}; test: negated tasks {percent(average['target'])}%, the others {percent(average['control'])}%"
+    else:
+        flags = _edges(choice["grid"], choice["searched"])
+        line = f"{label}: chose {choice_label(choice['searched']) or 'its one setting'}; validation {percent(choice['val_average'])}%, test {percent(evaluation['average'])}%"
+    return line + ("  [check: " + "; ".join(flags) + "]" if flags else "")
+
+
 def _entry(test_avg: float, gap: float | None, searched: Mapping, val_avg: float | None = None) -> dict:
     entry = {"test_avg": percent(test_avg), "val_avg": percent(val_avg), "gap": percent(gap), "choice": choice_label(searched)}
     return {k: v for k, v in entry.items() if v is not None or k == "gap"}
@@ -182,6 +213,17 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
         chosen = ", ".join(f"{k}={shown(v)}" for k, v in ev["searched"].items())
         rows.append(row(name, ev["accuracy"], chosen, ev.get("storage_models", 1.0), (data or {}).get(name, "none")))
     return rows
+
+
+def summary_legend(measure: str, sizes: Mapping[str, int]) -> str:
+    """What the full table's columns mean, and each task's number of test examples."""
+    counts = ", ".join(f"{t} {n}" for t, n in sizes.items())
+    return (f"\n## Every score\n\nTest {measure} per task and averaged, %. Test examples per task: {counts}. regime: the fine-tune the task "
+            "vectors come from (standard, or a training-time regime's variant). data: what the method reads besides the weights. norm.: "
+            f"the average of each task's {measure} divided by its individual model's. gap rec.: the share of the gap from the pretrained model "
+            "to the individual models that the method recovers (0% at the pretrained model, 100% at the individual models; n/a where the "
+            "individual models do not beat the pretrained one). storage: in models. chosen (val): the hyperparameters the validation "
+            "search chose (per task: one value per task).\n\n")
 
 
 def summary_markdown(rows: list[dict], tasks: list[str]) -> str:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping
 
 from mergeflow.core.errors import MergeflowError
+from mergeflow.report.tables import render
 
 HEADLINE = "metrics/headline/"
 VERDICTS = "metrics/verdicts/"
@@ -68,14 +69,6 @@ def comparison(shown: list[dict], metric: str = "test_avg", every_row: bool = Fa
                 put(f"{path[len(VERDICTS):].removesuffix('.json')} (holds/fails)", i, f"{values.get('holds')}/{values.get('fails')}")
     shown_rows = [[name, *(_cell(v) for v in values)] for name, values in rows.items() if every_row or len({json.dumps(v) for v in values}) > 1]
     return [["", *(label for label, _ in columns)], *shown_rows]
-
-
-def render(table: list[list[str]], markdown: bool = False) -> str:
-    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
-    if markdown:
-        lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in table]
-        return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
-    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in table)
 
 
 def compare(metric: str = "test_avg", every_row: bool = False, markdown: bool = False, root: str = ".") -> str:

@@ -1,0 +1,124 @@
+"""The leaderboard: per regime, the methods ranked by their test average with the baselines among them (the
+pretrained model read by the tasks' heads, the individual fine-tunes), each score with its 95% bootstrap interval
+over the test examples (mergeflow.report.uncertainty), its difference to the best method and to task arithmetic
+(paired: both on the same resamples), the hyperparameters chosen on validation, the storage and what the method
+reads. A difference whose interval contains 0 is a tie within the test set's noise, marked ≈.
+
+The same entries make results/leaderboard.md (in results/summary.md), the report stage's terminal output, the
+MLflow runs' interval metrics and `mergeflow compare`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from mergeflow.report.summary import percent
+from mergeflow.report.tables import render
+from mergeflow.report.uncertainty import LEVEL, interval, resampled_averages
+
+REFERENCE = "task_arithmetic"  # the second difference column: the method most papers compare with
+TIE = "≈"
+ALIGN = "rlrrrlrl"  # board_table's columns: numbers right, names left
+BASELINES = ("Pretrained", "Individual")  # the rows that are not merges (summary_rows' names start so)
+
+
+def is_baseline(method: str) -> bool:
+    return method.startswith(BASELINES)
+
+
+def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]], labels: Mapping[str, torch.Tensor], metrics: Mapping[str, str], indices: Mapping[str, torch.Tensor]) -> list[dict]:
+    """One regime's entries, best test average first. ``rows``: summary_rows of the regime (fractions);
+    ``predictions``: row name -> task -> test predictions, for the rows that kept them (the others get no
+    interval); ``indices``: the resamples (uncertainty.resample_indices), shared by every row and regime."""
+    samples = resampled_averages({r["method"]: predictions[r["method"]] for r in rows if r["method"] in predictions}, labels, metrics, indices)
+    ranked = sorted(rows, key=lambda r: -r["average"])
+    methods = [r for r in ranked if not is_baseline(r["method"])]
+    best = methods[0]["method"] if methods else None
+    reference = REFERENCE if any(r["method"] == REFERENCE for r in rows) else None
+    by_name = {r["method"]: r for r in rows}
+
+    def difference(name: str, other: str | None) -> dict:
+        """name's average minus other's, %, with the paired interval when both kept predictions."""
+        if other is None or name == other:
+            return {"delta": None, "low": None, "high": None, "tie": False}
+        delta = 100 * (by_name[name]["average"] - by_name[other]["average"])
+        if name not in samples or other not in samples:
+            return {"delta": round(delta, 2), "low": None, "high": None, "tie": False}
+        low, high = interval(samples[name] - samples[other])
+        return {"delta": round(delta, 2), "low": percent(low), "high": percent(high), "tie": low <= 0 <= high}
+
+    entries, rank = [], 0
+    for r in ranked:
+        name = r["method"]
+        rank += 0 if is_baseline(name) else 1
+        low, high = interval(samples[name]) if name in samples else (None, None)
+        entries.append({
+            "regime": r["regime"], "method": name, "baseline": is_baseline(name), "rank": None if is_baseline(name) else rank,
+            "score": percent(r["average"]), "low": percent(low), "high": percent(high),
+            "vs_best": difference(name, best), "vs_reference": difference(name, reference), "best": best, "reference": reference,
+            "chosen": r["chosen"], "storage_models": r["storage_models"], "data": r["data"],
+        })
+    return entries
+
+
+def _difference_cell(d: Mapping) -> str:
+    if d["delta"] is None:
+        return ""
+    delta = f"{d['delta']:+.1f}" if round(d["delta"], 1) != 0 else "0.0"  # no "-0.0"
+    return delta + (f" {TIE}" if d["tie"] else "")
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def board_table(entries: list[dict], chosen_width: int = 40) -> list[list[str]]:
+    """The entries as table rows, a header first: rank, method, score [interval], the two differences, choice,
+    storage, what the method reads."""
+    head = ["#", "method", f"test avg [{LEVEL:.0%} CI]", "Δ best", "Δ TA", "chosen on val", "storage", "reads"]
+    table = [head]
+    for e in entries:
+        score = f"{e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
+        table.append(["-" if e["rank"] is None else str(e["rank"]), e["method"], score, _difference_cell(e["vs_best"]), _difference_cell(e["vs_reference"]),
+                      _cut(e["chosen"], chosen_width), f"{e['storage_models']:.2f}", "" if e["data"] in ("none", "") else e["data"]])
+    return table
+
+
+def legend(sizes: Mapping[str, int], measure: str) -> str:
+    """What the columns mean, and the test sets' sizes the intervals come from."""
+    counts = sorted(set(sizes.values()))
+    examples = f"{counts[0]} test examples per task" if len(counts) == 1 else f"{min(counts)}–{max(counts)} test examples per task"
+    return (f"Test {measure} averaged over {len(sizes)} task{'s' if len(sizes) > 1 else ''}, %, best first; the baselines (the pretrained model under the tasks' heads, "
+            f"the individual fine-tunes) unranked (-). [CI]: {LEVEL:.0%} bootstrap interval over the test examples ({examples}). "
+            f"Δ best, Δ TA: the difference to the best method and to task arithmetic "
+            f"in points; {TIE} marks a tie, a difference whose paired {LEVEL:.0%} interval contains 0. chosen on val: the hyperparameters "
+            "the validation search chose. storage: in models (1.00 = one merged model). reads: what the method uses besides the weights.")
+
+
+def title(regime: str, entries: list[dict]) -> str:
+    best = entries[0]["best"] if entries else None
+    ties = [e["method"] for e in entries if e["vs_best"]["tie"] and not e["baseline"]]
+    tied = f"; within its noise: {', '.join(ties)}" if ties else ""
+    return f"{'Standard fine-tune' if regime == 'standard' else regime}: best {best or '-'}{tied}"
+
+
+def board_markdown(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], measure: str) -> str:
+    """Every regime's leaderboard, under one legend."""
+    parts = ["## Leaderboard\n", legend(sizes, measure) + "\n"]
+    for regime, entries in boards.items():
+        parts.append(f"\n### {title(regime, entries)}\n\n{render(board_table(entries), markdown=True, align=ALIGN)}\n")
+    return "".join(parts)
+
+
+def board_text(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], measure: str, width: int = 160) -> str:
+    """The leaderboards for a terminal of ``width`` columns: each regime's table, the choices cut to fit."""
+    import textwrap
+
+    parts = []
+    for regime, entries in boards.items():
+        table = board_table(entries, chosen_width=10)
+        spare = width - max(len(line) for line in render(table, align=ALIGN).splitlines())
+        table = board_table(entries, chosen_width=max(10, 10 + spare))
+        parts.append(f"{title(regime, entries)}\n{render(table, align=ALIGN)}")
+    return "\n\n".join(parts) + "\n\n" + textwrap.fill(legend(sizes, measure), width) + "\n"
