@@ -66,7 +66,8 @@ def test_merge_runs_share_one_metric_convention(tracked):
     assert set(merges) == set(TINY["merge"]["methods"])
     names = set(MERGE_METRICS) | {f"test_acc.{t}" for t in TASKS}
     for method, r in merges.items():
-        extra = {f"control_acc.{t}" for t in TASKS} | {"control_avg"} if method == "task_negation" else set()
+        # every model's test_avg has the leaderboard's interval (negation: its negated tasks')
+        extra = {f"control_acc.{t}" for t in TASKS} | {"control_avg"} if method == "task_negation" else {"test_avg_ci_low", "test_avg_ci_high"}
         assert set(r.data.metrics) == names | extra, method
         ev = _read(root, f"metrics/evaluate/{method}.json")
         average = ev["average"]["target"] if method == "task_negation" else ev["average"]
@@ -80,11 +81,23 @@ def test_merge_runs_share_one_metric_convention(tracked):
     assert merges["ties"].data.metrics["gap_recovered"] == pytest.approx(100 * summary["ties"]["gap_recovered"], abs=0.006)
     curve = json.loads(Path(client.download_artifacts(merges["ties"].info.run_id, "curves/val_curve.json")).read_text())
     assert curve["x"] == ["lam"] and sorted(r["lam"] for r in curve["rows"]) == [0.8, 1.0]
-    assert "plots/ties.png" in {a.path for a in client.list_artifacts(merges["ties"].info.run_id, "plots")}
+    assert "plots/search.png" in {a.path for a in client.list_artifacts(merges["ties"].info.run_id, "plots")}
+    board = {e["method"]: e for e in _read(root, "results/leaderboard.json")["boards"]["standard"]}
+    assert (merges["ties"].data.metrics["test_avg_ci_low"], merges["ties"].data.metrics["test_avg_ci_high"]) == (board["ties"]["low"], board["ties"]["high"])
     experiment = client.get_experiment(exp_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.methods"])["state"])
-    assert view["orderByKey"] == "metrics.`test_avg`" and "metrics.`test_avg`" in view["selectedColumns"]
+    assert view["orderByKey"] == "metrics.`test_avg`" and view["selectedColumns"][:3] == ["params.`method`", "tags.`variant`", "metrics.`test_avg`"]
+    # the standard fine-tune's own view: its runs only, and only the hyperparameters they have (none of negation's)
+    standard = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.methods.standard"])["state"])
+    shown = client.search_runs([exp_id], filter_string=standard["searchFilter"], max_results=1000)
+    assert sorted(r.data.tags["mergeflow.item"] for r in shown) == sorted(m for m in merges if m != "task_negation")
+    hyperparameters = {c for c in standard["selectedColumns"] if c.startswith("params.") and c not in ("params.`method`", "params.`data`")}
+    assert hyperparameters == {f"params.`{k}`" for r in shown for k in r.data.params if k not in ("method", "kind", "paper", "data") and not k.startswith("grid.")}
+    # the pipeline run's description is the leaderboard, each method linked to its run
+    pipeline = client.search_runs([exp_id], filter_string="tags.`mergeflow.stage` = 'pipeline'", max_results=5)[0]  # the newest
+    note = pipeline.data.tags["mlflow.note.content"]
+    assert f"[ties](#/experiments/{exp_id}/runs/{merges['ties'].info.run_id})" in note and "| Individual " in note and "95% bootstrap interval" in note
     assert _read(root, "metrics/tracking.json")["ui_path"] == f"/#/experiments/{exp_id}/runs?viewStateShareKey=methods&workflowType=machine_learning"
 
 
@@ -156,7 +169,8 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
         folder = f"metrics/regime_merge/{regime}/{variant}"
         ev = _read(root, f"{folder}/evaluate/{method}.json")
         assert r.info.run_name == f"{variant}/{method}" and r.data.tags["mergeflow.item"] == regime
-        assert set(r.data.metrics) == names, (variant, method)
+        # a merge's interval from its predictions; the regime's own model (evaluated by its stage) kept none
+        assert set(r.data.metrics) == names | ({"test_avg_ci_low", "test_avg_ci_high"} if method != regime else set()), (variant, method)
         m = r.data.metrics
         assert m["test_avg"] == pytest.approx(_pct(sum(ev["accuracy"][t] for t in TASKS) / 3), abs=0.006)
         assert {t: m[f"test_acc.{t}"] for t in TASKS} == {t: _pct(ev["accuracy"][t]) for t in TASKS}
@@ -171,7 +185,7 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
             mm = _read(root, f"{folder}/merge/{method}.json")
             assert m["val_avg"] == pytest.approx(_pct(mm["val_average"]), abs=0.006)
             assert {k: v for k, v in r.data.params.items() if k.startswith("grid.")} == {f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()}
-            assert f"plots/{method}.png" in {a.path for a in client.list_artifacts(r.info.run_id, "plots")}
+            assert "plots/search.png" in {a.path for a in client.list_artifacts(r.info.run_id, "plots")}
             weights = root / f"merged/regime/{regime}/{variant}/{method}.safetensors"
         chosen = {k: str(v) for k, v in ev["hyperparameters"].items() if not isinstance(v, dict)}
         assert {k: r.data.params[k] for k in chosen} == chosen
@@ -180,11 +194,15 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
             assert all(torch.equal(state[k], t) for k, t in load_state_dict(weights).items()), (variant, method)
     # the saved view ranks the merge runs of every regime, negation aside, and shows the regime
     view = json.loads(json.loads(client.get_experiment(exp_id).tags["mlflow.sharedViewState.methods"])["state"])
-    assert {"tags.`regime`", "tags.`variant`"} <= set(view["selectedColumns"])
+    assert "tags.`variant`" in view["selectedColumns"]
     ranked = client.search_runs([exp_id], filter_string=view["searchFilter"], order_by=["metrics.test_avg DESC"], max_results=1000)
     standard = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"]
     assert sorted(r.info.run_id for r in ranked) == sorted([r.info.run_id for r in standard] + [r.info.run_id for r in runs])
-    assert client.search_runs([exp_id], filter_string=f"tags.variant = '{expected[0][1]}' and {view['searchFilter']}", max_results=1000)
+    # and each variant has a view of its own, which shows its runs
+    for _, variant, _ in expected:
+        own = json.loads(json.loads(client.get_experiment(exp_id).tags[f"mlflow.sharedViewState.methods.{variant}"])["state"])
+        shown = client.search_runs([exp_id], filter_string=own["searchFilter"], max_results=1000)
+        assert sorted(r.info.run_id for r in shown) == sorted(r.info.run_id for r in runs if r.data.tags["variant"] == variant)
     # the registry stays the standard regime's
     latest = max(client.search_model_versions("name = 'mergeflow-embedded'"), key=lambda v: int(v.version))
     assert client.get_run(latest.run_id).data.tags["regime"] == "standard"
@@ -264,14 +282,15 @@ def test_a_merged_model_says_what_it_takes(tracked):
         pyfunc.predict(images.numpy().astype(np.float32))
 
 
-def test_registry_holds_the_best_merged_model(tracked):
+def test_registry_holds_the_best_merged_model_on_validation(tracked):
     _, _, client, exp_id = tracked
     singles = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] == "model"]
-    top = max(r.data.metrics["test_avg"] for r in singles)
+    top = max(r.data.metrics["val_avg"] for r in singles)
     versions = client.search_model_versions("name = 'mergeflow-embedded'")
     latest = max(versions, key=lambda v: int(v.version))
     best = next(r for r in singles if r.info.run_id == latest.run_id)  # a tie goes to the method listed first
-    assert best.data.metrics["test_avg"] == top and latest.tags["method"] == best.data.params["method"]
+    assert best.data.metrics["val_avg"] == top and latest.tags["method"] == best.data.params["method"]
+    assert latest.tags["val_avg"] == f"{top:.2f}" and "(its version number" not in client.get_registered_model("mergeflow-embedded").description
     assert {k: latest.tags[k] for k in best.data.params if k not in ("method", "kind", "paper") and not k.startswith("grid.")} == {
         k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")
     }

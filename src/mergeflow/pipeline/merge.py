@@ -257,7 +257,7 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         environments = environment_markdown({a: r for a, r in recorded(layout.root).items() if a not in ("report", "track")})
         board = board_markdown(boards, sizes, measure)
         (tmp / "leaderboard.md").write_text(board)
-        write_json(tmp / "leaderboard.json", {"resamples": RESAMPLES, "level": LEVEL, "test_examples": sizes, "boards": boards})
+        write_json(tmp / "leaderboard.json", {"measure": measure, "resamples": RESAMPLES, "level": LEVEL, "test_examples": sizes, "boards": boards})
         (tmp / "summary.md").write_text(
             f"# {params.suite.name}: merging {len(tasks)} tasks\n\n{board}\n{summary_legend(measure, sizes)}{summary_markdown(rows, tasks)}"
             + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()) + environments

@@ -48,6 +48,8 @@ Metric convention, the same for every merge run (a new method follows it), accur
     test_acc.<task>   test accuracy on each task
     val_avg           mean validation accuracy of the chosen setting
     normalized_avg    mean of test accuracy / the individual fine-tuned model's, per task
+    test_avg_ci_low/_high  the leaderboard's 95% bootstrap interval of test_avg over the test examples
+                      (results/leaderboard.json; not logged where the run kept no predictions)
     gap_recovered     (test_avg - probe_avg) / (individual_avg - probe_avg): the share of the gap between the
                       linear probe on the pretrained backbone and the individual models that the merge closes;
                       not logged when the individual models do not beat the probe (evaluation.MIN_GAP)
@@ -62,20 +64,24 @@ formula (negative: it moves away from the individual models), ``storage_models``
 Parameters of a merge run: ``method``, ``kind``, ``paper``, every hyperparameter under its own name (``lam``,
 ``k``, ``rank_ratio``; a per-task choice as ``<key>.<task>``) and each searched grid as ``grid.<key>`` (its
 values, comma-separated). The validation curve is the artifact ``curves/val_curve.json`` (a table against the
-hyperparameter values, per-task choices' curves too) beside the stage's plot ``plots/<method>.png`` (a heatmap for
-two-parameter grids); it is no metric history, which the UI plots against the step (the grid index) and which
+hyperparameter values, per-task choices' curves too) beside the stage's plot ``plots/search.png`` (one name in
+every merge run, so that the compare page sets two runs' plots side by side; a heatmap for two-parameter grids); it is no metric history, which the UI plots against the step (the grid index) and which
 would add names other methods lack. A merged model of kind "model" is an MLflow model (``model``, see
 mergeflow.ml.mlflow_model). Per-task stores are plain artifacts (``merged/<method>.safetensors``: a task's model is
 rebuilt from the store and the pretrained weights), and task negation's file of chosen coefficients is not logged
-(they are its ``lam.<t>`` parameters). The best merged model (highest test_avg among single models, a tie to the
-method listed first) is registered as ``mergeflow-<suite>``.
+(they are its ``lam.<t>`` parameters). The best merged model on validation (highest val_avg among single models,
+a tie to the method listed first; never chosen on test) is registered as ``mergeflow-<suite>``.
 
-Views. The experiment carries a saved view, "Methods ranked by test_avg" (experiment tag
-``mlflow.sharedViewState.methods``, in the runs page's Views menu): merge runs of every regime (merge and
-regime_merge) except negation, whose test_avg ranks the other way, best test_avg first, the regime and variant
-tags, headline metrics and hyperparameters as columns (one regime: add ``and tags.variant = 'mima_n4'``, or
-``'standard'``, to its search). With regimes or studies, "Regimes: task models and rounds" (key ``regimes``) and
-"Studies: verdicts" (key ``studies``) too. ``ui_path`` in
+The pipeline run's description is the report's leaderboard (results/leaderboard.json), each method linked to
+its merge run, then the studies' verdicts.
+
+Views. The experiment carries saved views (experiment tags ``mlflow.sharedViewState.<key>``, in the runs page's
+Views menu): "Methods ranked by test_avg, every regime" (key ``methods``) and one per regime variant ("Methods
+ranked by test_avg: <variant>", key ``methods.<variant>``, ``standard`` for the standard fine-tune): merge runs
+except negation, whose test_avg ranks the other way, best test_avg first, the method first, then test_avg with
+its interval, the other headline metrics, each task's score and the hyperparameters those runs have. With
+regimes or studies, "Regimes: task models and rounds" (key ``regimes``) and "Studies: verdicts" (key
+``studies``) too. ``ui_path`` in
 metrics/tracking.json opens it. MLflow 3.17's UI picks the classic (not GenAI) pages from its own
 ``workflowType`` (the "Model training" switch, or ``?workflowType=machine_learning``, which ``ui_path`` carries);
 the experiment tag ``mlflow.experimentKind`` = ``custom_model_development`` is set for the versions that read it.
@@ -110,7 +116,7 @@ from mergeflow.report.tracking.runs import _git_commit, _md5, _Recorder, _sha256
 from mergeflow.report.tracking.standard import NOT_RECORDED, RECORDERS, STANDARD_TAGS, Tracked
 from mergeflow.report.tracking.store import experiment_name, fail_abandoned_runs, prepare_store, registered_model_name, tracking_uri
 from mergeflow.report.tracking.studies import study_note
-from mergeflow.report.tracking.views import ML_EXPERIMENT_KIND, VIEW_KEY, VIEW_NAME, _hyperparameter_names, headline_markdown, methods_view, regimes_view, studies_view, ui_path
+from mergeflow.report.tracking.views import ML_EXPERIMENT_KIND, VIEW_KEY, VIEW_NAME, _hyperparameter_names, methods_view, pipeline_note, regimes_view, studies_view, ui_path
 
 def _open_experiment(params: Params, root: Path):
     """The experiment track logs to, on the project's store; runs a killed track left RUNNING marked FAILED."""
@@ -165,7 +171,9 @@ def _pipeline_run(t: Tracked, exp_id: str, base: dict[str, str], registered: dic
         tags |= {"mergeflow.best_method": best_run.data.params["method"], "mergeflow.best_run": best_run.info.run_id}
     if registered:
         tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
-    tags["mlflow.note.content"] = headline_markdown(client, exp_id, [rec.stage_runs[f"merge@{m}"] for m in params.merge.methods], t.probe_avg, t.individual_avg, t.regime_merges, t.studies)
+    links = {("standard", m): rec.stage_runs[f"merge@{m}"] for m in params.merge.methods} | {(v, m): r for v, m, r in t.regime_merges}
+    studies = [(name, run_id, client.get_run(run_id).data.metrics) for name, run_id in t.studies]
+    tags["mlflow.note.content"] = pipeline_note(exp_id, t.leaderboard, links, studies)
     run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
     pipeline_id = run.info.run_id
     try:
@@ -190,6 +198,11 @@ def _saved_views(t: Tracked, exp_id: str) -> None:
     client.set_experiment_tag(exp_id, "mlflow.experimentKind", ML_EXPERIMENT_KIND)
     now_ms = int(time.time() * 1000)
     views = {VIEW_KEY: (VIEW_NAME, methods_view(tasks, _hyperparameter_names(client, merge_ids)))}
+    by_variant = {"standard": [rec.stage_runs[f"merge@{m}"] for m in t.params.merge.methods]}
+    for variant, _, run_id in t.regime_merges:
+        by_variant.setdefault(variant, []).append(run_id)
+    for variant, run_ids in by_variant.items():  # one view per regime variant, its own hyperparameters only
+        views[f"methods.{variant}"] = (f"Methods ranked by test_avg: {variant}", methods_view(tasks, _hyperparameter_names(client, run_ids), variant))
     regime_ids = [r for n, r in rec.stage_runs.items() if n.startswith("regime@")]
     if regime_ids:
         names = sorted({k for r in regime_ids for k in client.get_run(r).data.params if k not in ("regime", "variant", "paper")})
@@ -228,7 +241,7 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
 
 __all__ = [
     "MERGE_METRICS", "NOT_RECORDED", "RECORDERS", "ML_EXPERIMENT_KIND", "ROUND_METRICS", "STANDARD_TAGS", "VIEW_KEY", "VIEW_NAME", "curve_records", "experiment_name",
-    "fail_abandoned_runs", "fingerprint", "headline_markdown", "lock_stages", "locked_md5s", "merge_metrics", "merge_params", "methods_view",
-    "prepare_store", "register_best", "registered_model_name", "regime_metrics", "regimes_view", "stage_times", "studies_view", "study_note",
+    "fail_abandoned_runs", "fingerprint", "lock_stages", "locked_md5s", "merge_metrics", "merge_params", "methods_view",
+    "pipeline_note", "prepare_store", "register_best", "registered_model_name", "regime_metrics", "regimes_view", "stage_times", "studies_view", "study_note",
     "track", "tracking_uri", "ui_path",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from mergeflow.config import Params
 from mergeflow.ml.evaluation import gap_recovered
@@ -14,7 +14,7 @@ from mergeflow.core.layout import Layout
 from mergeflow.report.summary import percent
 from mergeflow.report.tracking.merges import _val_curve, merge_metrics, merge_params
 from mergeflow.report.tracking.registry import _log_merged_model
-from mergeflow.report.tracking.runs import _flatten, _Hashes, _notice, _Recorder, _sha256, stage_times
+from mergeflow.report.tracking.runs import _flatten, _Hashes, _notice, _Recorder, _sha256, log_search_plot, stage_times
 
 ROUND_METRICS = (  # (metric, the round record's key, how its values are summarised): one point per round, step = round
     ("update_cosine_median", "update_cosines", statistics.median),
@@ -61,10 +61,10 @@ def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individu
     return metrics, history
 
 
-def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hashes, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float) -> list[tuple[str, str, str]]:
+def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hashes, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float, interval: Callable[[str, str], dict] = lambda v, m: {}) -> list[tuple[str, str, str]]:
     """The training-time regimes' runs: per variant of regime@<r> one run (its task models' accuracies, its own
     model, per-round cosines and norms), and per variant and method of regime_merge@<r> one merge run under the
-    merge convention. A regime whose files are missing (not run yet) is left out with a notice. Returns
+    merge convention, with ``interval(variant, method)``'s metrics (the leaderboard's). A regime whose files are missing (not run yet) is left out with a notice. Returns
     (variant, method, run id) of the merge runs, in order."""
     client, log_ckpt = rec.client, params.tracking.log_checkpoints
     merges: list[tuple[str, str, str]] = []
@@ -115,20 +115,19 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                     files = [run.evaluation, weights]
                 else:
                     weights, mm = run.merged, read_json(run.choice)
-                    files = [run.choice, run.evaluation, weights]
+                    files = [run.choice, run.evaluation, weights, *[p for p in [run.predictions] if p.is_file()]]
                 name = f"regime_merge@{r}/{v}/{method}"
                 md5s = hashes(files)
                 fp = _sha256({"item": name, "files": md5s, "val_average": mm["val_average"]})
                 tags = {"mergeflow.stage": "regime_merge", "mergeflow.item": r, "regime": r, "variant": v}
                 with rec.run(name, fp, times, tags, run_name=f"{v}/{method}") as run_id:
                     if run_id:
-                        rec.log(run_id, merge_params(mm, ev), merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg), times[1])
+                        rec.log(run_id, merge_params(mm, ev), merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | interval(v, method), times[1])
                         if not own:
                             client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
                             if "learned" in mm:
                                 client.log_dict(run_id, mm["learned"], "learned/coefficients.json")
-                            if run.search_plot.is_file():
-                                client.log_artifact(run_id, str(run.search_plot), "plots")
+                            log_search_plot(client, run_id, run.search_plot)
                         md5 = md5s.get(weights.relative_to(layout.root).as_posix())
                         if log_ckpt and md5 and mm["kind"] in ("model", "regime_model"):
                             _log_merged_model(rec, run_id, weights, md5, params)

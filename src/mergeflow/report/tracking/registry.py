@@ -76,25 +76,26 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
 
 
 def register_best(client, name: str, merge_runs: Mapping[str, str]) -> dict | None:
-    """Register the merged model with the highest test_avg among ``merge_runs`` (method -> run id, single-model
-    methods only) as a version of ``name``, tagged with its method and hyperparameters; no new version when the
-    latest one already comes from that run. Returns {"name", "version", "run_id", "method"} or None."""
+    """Register the merged model with the highest validation average (val_avg: chosen as its hyperparameters were,
+    never on test) among ``merge_runs`` (method -> run id, single-model methods only) as a version of ``name``,
+    tagged with its method, hyperparameters and both averages; no new version when the latest one already comes
+    from that run. Returns {"name", "version", "run_id", "method"} or None."""
     from mlflow.exceptions import MlflowException
 
     runs = [client.get_run(r) for r in merge_runs.values()]
-    runs = [r for r in runs if "test_avg" in r.data.metrics and r.data.tags.get("mergeflow.model_uri")]
+    runs = [r for r in runs if "val_avg" in r.data.metrics and r.data.tags.get("mergeflow.model_uri")]
     if not runs:
         return None
-    best = max(runs, key=lambda r: r.data.metrics["test_avg"])
+    best = max(runs, key=lambda r: r.data.metrics["val_avg"])  # the first of equals: merge.methods' order
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description=f"The best merged model (highest test_avg among single-model methods) of each pipeline run; load one with `mergeflow.ml.mlflow_model.load_model('models:/{name}/1')` (its version number for 1).")
+        client.create_registered_model(name, description=f"Each pipeline run's best merged model, chosen on validation (the highest val_avg among single-model methods). Load a version, e.g. the first, with `mergeflow.ml.mlflow_model.load_model('models:/{name}/1')`.")
     versions = client.search_model_versions(f"name = '{name}'")
     latest = max(versions, key=lambda v: int(v.version), default=None)
     if latest is not None and latest.run_id == best.info.run_id:
         return {"name": name, "version": latest.version, "run_id": best.info.run_id, "method": best.data.params["method"]}
     hyperparameters = {k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")}
-    tags = {"method": best.data.params["method"], "test_avg": f"{best.data.metrics['test_avg']:.2f}", "run_id": best.info.run_id} | hyperparameters
+    tags = {"method": best.data.params["method"], "val_avg": f"{best.data.metrics['val_avg']:.2f}", "test_avg": f"{best.data.metrics['test_avg']:.2f}", "run_id": best.info.run_id} | hyperparameters
     version = client.create_model_version(name, best.data.tags["mergeflow.model_uri"], run_id=best.info.run_id, tags=tags)
     return {"name": name, "version": version.version, "run_id": best.info.run_id, "method": tags["method"]}

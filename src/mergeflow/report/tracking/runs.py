@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -225,3 +226,18 @@ class _Recorder:
 
 def _notice(text: str) -> None:
     print(f"MLflow: {text}", flush=True)
+
+
+SEARCH_PLOT = "plots/search.png"  # one name in every merge run: the compare page sets two runs' searches side by side
+
+
+def log_search_plot(client, run_id: str, plot: Path) -> None:
+    """The merge's validation search plot (logs/merge/<method>.png), logged as SEARCH_PLOT."""
+    if not plot.is_file():
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        copy = Path(folder) / Path(SEARCH_PLOT).name
+        shutil.copyfile(plot, copy)
+        client.log_artifact(run_id, str(copy), str(Path(SEARCH_PLOT).parent))

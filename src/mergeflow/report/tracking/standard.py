@@ -18,7 +18,7 @@ from mergeflow.report.summary import percent
 from mergeflow.report.tracking.merges import _val_curve, merge_metrics, merge_params
 from mergeflow.report.tracking.regimes import _track_regimes
 from mergeflow.report.tracking.registry import _log_merged_model
-from mergeflow.report.tracking.runs import _flatten, _Hashes, _out_md5, _Recorder, curve_records, fingerprint, stage_times
+from mergeflow.report.tracking.runs import _flatten, _Hashes, _out_md5, _Recorder, curve_records, fingerprint, log_search_plot, stage_times
 from mergeflow.report.tracking.studies import _track_studies
 
 STANDARD_TAGS = {"regime": "standard", "variant": "standard"}  # the standard fine-tune's runs (finetune, vectors, merge), beside the training-time regimes'
@@ -45,6 +45,14 @@ class Tracked:
         self.individual = {t: self.finetunes[t]["individual"]["test"] for t in tasks}
         self.probe_avg = mean(self.finetunes[t]["probe"]["test"] for t in tasks)
         self.individual_avg = mean(self.individual.values())
+        board = self.layout.results / "leaderboard.json"
+        self.leaderboard = read_json(board) if board.is_file() else {"boards": {}}
+
+    def interval(self, variant: str, method: str) -> dict[str, float]:
+        """The leaderboard's 95% bootstrap interval of the method's test_avg in ``variant`` ("standard" or a regime
+        variant) as test_avg_ci_low/high, %; {} where it has none."""
+        entry = next((e for e in self.leaderboard["boards"].get(variant, []) if e["method"] == method), None)
+        return {} if entry is None or entry["low"] is None else {"test_avg_ci_low": entry["low"], "test_avg_ci_high": entry["high"]}
 
     @property
     def root(self) -> Path:
@@ -124,14 +132,12 @@ def _log_merge(t: Tracked, run_id: str, method: str, end: float) -> None:
     layout, name = t.layout, f"merge@{method}"
     mm, ev = read_json(layout.metrics("merge", method)), read_json(layout.metrics("evaluate", method))
     timing = read_json(layout.timing("merge", method))
-    metrics = merge_metrics(mm, ev, t.params.suite.tasks, t.individual, t.probe_avg, t.individual_avg) | {"wall_time_s": timing["wall_time_s"] + timing.get("evaluate_wall_time_s", 0.0)}
+    metrics = merge_metrics(mm, ev, t.params.suite.tasks, t.individual, t.probe_avg, t.individual_avg) | {"wall_time_s": timing["wall_time_s"] + timing.get("evaluate_wall_time_s", 0.0)} | t.interval("standard", method)
     t.rec.log(run_id, merge_params(mm, ev), metrics, end)
     t.client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
     if "learned" in mm:  # AdaMerging's coefficients and entropy per step (the plot draws them)
         t.client.log_dict(run_id, mm["learned"], "learned/coefficients.json")
-    plot = layout.log("merge", method, ".png")
-    if plot.is_file():
-        t.client.log_artifact(run_id, str(plot), "plots")
+    log_search_plot(t.client, run_id, layout.log("merge", method, ".png"))
     if t.params.tracking.log_checkpoints and mm["kind"] == "model":
         _log_merged_model(t.rec, run_id, layout.merged(method), _out_md5(t.lock.get(name), layout.merged(method), t.root), t.params)
     elif mm["kind"] in ("per_task", "routed"):  # a store, not a timm model
@@ -142,7 +148,8 @@ def record_merges(t: Tracked) -> None:
     layout = t.layout
     for method in t.params.merge.methods:
         name = f"merge@{method}"
-        files = [layout.metrics("merge", method), layout.metrics("evaluate", method), layout.merged(method)]
+        # the predictions: the leaderboard's interval, logged with the run, comes from them
+        files = [layout.metrics("merge", method), layout.metrics("evaluate", method), layout.merged(method), *[p for p in [layout.predictions("merge", method)] if p.is_file()]]
         ctx, end = t.item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",), STANDARD_TAGS)
         with ctx as run_id:
             if run_id:
@@ -152,7 +159,7 @@ def record_merges(t: Tracked) -> None:
 
 
 def record_regimes(t: Tracked) -> None:
-    t.regime_merges = _track_regimes(t.params, t.layout, t.rec, _Hashes(t.lock, t.root), t.params.suite.tasks, t.individual, t.probe_avg, t.individual_avg)
+    t.regime_merges = _track_regimes(t.params, t.layout, t.rec, _Hashes(t.lock, t.root), t.params.suite.tasks, t.individual, t.probe_avg, t.individual_avg, t.interval)
 
 
 def record_studies(t: Tracked) -> None:
