@@ -107,6 +107,13 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     assert rows["merge.ties.k"] == {"workspace": "0.5", order[1]: "0.2", "ties-k01": "0.1", "ties-k05": "0.5"}
     assert rows["ties"] == {"workspace": str(second["ties"]["test_avg"]), order[1]: str(baseline["ties"]["test_avg"]), "ties-k01": str(first["ties"]["test_avg"]), "ties-k05": str(second["ties"]["test_avg"])}
     assert "task_arithmetic" not in rows and max(map(len, table)) <= 160
+    # two revisions' leaderboards, read back from DVC's cache: the committed run's against the first experiment's
+    versus = _stdout(["mergeflow", "compare", order[1], "ties-k01"], root, tiny_env).splitlines()
+    assert versus[0] == f"Standard fine-tune: ties-k01 against {order[1]}, ranked by ties-k01" and max(map(len, versus)) <= 160
+    ties_row = next(line.split() for line in versus if line.split()[1:2] == ["ties"])  # the standard fine-tune's, first
+    change = first["ties"]["test_avg"] - baseline["ties"]["test_avg"]
+    assert ties_row[2] == f"{baseline['ties']['test_avg']:.1f}" and ties_row[5] == f"{first['ties']['test_avg']:.1f}"
+    assert ties_row[8] == (f"{change:+.1f}" if round(change, 1) != 0 else "0.0")
 
     diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
     assert diff["metrics/headline/ties.json"]["test_avg"]["old"] == baseline["ties"]["test_avg"]
@@ -139,6 +146,10 @@ def test_every_declared_plot_renders(project, tiny_env):
         else:
             values = plot["content"]["data"]["values"]
             assert values, name
+    # a search chart marks its chosen value (the search template's second layer), one per revision
+    [search] = plots["logs/merge/ties.json"]
+    assert search["content"]["layer"][1]["transform"] == [{"filter": "datum.chosen == true"}]
+    assert sum(v["chosen"] for v in search["content"]["data"]["values"]) == 1
     bars = plots["average test accuracy by method"][0]["content"]["data"]["values"]
     rows = read_json(project / "results" / "summary.json")["rows"]
     labels = {(r["regime"], r["method"]): r["method"] if r["regime"] == "standard" else f"{r['method']} ({r['regime']})" for r in rows}

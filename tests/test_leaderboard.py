@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mergeflow.ml.metrics import score_predicted
-from mergeflow.report.leaderboard import board, board_markdown, board_table, board_text
+from mergeflow.report.leaderboard import board, board_markdown, board_table, board_text, versus_table
 from mergeflow.report.uncertainty import interval, resample_indices, resampled_averages, resampled_scores
 
 
@@ -104,3 +104,17 @@ def test_rendered_boards_fit_the_terminal_and_name_the_test_sets():
     assert "200 test examples per task" in text
     markdown = board_markdown({"standard": entries}, {"t": 200}, "accuracy")
     assert "### Standard fine-tune: best consensus_ta" in markdown and "| 1 | consensus_ta" in markdown
+
+
+def test_two_runs_side_by_side_rank_by_the_second_and_mark_changes_within_noise():
+    def entry(method, score, half, rank):
+        return {"method": method, "score": score, "low": None if half is None else score - half, "high": None if half is None else score + half, "rank": rank}
+
+    before = [entry("ties", 70.0, 2.0, 1), entry("task_arithmetic", 69.0, 2.0, 2), entry("Individual", 80.0, 2.0, None)]
+    after = [entry("Individual", 80.0, 2.0, None), entry("task_arithmetic", 74.0, 2.0, 1), entry("ties", 71.0, 2.0, 2), entry("cart", 72.0, None, 3)]
+    table = versus_table(before, after, ("main", "exp"))
+    assert table[0] == ["#", "method", "main", "exp", "change"]
+    # by hand: +5 is past sqrt(2^2 + 2^2) = 2.83, +1 is within it; cart is new (no change), Individual unchanged
+    assert [row[1] for row in table[1:]] == ["Individual", "task_arithmetic", "ties", "cart"]
+    assert [row[4] for row in table[1:]] == ["0.0 ≈", "+5.0", "+1.0 ≈", ""]
+    assert table[4][2:4] == ["-", "72.0"] and table[2][0] == "1" and table[1][0] == "-"

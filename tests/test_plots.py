@@ -100,15 +100,6 @@ def test_ties_keep_the_rows_order():
     assert plots.sorted_methods(rows) == ["y", "x", "z"]
 
 
-def test_colour_is_the_share_of_the_gap_closed():
-    rows = rows_by_hand()  # column a: Pretrained 0.4, Individual 1.0
-    shares = dict(zip([r["method"] for r in rows], plots._gap_closed(rows, "a")))
-    assert shares[plots.PRETRAINED] == 0 and shares[plots.INDIVIDUAL] == 1
-    assert shares["m1"] == pytest.approx(1 / 3) and shares["m2"] == pytest.approx(5 / 6) and shares["m3"] == pytest.approx(1 / 6)
-    # without the references: from the column's minimum to its maximum
-    assert plots._gap_closed([{"method": "x", "a": 0.2}, {"method": "y", "a": 0.6}, {"method": "z", "a": 0.3}], "a") == pytest.approx([0, 1, 0.25])
-
-
 def test_averages_are_sorted_bars_without_the_references(tmp_path):
     path = tmp_path / "averages.png"
     assert plots.plot_averages(rows_by_hand(), path) == ["m2", "m1", "m3"]
@@ -280,3 +271,12 @@ def test_masks_learned_add_the_components_kept_per_task_and_matrix(tmp_path):
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "common subspace"]
     assert ax.get_title() == "singular components kept per matrix (83 in all)"
     plt.close(fig)
+
+
+def test_heatmap_colour_is_points_above_the_pretrained_model():
+    # by hand: a merge 2 points below the probe and an individual model 1 point below it are red (negative), not the
+    # probe's colour or a better one
+    rows = [{"method": plots.PRETRAINED, "t": 0.60}, {"method": plots.INDIVIDUAL, "t": 0.59}, {"method": "m", "t": 0.58}, {"method": "n", "t": 0.70}]
+    assert plots.points_above_pretrained(rows, "t") == pytest.approx([0.0, -1.0, -2.0, 10.0])
+    # no pretrained row (a regime's own table): the column's median is the centre
+    assert plots.points_above_pretrained(rows[1:], "t") == pytest.approx([0.0, -1.0, 11.0])

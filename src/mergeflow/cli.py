@@ -115,7 +115,8 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)", description="Run `mlflow ui` on the store `track` logs to (mlflow.db here, or MLFLOW_TRACKING_URI); the link in the Prefect flow's summary artifact opens there.")
     ui.add_argument("--port", type=int, default=None, help="port to serve on (default: MERGEFLOW_MLFLOW_UI's port, else 5000: where track's and the Prefect summary's links point)")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    compare = sub.add_parser("compare", help="DVC experiments side by side, a column each: the parameters and headline numbers that differ", description="The DVC experiments (`dvc exp show`) side by side, one column each: the parameters that differ, then each method's headline number that differs (and each study's verdict counts), a row each; fits a terminal where `dvc exp show` cannot.")
+    compare = sub.add_parser("compare", help="DVC experiments side by side (a column each: the parameters and headline numbers that differ), or two revisions' leaderboards", description="With no REVISION: the DVC experiments (`dvc exp show`) side by side, one column each: the parameters that differ, then each method's headline number that differs (and each study's verdict counts), a row each; fits a terminal where `dvc exp show` cannot. With two: the second revision's leaderboard against the first's, regime by regime, each score with its interval and the change.")
+    compare.add_argument("revisions", nargs="*", metavar="REVISION", help="two revisions (a commit, branch or tag, an experiment's name, or workspace): the second's leaderboard against the first's, with the changes")
     compare.add_argument("--metric", default="test_avg", choices=("test_avg", "val_avg", "gap"), help="the headline number shown (default: test_avg)")
     compare.add_argument("--all", action="store_true", help="every row, not only those that differ")
     compare.add_argument("--md", action="store_true", help="a Markdown table")
@@ -158,8 +159,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from mergeflow.runner.compare import compare
+    from mergeflow.runner.compare import compare, compare_leaderboards
 
+    if args.revisions:
+        if len(args.revisions) != 2:
+            raise MergeflowError(f"compare: two revisions or none, not {len(args.revisions)} ({' '.join(args.revisions)})")
+        print(compare_leaderboards(*args.revisions))
+        return 0
     print(compare(args.metric, args.all, args.md))
     return 0
 

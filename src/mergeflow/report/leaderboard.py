@@ -122,3 +122,49 @@ def board_text(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], measu
         table = board_table(entries, chosen_width=max(10, 10 + spare))
         parts.append(f"{title(regime, entries)}\n{render(table, align=ALIGN)}")
     return "\n\n".join(parts) + "\n\n" + textwrap.fill(legend(sizes, measure), width) + "\n"
+
+
+def _half_width(e: Mapping) -> float | None:
+    return None if e["low"] is None else (e["high"] - e["low"]) / 2
+
+
+def versus_table(before: list[dict], after: list[dict], labels: tuple[str, str]) -> list[list[str]]:
+    """One regime's leaderboard in two runs (``before``, ``after``: their entries; ``labels``: the runs' names),
+    ranked by ``after``: each method's score with its interval in both and the change. The two runs' test
+    predictions are not paired here, so a change is marked ≈ when it is smaller than the two intervals' half-widths
+    combined as independent (sqrt(a² + b²)), which is conservative for models that mostly agree."""
+    old = {e["method"]: e for e in before}
+    table = [["#", "method", labels[0], labels[1], "change"]]
+    names = [e["method"] for e in after] + [e["method"] for e in before if e["method"] not in {a["method"] for a in after}]
+    new = {e["method"]: e for e in after}
+
+    def cell(e: Mapping | None) -> str:
+        if e is None:
+            return "-"
+        return f"{e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
+
+    for name in names:
+        a, b = old.get(name), new.get(name)
+        change = ""
+        if a is not None and b is not None:
+            delta = b["score"] - a["score"]
+            widths = [_half_width(a), _half_width(b)]
+            noise = None if None in widths else (widths[0] ** 2 + widths[1] ** 2) ** 0.5
+            change = (f"{delta:+.1f}" if round(delta, 1) != 0 else "0.0") + (f" {TIE}" if noise is not None and abs(delta) < noise else "")
+        rank = b["rank"] if b is not None else None
+        table.append(["-" if rank is None else str(rank), name, cell(a), cell(b), change])
+    return table
+
+
+def versus_text(before: Mapping, after: Mapping, labels: tuple[str, str], width: int = 160) -> str:
+    """Two runs' leaderboards (results/leaderboard.json of each), regime by regime, for a terminal ``width`` wide."""
+    import textwrap
+
+    parts = []
+    for regime in dict.fromkeys([*after["boards"], *before["boards"]]):
+        entries = after["boards"].get(regime, [])
+        parts.append(f"{'Standard fine-tune' if regime == 'standard' else regime}: {labels[1]} against {labels[0]}, ranked by {labels[1]}\n"
+                     + render(versus_table(before["boards"].get(regime, []), entries, labels), align="rlrrr"))
+    note = (f"Test {after.get('measure', 'accuracy')} averaged over the tasks, %, with {LEVEL:.0%} bootstrap intervals over the test examples; "
+            f"{TIE}: a change within the two runs' noise (their half-widths combined as independent).")
+    return "\n\n".join(parts) + "\n\n" + textwrap.fill(note, width) + "\n"

@@ -13,6 +13,7 @@ from typing import Any
 # reads it, "Pretrained (linear probe)", "(zero-shot)" or "(answer words)"
 PRETRAINED = "Pretrained (linear probe)"
 INDIVIDUAL = "Individual"
+COSINE_SCALE_FLOOR = 0.25  # the cosine heatmap's smallest half-range
 
 
 def is_reference(name: str) -> bool:
@@ -63,15 +64,12 @@ def sorted_methods(rows: list[dict]) -> list[str]:
     return [r["method"] for r in sorted(methods, key=lambda r: -r["average"])]
 
 
-def _gap_closed(rows: list[dict], column: str) -> list[float]:
-    """Each row's value in ``column`` as the share of the Pretrained-to-Individual gap it closes (0: Pretrained,
-    1: Individual); min-to-max instead when a reference row is missing or there is no gap."""
-    by_name = {r["method"]: r[column] for r in rows}
-    low, high = next((v for n, v in by_name.items() if is_pretrained(n)), None), by_name.get(INDIVIDUAL)
-    if low is None or high is None or high <= low:
-        values = [r[column] for r in rows]
-        low, high = min(values), max(values)
-    return [(r[column] - low) / (high - low) if high > low else 0.5 for r in rows]
+def points_above_pretrained(rows: list[dict], column: str) -> list[float]:
+    """Each row's value in ``column`` minus the Pretrained row's, in points (the column's median when there is no
+    Pretrained row): the accuracy heatmap's colour, diverging at 0."""
+    values = [r[column] for r in rows]
+    reference = next((r[column] for r in rows if is_pretrained(r["method"])), sorted(values)[len(values) // 2])
+    return [100 * (v - reference) for v in values]
 
 
 def _unit(measure: str) -> str:
@@ -89,20 +87,21 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
     order = [n for n in (INDIVIDUAL,) if n in by_name] + sorted_methods(rows) + [n for n in by_name if is_pretrained(n)]
     drawn = [by_name[n] for n in order]
     columns = [*tasks, "average"]
-    # colour per column: tasks differ in difficulty (a 55% can be good on one task and poor on another), so each
-    # column is scaled from Pretrained to Individual; the numbers are the absolute accuracies
-    shades = [_gap_closed(drawn, c) for c in columns]
+    # colour: points above (blue) or below (red) the pretrained model on that task, white at it, the scale
+    # symmetric over the table's range; a merge or an individual model below the pretrained model shows red
+    shades = [points_above_pretrained(drawn, c) for c in columns]
     colour = [[shades[j][i] for j in range(len(columns))] for i in range(len(drawn))]
+    span = max((abs(v) for row in colour for v in row), default=0.0) or 1.0
 
     n_rows, n_cols = len(drawn), len(columns)
     # wide enough for the title and the x label however few the columns
     fig, ax = plt.subplots(figsize=(max(8.5, 3.2 + 0.95 * n_cols), max(3.5, 1.9 + 0.36 * n_rows)), layout="constrained")
-    cmap, norm = plt.get_cmap("viridis"), Normalize(0.0, 1.0)
+    cmap, norm = plt.get_cmap("RdBu"), Normalize(-span, span)
     image = ax.imshow(colour, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
     for i, r in enumerate(drawn):
         for j, c in enumerate(columns):
-            # dark text on the light end of viridis, white on the dark end
-            text_colour = "black" if norm(colour[i][j]) > 0.6 else "white"
+            # white text on the saturated ends, black near the centre
+            text_colour = "white" if abs(colour[i][j]) > 0.6 * span else "black"
             weight = "bold" if c == "average" else "normal"
             ax.text(j, i, f"{pct(r[c]):.1f}", ha="center", va="center", color=text_colour, fontsize=9, fontweight=weight)
     # task names above the columns, where the eye starts; slanted so long names do not collide
@@ -114,18 +113,18 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
             label.set_fontstyle("italic")
             label.set_fontweight("bold")
     ax.get_xticklabels()[-1].set_fontweight("bold")
-    # white rules set the reference rows and the average column apart
+    # grey rules set the reference rows and the average column apart (white would vanish into the scale's centre)
     if order and order[0] == INDIVIDUAL:
-        ax.axhline(0.5, color="white", lw=4)
+        ax.axhline(0.5, color="0.35", lw=2)
     if order and is_pretrained(order[-1]):
-        ax.axhline(n_rows - 1.5, color="white", lw=4)
-    ax.axvline(n_cols - 1.5, color="white", lw=4)
+        ax.axhline(n_rows - 1.5, color="0.35", lw=2)
+    ax.axvline(n_cols - 1.5, color="0.35", lw=2)
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
-    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, ticks=[0, 0.5, 1])
-    bar.ax.set_yticklabels(["Pretrained", "half-way", "Individual"])
-    ax.set_xlabel(f"numbers: test {measure} {_unit(measure)}, each task with its own head\ncolour: each column scaled from Pretrained to Individual")
+    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
+    bar.set_label("points above the pretrained model (0: at it)")
+    ax.set_xlabel(f"numbers: test {measure} {_unit(measure)}, each task with its own head\ncolour: points above (blue) or below (red) the pretrained model on that task")
     ax.set_title(f"Test {measure} {_unit(measure)} per method and task, sorted by average", loc="left")
     save(fig, path)
     return order
@@ -178,15 +177,18 @@ def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str
 
 # ---------------------------------------------------------------- task vectors
 def plot_cosine_heatmap(stats: dict, path) -> None:
-    """Cosine similarity of every pair of task vectors; the colour scale spans the off-diagonal values, and the
-    diagonal (always 1) is drawn grey so that it does not saturate the scale."""
+    """Cosine similarity of every pair of task vectors; the colour scale is centred at 0 and spans the off-diagonal
+    values (at least +-COSINE_SCALE_FLOOR), and the diagonal (always 1) is drawn grey so that it does not saturate
+    the scale."""
     plt = pyplot()
     import numpy as np
 
     tasks, cos = stats["tasks"], stats["cosine"]
     n = len(tasks)
     off_diagonal = np.ma.masked_array(cos, mask=np.eye(n, dtype=bool))
-    vmax = (float(abs(off_diagonal).max()) if n > 1 else 0.0) or 1.0
+    # centred at 0 (orthogonal), the scale at least +-COSINE_SCALE_FLOOR: near-orthogonal vectors (cosines of a
+    # few hundredths, as task vectors usually are) stay pale instead of taking the whole colour range
+    vmax = max(float(abs(off_diagonal).max()) if n > 1 else 0.0, COSINE_SCALE_FLOOR)
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#d9d9d9")
     fig, ax = plt.subplots(figsize=(2.6 + 0.8 * n, 1.6 + 0.7 * n), layout="constrained")
     image = ax.imshow(off_diagonal, cmap=cmap, vmin=-vmax, vmax=vmax)
@@ -197,7 +199,7 @@ def plot_cosine_heatmap(stats: dict, path) -> None:
     ax.set_xticks(range(n), tasks, rotation=45, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(n), tasks)
     ax.set_title("Task-vector cosine similarity (whole vectors)")
-    fig.colorbar(image, ax=ax, fraction=0.046, label="cosine similarity (off-diagonal range)")
+    fig.colorbar(image, ax=ax, fraction=0.046, label=f"cosine similarity (scale ±{vmax:.2g})")
     save(fig, path)
 
 

@@ -6,9 +6,11 @@ verdicts) and the columns are the experiments, so the width grows with the exper
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from mergeflow.core.errors import MergeflowError
 from mergeflow.report.tables import render
@@ -29,18 +31,19 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def _columns(shown: list[dict]) -> list[tuple[str, dict]]:
-    """(label, data) per experiment of `dvc exp show --json`: the workspace, each baseline commit, its experiments."""
-    columns = []
+def _experiments(shown: list[dict]):
+    """(label, commit, data) per experiment of `dvc exp show --json`: the workspace, each baseline commit, its
+    experiments."""
     for row in shown:
-        label = "workspace" if row["rev"] == "workspace" else (row.get("name") or row["rev"][:7])
-        if row.get("data"):
-            columns.append((label, row["data"]))
+        yield ("workspace" if row["rev"] == "workspace" else (row.get("name") or row["rev"][:7])), row["rev"], row.get("data")
         for exp in row.get("experiments") or []:
             rev = exp["revs"][0]
-            if rev.get("data"):
-                columns.append((rev.get("name") or rev["rev"][:7], rev["data"]))
-    return columns
+            yield rev.get("name") or rev["rev"][:7], rev["rev"], rev.get("data")
+
+
+def _columns(shown: list[dict]) -> list[tuple[str, dict]]:
+    """(label, data) per experiment that has data."""
+    return [(label, data) for label, _, data in _experiments(shown) if data]
 
 
 def _cell(value: object, width: int = CELL) -> str:
@@ -74,10 +77,39 @@ def comparison(shown: list[dict], metric: str = "test_avg", every_row: bool = Fa
 def compare(metric: str = "test_avg", every_row: bool = False, markdown: bool = False, root: str = ".") -> str:
     if metric not in METRICS:
         raise MergeflowError(f"--metric {metric}: choose one of {', '.join(METRICS)}")
-    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True)  # this environment's DVC, on PATH or not
-    if proc.returncode != 0:
-        raise MergeflowError(f"dvc exp show: {(proc.stderr.strip().splitlines() or ['failed'])[-1]}")
-    table = comparison(json.loads(proc.stdout), metric, every_row)
+    table = comparison(_exp_show(root), metric, every_row)
     if len(table) == 1:
         return "no experiment differs from the others (`dvc exp run -S key=value` makes one; --all shows every row)"
     return render(table, markdown)
+
+
+def _leaderboard(revision: str, root: str) -> dict:
+    """results/leaderboard.json of ``revision`` (a commit, a branch or tag, an experiment's name, or "workspace"),
+    read from git and DVC's cache as `dvc exp show` knows it."""
+    path = Path(root) / "results" / "leaderboard.json"
+    if revision == "workspace":
+        if not path.is_file():
+            raise MergeflowError(f"{path}: no leaderboard in the workspace (run the report stage)")
+        return json.loads(path.read_text())
+    import dvc.api
+
+    shown = _exp_show(root)
+    shas = {label: rev for label, rev, _ in _experiments(shown) if rev != "workspace"}
+    try:
+        return json.loads(dvc.api.read("results/leaderboard.json", repo=str(root), rev=shas.get(revision, revision)))
+    except Exception as err:  # DVC's errors are of many kinds: one line, with the revision
+        raise MergeflowError(f"{revision}: results/leaderboard.json cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}); revisions: {', '.join(shas)}") from None
+
+
+def _exp_show(root: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True)  # this environment's DVC, on PATH or not
+    if proc.returncode != 0:
+        raise MergeflowError(f"dvc exp show: {(proc.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return json.loads(proc.stdout)
+
+
+def compare_leaderboards(before: str, after: str, root: str = ".") -> str:
+    """`mergeflow compare A B`: the leaderboard of revision ``after`` against ``before``'s, regime by regime."""
+    from mergeflow.report.leaderboard import versus_text
+
+    return versus_text(_leaderboard(before, root), _leaderboard(after, root), (before, after), shutil.get_terminal_size((160, 24)).columns)
