@@ -389,21 +389,13 @@ def print_regimes(params_path: str) -> int:
 
 def mlflow_ui(port: int, host: str) -> int:
     """``mlflow ui`` on the store ``track`` logs to, so that the Prefect summary artifact's link opens."""
-    import subprocess
     from pathlib import Path
 
     from mergeflow.config import mlflow_ui_port
     from mergeflow.report.tracking import tracking_uri
+    from mergeflow.runner.ui import serve
 
-    port = mlflow_ui_port() if port is None else port  # the port track's and the Prefect summary's links name
-    uri = tracking_uri(Path.cwd())
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        print(f"warning: {uri}: no MLflow store yet (the track stage creates it); the UI starts empty", file=sys.stderr)
-    print(f"MLflow UI on {uri}: http://{host}:{port} (Ctrl-C stops it)", file=sys.stderr)
-    try:
-        return subprocess.call([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)])
-    except KeyboardInterrupt:
-        return 130
+    return serve(tracking_uri(Path.cwd()), host, mlflow_ui_port() if port is None else port)  # the port track's and the Prefect summary's links name
 
 
 def _allow_downloads(argv: list[str] | None) -> list[str]:
