@@ -358,3 +358,48 @@ def test_regimes_and_studies_that_did_not_run_are_left_out(tiny_reference, tiny_
     stages = [r.data.tags["mergeflow.stage"] for r in _runs(client, exp_id).values()]
     assert stages.count("regime") == sum(len(p.regimes.config(r).variants(r, p.finetune.steps)) for r in p.regimes.run)
     assert "regime_merge" not in stages and "study" not in stages and stages.count("pipeline") == 1
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian: apt-get install chromium; CI installs it)")
+def test_the_views_and_the_pipeline_run_show_the_leaderboard_in_a_browser(tracked, tmp_path):
+    """`mergeflow ui` serving the copy's store, and headless Chromium's rendering of the standard fine-tune's view
+    and of the pipeline run's page: the methods and their scores are in the cells a researcher reads."""
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    root, env, client, exp_id = tracked
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mergeflow.cli", "ui", "--port", str(port)], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in server.stderr:
+            if "ready in" in line:
+                break
+        chromium = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--dump-dom",
+                    "--window-size=4000,1200"]  # wide: the grid renders only the columns in view
+
+        def page(path: str) -> str:
+            dom = subprocess.run([*chromium, f"http://127.0.0.1:{port}/{path}"], capture_output=True, text=True, timeout=600).stdout
+            return re.sub(r"<[^>]+>", "\n", dom)  # the text of the cells, one per line
+
+        cells = {c.strip() for c in page(f"#/experiments/{exp_id}/runs?viewStateShareKey=methods.standard&workflowType=machine_learning").splitlines() if c.strip()}
+        merges = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"]
+        for r in merges:  # each method's row: its name and its test_avg as the table prints it
+            assert r.data.params["method"] in cells or f"merge@{r.data.params['method']}" in cells, r.data.params["method"]
+            assert f"{r.data.metrics['test_avg']:g}" in cells, (r.data.params["method"], r.data.metrics["test_avg"])
+        assert "test_avg_ci_low" in cells and "task_negation" not in cells
+        pipeline = client.search_runs([exp_id], filter_string="tags.`mergeflow.stage` = 'pipeline'", max_results=5)[0]
+        text = page(f"#/experiments/{exp_id}/runs/{pipeline.info.run_id}?workflowType=machine_learning")
+        best = json.loads((root / "results/leaderboard.json").read_text())["boards"]["standard"]
+        assert f"Standard fine-tune: best {next(e['method'] for e in best if e['rank'] == 1)}" in text
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)

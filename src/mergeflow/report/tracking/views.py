@@ -62,13 +62,14 @@ def pipeline_note(experiment_id: str, leaderboard: Mapping, links: Mapping[tuple
     boards = leaderboard.get("boards", {})
     if not boards:
         return "No leaderboard: results/leaderboard.json is missing (run the report stage)."
-    lines = [legend(leaderboard["test_examples"], leaderboard.get("measure", "accuracy"))]
+    lines: list[str] = []
     for variant, entries in boards.items():
         table = board_table(entries)
         for row, e in zip(table[1:], entries):
             if (run_id := links.get((variant, e["method"]))) is not None:
                 row[1] = f"[{e['method']}](#/experiments/{experiment_id}/runs/{run_id})"
-        lines += ["", f"**{title(variant, entries)}**", "", render(table, markdown=True, align=ALIGN)]
+        lines += [f"**{title(variant, entries)}**", "", render(table, markdown=True, align=ALIGN), ""]
+    lines.append(legend(leaderboard["test_examples"], leaderboard.get("measure", "accuracy")))
     if studies:
         lines += ["", "Studies:", ""]
         for name, run_id, m in studies:
