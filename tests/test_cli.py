@@ -185,3 +185,14 @@ def test_the_hub_downloads_only_when_downloads_are_on(monkeypatch):
     with hub_access(True):
         assert not constants.HF_HUB_OFFLINE
     assert constants.HF_HUB_OFFLINE is False
+
+
+def test_regimes_fit_the_terminal(project, capsys):
+    from mergeflow.ml.regimes import REGISTRY as REGIMES
+    from mergeflow.studies import REGISTRY as STUDIES
+
+    status, out, _ = _exit(["regimes"], capsys)  # COLUMNS=100 (the fixture)
+    lines = out.splitlines()
+    assert status == 0 and max(map(len, lines)) <= 100
+    starts = {line.split(":")[0].strip(" *") for line in lines if line.startswith("  ") and not line.startswith("   ")}
+    assert set(REGIMES) | set(STUDIES) <= starts

@@ -372,18 +372,28 @@ def print_regimes(params_path: str) -> int:
     from mergeflow.ml.regimes import REGISTRY as REGIMES
     from mergeflow.studies import REGISTRY as STUDIES
 
+    import shutil
+    import textwrap
+
+    width = shutil.get_terminal_size((100, 24)).columns
+
+    def say(text: str, indent: int) -> None:  # wrapped to the terminal, continued lines indented further
+        print(textwrap.fill(text, width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4), break_on_hyphens=False))
+
     params = load_params(params_path)
     print(f"regimes (standard is finetune's; * = in regimes.run of {params_path}):")
     for name, regime in sorted(REGIMES.items()):
         running = name in params.regimes.run
-        print(f"  {name}{' *' if running else ''}: {regime.formula}\n      [{regime.paper}]")
+        say(f"{name}{' *' if running else ''}: {regime.formula}", 2)
+        say(f"[{regime.paper}]", 6)
         if running:
             for variant, kwargs in params.regimes.config(name).variants(name, params.finetune.steps).items():
                 shown = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "one epoch per task"
-                print(f"      {variant}: {shown}; merged with {', '.join(params.regimes.methods_of(name))}")
+                say(f"{variant}: {shown}; merged with {', '.join(params.regimes.methods_of(name))}", 6)
     print("studies (* = in studies.run):")
     for name, spec in sorted(STUDIES.items()):
-        print(f"  {name}{' *' if name in params.studies.run else ''}: {spec.title} [{spec.paper}]")
+        say(f"{name}{' *' if name in params.studies.run else ''}: {spec.title}", 2)
+        say(f"[{spec.paper}]", 6)
     return 0
 
 
