@@ -3,7 +3,6 @@ choices, also when params.yaml is broken), --version, `mergeflow methods` showin
 effective beside the papers' defaults, `mergeflow ui`, and an unknown method as one line."""
 
 import os
-import subprocess
 
 import pytest
 import yaml
@@ -110,33 +109,6 @@ def test_methods_with_a_broken_params_file_shows_the_defaults(project, capsys):
     status, out, err = _exit(["methods"], capsys)
     assert status == 0 and err.startswith("warning: params.yaml:") and len(err.splitlines()) == 1
     assert "paper's defaults" in out and "effective" not in out and "│ ties" in out
-
-
-def test_ui_serves_the_store_track_logs_to_and_stops_with_its_server(tmp_path):
-    """`mergeflow ui` starts MLflow's server on the workspace's store, says when it answers, and SIGTERM to it ends
-    the server too (it runs in a process group of its own)."""
-    import os
-    import signal
-    import socket
-    import sys
-    import urllib.request
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.Popen([sys.executable, "-m", "mergeflow.cli", "ui", "--port", str(port)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stderr:  # until it says it answers (or exits)
-        lines.append(line)
-        if "ready in" in line:
-            break
-    assert any(f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}" in line for line in lines) and "ready in" in lines[-1] and f"http://127.0.0.1:{port}" in lines[-1], lines
-    assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).status == 200
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0  # the server, stopped, exited cleanly; so did the command with it
-    with pytest.raises(OSError):  # nothing serves there any more
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
 def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys):

@@ -1,6 +1,6 @@
-"""Put the result table of the last run into README.md: ``python -m mergeflow.readme`` (from the repository root).
+"""Put the leaderboard of the last run into README.md: ``python -m mergeflow.readme`` (from the repository root).
 
-The text between the README's two marker lines is replaced by ``results/summary.md`` (the report stage's output)
+The text between the README's two marker lines is replaced by ``results/leaderboard.md`` (the report stage's output)
 and one line saying where it came from, so the README shows the run that ``dvc.lock`` records, never typed figures.
 When DVC's cache holds the manifest of that ``results`` output, a summary that differs from it is refused.
 """
@@ -64,11 +64,11 @@ def update(readme: Path, summary: Path, lock: Path) -> str:
 
 def main() -> int:
     try:
-        update(Path("README.md"), Path("results/summary.md"), Path("dvc.lock"))
+        update(Path("README.md"), Path("results/leaderboard.md"), Path("dvc.lock"))
     except MergeflowError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_status
-    print("README.md: result table replaced with results/summary.md")
+    print("README.md: the leaderboard replaced with results/leaderboard.md")
     return 0
 
 
