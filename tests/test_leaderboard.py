@@ -118,3 +118,13 @@ def test_two_runs_side_by_side_rank_by_the_second_and_mark_changes_within_noise(
     assert [row[1] for row in table[1:]] == ["Individual", "task_arithmetic", "ties", "cart"]
     assert [row[4] for row in table[1:]] == ["0.0 ≈", "+5.0", "+1.0 ≈", ""]
     assert table[4][2:4] == ["-", "72.0"] and table[2][0] == "1" and table[1][0] == "-"
+
+
+def test_a_run_over_seeds_shows_each_score_mean_and_spread():
+    right = {"Pretrained (linear probe)": 150, "task_arithmetic": 160}
+    preds, labels = _predictions(right)
+    spread = {"task_arithmetic": {"seeds": 3, "mean": 79.5, "sd": 1.25, "min": 78.0, "max": 81.0}}
+    entries = board(_rows({m: k / 200 for m, k in right.items()}), preds, labels, {"t": "accuracy"}, resample_indices({"t": 200}, 100), spread)
+    table = board_table(entries)
+    assert table[0][3] == "3 seeds: mean ± sd" and table[1][:4] == ["1", "task_arithmetic", table[1][2], "79.5 ± 1.2"] and table[2][3] == ""
+    assert "3 seeds: mean ± sd" in board_markdown({"standard": entries}, {"t": 200}, "accuracy")

@@ -65,3 +65,7 @@ def test_a_replicate_seed_runs_the_fine_tunes_and_merges_again(tmp_path, tiny_re
     values = [seed0["test_avg"], seed1["ties"]["test_avg"]]
     assert seed0["seeds"] == 2 and seed0["test_avg_mean"] == round(sum(values) / 2, 2) and seed0["test_avg_sd"] == round(abs(values[0] - values[1]) / 2**0.5, 2)
     assert "### Over 2 seeds (0, 1): test accuracy, %" in (root / "results/summary.md").read_text()
+    # the leaderboard carries the same spread beside each score's interval over the test examples
+    board = {e["method"]: e for e in json.loads((root / "results/leaderboard.json").read_text())["boards"]["standard"]}
+    assert board["ties"]["seeds"] == {"seeds": 2, "mean": seed0["test_avg_mean"], "sd": seed0["test_avg_sd"]} and board["Individual"]["seeds"]["seeds"] == 2
+    assert "2 seeds: mean ± sd" in (root / "results/leaderboard.md").read_text()

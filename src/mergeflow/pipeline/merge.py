@@ -27,7 +27,7 @@ from mergeflow.report.plots import plot_accuracy_heatmap, plot_averages, plot_le
 from mergeflow.report.leaderboard import board, board_markdown, board_text, is_baseline
 from mergeflow.report.search_plots import plot_merge_search
 from mergeflow.report.uncertainty import LEVEL, RESAMPLES, resample_indices
-from mergeflow.report.summary import SPREAD_SDS, headline_metrics, merge_line, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_legend, summary_markdown, summary_rows, validation_records
+from mergeflow.report.summary import SPREAD_SDS, headline_metrics, headline_name, merge_line, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_legend, summary_markdown, summary_rows, validation_records
 from mergeflow.ml.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes
 from mergeflow.ml.training import Timer
 
@@ -244,10 +244,10 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         rows += variant_rows
         headline |= regime_headline(variant, variant_rows, r["evaluations"], r["val_averages"])
     measure = "accuracy" if params.suite.modality == "image" else "score"  # text: each task's GLUE metric
-    boards, sizes = leaderboards(params, layout, rows, {v: r['regime'] for v, r in regimes.items()})
+    spread = seed_spread(params, layout)
+    boards, sizes = leaderboards(params, layout, rows, {v: r['regime'] for v, r in regimes.items()}, spread)
     print(board_text(boards, sizes, measure, shutil.get_terminal_size((160, 24)).columns), flush=True)
     labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
-    spread = seed_spread(params, layout)
     for name, entry in spread.items():  # with more seeds: each name's mean and spread beside the run's own
         headline[name] |= {"seeds": entry["seeds"], "test_avg_mean": entry["mean"], "test_avg_sd": entry["sd"]}
     with atomic_path(layout.results, directory=True) as tmp:
@@ -274,9 +274,9 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     return {"rows": rows, "negation": negations, "headline": headline}
 
 
-def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Mapping[str, str]) -> tuple[dict[str, list[dict]], dict[str, int]]:
+def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Mapping[str, str], spread: Mapping[str, dict] = {}) -> tuple[dict[str, list[dict]], dict[str, int]]:
     """Each regime's leaderboard (report.leaderboard.board) from the summary's ``rows`` (``regime_of``: a regime
-    variant's regime) and the test predictions
+    variant's regime), the spread over seeds by headline name (seed_spread; {} with one seed) and the test predictions
     the fine-tunes and merges kept, every model on the same resamples of each task's test examples; and each
     task's number of test examples. A model whose predictions are missing (a regime's own model) has no interval."""
     tasks = params.suite.tasks
@@ -294,7 +294,7 @@ def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Ma
             run = layout.merge_run(r["method"]) if regime == "standard" else layout.merge_run(r["method"], regime_of[regime], regime)
             if not is_baseline(r["method"]) and run.predictions.is_file():
                 predictions[r["method"]] = load_state_dict(run.predictions)
-        boards[regime] = board(regime_rows, predictions, labels, metrics, indices)
+        boards[regime] = board(regime_rows, predictions, labels, metrics, indices, {r["method"]: spread[name] for r in regime_rows if (name := headline_name(r["regime"], r["method"])) in spread})
     return boards, {t: len(y) for t, y in labels.items()}
 
 

@@ -283,6 +283,7 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
                 out |= {f"gram/{k}": v for k, v in input_grams(model, images, batch_size=params.runtime.eval_batch_size, device=device).items()}
                 save_state_dict(tmp / layout.statistics(t).name, out, {"task": t, "examples": str(len(images))})
             sizes[t], times[t] = len(images), task_timer.seconds
+            print(f"statistics: {t} ({len(sizes)}/{len(tasks)}): Fishers and Grams of {len(images)} training examples in {task_timer.seconds:.1f} s", flush=True)
     metrics = {"examples": sizes}
     write_json(layout.metrics("statistics"), metrics)
     write_json(layout.timing("statistics"), timer.record() | {"tasks": times})

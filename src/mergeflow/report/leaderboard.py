@@ -19,7 +19,11 @@ from mergeflow.report.uncertainty import LEVEL, interval, resampled_averages
 
 REFERENCE = "task_arithmetic"  # the second difference column: the method most papers compare with
 TIE = "≈"
-ALIGN = "rlrrrlrl"  # board_table's columns: numbers right, names left
+ALIGN = "rlrrrlrl"  # board_table's columns: numbers right, names left (one more number with seeds)
+
+
+def column_align(table: list[list[str]]) -> str:
+    return ALIGN if len(table[0]) == len(ALIGN) else ALIGN[:3] + "r" + ALIGN[3:]
 BASELINES = ("Pretrained", "Individual")  # the rows that are not merges (summary_rows' names start so)
 
 
@@ -27,10 +31,13 @@ def is_baseline(method: str) -> bool:
     return method.startswith(BASELINES)
 
 
-def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]], labels: Mapping[str, torch.Tensor], metrics: Mapping[str, str], indices: Mapping[str, torch.Tensor]) -> list[dict]:
+def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]], labels: Mapping[str, torch.Tensor], metrics: Mapping[str, str], indices: Mapping[str, torch.Tensor],
+          over_seeds: Mapping[str, Mapping] = {}) -> list[dict]:
     """One regime's entries, best test average first. ``rows``: summary_rows of the regime (fractions);
     ``predictions``: row name -> task -> test predictions, for the rows that kept them (the others get no
-    interval); ``indices``: the resamples (uncertainty.resample_indices), shared by every row and regime."""
+    interval); ``indices``: the resamples (uncertainty.resample_indices), shared by every row and regime;
+    ``over_seeds``: row name -> its test average over the run's seeds (summary.over_seeds' entry), where the run
+    has more than one."""
     samples = resampled_averages({r["method"]: predictions[r["method"]] for r in rows if r["method"] in predictions}, labels, metrics, indices)
     ranked = sorted(rows, key=lambda r: -r["average"])
     methods = [r for r in ranked if not is_baseline(r["method"])]
@@ -58,6 +65,7 @@ def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]
             "score": percent(r["average"]), "low": percent(low), "high": percent(high),
             "vs_best": difference(name, best), "vs_reference": difference(name, reference), "best": best, "reference": reference,
             "chosen": r["chosen"], "storage_models": r["storage_models"], "data": r["data"],
+            "seeds": {k: over_seeds[name][k] for k in ("seeds", "mean", "sd")} if name in over_seeds else None,
         })
     return entries
 
@@ -76,11 +84,13 @@ def _cut(text: str, width: int) -> str:
 def board_table(entries: list[dict], chosen_width: int = 40) -> list[list[str]]:
     """The entries as table rows, a header first: rank, method, score [interval], the two differences, choice,
     storage, what the method reads."""
-    head = ["#", "method", f"test avg [{LEVEL:.0%} CI]", "Δ best", "Δ TA", "chosen on val", "storage", "reads"]
+    seeds = next((e["seeds"]["seeds"] for e in entries if e.get("seeds")), None)
+    head = ["#", "method", f"test avg [{LEVEL:.0%} CI]", *([f"{seeds} seeds: mean ± sd"] if seeds else []), "Δ best", "Δ TA", "chosen on val", "storage", "reads"]
     table = [head]
     for e in entries:
+        spread = [] if not seeds else [f"{e['seeds']['mean']:.1f} ± {e['seeds']['sd']:.1f}" if e.get("seeds") else ""]
         score = f"{e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
-        table.append(["-" if e["rank"] is None else str(e["rank"]), e["method"], score, _difference_cell(e["vs_best"]), _difference_cell(e["vs_reference"]),
+        table.append(["-" if e["rank"] is None else str(e["rank"]), e["method"], score, *spread, _difference_cell(e["vs_best"]), _difference_cell(e["vs_reference"]),
                       _cut(e["chosen"], chosen_width), f"{e['storage_models']:.2f}", "" if e["data"] in ("none", "") else e["data"]])
     return table
 
@@ -107,7 +117,7 @@ def board_markdown(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], m
     """Every regime's leaderboard, under one legend."""
     parts = ["## Leaderboard\n", legend(sizes, measure) + "\n"]
     for regime, entries in boards.items():
-        parts.append(f"\n### {title(regime, entries)}\n\n{render(board_table(entries), markdown=True, align=ALIGN)}\n")
+        parts.append(f"\n### {title(regime, entries)}\n\n{render(table := board_table(entries), markdown=True, align=column_align(table))}\n")
     return "".join(parts)
 
 
@@ -118,9 +128,9 @@ def board_text(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], measu
     parts = []
     for regime, entries in boards.items():
         table = board_table(entries, chosen_width=10)
-        spare = width - max(len(line) for line in render(table, align=ALIGN).splitlines())
+        spare = width - max(len(line) for line in render(table, align=column_align(table)).splitlines())
         table = board_table(entries, chosen_width=max(10, 10 + spare))
-        parts.append(f"{title(regime, entries)}\n{render(table, align=ALIGN)}")
+        parts.append(f"{title(regime, entries)}\n{render(table, align=column_align(table))}")
     return "\n\n".join(parts) + "\n\n" + textwrap.fill(legend(sizes, measure), width) + "\n"
 
 

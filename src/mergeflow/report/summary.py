@@ -82,6 +82,13 @@ def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict], val_aver
     return headline
 
 
+def headline_name(regime: str, method: str) -> str:
+    """A summary row's name in the headline: "probe" and "individual" for the baselines, the method, and
+    "<variant>/<name>" in a training-time regime."""
+    name = "probe" if method.startswith("Pretrained") else "individual" if method == "Individual" else method
+    return name if regime == "standard" else f"{regime}/{name}"
+
+
 def regime_headline(variant: str, rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}) -> dict[str, dict]:
     """One regime variant's headline entries, named "<variant>/<name>": its individual models' test average, then
     per method as in headline_metrics (the gap is of the standard fine-tune's probe-to-individual gap).

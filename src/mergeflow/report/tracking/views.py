@@ -7,7 +7,7 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Mapping
 
-from mergeflow.report.leaderboard import ALIGN, board_table, legend, title
+from mergeflow.report.leaderboard import board_table, column_align, legend, title
 from mergeflow.report.tables import render
 
 VIEW_KEY = "methods"  # the shared view's key: experiment tag mlflow.sharedViewState.methods
@@ -68,7 +68,7 @@ def pipeline_note(experiment_id: str, leaderboard: Mapping, links: Mapping[tuple
         for row, e in zip(table[1:], entries):
             if (run_id := links.get((variant, e["method"]))) is not None:
                 row[1] = f"[{e['method']}](#/experiments/{experiment_id}/runs/{run_id})"
-        lines += [f"**{title(variant, entries)}**", "", render(table, markdown=True, align=ALIGN), ""]
+        lines += [f"**{title(variant, entries)}**", "", render(table, markdown=True, align=column_align(table)), ""]
     lines.append(legend(leaderboard["test_examples"], leaderboard.get("measure", "accuracy")))
     if studies:
         lines += ["", "Studies:", ""]
