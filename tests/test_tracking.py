@@ -92,13 +92,18 @@ def test_merge_runs_share_one_metric_convention(tracked):
     # the standard fine-tune's own view: its runs only, and only the hyperparameters they have (none of negation's)
     standard = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.methods.standard"])["state"])
     shown = client.search_runs([exp_id], filter_string=standard["searchFilter"], max_results=1000)
-    assert sorted(r.data.tags["mergeflow.item"] for r in shown) == sorted(m for m in merges if m != "task_negation")
+    assert sorted(r.data.tags["mergeflow.item"] for r in shown) == sorted([m for m in merges if m != "task_negation"] + ["individual", "probe"])
+    # the baselines' runs: their test averages and intervals are the leaderboard's
+    for r in (r for r in shown if r.data.tags["mergeflow.stage"] == "baseline"):
+        e = board[r.data.params["method"]]
+        assert (r.data.metrics["test_avg"], r.data.metrics["test_avg_ci_low"], r.data.metrics["test_avg_ci_high"]) == (e["score"], e["low"], e["high"])
     hyperparameters = {c for c in standard["selectedColumns"] if c.startswith("params.") and c not in ("params.`method`", "params.`data`")}
     assert hyperparameters == {f"params.`{k}`" for r in shown for k in r.data.params if k not in ("method", "kind", "paper", "data") and not k.startswith("grid.")}
     # the pipeline run's description is the leaderboard, each method linked to its run
     pipeline = client.search_runs([exp_id], filter_string="tags.`mergeflow.stage` = 'pipeline'", max_results=5)[0]  # the newest
     note = pipeline.data.tags["mlflow.note.content"]
-    assert f"[ties](#/experiments/{exp_id}/runs/{merges['ties'].info.run_id})" in note and "| Individual " in note and "95% bootstrap interval" in note
+    individual = next(r for r in _runs(client, exp_id, "baseline").values() if r.data.params["method"] == "Individual")
+    assert f"[ties](#/experiments/{exp_id}/runs/{merges['ties'].info.run_id})" in note and f"[Individual](#/experiments/{exp_id}/runs/{individual.info.run_id})" in note and "95% bootstrap interval" in note
     assert _read(root, "metrics/tracking.json")["ui_path"] == f"/#/experiments/{exp_id}/runs?viewStateShareKey=methods&workflowType=machine_learning"
 
 
@@ -197,7 +202,7 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
     view = json.loads(json.loads(client.get_experiment(exp_id).tags["mlflow.sharedViewState.methods"])["state"])
     assert "tags.`variant`" in view["selectedColumns"]
     ranked = client.search_runs([exp_id], filter_string=view["searchFilter"], order_by=["metrics.test_avg DESC"], max_results=1000)
-    standard = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"]
+    standard = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"] + list(_runs(client, exp_id, "baseline").values())
     assert sorted(r.info.run_id for r in ranked) == sorted([r.info.run_id for r in standard] + [r.info.run_id for r in runs])
     # and each variant has a view of its own, which shows its runs
     for _, variant, _ in expected:

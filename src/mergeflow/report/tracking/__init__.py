@@ -6,7 +6,9 @@ method), started and ended at the stage's real times (logs/timing). Plus one ``p
 the git commit, dvc.lock, results/, the probe and individual averages, the best method, and one tag
 ``stage_run.<stage>.<item>`` per stage run it covers. Runs are flat (no nesting): a stage run that did not change
 belongs to every later pipeline run. The standard fine-tune's runs (finetune, vectors, merge) are tagged
-``regime`` = ``variant`` = ``standard``.
+``regime`` = ``variant`` = ``standard``. The leaderboard's baselines have a run each (``baseline@probe``,
+``baseline@individual``, stage tag ``baseline``): the merge runs' metrics of the pretrained model under the tasks'
+heads and of the individual fine-tunes, so that the views rank the merges beside them.
 
 Training-time regimes and studies (each item of their stages is several runs, so each run's key in the pipeline
 run, ``stage_run.<stage>.<item>.<variant>[.<method>]``, names it):
@@ -78,7 +80,8 @@ its merge run, then the studies' verdicts.
 Views. The experiment carries saved views (experiment tags ``mlflow.sharedViewState.<key>``, in the runs page's
 Views menu): "Methods ranked by test_avg, every regime" (key ``methods``) and one per regime variant ("Methods
 ranked by test_avg: <variant>", key ``methods.<variant>``, ``standard`` for the standard fine-tune): merge runs
-except negation, whose test_avg ranks the other way, best test_avg first, the method first, then test_avg with
+except negation, whose test_avg ranks the other way, and the baselines (the runs tagged ``mergeflow.ranked``), best
+test_avg first, the method first, then test_avg with
 its interval, the other headline metrics, each task's score and the hyperparameters those runs have. With
 regimes or studies, "Regimes: task models and rounds" (key ``regimes``) and "Studies: verdicts" (key
 ``studies``) too. ``ui_path`` in
@@ -113,7 +116,7 @@ from mergeflow.report.tracking.merges import MERGE_METRICS, merge_metrics, merge
 from mergeflow.report.tracking.regimes import ROUND_METRICS, regime_metrics
 from mergeflow.report.tracking.registry import register_best
 from mergeflow.report.tracking.runs import _git_commit, _md5, _Recorder, _sha256, curve_records, fingerprint, lock_stages, locked_md5s, stage_times
-from mergeflow.report.tracking.standard import NOT_RECORDED, RECORDERS, STANDARD_TAGS, Tracked
+from mergeflow.report.tracking.standard import NOT_RECORDED, RECORDERS, STANDARD_TAGS, Tracked, baseline_run
 from mergeflow.report.tracking.store import experiment_name, fail_abandoned_runs, prepare_store, registered_model_name, tracking_uri
 from mergeflow.report.tracking.studies import study_note
 from mergeflow.report.tracking.views import ML_EXPERIMENT_KIND, VIEW_KEY, VIEW_NAME, _hyperparameter_names, methods_view, pipeline_note, regimes_view, studies_view, ui_path
@@ -172,6 +175,8 @@ def _pipeline_run(t: Tracked, exp_id: str, base: dict[str, str], registered: dic
     if registered:
         tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
     links = {("standard", m): rec.stage_runs[f"merge@{m}"] for m in params.merge.methods} | {(v, m): r for v, m, r in t.regime_merges}
+    baselines = [e["method"] for e in t.leaderboard["boards"].get("standard", []) if e["baseline"]]
+    links |= {("standard", m): rec.stage_runs[baseline_run(m)] for m in baselines if baseline_run(m) in rec.stage_runs}
     studies = [(name, run_id, client.get_run(run_id).data.metrics) for name, run_id in t.studies]
     tags["mlflow.note.content"] = pipeline_note(exp_id, t.leaderboard, links, studies)
     run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)

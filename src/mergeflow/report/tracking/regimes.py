@@ -119,7 +119,7 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                 name = f"regime_merge@{r}/{v}/{method}"
                 md5s = hashes(files)
                 fp = _sha256({"item": name, "files": md5s, "val_average": mm["val_average"]})
-                tags = {"mergeflow.stage": "regime_merge", "mergeflow.item": r, "regime": r, "variant": v}
+                tags = {"mergeflow.stage": "regime_merge", "mergeflow.item": r, "regime": r, "variant": v, "mergeflow.ranked": "yes"}  # the methods views rank it
                 with rec.run(name, fp, times, tags, run_name=f"{v}/{method}") as run_id:
                     if run_id:
                         rec.log(run_id, merge_params(mm, ev), merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | interval(v, method), times[1])

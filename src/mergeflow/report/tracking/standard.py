@@ -18,7 +18,7 @@ from mergeflow.report.summary import percent
 from mergeflow.report.tracking.merges import _val_curve, merge_metrics, merge_params
 from mergeflow.report.tracking.regimes import _track_regimes
 from mergeflow.report.tracking.registry import _log_merged_model
-from mergeflow.report.tracking.runs import _flatten, _Hashes, _out_md5, _Recorder, curve_records, fingerprint, log_search_plot, stage_times
+from mergeflow.report.tracking.runs import _flatten, _Hashes, _out_md5, _Recorder, _sha256, curve_records, fingerprint, log_search_plot, stage_times
 from mergeflow.report.tracking.studies import _track_studies
 
 STANDARD_TAGS = {"regime": "standard", "variant": "standard"}  # the standard fine-tune's runs (finetune, vectors, merge), beside the training-time regimes'
@@ -144,18 +144,48 @@ def _log_merge(t: Tracked, run_id: str, method: str, end: float) -> None:
         t.weights(run_id, name, {layout.merged(method): "merged"})
 
 
+RANKED = {"mergeflow.ranked": "yes"}  # the runs the methods views rank: merges but negation, and the baselines
+
+
+def baseline_run(method: str) -> str:
+    """The run name of a leaderboard baseline ("Individual", "Pretrained (...)")."""
+    return "baseline@individual" if method == "Individual" else "baseline@probe"
+
+
+def record_baselines(t: Tracked) -> None:
+    """The leaderboard's baselines as runs of their own (stage tag ``baseline``), so that the methods views rank
+    the merges beside them: the pretrained model under the tasks' heads and the individual fine-tunes, with the
+    merge runs' metrics (test_avg and its interval, test_acc.<task>, val_avg, gap_recovered, storage_models)."""
+    tasks, layout = t.params.suite.tasks, t.layout
+    timings = [stage_times(layout.timing("finetune", task)) for task in tasks]
+    times = (min(a for a, _ in timings), max(b for _, b in timings))  # the fine-tunes', which measured them
+    names = {e["method"] for e in t.leaderboard["boards"].get("standard", []) if e["baseline"]}
+    for key in ("probe", "individual"):
+        test = {task: t.finetunes[task][key]["test"] for task in tasks}
+        method = "Individual" if key == "individual" else next((n for n in names if n != "Individual"), "Pretrained")
+        metrics = {"test_avg": percent(mean(test.values())), "val_avg": percent(mean(t.finetunes[task][key]["val"] for task in tasks)),
+                   "gap_recovered": 0.0 if key == "probe" else 100.0, "storage_models": float(len(tasks)) if key == "individual" else 1.0,
+                   **{f"test_acc.{task}": percent(v) for task, v in test.items()}} | t.interval("standard", method)
+        name = baseline_run(method)
+        with t.rec.run(name, _sha256({"item": name, "method": method, "metrics": metrics}), times, {"mergeflow.stage": "baseline", "mergeflow.item": key} | STANDARD_TAGS | RANKED) as run_id:
+            if run_id:
+                t.rec.log(run_id, {"method": method, "kind": "baseline"}, metrics, times[1])
+
+
 def record_merges(t: Tracked) -> None:
     layout = t.layout
     for method in t.params.merge.methods:
         name = f"merge@{method}"
         # the predictions: the leaderboard's interval, logged with the run, comes from them
         files = [layout.metrics("merge", method), layout.metrics("evaluate", method), layout.merged(method), *[p for p in [layout.predictions("merge", method)] if p.is_file()]]
-        ctx, end = t.item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",), STANDARD_TAGS)
+        kind = read_json(layout.metrics("merge", method))["kind"]
+        ctx, end = t.item(name, "merge", files, layout.timing("merge", method), method, ("evaluate_wall_time_s",), STANDARD_TAGS | (RANKED if kind != "negation" else {}))
         with ctx as run_id:
             if run_id:
                 _log_merge(t, run_id, method, end)
-        if read_json(layout.metrics("merge", method))["kind"] == "model":
+        if kind == "model":
             t.single_models[method] = t.rec.stage_runs[name]
+    record_baselines(t)
 
 
 def record_regimes(t: Tracked) -> None:

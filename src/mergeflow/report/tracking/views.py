@@ -21,13 +21,14 @@ ML_EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's value of mlflow.ex
 
 def methods_view(tasks: list[str], hyperparameters: list[str], variant: str | None = None) -> dict:
     """A shared view of merge runs (MLflow UI state, stored as the experiment tag mlflow.sharedViewState.<key>
-    and opened by ?viewStateShareKey=<key>): one regime variant's merge runs (``variant``; None: every regime's),
-    best test_avg first (negation aside: its test_avg ranks the other way), the method first, then its score with
+    and opened by ?viewStateShareKey=<key>): one regime variant's merge runs (``variant``; None: every regime's)
+    with the baselines' runs (the standard fine-tune's), best test_avg first (negation aside: its test_avg ranks the
+    other way), the method first, then its score with
     the leaderboard's interval, its validation average, the gap recovered, the storage, what it reads, each task's
     score and the hyperparameters (``hyperparameters``: only those the shown runs have)."""
     metrics = ["test_avg", "test_avg_ci_low", "test_avg_ci_high", "val_avg", "gap_recovered", "normalized_avg", "storage_models", *(f"test_acc.{t}" for t in tasks)]
     columns = ["params.`method`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), "params.`data`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Run Name`", "attributes.`Models`"]
-    search = "tags.`mergeflow.stage` LIKE '%merge' and params.kind != 'negation'"  # merge, regime_merge
+    search = "tags.`mergeflow.ranked` = 'yes'"  # merges (but negation) of every regime, and the baselines
     return _view(search + (f" and tags.`variant` = '{variant}'" if variant else ""), "metrics.`test_avg`", columns)
 
 
