@@ -115,7 +115,7 @@ def title(regime: str, entries: list[dict]) -> str:
 
 def board_markdown(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], measure: str) -> str:
     """Every regime's leaderboard, under one legend."""
-    parts = ["## Leaderboard\n", legend(sizes, measure) + "\n"]
+    parts = ["## Leaderboard\n\n", legend(sizes, measure) + "\n"]
     for regime, entries in boards.items():
         parts.append(f"\n### {title(regime, entries)}\n\n{render(table := board_table(entries), markdown=True, align=column_align(table))}\n")
     return "".join(parts)
