@@ -214,7 +214,7 @@ def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_e
     run(["mergeflow", "remote", "add", str(tmp_path / "store")], project, env)
     run("git add .dvc/config && git commit -qm remote && dvc push -q", project, env)
     # no regime and no study runs: their outputs go, as a clone has none of them (report and track read the folders)
-    run("git clean -qfdX metrics/regime metrics/regime_merge logs/regime_merge regimes metrics/studies studies", project, env)
+    run("git clean -qfdX metrics/regime metrics/regime_merge logs/regime_merge predictions/regime_merge regimes metrics/studies studies", project, env)
     start = time.perf_counter()
     out = run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--worker-checkouts", "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env, timeout=900)
     print(f"flow run with worker checkouts (merge@ties, report, track): {time.perf_counter() - start:.1f} s")

@@ -375,10 +375,8 @@ def print_regimes(params_path: str) -> int:
     import shutil
     import textwrap
 
-    width = shutil.get_terminal_size((100, 24)).columns
-
     def say(text: str, indent: int) -> None:  # wrapped to the terminal, continued lines indented further
-        print(textwrap.fill(text, width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4), break_on_hyphens=False))
+        print(textwrap.fill(text, shutil.get_terminal_size((100, 24)).columns, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4), break_on_hyphens=False))
 
     params = load_params(params_path)
     print(f"regimes (standard is finetune's; * = in regimes.run of {params_path}):")

@@ -62,7 +62,7 @@ def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]
         low, high = interval(samples[name]) if name in samples else (None, None)
         entries.append({
             "regime": r["regime"], "method": name, "baseline": is_baseline(name), "rank": None if is_baseline(name) else rank,
-            "score": percent(r["average"]), "low": percent(low), "high": percent(high),
+            "score": percent(r["average"]), "average": r["average"], "low": percent(low), "high": percent(high),
             "vs_best": difference(name, best), "vs_reference": difference(name, reference), "best": best, "reference": reference,
             "chosen": r["chosen"], "storage_models": r["storage_models"], "data": r["data"],
             "seeds": {k: over_seeds[name][k] for k in ("seeds", "mean", "sd")} if name in over_seeds else None,
@@ -77,6 +77,14 @@ def _difference_cell(d: Mapping) -> str:
     return delta + (f" {TIE}" if d["tie"] else "")
 
 
+def score_cell(e: Mapping | None) -> str:
+    """An entry's score and interval; the score from the unrounded average where the entry has it, as the
+    summary's table prints it (83.749.. is 83.7 in both)."""
+    if e is None:
+        return "-"
+    return f"{100 * e['average'] if 'average' in e else e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
+
+
 def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -89,7 +97,7 @@ def board_table(entries: list[dict], chosen_width: int = 40) -> list[list[str]]:
     table = [head]
     for e in entries:
         spread = [] if not seeds else [f"{e['seeds']['mean']:.1f} ± {e['seeds']['sd']:.1f}" if e.get("seeds") else ""]
-        score = f"{e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
+        score = score_cell(e)
         table.append(["-" if e["rank"] is None else str(e["rank"]), e["method"], score, *spread, _difference_cell(e["vs_best"]), _difference_cell(e["vs_reference"]),
                       _cut(e["chosen"], chosen_width), f"{e['storage_models']:.2f}", "" if e["data"] in ("none", "") else e["data"]])
     return table
@@ -148,11 +156,6 @@ def versus_table(before: list[dict], after: list[dict], labels: tuple[str, str])
     names = [e["method"] for e in after] + [e["method"] for e in before if e["method"] not in {a["method"] for a in after}]
     new = {e["method"]: e for e in after}
 
-    def cell(e: Mapping | None) -> str:
-        if e is None:
-            return "-"
-        return f"{e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
-
     for name in names:
         a, b = old.get(name), new.get(name)
         change = ""
@@ -162,7 +165,7 @@ def versus_table(before: list[dict], after: list[dict], labels: tuple[str, str])
             noise = None if None in widths else (widths[0] ** 2 + widths[1] ** 2) ** 0.5
             change = (f"{delta:+.1f}" if round(delta, 1) != 0 else "0.0") + (f" {TIE}" if noise is not None and abs(delta) < noise else "")
         rank = b["rank"] if b is not None else None
-        table.append(["-" if rank is None else str(rank), name, cell(a), cell(b), change])
+        table.append(["-" if rank is None else str(rank), name, score_cell(a), score_cell(b), change])
     return table
 
 
