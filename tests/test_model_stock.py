@@ -53,3 +53,28 @@ def test_filter_scope_gives_each_output_row_its_own_ratio():
 def test_one_task_is_refused_in_one_line():
     with pytest.raises(ValueError, match="merge.model_stock: .* at least two tasks"):
         MODEL_STOCK({"w": torch.zeros(2)}, {"a": {"w": torch.ones(2)}})
+
+
+def test_fusionbenchs_convention_averages_the_angles():
+    """tau_a = (1, 0), tau_b = (0, 1), tau_c = (1, 1): angles 90, 45, 45 degrees. FusionBench: cos of their mean
+    (60 degrees) = 1/2, t = 3/4; mergekit: the mean of the cosines (0 + 2/sqrt(2)) / 3."""
+    theta0 = {"w": torch.zeros(2)}
+    taus = {"a": {"w": torch.tensor([1.0, 0.0])}, "b": {"w": torch.tensor([0.0, 1.0])}, "c": {"w": torch.tensor([1.0, 1.0])}}
+    mean_tau = torch.tensor([2 / 3, 2 / 3])
+    assert torch.allclose(MODEL_STOCK(theta0, taus, average="angles")["w"], 0.75 * mean_tau, atol=1e-6)
+    cos = math.sqrt(2) / 3
+    assert torch.allclose(MODEL_STOCK(theta0, taus)["w"], 3 * cos / (1 + 2 * cos) * mean_tau, atol=1e-6)
+
+
+def test_last_axis_scope_is_mergekits_filter_wise_on_a_3d_tensor():
+    """A [2, 2, 2] tensor: mergekit's filter_wise takes the cosine along the last axis only, a ratio per [i, j];
+    "filter" one per i over the flattened [2, 2]. [0, 0]: identical (t = 1); [0, 1]: orthogonal (t = 0)."""
+    theta0 = {"w": torch.zeros(2, 2, 2)}
+    a = torch.tensor([[[1.0, 0.0], [1.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]])
+    b = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [1.0, 1.0]]])
+    taus = {"a": {"w": a}, "b": {"w": b}}
+    last = MODEL_STOCK(theta0, taus, scope="last_axis")["w"]
+    assert torch.allclose(last, torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]]), atol=1e-6)
+    # "filter", row 0: <a0, b0> = 1, |a0| = |b0| = sqrt(2): cos 1/2, t = 2/3; row 1: identical, t = 1
+    per_row = MODEL_STOCK(theta0, taus, scope="filter")["w"]
+    assert torch.allclose(per_row[0], (2 / 3) * (a[0] + b[0]) / 2, atol=1e-6) and torch.allclose(per_row[1], a[1], atol=1e-6)
