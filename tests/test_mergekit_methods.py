@@ -31,6 +31,16 @@ def test_della_keep_probabilities_rise_with_the_magnitude_rank_over_a_window_cen
     assert close(keep_probabilities(T([0.5, -0.5, 0.1]), p=0.5, epsilon=0.4), T([0.5, 0.7, 0.3]))
 
 
+def test_della_ranks_along_dim_1_as_mergekit_does_when_asked():
+    # a [1, 3, 2] tensor: along the last axis each [0, j] pair ranks alone; along dim 1 (mergekit's della_magprune)
+    # each column's three entries rank together. keep = 0.7 - 0.1 + 0.2 r (p 0.3, epsilon 0.2), by hand
+    tau = T([[[0.1, 0.9], [0.3, 0.2], [0.2, 0.5]]])
+    assert close(keep_probabilities(tau, p=0.3, epsilon=0.2), T([[[0.6, 0.8], [0.8, 0.6], [0.6, 0.8]]]))
+    assert close(keep_probabilities(tau, p=0.3, epsilon=0.2, rank_axis="dim1"), T([[[0.6, 0.8], [0.8, 0.6], [0.7, 0.7]]]))
+    matrix = T([[0.1, -0.4, 0.2], [0.3, 0.1, 0.2]])  # on a matrix the two agree
+    assert close(keep_probabilities(matrix, 0.3, 0.2, "dim1"), keep_probabilities(matrix, 0.3, 0.2))
+
+
 def test_magprune_keeps_each_entry_with_its_probability_and_is_unbiased():
     g = torch.Generator().manual_seed(1)
     tau = torch.rand(1, 20_000, generator=g) + 0.5

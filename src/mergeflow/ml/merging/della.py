@@ -13,9 +13,11 @@ as ``dare_linear`` does (a sum of T vectors, not a mean).
 Conventions. ``epsilon`` is the paper's (and the authors' code's ``window_size``) full window; mergekit's
 ``epsilon`` is half of it (its keep probabilities span density +- epsilon), so mergekit's epsilon e is
 ``epsilon: 2e`` here. ``rescale``: ``'keep_probability'`` (the paper and the authors' code: tau_i / k_i) or
-``'l1'`` (mergekit's default: the kept entries scaled together so each tensor keeps its L1 norm). mergekit ranks
-along dim 1 of a tensor; here, along the last dim (the same for matrices). Each (task, tensor)'s draw comes from a
-generator seeded by (seed, task, tensor), so it does not depend on the order tensors stream in.
+``'l1'`` (mergekit's default: the kept entries scaled together so each tensor keeps its L1 norm). ``rank_axis``:
+``'last'`` (the authors' rows, the default) or ``'dim1'`` (mergekit's della_magprune: the ranks along dim 1, every
+other axis indexing the rows); the two agree on matrices and 1-D tensors and differ on a conv kernel or ViT's
+pos_embed. Each (task, tensor)'s draw comes from a generator seeded by (seed, task, tensor), so it does not depend
+on the order tensors stream in.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ if TYPE_CHECKING:
 
 PAPER = "Deep et al. 2024, DELLA-Merging (arXiv:2406.11617)"
 RESCALE = Choice(("keep_probability", "l1"))
-RANGES = {"p": Range("a drop probability", 0, 1, high_open=True), "epsilon": Range("a window width", 0, 1), "rescale": RESCALE, "seed": SEED, "lam": ANY_NUMBER}
-DEFAULTS = {"p": 0.3, "epsilon": 0.14, "rescale": "keep_probability", "seed": 0}
+RANGES = {"p": Range("a drop probability", 0, 1, high_open=True), "epsilon": Range("a window width", 0, 1), "rescale": RESCALE, "rank_axis": Choice(("last", "dim1")), "seed": SEED, "lam": ANY_NUMBER}
+DEFAULTS = {"p": 0.3, "epsilon": 0.14, "rescale": "keep_probability", "rank_axis": "last", "seed": 0}
 
 
 def window_inside(hp) -> str | None:
@@ -43,11 +45,14 @@ def window_inside(hp) -> str | None:
     return None
 
 
-def keep_probabilities(tau: torch.Tensor, p: float, epsilon: float) -> torch.Tensor:
+def keep_probabilities(tau: torch.Tensor, p: float, epsilon: float, rank_axis: str = "last") -> torch.Tensor:
     """k_i for every entry of ``tau``, in its shape: (1 - p) - epsilon/2 + epsilon r_i, r_i the entry's magnitude
-    rank in its row scaled to [0, 1] (largest: 1)."""
+    rank in its row scaled to [0, 1] (largest: 1); a row runs along the last axis, or along dim 1 (``rank_axis``
+    "dim1", mergekit's)."""
     import torch
 
+    if rank_axis == "dim1" and tau.dim() > 2:  # dim 1 moved last, ranked there, moved back
+        return keep_probabilities(tau.movedim(1, -1), p, epsilon).movedim(-1, 1)
     rows = tau.reshape(-1, tau.shape[-1]) if tau.dim() > 1 else tau.reshape(1, -1)
     n = rows.shape[1]
     order = torch.argsort(rows.abs(), dim=1, stable=True)
@@ -57,12 +62,12 @@ def keep_probabilities(tau: torch.Tensor, p: float, epsilon: float) -> torch.Ten
     return ((1 - p) - epsilon / 2 + epsilon * scaled).reshape(tau.shape)
 
 
-def magprune(tau: torch.Tensor, p: float, epsilon: float, rescale: str, seed: int) -> torch.Tensor:
+def magprune(tau: torch.Tensor, p: float, epsilon: float, rescale: str, seed: int, rank_axis: str = "last") -> torch.Tensor:
     """MagPrune of one task's tensor: entry i kept when u_i < k_i (u_i uniform from a generator seeded ``seed``),
     then rescaled."""
     import torch
 
-    keep = keep_probabilities(tau, p, epsilon)
+    keep = keep_probabilities(tau, p, epsilon, rank_axis)
     u = torch.rand(tau.shape, generator=torch.Generator().manual_seed(seed), dtype=tau.dtype)
     kept = torch.where(u < keep, tau, torch.zeros_like(tau))
     if rescale == "keep_probability":
@@ -71,28 +76,28 @@ def magprune(tau: torch.Tensor, p: float, epsilon: float, rescale: str, seed: in
     return kept if after == 0 else kept * (before / after)  # mergekit leaves a tensor it emptied as it is
 
 
-def pruned(task_vectors, p, epsilon, rescale, seed):
+def pruned(task_vectors, p, epsilon, rescale, seed, rank_axis):
     """(key, taus [T, ...]) -> the stack with each task's tensor MagPruned."""
     import torch
 
     from mergeflow.ml.merging._tensors import seed_of
 
     tasks = list(task_vectors)
-    return lambda key, taus: torch.stack([magprune(tau, p, epsilon, rescale, seed_of(seed, t, key)) for t, tau in zip(tasks, taus)])
+    return lambda key, taus: torch.stack([magprune(tau, p, epsilon, rescale, seed_of(seed, t, key), rank_axis) for t, tau in zip(tasks, taus)])
 
 
 @register("della", paper=PAPER, defaults={**DEFAULTS, "lam": 1.1}, grid={"lam": TIES_GRID}, coefficient="lam", ranges=RANGES, joint=window_inside)
-def della(pretrained, task_vectors, *, p, epsilon, rescale, seed, lam):
+def della(pretrained, task_vectors, *, p, epsilon, rescale, rank_axis, seed, lam):
     from mergeflow.ml.merging._sign import elect_and_fuse
     from mergeflow.ml.merging._tensors import map_tensors
 
-    drop = pruned(task_vectors, p, epsilon, rescale, seed)
+    drop = pruned(task_vectors, p, epsilon, rescale, seed, rank_axis)
     return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * elect_and_fuse(drop(key, taus)))
 
 
 @register("della_linear", paper=PAPER, defaults={**DEFAULTS, "lam": 0.4}, grid={"lam": TA_GRID}, coefficient="lam", ranges=RANGES, joint=window_inside)
-def della_linear(pretrained, task_vectors, *, p, epsilon, rescale, seed, lam):
+def della_linear(pretrained, task_vectors, *, p, epsilon, rescale, rank_axis, seed, lam):
     from mergeflow.ml.merging._tensors import map_tensors
 
-    drop = pruned(task_vectors, p, epsilon, rescale, seed)
+    drop = pruned(task_vectors, p, epsilon, rescale, seed, rank_axis)
     return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * drop(key, taus).sum(0))
