@@ -284,3 +284,15 @@ def test_doge_without_steps_is_masked_norm_scaled_task_arithmetic_by_hand():
     # timm's head (CLIP's projection) is not the encoder's: theta0's, and outside the cut
     with_head = REGISTRY["doge_ta"]({**theta0, "head.weight": torch.zeros(2, 2)}, {"t": {**tv, "head.weight": T([[9.0, 8.0], [7.0, 6.0]])}}, lam=0.7, k=0.4, steps=0)
     assert torch.equal(with_head["head.weight"], torch.zeros(2, 2)) and torch.equal(with_head["a.weight"], merged["a.weight"])
+
+
+@pytest.mark.parametrize("name", ["slerp", "nuslerp"])
+def test_slerp_of_the_weights_themselves_without_a_base(name):
+    # theta0 = (1, 0), theta_a = (0, 1), theta_b = theta0: on the weights, the arc between (0, 1) and (1, 0) at t = 1/2
+    # is (1, 1)/sqrt(2). On the task vectors tau_b = 0: SLERP falls back to the line, theta0 + tau_a / 2 = (1/2, 1/2);
+    # NuSLERP (mergekit's norm clamp) takes the zero vector as orthogonal, theta0 + sin(pi/4) tau_a
+    theta0 = {"w": T([1.0, 0.0])}
+    tvs = {"a": {"w": T([-1.0, 1.0])}, "b": {"w": T([0.0, 0.0])}}
+    assert close(REGISTRY[name](theta0, tvs, t=0.5, space="weights")["w"], T([2**-0.5, 2**-0.5]))
+    around_theta0 = T([0.5, 0.5]) if name == "slerp" else T([1 - 2**-0.5, 2**-0.5])
+    assert close(REGISTRY[name](theta0, tvs, t=0.5)["w"], around_theta0)

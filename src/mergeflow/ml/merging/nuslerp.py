@@ -7,7 +7,9 @@ linear interpolation (1 - t) u + t v where the pair is nearly parallel or opposi
 dtype's rounding: merging._sphere; mergekit: |cos| > 0.9995); theta = theta0 + slerp. ``vectors``: ``'tensor'``
 (mergekit's default, nuslerp_flatten: true; the same merge as ``slerp`` away from parallel vectors), ``'rows'``
 (nuslerp_flatten: false: each W[i, :]) or ``'columns'`` (nuslerp_row_wise: true as well: each W[:, j]); 1-D
-tensors are one vector. mergekit's t = weight_b / (weight_a + weight_b); two tasks only.
+tensors are one vector. mergekit's t = weight_b / (weight_a + weight_b); two tasks only. ``space``:
+``'task_vectors'`` (mergekit's nuslerp with a base model, the default) or ``'weights'`` (mergekit's without one:
+the fine-tuned weights theta_a, theta_b interpolated themselves, theta = nuslerp(theta_a, theta_b), theta0 unused).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mergeflow.ml.merging import FRACTION, Choice, register
+from mergeflow.ml.merging.slerp import SPACES
 
 if TYPE_CHECKING:
     import torch
@@ -45,17 +48,19 @@ def along(tau: torch.Tensor, vectors: str) -> torch.Tensor:
     return tau if vectors == "rows" else tau.transpose(0, -1)
 
 
-@register("nuslerp", paper="mergekit's nuslerp (SLERP: Shoemake 1985)", defaults={"t": 0.5, "vectors": "tensor"}, grid={"t": [0.25, 0.5, 0.75]}, ranges={"t": FRACTION, "vectors": Choice(("tensor", "rows", "columns"))}, tasks=2)
-def nuslerp(pretrained, task_vectors, *, t, vectors):
+@register("nuslerp", paper="mergekit's nuslerp (SLERP: Shoemake 1985)", defaults={"t": 0.5, "vectors": "tensor", "space": "task_vectors"}, grid={"t": [0.25, 0.5, 0.75]},
+          ranges={"t": FRACTION, "vectors": Choice(("tensor", "rows", "columns")), "space": SPACES}, tasks=2)
+def nuslerp(pretrained, task_vectors, *, t, vectors, space):
     from mergeflow.ml.merging._tensors import map_tensors
 
     if len(task_vectors) != 2:
         raise ValueError(f"merge.nuslerp: NuSLERP merges exactly two models, got {len(task_vectors)} tasks")
 
     def merge(key, theta0, taus):
-        merged = nuslerp_pair(t, along(taus[0], vectors), along(taus[1], vectors))
+        ends = (theta0 + taus[0], theta0 + taus[1]) if space == "weights" else (taus[0], taus[1])
+        merged = nuslerp_pair(t, along(ends[0], vectors), along(ends[1], vectors))
         if taus[0].dim() >= 2 and vectors == "columns":
             merged = merged.transpose(0, -1)
-        return theta0 + merged.reshape(theta0.shape)
+        return merged.reshape(theta0.shape) + (0 if space == "weights" else theta0)
 
     return map_tensors(pretrained, task_vectors, merge)
