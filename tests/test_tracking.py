@@ -83,6 +83,8 @@ def test_merge_runs_share_one_metric_convention(tracked):
     curve = json.loads(Path(client.download_artifacts(merges["ties"].info.run_id, "curves/val_curve.json")).read_text())
     assert curve["x"] == ["lam"] and sorted(r["lam"] for r in curve["rows"]) == [0.8, 1.0]
     assert "plots/search.png" in {a.path for a in client.list_artifacts(merges["ties"].info.run_id, "plots")}
+    # and as the image "search", which the runs page's chart view shows for every selected run side by side
+    assert any(a.path.startswith("images/search+step+0+") for a in client.list_artifacts(merges["ties"].info.run_id, "images"))
     board = {e["method"]: e for e in _read(root, "results/leaderboard.json")["boards"]["standard"]}
     assert (merges["ties"].data.metrics["test_avg_ci_low"], merges["ties"].data.metrics["test_avg_ci_high"]) == (board["ties"]["low"], board["ties"]["high"])
     experiment = client.get_experiment(exp_id)

@@ -66,8 +66,9 @@ formula (negative: it moves away from the individual models), ``storage_models``
 Parameters of a merge run: ``method``, ``kind``, ``paper``, every hyperparameter under its own name (``lam``,
 ``k``, ``rank_ratio``; a per-task choice as ``<key>.<task>``) and each searched grid as ``grid.<key>`` (its
 values, comma-separated). The validation curve is the artifact ``curves/val_curve.json`` (a table against the
-hyperparameter values, per-task choices' curves too) beside the stage's plot ``plots/search.png`` (one name in
-every merge run, so that the compare page sets two runs' plots side by side; a heatmap for two-parameter grids); it is no metric history, which the UI plots against the step (the grid index) and which
+hyperparameter values, per-task choices' curves too) beside the stage's plot ``plots/search.png`` (a heatmap for
+two-parameter grids), also logged as the image ``search``: the runs page's chart view sets the selected runs'
+searches side by side; it is no metric history, which the UI plots against the step (the grid index) and which
 would add names other methods lack. A merged model of kind "model" is an MLflow model (``model``, see
 mergeflow.ml.mlflow_model). Per-task stores are plain artifacts (``merged/<method>.safetensors``: a task's model is
 rebuilt from the store and the pretrained weights), and task negation's file of chosen coefficients is not logged

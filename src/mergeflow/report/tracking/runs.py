@@ -228,16 +228,22 @@ def _notice(text: str) -> None:
     print(f"MLflow: {text}", flush=True)
 
 
-SEARCH_PLOT = "plots/search.png"  # one name in every merge run: the compare page sets two runs' searches side by side
+SEARCH_PLOT = "plots/search.png"  # one name in every merge run's artifacts
+SEARCH_IMAGE = "search"  # and one image key: the runs page's chart view sets the selected runs' searches side by side
 
 
 def log_search_plot(client, run_id: str, plot: Path) -> None:
-    """The merge's validation search plot (logs/merge/<method>.png), logged as SEARCH_PLOT."""
+    """The merge's validation search plot (logs/merge/<method>.png), logged as the artifact SEARCH_PLOT and as the
+    image SEARCH_IMAGE (MLflow's image charts compare runs by an image key; its compare page shows no artifacts)."""
     if not plot.is_file():
         return
     import tempfile
+
+    from PIL import Image
 
     with tempfile.TemporaryDirectory() as folder:
         copy = Path(folder) / Path(SEARCH_PLOT).name
         shutil.copyfile(plot, copy)
         client.log_artifact(run_id, str(copy), str(Path(SEARCH_PLOT).parent))
+    with Image.open(plot) as image:
+        client.log_image(run_id, image.convert("RGB"), key=SEARCH_IMAGE, step=0)
