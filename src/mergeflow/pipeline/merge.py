@@ -23,8 +23,8 @@ from mergeflow.pipeline.binding import bind_data
 from mergeflow.ml.merging.search import negation_search, search
 from mergeflow.ml.models import build_backbone, load_heads as _load_heads
 from mergeflow.core.reproducibility.machine import environment_markdown, recorded
-from mergeflow.report.plots import plot_accuracy_heatmap, plot_averages, plot_learned_coefficients
-from mergeflow.report.leaderboard import board, board_markdown, board_text, is_baseline
+from mergeflow.report.plots import is_reference, plot_accuracy_heatmap, plot_averages, plot_learned_coefficients
+from mergeflow.report.leaderboard import board, board_markdown, board_text
 from mergeflow.report.search_plots import plot_merge_search
 from mergeflow.report.uncertainty import LEVEL, RESAMPLES, resample_indices
 from mergeflow.report.summary import SPREAD_SDS, headline_metrics, headline_name, merge_line, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_legend, summary_markdown, summary_rows, validation_records
@@ -292,7 +292,7 @@ def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Ma
             predictions = {regime_rows[0]["method"]: {t: kept[t]["probe"] for t in tasks}, "Individual": {t: kept[t]["individual"] for t in tasks}}
         for r in regime_rows:
             run = layout.merge_run(r["method"]) if regime == "standard" else layout.merge_run(r["method"], regime_of[regime], regime)
-            if not is_baseline(r["method"]) and run.predictions.is_file():
+            if not is_reference(r["method"]) and run.predictions.is_file():
                 predictions[r["method"]] = load_state_dict(run.predictions)
         boards[regime] = board(regime_rows, predictions, labels, metrics, indices, {r["method"]: spread[name] for r in regime_rows if (name := headline_name(r["regime"], r["method"])) in spread})
     return boards, {t: len(y) for t, y in labels.items()}

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from mergeflow.report.plots import is_reference  # the baselines: the rows that are not merges
 from mergeflow.report.summary import percent
 from mergeflow.report.tables import render
 from mergeflow.report.uncertainty import LEVEL, interval, resampled_averages
@@ -24,11 +25,6 @@ ALIGN = "rlrrrlrl"  # board_table's columns: numbers right, names left (one more
 
 def column_align(table: list[list[str]]) -> str:
     return ALIGN if len(table[0]) == len(ALIGN) else ALIGN[:3] + "r" + ALIGN[3:]
-BASELINES = ("Pretrained", "Individual")  # the rows that are not merges (summary_rows' names start so)
-
-
-def is_baseline(method: str) -> bool:
-    return method.startswith(BASELINES)
 
 
 def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]], labels: Mapping[str, torch.Tensor], metrics: Mapping[str, str], indices: Mapping[str, torch.Tensor],
@@ -40,7 +36,7 @@ def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]
     has more than one."""
     samples = resampled_averages({r["method"]: predictions[r["method"]] for r in rows if r["method"] in predictions}, labels, metrics, indices)
     ranked = sorted(rows, key=lambda r: -r["average"])
-    methods = [r for r in ranked if not is_baseline(r["method"])]
+    methods = [r for r in ranked if not is_reference(r["method"])]
     best = methods[0]["method"] if methods else None
     reference = REFERENCE if any(r["method"] == REFERENCE for r in rows) else None
     by_name = {r["method"]: r for r in rows}
@@ -58,10 +54,10 @@ def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]
     entries, rank = [], 0
     for r in ranked:
         name = r["method"]
-        rank += 0 if is_baseline(name) else 1
+        rank += 0 if is_reference(name) else 1
         low, high = interval(samples[name]) if name in samples else (None, None)
         entries.append({
-            "regime": r["regime"], "method": name, "baseline": is_baseline(name), "rank": None if is_baseline(name) else rank,
+            "regime": r["regime"], "method": name, "baseline": is_reference(name), "rank": None if is_reference(name) else rank,
             "score": percent(r["average"]), "average": r["average"], "low": percent(low), "high": percent(high),
             "vs_best": difference(name, best), "vs_reference": difference(name, reference), "best": best, "reference": reference,
             "chosen": r["chosen"], "storage_models": r["storage_models"], "data": r["data"],

@@ -9,6 +9,7 @@ import io
 from collections.abc import Mapping
 
 from mergeflow.ml.evaluation import gap_recovered, mean, normalized_average
+from mergeflow.report.plots import INDIVIDUAL, is_pretrained
 
 
 def percent(fraction: float | None) -> float | None:
@@ -85,7 +86,7 @@ def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict], val_aver
 def headline_name(regime: str, method: str) -> str:
     """A summary row's name in the headline: "probe" and "individual" for the baselines, the method, and
     "<variant>/<name>" in a training-time regime."""
-    name = "probe" if method.startswith("Pretrained") else "individual" if method == "Individual" else method
+    name = "probe" if is_pretrained(method) else "individual" if method == INDIVIDUAL else method
     return name if regime == "standard" else f"{regime}/{name}"
 
 
@@ -181,6 +182,12 @@ def gap_cell(value: float | None) -> str:
 PRETRAINED_BY_HEAD = {"probe": "Pretrained (linear probe)", "zeroshot": "Pretrained (zero-shot)", "verbalizer": "Pretrained (answer words)"}
 
 
+def pretrained_name(finetune: Mapping[str, dict]) -> str:
+    """The Pretrained row's name by the head that reads theta0 (``finetune``: the tasks' metrics/finetune records)."""
+    head = next(iter(finetune.values()))["probe"].get("head", "probe")
+    return PRETRAINED_BY_HEAD.get(head, PRETRAINED_BY_HEAD["probe"])
+
+
 def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict], *, regime: str = "standard", individual_models: Mapping[str, float] | None = None, data: Mapping[str, str] | None = None) -> list[dict]:
     """Rows Pretrained (read by the tasks' heads: PRETRAINED_BY_HEAD), Individual and one per method: accuracy per task, average, normalized
     accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
@@ -212,8 +219,7 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
         return "per task" if isinstance(v, Mapping) else str(v)
 
     if individual_models is None:
-        head = finetune[tasks[0]]["probe"].get("head", "probe")  # what reads theta0: the tasks' frozen heads
-        rows = [row(PRETRAINED_BY_HEAD.get(head, PRETRAINED_BY_HEAD["probe"]), probe), row("Individual", individual, storage=float(len(tasks)))]
+        rows = [row(pretrained_name(finetune), probe), row("Individual", individual, storage=float(len(tasks)))]
     else:
         rows = [row("Individual", individual_models, storage=float(len(tasks)))]
     for name, ev in evaluations.items():

@@ -83,9 +83,9 @@ def compare(metric: str = "test_avg", every_row: bool = False, markdown: bool = 
     return render(table, markdown)
 
 
-def _leaderboard(revision: str, root: str) -> dict:
+def _leaderboard(revision: str, root: str, shas: Mapping[str, str]) -> dict:
     """results/leaderboard.json of ``revision`` (a commit, a branch or tag, an experiment's name, or "workspace"),
-    read from git and DVC's cache as `dvc exp show` knows it."""
+    read from git and DVC's cache; ``shas``: the commit of each experiment's label in `dvc exp show`."""
     path = Path(root) / "results" / "leaderboard.json"
     if revision == "workspace":
         if not path.is_file():
@@ -93,8 +93,6 @@ def _leaderboard(revision: str, root: str) -> dict:
         return json.loads(path.read_text())
     import dvc.api
 
-    shown = _exp_show(root)
-    shas = {label: rev for label, rev, _ in _experiments(shown) if rev != "workspace"}
     try:
         return json.loads(dvc.api.read("results/leaderboard.json", repo=str(root), rev=shas.get(revision, revision)))
     except Exception as err:  # DVC's errors are of many kinds: one line, with the revision
@@ -112,4 +110,5 @@ def compare_leaderboards(before: str, after: str, root: str = ".") -> str:
     """`mergeflow compare A B`: the leaderboard of revision ``after`` against ``before``'s, regime by regime."""
     from mergeflow.report.leaderboard import versus_text
 
-    return versus_text(_leaderboard(before, root), _leaderboard(after, root), (before, after), shutil.get_terminal_size((160, 24)).columns)
+    shas = {label: rev for label, rev, _ in _experiments(_exp_show(root)) if rev != "workspace"}  # read once for both
+    return versus_text(_leaderboard(before, root, shas), _leaderboard(after, root, shas), (before, after), shutil.get_terminal_size((160, 24)).columns)

@@ -14,7 +14,8 @@ from mergeflow.ml.evaluation import mean
 from mergeflow.core.io import read_json
 from mergeflow.core.layout import Layout
 from mergeflow.core.reproducibility.machine import tags as machine_tags
-from mergeflow.report.summary import percent
+from mergeflow.report.plots import INDIVIDUAL
+from mergeflow.report.summary import percent, pretrained_name
 from mergeflow.report.tracking.merges import _val_curve, merge_metrics, merge_params
 from mergeflow.report.tracking.regimes import _track_regimes
 from mergeflow.report.tracking.registry import _log_merged_model
@@ -149,7 +150,7 @@ RANKED = {"mergeflow.ranked": "yes"}  # the runs the methods views rank: merges 
 
 def baseline_run(method: str) -> str:
     """The run name of a leaderboard baseline ("Individual", "Pretrained (...)")."""
-    return "baseline@individual" if method == "Individual" else "baseline@probe"
+    return "baseline@individual" if method == INDIVIDUAL else "baseline@probe"
 
 
 def record_baselines(t: Tracked) -> None:
@@ -159,10 +160,9 @@ def record_baselines(t: Tracked) -> None:
     tasks, layout = t.params.suite.tasks, t.layout
     timings = [stage_times(layout.timing("finetune", task)) for task in tasks]
     times = (min(a for a, _ in timings), max(b for _, b in timings))  # the fine-tunes', which measured them
-    names = {e["method"] for e in t.leaderboard["boards"].get("standard", []) if e["baseline"]}
     for key in ("probe", "individual"):
         test = {task: t.finetunes[task][key]["test"] for task in tasks}
-        method = "Individual" if key == "individual" else next((n for n in names if n != "Individual"), "Pretrained")
+        method = INDIVIDUAL if key == "individual" else pretrained_name(t.finetunes)
         metrics = {"test_avg": percent(mean(test.values())), "val_avg": percent(mean(t.finetunes[task][key]["val"] for task in tasks)),
                    "gap_recovered": 0.0 if key == "probe" else 100.0, "storage_models": float(len(tasks)) if key == "individual" else 1.0,
                    **{f"test_acc.{task}": percent(v) for task, v in test.items()}} | t.interval("standard", method)
