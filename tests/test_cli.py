@@ -115,7 +115,8 @@ def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys)
     (project / "params.yaml").write_text(yaml.safe_dump(PARAMS | {"merge": {"methods": ["ties", "fisher_merging"]}}))
     status, out, err = _exit(["repro"], capsys)
     assert status == 2 and not out and len(err.splitlines()) == 1
-    assert err.startswith("error: params.yaml: merge: unknown merge method 'fisher_merging' (registered: ")
+    # the key, the closest names and where to list them all, in one short line
+    assert err == "error: params.yaml: merge.methods: unknown merge method 'fisher_merging' (did you mean fw_merging, fisher? `mergeflow methods` lists all 45)\n"
     # the flow's command line checks the project before Prefect starts (the flow itself: tests/test_flow_output.py)
     from flows.pipeline import main as flow_main
 

@@ -50,7 +50,7 @@ def test_cli_unknown_task_is_one_line(repo_root, tmp_path):
     (tmp_path / "params.yaml").write_text((repo_root / "params.yaml").read_text())
     proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "finetune", "--task", "cars"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: params.yaml: suite.tasks has no task 'cars' (tasks: {', '.join(load_params(tmp_path / 'params.yaml').suite.tasks)})"
+    assert proc.stderr.strip() == f"error: params.yaml: suite.tasks has no task 'cars' (listed: {', '.join(load_params(tmp_path / 'params.yaml').suite.tasks)})"
     assert not (tmp_path / "models").exists()
 
 

@@ -62,7 +62,7 @@ def test_hostile_task_names_are_refused_at_load(repo_root, name):
 def test_hostile_method_names_are_refused_at_load(repo_root, name):
     raw = _raw(repo_root)
     raw["merge"]["methods"].append(name)
-    with pytest.raises(MergeflowError, match=r"^params.yaml: merge: unknown merge method "):
+    with pytest.raises(MergeflowError, match=r"^params.yaml: merge.methods: unknown merge method "):
         parse_params(raw)
 
 

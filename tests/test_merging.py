@@ -278,9 +278,11 @@ def test_wrong_hyperparameter_type_names_the_key():
         parse_params(_params({"methods": ["task_arithmetic"], "task_arithmetic": {"lam": ["big"]}}))
 
 
-def test_unknown_method_lists_the_registered_ones():
-    with pytest.raises(MergeflowError, match=r"unknown merge method 'soup' \(registered: .*task_arithmetic"):
+def test_unknown_method_names_the_closest_registered_ones():
+    with pytest.raises(MergeflowError, match=r"^params.yaml: merge.methods: unknown merge method 'soup' \(`mergeflow methods` lists all \d+\)$"):
         parse_params(_params({"methods": ["soup"]}))
+    with pytest.raises(MergeflowError, match=r"^params.yaml: merge.tie: unknown merge method 'tie' \(did you mean ties\? `mergeflow methods`"):
+        parse_params(_params({"methods": ["ties"], "tie": {"k": 0.1}}))
 
 
 @pytest.mark.parametrize("name", sorted(n for n, m in REGISTRY.items() if m.coefficient))

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.stage_table import STAGES, parse_address
 
 
@@ -426,7 +426,7 @@ class Params(_Strict):
 
     def check_task(self, task: str) -> None:
         if task not in self.suite.tasks:
-            raise MergeflowError(f"params.yaml: suite.tasks has no task '{task}' (tasks: {', '.join(self.suite.tasks)})")
+            raise MergeflowError(_not_listed("suite.tasks", "task", task, self.suite.tasks))
 
     @model_validator(mode="after")
     def _replicate_seeds(self) -> Params:
@@ -438,19 +438,26 @@ class Params(_Strict):
 
     def check_replicate(self, seed: int) -> None:
         if seed not in self.seeds:
-            raise MergeflowError(f"params.yaml: seeds has no seed {seed} (seeds: {', '.join(map(str, self.seeds)) or 'none'})")
+            raise MergeflowError(_not_listed("seeds", "seed", seed, [str(s) for s in self.seeds]))
 
     def check_regime(self, regime: str) -> None:
         if regime not in self.regimes.run:
-            raise MergeflowError(f"params.yaml: regimes.run has no regime '{regime}' (regimes: {', '.join(self.regimes.run) or 'none'})")
+            raise MergeflowError(_not_listed("regimes.run", "regime", regime, self.regimes.run))
 
     def check_study(self, study: str) -> None:
         if study not in self.studies.run:
-            raise MergeflowError(f"params.yaml: studies.run has no study '{study}' (studies: {', '.join(self.studies.run) or 'none'})")
+            raise MergeflowError(_not_listed("studies.run", "study", study, self.studies.run))
 
     def check_method(self, method: str) -> None:
         if method not in self.merge.methods:
-            raise MergeflowError(f"params.yaml: merge.methods has no method '{method}' (methods: {', '.join(self.merge.methods)})")
+            raise MergeflowError(_not_listed("merge.methods", "method", method, self.merge.methods))
+
+
+def _not_listed(key: str, what: str, name: object, listed: list[str]) -> str:
+    """One short line for a command's item that params.yaml does not list: the closest listed names, or all of
+    them when they are few."""
+    shown = f"{did_you_mean(name, listed)}{len(listed)} listed" if len(listed) > 8 else f"listed: {', '.join(listed) or 'none'}"
+    return f"params.yaml: {key} has no {what} {name!r} ({shown})"
 
 
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from mergeflow.config import DEFAULT_PARAMS, Params, check_name, parse_schema
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.yaml_files import duplicate_key, parse_yaml, read_yaml, round_trip_yaml
 
 
@@ -23,11 +23,21 @@ def _shown(value: Any) -> str:
     return repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
 
 
+# where each kind of name is listed in full, for a refusal that shows only the closest ones
+LISTED_BY = {"merge method": "mergeflow methods", "regime": "mergeflow regimes", "study": "mergeflow regimes"}
+
+
+def unknown_name(where: str, what: str, name: Any, registered: list[str]) -> str:
+    """One short line for a name not registered: the key, the closest registered names and the command that lists
+    them all (45 methods in one line would bury the answer)."""
+    return f"{where}: unknown {what} {_shown(name)} ({did_you_mean(name, registered)}`{LISTED_BY[what]}` lists all {len(registered)})"
+
+
 def _known(named: list[tuple[str, str]], registered: list[str], what: str) -> None:
-    """ValueError for the first (key, name) whose name is not registered, naming the key and the registered names."""
+    """ValueError for the first (key, name) whose name is not registered, naming the key and the closest names."""
     for where, name in named:
         if name not in registered:
-            raise ValueError(f"{where}: unknown {what} {name!r} (registered: {', '.join(registered) or 'none'})")
+            raise ValueError(unknown_name(where, what, name, registered))
 
 
 def _mapping(overrides: Any, where: str, whose: str) -> dict:
@@ -41,7 +51,7 @@ def _check_merge(params: Params) -> None:
     from mergeflow.ml.merging import REGISTRY, validate_overrides
 
     merge = params.merge
-    _known([("merge", n) for n in [*merge.methods, *(merge.model_extra or {})]], sorted(REGISTRY), "merge method")
+    _known([("merge.methods", n) for n in merge.methods] + [(f"merge.{n}", n) for n in merge.model_extra or {}], sorted(REGISTRY), "merge method")
     for name, overrides in (merge.model_extra or {}).items():
         validate_overrides(REGISTRY[name], overrides, where=f"merge.{name}")
     for name in merge.methods:  # a method that merges only so many task vectors (SLERP: two)
@@ -56,8 +66,7 @@ def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
     for method in methods:
         if method not in REGISTRY and not (own_model and method == regime):
             allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + ([regime] if own_model else [])
-            what = f"a merge method, or '{regime}' for the regime's own model" if own_model else "a merge method"
-            raise ValueError(f"{where}: unknown method {method!r} ({what}: {', '.join(allowed)})")
+            raise ValueError(unknown_name(where, "merge method", method, allowed))
         if method in REGISTRY and REGISTRY[method].reads == "train_statistics":
             raise ValueError(f"{where}: {method!r} reads the standard fine-tunes' statistics (stage statistics), which a regime's task models do not have")
         if method in REGISTRY and REGISTRY[method].kind == "negation":
@@ -69,7 +78,7 @@ def _resolve_regimes(params: Params) -> None:
 
     regimes = params.regimes
     runnable = sorted(n for n, r in REGISTRY.items() if r.settings_model is not None)
-    named = [("regimes.run", n) for n in regimes.run] + [("regimes.methods", n) for n in regimes.methods] + [("regimes", n) for n in regimes.model_extra or {}]
+    named = [("regimes.run", n) for n in regimes.run] + [("regimes.methods", n) for n in regimes.methods] + [(f"regimes.{n}", n) for n in regimes.model_extra or {}]
     _known(named, runnable, "regime")
     resolved = {}
     for name in runnable:
@@ -87,7 +96,7 @@ def _resolve_studies(params: Params) -> None:
     from mergeflow.studies import REGISTRY
 
     studies = params.studies
-    _known([("studies", n) for n in [*studies.run, *(studies.model_extra or {})]], sorted(REGISTRY), "study")
+    _known([("studies.run", n) for n in studies.run] + [(f"studies.{n}", n) for n in studies.model_extra or {}], sorted(REGISTRY), "study")
     overrides = {name: _mapping(studies.overrides(name), f"studies.{name}", "study's") for name in studies.model_extra or {}}
     studies.attach({name: REGISTRY[name].settings(overrides.get(name, {}), where=f"studies.{name}") for name in REGISTRY})
 

@@ -18,3 +18,12 @@ class TransientError(MergeflowError):
     """A failure a retry may get past: a lock held by another process, a busy database, memory taken by others."""
 
     exit_status = TRANSIENT_STATUS
+
+
+def did_you_mean(name: object, names: list[str]) -> str:
+    """'did you mean ties, lines? ' for the names closest to ``name`` (difflib's ratio, at most three), or '': a
+    refusal shows these instead of every name, which it leaves to the command that lists them."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
+    return f"did you mean {', '.join(close)}? " if close else ""
