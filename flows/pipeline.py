@@ -32,7 +32,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from mergeflow.runner.checkouts import check_source, pull_dependencies, pull_outputs, record_stage, source
 from mergeflow.runner.checks import check_project
-from mergeflow.config import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
+from mergeflow.config.environment import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError
 from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, probe_dask_scheduler, workers_argument

@@ -72,3 +72,11 @@ if __name__ == "__main__":
     import sys
 
     print(tiny_params_text(Path(sys.argv[1])), end="")
+
+
+def written_out(raw: dict) -> dict:
+    """``raw`` with every top-level key a params file must name: the sections it leaves out empty (their defaults),
+    seed 0 and no replicate seeds."""
+    from mergeflow.config import MAPPING_SECTIONS
+
+    return {"seed": 0, "seeds": []} | {name: {} for name in MAPPING_SECTIONS} | raw

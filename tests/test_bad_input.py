@@ -329,15 +329,6 @@ def test_pytorch_checkpoints_of_tensors_load(tmp_path, wrap):
     assert set(loaded) == set(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-def test_backbone_kwargs_that_mergeflow_sets_are_refused():
-    from mergeflow.config import BackboneConfig
-    from mergeflow.ml.models import Backbone
-
-    with pytest.raises(MergeflowError) as err:
-        Backbone(BackboneConfig(kwargs=TINY_VIT | {"num_classes": 10}))
-    assert str(err.value) == "backbone.kwargs: 'num_classes' is mergeflow's to set (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it"
-
-
 # ---------------------------------------------------------------- the same through the CLI: exit 2, one line, nothing written
 def _cli_project(root, repo_root, pretrained: str):
     from tests.profiles import tiny_params

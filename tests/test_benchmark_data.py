@@ -203,7 +203,7 @@ def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, 
     import yaml
 
     from mergeflow.pipeline import stages, train
-    from mergeflow.config import DOWNLOAD_ENV
+    from mergeflow.config.environment import DOWNLOAD_ENV
     from mergeflow.params import parse_params
 
     seen = []

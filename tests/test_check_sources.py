@@ -331,7 +331,7 @@ def test_the_new_checks_import_no_torch(tmp_path, repo_root):
         blocked = {BLOCKED!r}
         keep = ("mergeflow", "mergeflow.config", "mergeflow.core.errors", "mergeflow.runner.checks")
         for name in list(sys.modules):
-            if name.split(".")[0] in blocked or (name.startswith("mergeflow") and name not in keep):
+            if name.split(".")[0] in blocked or (name.startswith("mergeflow") and name not in keep and not name.startswith("mergeflow.config.")):
                 del sys.modules[name]
         class Block:
             def find_spec(self, name, path=None, target=None):

@@ -11,9 +11,10 @@ from mergeflow import __version__, cli
 from mergeflow.ml.merging import REGISTRY
 
 from .conftest import REPO
+from .profiles import written_out
 
 # a params file of this test's own: two tasks, two methods, and TIES's lam grid narrowed from the paper's 18 values
-PARAMS = {"suite": {"tasks": ["digits", "count"]}, "merge": {"methods": ["ties", "weight_averaging"], "ties": {"lam": [0.5, 1.5]}}}
+PARAMS = written_out({"suite": {"tasks": ["digits", "count"]}, "merge": {"methods": ["ties", "weight_averaging"], "ties": {"lam": [0.5, 1.5]}}})
 COMMANDS = ["prepare", "pretrain", "finetune", "vectors", "sources", "merge", "report", "track", "methods", "check", "verify", "reproduce", "repro", "ui", "serve"]
 
 
@@ -130,7 +131,7 @@ def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys)
 def test_download_anywhere_on_the_line_lets_the_stages_download(monkeypatch, repo_root):
     # `mergeflow repro --download`: the flag is mergeflow's, not DVC's; the stages DVC starts inherit the permission
     from mergeflow.cli import _allow_downloads
-    from mergeflow.config import DOWNLOAD_ENV
+    from mergeflow.config.environment import DOWNLOAD_ENV
     from mergeflow.params import parse_params
 
     # set, then removed: monkeypatch records the variable's absence and restores it (a delenv of an absent variable

@@ -37,6 +37,58 @@ def test_bad_values_name_the_key(repo_root, section, key, value, pattern):
         parse_params(_with(repo_root, section, key, value), "params.yaml")
 
 
+@pytest.mark.parametrize(
+    "backbone, message",
+    [
+        ({"kwargs": {"img_sise": 32}}, "backbone.kwargs.img_sise: not an argument of timm's VisionTransformer (did you mean img_size? it takes 31)"),
+        ({"kwargs": {"img_size": -3}}, "backbone.kwargs.img_size: expected a whole number from 1 to 4096, got -3"),
+        ({"kwargs": {"patch_size": [8, 8, 8]}}, "backbone.kwargs.patch_size: expected one size or two (height, width), got [8, 8, 8]"),
+        ({"kwargs": {"depth": 2.5}}, "backbone.kwargs.depth: expected a whole number from 1 to 65536, got 2.5"),
+        ({"kwargs": {"embed_dim": 128, "num_heads": 3}}, "backbone.kwargs: embed_dim 128 does not split into num_heads 3 equal heads"),
+        ({"kwargs": {"drop_path_rate": 1.0}}, "backbone.kwargs.drop_path_rate: a dropout rate, from 0 up to (not including) 1, got 1.0"),
+        ({"kwargs": {"num_classes": 10}}, "backbone.kwargs.num_classes: mergeflow sets it (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it"),
+        ({"global_pool": ""}, "backbone.global_pool: '' is not a ViT's pooling (one of token, avg, max, avgmax, map)"),
+        ({"model": "resnet18", "kwargs": {}, "global_pool": "token_mean"}, "backbone.global_pool: 'token_mean' is not a timm model's pooling (one of avg, max, avgmax, catavgmax, fast, token, map)"),
+        ({"library": "transformers", "model": "roberta", "kwargs": {"hidden_size": 0}}, "backbone.kwargs.hidden_size: expected a whole number from 1 to 65536, got 0"),
+        ({"library": "transformers", "model": "roberta", "kwargs": {}, "global_pool": "max"}, "backbone.global_pool: 'max' is not a text backbone's pooling (one of token, avg)"),
+    ],
+)
+def test_backbone_settings_are_checked_at_load(repo_root, backbone, message):
+    """What timm's or transformers' constructor would refuse mid-stage (an AssertionError from timm for heads that do
+    not split the width) is one line naming the key when params.yaml loads."""
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["backbone"] |= backbone
+    with pytest.raises(MergeflowError) as err:
+        parse_params(raw, "params.yaml")
+    assert str(err.value) == f"params.yaml: {message}"
+
+
+def test_the_vit_arguments_are_timms():
+    """config.backbone.VIT_KWARGS is timm's VisionTransformer signature less what mergeflow sets and what is no setting."""
+    import inspect
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    from mergeflow.config.backbone import VIT_KWARGS
+
+    not_settings = {"self", "num_classes", "global_pool", "embed_layer", "embed_norm_layer", "norm_layer", "act_layer", "block_fn", "mlp_layer", "attn_layer", "device", "dtype"}
+    assert VIT_KWARGS == set(inspect.signature(VisionTransformer.__init__).parameters) - not_settings
+
+
+def test_a_params_file_names_every_section_and_an_empty_one_takes_its_defaults(repo_root, tmp_path):
+    from mergeflow.config import ProbeConfig
+
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    path = tmp_path / "params.yaml"
+    for gone, said in (("probe", "section 'probe' is missing (`probe:` left empty takes its defaults)"), ("seed", "'seed' is missing")):
+        path.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != gone}))
+        with pytest.raises(MergeflowError) as err:
+            load_params(path)
+        assert str(err.value) == f"{path}: {said}: params.yaml writes out every top-level key"
+    path.write_text(yaml.safe_dump(raw | {"probe": None}))  # `probe:`, as dvc exp run -S writes null
+    assert load_params(path).probe == ProbeConfig()
+
+
 def test_cli_bad_params_exit_2_one_line_nothing_written(repo_root, tmp_path):
     bad = _with(repo_root, "finetune", "lr", "fast")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(bad))

@@ -399,7 +399,7 @@ def mlflow_ui(port: int, host: str) -> int:
     """``mlflow ui`` on the store ``track`` logs to, so that the Prefect summary artifact's link opens."""
     from pathlib import Path
 
-    from mergeflow.config import mlflow_ui_port
+    from mergeflow.config.environment import mlflow_ui_port
     from mergeflow.report.tracking import tracking_uri
     from mergeflow.runner.ui import serve
 
@@ -411,7 +411,7 @@ def _allow_downloads(argv: list[str] | None) -> list[str]:
     process runs, or DVC runs, may download what is missing. Set before anything reads the hub's settings."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--download" in argv:
-        from mergeflow.config import DOWNLOAD_ENV
+        from mergeflow.config.environment import DOWNLOAD_ENV
 
         argv = [a for a in argv if a != "--download"]
         os.environ[DOWNLOAD_ENV] = "1"

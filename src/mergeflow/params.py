@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from mergeflow.config import DEFAULT_PARAMS, Params, check_name, parse_schema
+from mergeflow.config import DEFAULT_PARAMS, Params, check_written_out, parse_schema
+from mergeflow.config.fields import check_name
 from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.yaml_files import duplicate_key, parse_yaml, read_yaml, round_trip_yaml
 
@@ -121,7 +122,9 @@ def load_params(path: str | os.PathLike = DEFAULT_PARAMS) -> Params:
     path = Path(path)
     if not path.is_file():
         raise MergeflowError(f"{path}: params file not found")
-    return parse_params(read_yaml(path), str(path))
+    raw = read_yaml(path)
+    check_written_out(raw, str(path))
+    return parse_params(raw, str(path))
 
 
 def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: bool = True) -> Params:

@@ -32,9 +32,6 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: BackboneConfig, *, pretrained: bool = False):
         super().__init__()
-        for fixed in ("num_classes", "global_pool", "pretrained_cfg_overlay"):
-            if fixed in cfg.kwargs:
-                raise MergeflowError(f"backbone.kwargs: '{fixed}' is mergeflow's to set (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it")
         create_kwargs = dict(cfg.kwargs, num_classes=embedding_dim(cfg), global_pool=cfg.global_pool)
         if pretrained and cfg.pretrained == "hub":
             self.net = _from_hub(cfg, create_kwargs)

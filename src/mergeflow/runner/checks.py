@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.core import lockfile
-from mergeflow.config import Params, check_name
+from mergeflow.config import Params
+from mergeflow.config.fields import check_name
 from mergeflow.params import load_params
 from mergeflow.core.yaml_files import read_yaml
 from mergeflow.core.errors import MergeflowError
@@ -47,7 +48,7 @@ def _plain(value: Any, where: str) -> None:
 
 def check_interpolations(dvc_yaml: dict, raw_params: dict, params_source: str = "params.yaml") -> None:
     """Every value dvc.yaml pastes into a stage name, a path or a command (``foreach`` items, ``${...}`` in
-    ``cmd``) is a number or a plain name (config.NAME_PATTERN)."""
+    ``cmd``) is a number or a plain name (config.fields.NAME_PATTERN)."""
     for stage, body in (dvc_yaml.get("stages") or {}).items():
         if not isinstance(body, dict):
             continue

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mergeflow.config import first_error
+from mergeflow.config.fields import first_error
 from mergeflow.ml.regimes._types import Budget, Checkpoint, RegimeResult, RoundRecord, Trainer
 
 if TYPE_CHECKING:

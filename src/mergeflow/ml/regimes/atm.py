@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from mergeflow.config import MAX_GRID, MAX_STEPS, at_most
+from mergeflow.config.fields import MAX_GRID, MAX_STEPS, at_most
 from mergeflow.ml.regimes import Budget, RegimeSettings, register
 
 

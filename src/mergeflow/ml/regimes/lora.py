@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
-from mergeflow.config import MAX_GRID
+from mergeflow.config.fields import MAX_GRID
 from mergeflow.ml.regimes import Budget, RegimeSettings, register
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mergeflow.config import MAX_GRID, MAX_STEPS, at_most
+from mergeflow.config.fields import MAX_GRID, MAX_STEPS, at_most
 from mergeflow.ml.regimes import Budget, RegimeSettings, register
 
 SCHEDULES = ("one_schedule", "restart")

@@ -107,7 +107,8 @@ import socket
 import time
 from pathlib import Path
 
-from mergeflow.config import Params, mlflow_ui_base
+from mergeflow.config import Params
+from mergeflow.config.environment import mlflow_ui_base
 from mergeflow.core.errors import TransientError
 from mergeflow.core.io import write_json
 from mergeflow.core.layout import Layout

@@ -1,6 +1,6 @@
 """What the MLflow UI shows: the experiment's saved views (methods ranked by test_avg, regimes, studies), the
 pipeline run's description, and the path that opens the methods view (after the UI's address,
-config.mlflow_ui_base)."""
+config.environment.mlflow_ui_base)."""
 
 from __future__ import annotations
 

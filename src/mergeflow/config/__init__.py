@@ -7,96 +7,21 @@ Every field has a comment saying what it is. An unknown key, a wrong type or an 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
-import urllib.parse
 import zlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.stage_table import STAGES, parse_address
+from mergeflow.config.environment import DOWNLOAD_ENV
+from mergeflow.config.fields import MAX_BATCH, MAX_GRID, MAX_IMAGES, MAX_SEED, MAX_STEPS, MAX_THREADS, NAME_PATTERN, at_most, check_name, non_finite, one_line, unique_names
 
 
 DEFAULT_PARAMS = "params.yaml"
-DOWNLOAD_ENV = "MERGEFLOW_DOWNLOAD"  # set by --download
-# Where the MLflow UI is served: `mergeflow ui` serves on its port unless given --port, `track` prints its address
-# and the Prefect flow's summary artifact links there. Set MERGEFLOW_MLFLOW_UI when the UI runs elsewhere.
-MLFLOW_UI_ENV = "MERGEFLOW_MLFLOW_UI"
-DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
-
-def mlflow_ui_base() -> str:
-    """The MLflow UI's address, without a trailing slash: MERGEFLOW_MLFLOW_UI, else ``mergeflow ui``'s default."""
-    return (os.environ.get(MLFLOW_UI_ENV) or DEFAULT_MLFLOW_UI).rstrip("/")
-
-
-def mlflow_ui_port() -> int:
-    """The port of that address: the one ``mergeflow ui`` serves on unless given --port."""
-    return urllib.parse.urlsplit(mlflow_ui_base()).port or 5000
-
-
-# A name that can reach a file path, a DVC stage name or a command line (a task, a backbone, a suite) is a plain
-# word: letters, digits, '_', '.' and '-', starting with a letter or digit. Nothing a shell or a path treats specially.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
-_NAME = re.compile(NAME_PATTERN)
-
-
-def check_name(value: str, where: str) -> str:
-    """``value`` if it is a plain name (NAME_PATTERN), else ValueError naming ``where``."""
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{where}: {value!r} is not a plain name (letters, digits, '_', '.', '-'; first a letter or digit)")
-    return value
-
-
-def unique_names(values: list[str], what: str) -> list[str]:
-    """``values`` unless one is listed twice (the work would be done twice); ValueError naming it."""
-    dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
-    if dup is not None:
-        raise ValueError(f"{what} {dup!r} is listed twice")
-    return values
-
-
-# Upper bounds on counts and sizes: generous for any machine this runs on (two cores or a GPU node), low enough
-# that a slip (1e29 for 100) is refused at once instead of running until killed or overflowing a seed.
-MAX_STEPS = 10**7  # optimiser steps, warm-up steps, epochs, solver iterations, rounds
-MAX_IMAGES = 10**8  # images or examples: a split, the corpus, a statistic
-MAX_BATCH = 10**6  # examples in one batch
-MAX_THREADS = 4096
-MAX_SEED = 2**32 - 1  # numpy's and scikit-learn's seed range
-MAX_GRID = 1000  # values in a searched grid
-
-
-def at_most(bound: int, unit: str) -> BeforeValidator:
-    """Refuse a number above ``bound``, saying the bound, before pydantic reads it as an integer (1e29 would
-    become a 30-digit step count, 1e30 fails with no bound named)."""
-
-    def check(value: Any) -> Any:
-        number = value
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                return value  # not a number: pydantic's own message
-        if isinstance(number, (int, float)) and not isinstance(number, bool) and number > bound:
-            raise ValueError(f"at most {bound:,} {unit}".rstrip())
-        return value
-
-    return BeforeValidator(check)
-
-
-def _non_finite(raw: Any, path: str = "") -> tuple[str, float] | None:
-    """The first NaN or infinity in parsed YAML (any section: merge and study settings too), by key path."""
-    if isinstance(raw, float) and not math.isfinite(raw):
-        return path, raw
-    items = raw.items() if isinstance(raw, dict) else enumerate(raw) if isinstance(raw, list) else ()
-    for key, value in items:
-        found = _non_finite(value, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
 
 
 class _Strict(BaseModel):
@@ -167,6 +92,14 @@ class BackboneConfig(_Strict):
     # the CLIP text tower that builds zero-shot heads (finetune.head: zeroshot), in open_clip: "hub" (the image
     # tower's hub repository), a local open_clip weights file, or "random" (a seeded init: tests)
     text: str | None = None
+
+    @model_validator(mode="after")
+    def _settings(self) -> BackboneConfig:
+        from mergeflow.config.backbone import check_backbone
+
+        if why := check_backbone(self.library, self.model, self.kwargs, self.global_pool):
+            raise ValueError(why)
+        return self
 
 
 class ScheduleConfig(_Strict):
@@ -460,38 +393,16 @@ def _not_listed(key: str, what: str, name: object, listed: list[str]) -> str:
     return f"params.yaml: {key} has no {what} {name!r} ({shown})"
 
 
-def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
+def check_written_out(raw: Any, source: str) -> None:
+    """A params file names every top-level key: a missing section would run on defaults that neither the file nor
+    dvc.lock's params show (DVC records a missing key as absent); an empty one (`probe:`) asks for its defaults in
+    so many words. (A mapping built in code, as the tests build them, may leave sections out.)"""
+    if isinstance(raw, dict) and (missing := [name for name in Params.model_fields if name not in raw]):
+        what = f"section '{missing[0]}' is missing (`{missing[0]}:` left empty takes its defaults)" if missing[0] in MAPPING_SECTIONS else f"'{missing[0]}' is missing"
+        raise MergeflowError(f"{source}: {what}: params.yaml writes out every top-level key")
 
 
-def first_error(err: ValidationError) -> tuple[str, str]:
-    """pydantic's first error as (dotted key, message with the value given where it is a scalar)."""
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    got = first.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None or first["type"] == "extra_forbidden" else f" (got {got!r})"
-    return key, msg + shown
-
-
-def _one_line(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    loc = tuple(first["loc"])
-    key, msg = first_error(err)
-    key = key or "(top level)"
-    if first["type"] == "extra_forbidden":
-        parent = _model_at(Params, loc)
-        allowed = ", ".join(parent.model_fields) if parent else "see params.yaml"
-        return f"{source}: unknown key '{key}' (allowed here: {allowed})"
-    if not loc or msg.startswith(f"{key}."):  # a check across keys names its own
-        return f"{source}: {msg}"
-    return f"{source}: {key}: {msg}"
+MAPPING_SECTIONS = ("suite", "backbone", "pretrain", "probe", "finetune", "merge", "statistics", "regimes", "studies", "runtime", "tracking")
 
 
 def parse_schema(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
@@ -499,9 +410,10 @@ def parse_schema(raw: Any, source: str = DEFAULT_PARAMS) -> Params:
     (mergeflow.params.parse_params checks those too: what every command loads)."""
     if not isinstance(raw, dict):
         raise MergeflowError(f"{source}: expected a mapping of sections at the top level")
-    if found := _non_finite(raw):
+    raw = {key: {} if value is None and key in MAPPING_SECTIONS else value for key, value in raw.items()}  # `probe:`
+    if found := non_finite(raw):
         raise MergeflowError(f"{source}: {found[0]}: {found[1]} is not a finite number (NaN and infinity are refused everywhere in the params)")
     try:
         return Params.model_validate(raw)
     except ValidationError as err:
-        raise MergeflowError(_one_line(err, source)) from None
+        raise MergeflowError(one_line(err, source, Params)) from None
