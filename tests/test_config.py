@@ -63,6 +63,46 @@ def test_backbone_settings_are_checked_at_load(repo_root, backbone, message):
     assert str(err.value) == f"params.yaml: {message}"
 
 
+@pytest.mark.parametrize(
+    "regime, settings, message",
+    [
+        ("lora", {"targets": ["qkv", "nomodule"]}, "regimes.lora.targets: 'nomodule' names no linear layer of vit_tiny_patch16_224 (its layers end in qkv, proj, fc1, fc2, head, q, kv)"),
+        ("lora", {"lr": 1e308}, "regimes.lora.lr: Input should be less than or equal to 100 (got 1e+308)"),
+        ("atm", {"rounds": [4, 0]}, "regimes.atm.rounds.1: Input should be greater than or equal to 1 (got 0)"),
+        ("atm", {"steps": -5}, "regimes.atm.steps: expected at least 1 step a round, 'epoch' or empty (null) (got -5)"),
+        ("mima", {"rounds": [-1]}, "regimes.mima.rounds.0: Input should be greater than or equal to 1 (got -1)"),
+    ],
+)
+def test_a_regime_that_does_not_run_has_its_settings_checked_too(repo_root, regime, settings, message):
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    assert regime not in raw["regimes"]["run"] or regime == "mima"
+    raw["regimes"]["run"] = []
+    raw["regimes"][regime] = (raw["regimes"].get(regime) or {}) | settings
+    with pytest.raises(MergeflowError) as err:
+        parse_params(raw, "params.yaml")
+    assert str(err.value) == f"params.yaml: {message}"
+
+
+def test_the_linear_layers_named_are_the_ones_the_libraries_build():
+    """config.backbone.LINEAR_LAYERS, what LoRA's targets are checked against at load, against the modules built."""
+    import timm
+    import transformers
+    from torch import nn
+
+    from mergeflow.config.backbone import linear_layers
+
+    def names(net):
+        return {name.rsplit(".", 1)[-1] for name, module in net.named_modules() if isinstance(module, nn.Linear)}
+
+    vit = set().union(*(names(timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=1, **kw)) for kw in ({"num_classes": 0}, {"num_classes": 8, "global_pool": "token"}, {"num_classes": 0, "global_pool": "map"})))
+    assert vit == set(linear_layers("timm", "vit_base_patch32_clip_quickgelu_224.openai"))
+    sizes = {"hidden_size": 32, "d_model": 32, "num_attention_heads": 2, "num_heads": 2, "intermediate_size": 64, "d_ff": 64, "num_hidden_layers": 1, "num_layers": 1, "vocab_size": 50}
+    for model_type in ("roberta", "bert", "t5"):
+        built = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(model_type, **sizes))
+        assert names(built) == set(linear_layers("transformers", model_type)), model_type
+    assert linear_layers("timm", "resnet18") is None
+
+
 def test_the_vit_arguments_are_timms():
     """config.backbone.VIT_KWARGS is timm's VisionTransformer signature less what mergeflow sets and what is no setting."""
     import inspect

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.stage_table import STAGES, parse_address
 from mergeflow.config.environment import DOWNLOAD_ENV
-from mergeflow.config.fields import MAX_BATCH, MAX_GRID, MAX_IMAGES, MAX_SEED, MAX_STEPS, MAX_THREADS, NAME_PATTERN, at_most, check_name, non_finite, one_line, unique_names
+from mergeflow.config.fields import MAX_BATCH, MAX_GRID, MAX_IMAGES, MAX_LR, MAX_SEED, MAX_STEPS, MAX_THREADS, NAME_PATTERN, at_most, check_name, non_finite, one_line, unique_names
 
 
 DEFAULT_PARAMS = "params.yaml"
@@ -106,7 +106,7 @@ class ScheduleConfig(_Strict):
     steps: Annotated[int, at_most(MAX_STEPS, "steps")] = Field(1000, ge=0, le=MAX_STEPS)  # optimiser steps (overridden by epochs when that is set)
     epochs: Annotated[int, at_most(MAX_STEPS, "epochs")] | None = Field(None, ge=1, le=MAX_STEPS)  # whole passes over the training split; 1 epoch of full-batch GD is one step
     batch_size: Annotated[int, at_most(MAX_BATCH, "examples")] = Field(128, ge=1, le=MAX_BATCH)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, le=MAX_LR)
     weight_decay: float = Field(0.05, ge=0)
     warmup_steps: Annotated[int, at_most(MAX_STEPS, "steps")] = Field(0, ge=0, le=MAX_STEPS)  # linear warm-up, then cosine decay to zero
 

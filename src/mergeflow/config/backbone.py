@@ -35,6 +35,22 @@ VIT_POOLS = ("token", "avg", "max", "avgmax", "map")
 TIMM_POOLS = ("avg", "max", "avgmax", "catavgmax", "fast", "token", "map")
 TEXT_POOLS = ("token", "avg")
 
+# the last part of the linear layers' names (what LoRA's targets name), where the family is known: a ViT's blocks
+# (fused qkv, or q and kv in the attention pool of global_pool: map) and CLIP's projection head; transformers'
+# encoders (tests/test_config.py holds each to the modules the library builds)
+LINEAR_LAYERS = {
+    ("timm", "vit_"): ("qkv", "proj", "fc1", "fc2", "head", "q", "kv"),
+    ("transformers", "roberta"): ("query", "key", "value", "dense"),
+    ("transformers", "bert"): ("query", "key", "value", "dense"),
+    ("transformers", "t5"): ("q", "k", "v", "o", "wi", "wo"),
+}
+
+
+def linear_layers(library: str, model: str) -> tuple[str, ...] | None:
+    """The linear layers' last names of a backbone, or None for a family not listed (checked when it is built)."""
+    return next((names for (lib, prefix), names in LINEAR_LAYERS.items() if lib == library and (model.startswith(prefix) if lib == "timm" else model == prefix)), None)
+
+
 MAX_IMG_SIZE = 4096  # pixels a side: a ViT's position table at 16-pixel patches is then 65k rows
 MAX_WIDTH = 1 << 16  # a width, depth or count any published backbone is far below
 

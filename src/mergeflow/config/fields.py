@@ -39,6 +39,7 @@ MAX_BATCH = 10**6  # examples in one batch
 MAX_THREADS = 4096
 MAX_SEED = 2**32 - 1  # numpy's and scikit-learn's seed range
 MAX_GRID = 1000  # values in a searched grid
+MAX_LR = 100.0  # a learning rate: far above any that trains (a slip, 1e3 for 1e-3, diverges in one step)
 
 
 def at_most(bound: int, unit: str) -> BeforeValidator:

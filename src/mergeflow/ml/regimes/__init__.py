@@ -53,6 +53,10 @@ class RegimeSettings(BaseModel):
     def check_budget(self, regime: str, finetune_steps: int) -> None:
         """ValueError, naming the key, when these settings do not fit the fine-tune's budget of steps."""
 
+    def check_backbone(self, regime: str, backbone: Any) -> None:
+        """ValueError, naming the key, when these settings do not fit params.yaml's backbone section
+        (mergeflow.config.BackboneConfig), such as adapters on layers it does not have."""
+
     def training_steps(self, variant_kwargs: Mapping[str, Any], finetune_steps: int, epoch_steps: int) -> int:
         """Optimiser steps a variant takes per task (``epoch_steps``: one epoch's), for `mergeflow plan`'s
         estimate: by default the standard fine-tune's budget, split into rounds or not."""

@@ -24,11 +24,18 @@ from mergeflow.ml.regimes import Budget, RegimeSettings, register
 
 class Settings(RegimeSettings):
     # R; one run per R
-    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
+    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds"), Field(ge=1)]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
     steps: int | Literal["epoch"] | None = None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
     alpha: float | None = Field(None, gt=0)  # theta += alpha * sum of the round's task vectors; empty (null): 1/T
 
     _steps_bound = field_validator("steps", mode="before")(at_most(MAX_STEPS, "steps").func)
+
+    @field_validator("steps")
+    @classmethod
+    def _at_least_one(cls, steps: int | str | None) -> int | str | None:
+        if isinstance(steps, int) and steps < 1:
+            raise ValueError("expected at least 1 step a round, 'epoch' or empty (null)")
+        return steps
 
     def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
         def steps(r: int) -> int | None:

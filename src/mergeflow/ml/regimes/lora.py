@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
-from mergeflow.config.fields import MAX_GRID
+from mergeflow.config.fields import MAX_GRID, MAX_LR
 from mergeflow.ml.regimes import Budget, RegimeSettings, register
 
 if TYPE_CHECKING:
@@ -30,10 +30,17 @@ class Settings(RegimeSettings):
     alpha: float | None = Field(None, gt=0)  # scale alpha / r; empty (null): alpha = r, a scale of 1 at every rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
     targets: list[str] = Field(default_factory=lambda: list(TARGETS), min_length=1)  # linear layers, by the last part of their name
-    lr: float | None = Field(None, gt=0)  # the adapters' learning rate; empty (null): finetune.lr
+    lr: float | None = Field(None, gt=0, le=MAX_LR)  # the adapters' learning rate; empty (null): finetune.lr
 
     def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
         return {f"{regime}_rank{r}": {"rank": r, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets), "lr": self.lr, "steps": None} for r in self.ranks}
+
+    def check_backbone(self, regime: str, backbone: Any) -> None:
+        from mergeflow.config.backbone import linear_layers
+
+        layers = linear_layers(backbone.library, backbone.model)
+        if layers is not None and (missing := [t for t in self.targets if t not in layers]):
+            raise ValueError(f"regimes.{regime}.targets: {missing[0]!r} names no linear layer of {backbone.model} (its layers end in {', '.join(layers)})")
 
     def adapter(self, variant_kwargs: Mapping[str, Any]) -> AdapterSpec:
         return adapter_spec(**variant_kwargs)

@@ -35,7 +35,7 @@ OPTIMIZER_STATES = ("reset", "carry")
 
 class Settings(RegimeSettings):
     # N, each dividing finetune.steps; one set of task vectors per N
-    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds")]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
+    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds"), Field(ge=1)]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
     schedule: Literal[SCHEDULES] = "one_schedule"  # one lr schedule over S, or a fresh one per round
     optimizer_state: Literal[OPTIMIZER_STATES] = "reset"  # a fresh optimiser per round, or each task's carried over
 
