@@ -97,6 +97,36 @@ def test_imagefolder_without_test_split_is_one_line(repo_root, tmp_path):
         stages.prepare(parse_params(raw), Layout(tmp_path / "repo"))
 
 
+def _break_one_class(folder):
+    (folder / "red").rename(folder.parent / "red-moved")  # test/ keeps red: not among train's classes
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda t: _break_one_class(t / "train"), r"class 'red' is not among the train classes"),
+        (lambda t: (t / "train" / "red" / "3.png").write_bytes((t / "train" / "red" / "3.png").read_bytes()[:60]), r"3.png"),
+        (lambda t: (t / "train" / "green" / "notes.txt").write_text("not an image"), r"notes.txt"),
+        (lambda t: [f.unlink() for f in (t / "train" / "blue").iterdir()], r"train/blue: an empty class folder \(class 'blue' would have no train image"),
+    ],
+    ids=["class outside train", "truncated image", "text file", "empty class folder"],
+)
+def test_a_broken_imagefolder_task_writes_no_task_and_no_import_link(repo_root, tmp_path, damage, message):
+    """prepare converts every task or none: with the second task's folder broken, the first task's file (converted
+    already, or not) is not left in data/, nor an imports/ link; the error is one line naming the file."""
+    root = tmp_path / "folders"
+    _write_imagefolder(root, "good", ["red", "green", "blue"], {"train": 6, "test": 3})
+    _write_imagefolder(root, "broken", ["red", "green", "blue"], {"train": 6, "test": 3})
+    damage(root / "broken")
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["suite"] = {"source": "imagefolder", "root": str(root), "tasks": ["good", "broken"], "image_size": 32, "n_train": 12, "n_val": 4, "n_test": 6, "pretrain_images": 8}
+    layout = Layout(tmp_path / "repo")
+    with pytest.raises(MergeflowError, match=message):
+        stages.prepare(parse_params(raw), layout)
+    left = sorted(str(p.relative_to(layout.root)) for p in layout.root.rglob("*") if not p.is_dir())
+    assert left == [], left
+
+
 def test_checkpoints_are_byte_identical_across_processes(tmp_path):
     """The same tensors and metadata saved by two processes give the same bytes: DVC hashes files, so anything
     else (safetensors writes its metadata map in a per-process random order) re-runs every later stage."""

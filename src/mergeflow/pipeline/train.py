@@ -9,6 +9,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -43,36 +44,56 @@ EVALUATED = ("val", "test")  # what merges read: hyperparameters chosen on val, 
 
 # ---------------------------------------------------------------- prepare
 def prepare(params: Params, layout: Layout = Layout()) -> dict:
-    """Generate (embedded) or convert (imagefolder, torchvision) every task, and the pretraining corpus."""
+    """Generate (embedded) or convert (imagefolder, torchvision) every task, and the pretraining corpus: all of them
+    or none (each is written to a staging folder, moved into data/ once every one is built)."""
     suite = params.suite
     for task in suite.tasks:  # a missing dataset or folder, found before any worker starts (as mergeflow check finds it)
         data_mod.check_layout(suite, task, params.downloads())
+    data = layout.pretrain_corpus.parent
+    staging = Layout(data / f".staging-{os.getpid()}")  # data/'s files under it: <staging>/data/tasks/<task>...
+    shutil.rmtree(staging.root, ignore_errors=True)
+    try:
+        with Timer() as timer:
+            sizes, pretrain_images = _build_data(params, staging)
+        for built in sorted(p for p in staging.root.rglob("*") if p.is_file()):
+            destination = data / built.relative_to(staging.pretrain_corpus.parent)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(built, destination)
+    finally:
+        shutil.rmtree(staging.root, ignore_errors=True)
     imports.sync(params, layout.root)  # each fine-tune's dependency on its imported checkpoint (a new task's too)
-    with Timer() as timer:
-        # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each
-        # from its own seed, so the result does not depend on the number of workers). Each worker saves its own
-        # file and returns only the sizes: this process never holds a task's arrays. At 224 pixels a task is
-        # gigabytes: no more workers than half the memory holds.
-        workers = min(len(suite.tasks) + 1, params.threads() or os.cpu_count() or 1)
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            workers = max(1, min(workers, memory // 2 // max(1, data_mod.task_bytes(suite))))
-        build_corpus = params.backbone.pretrained is None
-        with process_pool(workers) as pool:  # its workers die with the stage, killed or not
-            try:
-                corpus_job = pool.submit(data_mod.write_pretraining_corpus, layout.pretrain_corpus, suite, params.seed) if build_corpus else None
-                jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads(), backbone=params.backbone) for t in suite.tasks}
-                sizes = {t: job.result() for t, job in jobs.items()}
-                pretrain_images = corpus_job.result() if corpus_job else 0
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)  # one task failed: start no other
-                raise
-        if not build_corpus:  # a pretrained backbone: an empty corpus
-            data_mod.write_pretraining_corpus(layout.pretrain_corpus, suite, params.seed, build=False)
     metrics = {"tasks": sizes, "pretrain_images": pretrain_images}
     write_json(layout.metrics("prepare"), metrics)
     write_json(layout.timing("prepare"), timer.record())
     return metrics
+
+
+def _build_data(params: Params, layout: Layout) -> tuple[dict[str, dict[str, int]], int]:
+    """Every task and the corpus written under ``layout``'s data/, in worker processes: (split sizes per task, the
+    corpus' size)."""
+    suite = params.suite
+    layout.task_data(suite.tasks[0]).parent.mkdir(parents=True, exist_ok=True)
+    # generation is single-threaded numpy: the corpus and the tasks are built in parallel processes (each from its
+    # own seed, so the result does not depend on the number of workers). Each worker saves its own file and returns
+    # only the sizes: this process never holds a task's arrays. At 224 pixels a task is gigabytes: no more workers
+    # than half the memory holds.
+    workers = min(len(suite.tasks) + 1, params.threads() or os.cpu_count() or 1)
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        workers = max(1, min(workers, memory // 2 // max(1, data_mod.task_bytes(suite))))
+    build_corpus = params.backbone.pretrained is None
+    with process_pool(workers) as pool:  # its workers die with the stage, killed or not
+        try:
+            corpus_job = pool.submit(data_mod.write_pretraining_corpus, layout.pretrain_corpus, suite, params.seed) if build_corpus else None
+            jobs = {t: pool.submit(data_mod.write_task, layout.task_data(t), suite, t, _task_seed(params.seed, t), download=params.downloads(), backbone=params.backbone) for t in suite.tasks}
+            sizes = {t: job.result() for t, job in jobs.items()}
+            pretrain_images = corpus_job.result() if corpus_job else 0
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # one task failed: start no other
+            raise
+    if not build_corpus:  # a pretrained backbone: an empty corpus
+        data_mod.write_pretraining_corpus(layout.pretrain_corpus, suite, params.seed, build=False)
+    return sizes, pretrain_images
 
 
 # ---------------------------------------------------------------- pretrain

@@ -224,7 +224,7 @@ IMAGEFOLDER_LAYOUT = "<root>/<task>/{train,val,test}/<class>/<image>, val/ optio
 def imagefolder_layout(root: str | Path, task: str) -> tuple[Path, list[str]]:
     """The folder of ImageFolder task ``task`` under ``root`` and its classes (train/'s class folders, sorted),
     after checking its layout from folder listings alone (no image is opened): train/ and test/ (val/ optional)
-    of class folders, no class outside train's, at least one file in each split."""
+    of class folders, no class outside train's, no empty class folder."""
     if not Path(root).is_dir():
         raise MergeflowError(f"suite.root: '{root}' not found (expected a folder of task folders: {IMAGEFOLDER_LAYOUT})")
     base = Path(root) / task
@@ -245,6 +245,8 @@ def imagefolder_layout(root: str | Path, task: str) -> tuple[Path, list[str]]:
             raise MergeflowError(f"{stranger}: class '{stranger.name}' is not among the train classes")
         if not any(next(p.iterdir(), None) is not None for p in folders):
             raise MergeflowError(f"{base / split}: no images")
+        if empty := next((p for p in folders if next(p.iterdir(), None) is None), None):
+            raise MergeflowError(f"{empty}: an empty class folder (class '{empty.name}' would have no {split} image: add images or remove the folder)")
     return base, classes
 
 
