@@ -88,6 +88,8 @@ def test_imagefolder_root_and_task_folders(tmp_path, repo_root):
         f.unlink()
     (photos / "pets" / "val" / "horse").rmdir()
     (photos / "pets" / "test" / "cat" / "0.png").write_bytes(b"")
+    assert _refused(root) == f"{source}: {photos / 'pets' / 'test' / 'dog'}: an empty class folder (class 'dog' would have no test image: add images or remove the folder)"
+    (photos / "pets" / "test" / "dog" / "0.png").write_bytes(b"")
     params, _ = check_project(root)
     assert params.suite.tasks == ["pets"]
 
