@@ -38,6 +38,7 @@ from mergeflow.core.errors import MergeflowError
 from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, probe_dask_scheduler, workers_argument
 from mergeflow.runner.graph import StageNode, changed_stages, check_repo, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
 from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
+from mergeflow.runner.lifetime import watch_children
 from mergeflow.runner.remote import default_remote, push_outputs
 from mergeflow.runner.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
 from mergeflow.runner.stage_server import SERVER_ENV, running_server, running_servers
@@ -235,7 +236,8 @@ def _stale(repo, nodes: list[StageNode], root: str) -> tuple[set[str], set[str]]
     changed = changed_stages(repo)
     stale = stale_stages(repo, nodes, changed=changed)
     if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
-        get_run_logger().warning("outputs that differ from dvc.lock, their stages run again: %s", "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted))
+        named = "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted[:5]) + (f"; and {len(rotted) - 5} more" if len(rotted) > 5 else "")
+        get_run_logger().warning("%d outputs differ from dvc.lock, their stages run again: %s", len(rotted), named)
         changed |= {c.stage for c in rotted}
         stale = stale_stages(repo, nodes, changed=changed)
     return changed, stale
@@ -397,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    watch_children()  # Prefect's ephemeral server (and the stage server) end with this process, even SIGKILLed
     runner = threading.Thread(target=run, name="mergeflow-flow")
     runner.start()
     while runner.is_alive():

@@ -10,7 +10,8 @@ import yaml
 from mergeflow.pipeline import stages
 from mergeflow.params import parse_params
 from mergeflow.core.errors import MergeflowError
-from mergeflow.core.io import atomic_path, check_compatible, load_state_dict, save_state_dict
+from mergeflow.core.io import check_compatible, load_state_dict, save_state_dict
+from mergeflow.core.files import atomic_path
 from mergeflow.pipeline.stages import Layout
 
 
@@ -407,7 +408,7 @@ def temporary_files_on_a_full_device(monkeypatch):
 
 
 def test_full_disk_while_writing_json_is_one_line_and_leaves_nothing(tmp_path, temporary_files_on_a_full_device):
-    from mergeflow.core.io import write_json
+    from mergeflow.core.files import write_json
 
     with pytest.raises(MergeflowError) as err:
         write_json(tmp_path / "metrics" / "finetune.json", {"accuracy": [0.5] * 10000})
@@ -483,7 +484,7 @@ def test_outputs_get_the_users_normal_permissions(tmp_path, umask, file_mode, di
     """Not mkstemp's 0600 or mkdtemp's 0700: what open() and mkdir() give under the umask."""
     import stat
 
-    from mergeflow.core.io import _umask, write_json
+    from mergeflow.core.files import _umask, write_json
 
     previous = os.umask(umask)
     try:

@@ -21,7 +21,8 @@ from mergeflow.params import parse_params
 from mergeflow.ml.data import benchmark, load_task
 from mergeflow.ml.evaluation import MIN_GAP
 from mergeflow.report.summary import gap_cell
-from mergeflow.core.io import load_state_dict, read_json
+from mergeflow.core.io import load_state_dict
+from mergeflow.core.files import read_json
 from mergeflow.pipeline.stages import Layout
 from .conftest import THREADS
 from tests.standins import PER_CLASS, USED, write_standins

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from mergeflow.core.io import read_json
+from mergeflow.core.files import read_json
 
 from .conftest import copy_project, run
 from .profiles import TINY

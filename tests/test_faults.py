@@ -59,6 +59,31 @@ def _assert_recoverable(root, env):
     assert run(["dvc", "status"], root, env, check=False).returncode == 0
 
 
+def _flow_with_a_stage_running(root, env):
+    """The flow started on an ephemeral Prefect server, once a stage has run for a second (not about to end): (its
+    process, the pids of all its descendants then). No deadline: the temporary server may start slowly."""
+    flow = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--workers", "1"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stage_seen = False
+    while flow.poll() is None and not stage_seen:
+        time.sleep(0.2)
+        with contextlib.suppress(psutil.Error):
+            family = psutil.Process(flow.pid).children()
+            stage_seen = any(p.cmdline()[1:2] and p.cmdline()[1].endswith("/mergeflow") and time.time() - p.create_time() > 1.0 for p in family)
+    assert stage_seen, f"the flow ended before a stage had run for a second: {flow.communicate()[0][-2000:]}"
+    return flow, [p.pid for p in psutil.Process(flow.pid).children(recursive=True)]
+
+
+def _still_running(pids, wait: float) -> list[int]:
+    """The processes of ``pids`` still running (not zombies) after up to ``wait`` seconds."""
+    def running():
+        return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+    deadline = time.monotonic() + wait
+    while (left := running()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 @pytest.mark.faults
 def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_env, prefect_server, request):
     root = make_tiny_project(tmp_path, tiny_env)
@@ -75,28 +100,26 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_env, 
         assert not _wait_gone(root), f"stages outlived the flow killed at {delay:.1f} s"
         _assert_recoverable(root, env)
         faults.append(f"flow SIGKILL at {delay:.1f} s")
-    # 2. the flow, SIGTERM while a stage runs: it stops its stages and its own ephemeral Prefect server. The tiny
+    # 2. the flow on its own ephemeral Prefect server while a stage runs, SIGKILLed, then SIGTERMed. The tiny
     # run may have ended between the kills above (all but track, which takes less than a second): then prepare (the
     # longest of its stages, seconds) is made to run again by removing one of its outputs (it gives the same bytes)
     if set(json.loads(run(["dvc", "status", "--json"], root, env, check=False).stdout or "{}")) <= {"track"}:
         (root / "metrics/prepare.json").unlink()
         faults.append("(the run ended between kills: prepare made to run again)")
-    flow = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--workers", "1"], cwd=root, env=tiny_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    stage_seen = False
-    # a stage that has run for a second (not about to end); no deadline: the temporary server may start slowly
-    while flow.poll() is None and not stage_seen:
-        time.sleep(0.2)
-        with contextlib.suppress(psutil.Error):
-            family = psutil.Process(flow.pid).children()
-            stage_seen = any(p.cmdline()[1:2] and p.cmdline()[1].endswith("/mergeflow") and time.time() - p.create_time() > 1.0 for p in family)
-    assert stage_seen, f"the flow ended before a stage had run for a second: {flow.communicate()[0][-2000:]}"
-    family = [p.pid for p in psutil.Process(flow.pid).children(recursive=True)]
+    # SIGKILL: the Prefect server (which Prefect starts without a parent-death signal), the stage server and the
+    # stage end with the flow (runner.lifetime.watch_children)
+    flow, family = _flow_with_a_stage_running(root, tiny_env)
+    flow.kill()
+    flow.communicate()
+    assert not _still_running(family, wait=30), "a stage, the stage server or the flow's Prefect server outlived the SIGKILLed flow"
+    faults.append("flow on its ephemeral server, SIGKILL while a stage ran")
+    # SIGTERM: the flow stops its stages and its own ephemeral Prefect server
+    flow, family = _flow_with_a_stage_running(root, tiny_env)
     flow.send_signal(signal.SIGTERM)
     out, _ = flow.communicate()
     assert flow.returncode == 130, out[-2000:]
     assert "SIGTERM: stopped 1 running stages" in out
-    time.sleep(2)
-    assert not [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a stage or the flow's Prefect server outlived it"
+    assert not _still_running(family, wait=10), "a stage or the flow's Prefect server outlived it"
     _assert_recoverable(root, env)
     faults.append("flow SIGTERM during a stage")
     # 3. `dvc repro`, its process group SIGKILLed (as a scheduler or Ctrl-C would stop it) at random points, on a

@@ -89,8 +89,9 @@ for overrides in ({"gamma": 0.9, "beta": 0.2}, {"alpha": "big"}, {"rounding": "c
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["check"], ["methods"]])
 def test_check_help_version_and_methods_import_no_torch(argv, tmp_path):
-    """In a copy of the project's params.yaml and dvc.yaml (no dvc.lock: check restores none), as a user runs them."""
-    for name in ("params.yaml", "dvc.yaml"):
+    """In a copy of the project's params.yaml, dvc.yaml and dvc.lock, as on a fresh clone: no good copy of the lock
+    yet, which `check` writes (through mergeflow.core.files, not the torch-importing mergeflow.core.io)."""
+    for name in ("params.yaml", "dvc.yaml", "dvc.lock"):
         shutil.copy(REPO / name, tmp_path / name)
     out = fresh(f"""
 from mergeflow.cli import main

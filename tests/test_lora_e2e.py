@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mergeflow.params import apply_overrides
-from mergeflow.core.io import LazyStateDict, read_json
+from mergeflow.core.io import LazyStateDict
+from mergeflow.core.files import read_json
 from mergeflow.ml.lora import is_adapter
 from mergeflow.studies.lora import LoraSettings, Point, _alignments, claim_alignment, claim_knots, claim_loss
 from mergeflow.ml.task_vectors import read_task_vector

@@ -235,7 +235,7 @@ def test_flow_refuses_a_repository_another_dvc_command_holds(tmp_path):
 
 
 def test_sweep_removes_only_dead_processes_temporaries(tmp_path):
-    from mergeflow.core.io import sweep_temporaries, temporary_prefix
+    from mergeflow.core.files import sweep_temporaries, temporary_prefix
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from mergeflow.params import parse_params
-from mergeflow.core.io import save_state_dict, write_json
+from mergeflow.core.io import save_state_dict
+from mergeflow.core.files import write_json
 from mergeflow.ml.models import backbone_state, build_backbone
 from mergeflow.pipeline.stages import Layout
 from mergeflow.studies import REGISTRY, StudyContext

@@ -65,9 +65,21 @@ def test_a_flipped_byte_with_size_and_mtime_kept_is_named(project):
     found, _ = check_outputs(project)
     assert [(c.path, c.why, c.stage) for c in found] == [("folder/sub/1.bin", "changed", "make"), ("model.bin", "changed", "make")]
     lines = []
-    with pytest.raises(MergeflowError, match=r"2 files differ from dvc.lock: folder/sub/1.bin \(changed, stage make\); model.bin .*dvc repro --force --single-item make"):
+    with pytest.raises(MergeflowError, match=r"^2 files differ from dvc.lock \(2 changed; each named above\): `dvc repro --force --single-item make` \(or the Prefect flow\) makes them again$"):
         verify(project, lines.append)
     assert lines == ["changed: folder/sub/1.bin (stage make)", "changed: model.bin (stage make)"]
+
+
+def test_many_missing_files_are_one_short_line_and_the_command_goes_with_the_report(project, monkeypatch):
+    from mergeflow.runner import verify as verify_module
+
+    found = [verify_module.Changed(f"merge@m{i}", f"merged/m{i}.safetensors", "missing") for i in range(400)]
+    monkeypatch.setattr(verify_module, "check_outputs", lambda root: (found, 0))
+    lines = []
+    with pytest.raises(MergeflowError) as err:
+        verify(project, lines.append)
+    assert str(err.value) == "400 files differ from dvc.lock (400 missing; each named above): the command above (their 400 stages, or the Prefect flow) makes them again"
+    assert len(lines) == 401 and lines[-1] == "to make them again: dvc repro --force --single-item " + " ".join(sorted(f"merge@m{i}" for i in range(400)))
 
 
 def test_a_changed_stage_is_named_beside_the_machine_that_wrote_it(project):

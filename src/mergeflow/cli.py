@@ -246,7 +246,7 @@ def _stage(args: argparse.Namespace) -> int:
     from mergeflow.runner.lifetime import die_with_parent
 
     die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
-    from mergeflow.core.io import sweep_temporaries
+    from mergeflow.core.files import sweep_temporaries
     from mergeflow.params import load_params
     from mergeflow.pipeline import stages
 

@@ -168,7 +168,7 @@ def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: boo
     params = parse_params(yaml.safe_load(buffer.getvalue()), f"{path} with {' '.join(overrides)}")
     if not write:
         return params
-    from mergeflow.core.io import atomic_path
+    from mergeflow.core.files import atomic_path
 
     with atomic_path(path) as tmp:
         tmp.write_text(buffer.getvalue())

@@ -88,7 +88,7 @@ def _git_head_lock(root: Path) -> str | None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    from mergeflow.core.io import atomic_path  # here: mergeflow.core.io imports torch, which `mergeflow check` does not need
+    from mergeflow.core.files import atomic_path
 
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -346,7 +346,7 @@ def atomic_dvc_writes() -> Iterator[None]:
     from dvc import dvcfile
     from dvc.utils.serialize import _common, _yaml
 
-    from mergeflow.core.io import atomic_path
+    from mergeflow.core.files import atomic_path
 
     modules = (_common, _yaml)  # _yaml imported _dump_data by name: both bindings are replaced
     with _patch_lock:

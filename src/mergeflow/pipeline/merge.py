@@ -15,7 +15,8 @@ from mergeflow.config import Params
 from mergeflow.ml.data import load_tasks as _load_tasks
 from mergeflow.core.errors import MergeflowError
 from mergeflow.ml.evaluation import MultiTaskEvaluator, mean, normalized, normalized_average
-from mergeflow.core.io import atomic_path, load_metadata, load_state_dict, read_json, save_state_dict, write_json
+from mergeflow.core.io import load_metadata, load_state_dict, save_state_dict
+from mergeflow.core.files import atomic_path, read_json, write_json
 from mergeflow.core.layout import Layout, MergeRun
 from mergeflow.ml.merging import DATA, REGISTRY
 from mergeflow.ml.merging import BASE_PREFIX, store_bytes

@@ -21,7 +21,8 @@ from mergeflow.config import Params, task_seed as _task_seed
 from mergeflow.ml.data import load_tasks as _load_tasks
 from mergeflow.core.errors import MergeflowError
 from mergeflow.ml.evaluation import mean
-from mergeflow.core.io import LazyStateDict, atomic_path, load_state_dict, save_state_dict, tensor_specs, write_json
+from mergeflow.core.io import LazyStateDict, load_state_dict, save_state_dict, tensor_specs
+from mergeflow.core.files import atomic_path, write_json
 from mergeflow.core.layout import Layout
 from mergeflow.ml.merging import REGISTRY
 from mergeflow.core.parent_death import process_pool

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mergeflow.core import lockfile
 from mergeflow.core.errors import MergeflowError
-from mergeflow.core.io import atomic_path
+from mergeflow.core.files import atomic_path
 from mergeflow.runner.graph import StageNode
 from mergeflow.runner.running import run_stage
 from mergeflow.core.yaml_files import parse_yaml

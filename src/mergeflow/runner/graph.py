@@ -98,7 +98,7 @@ def stale_stages(root_or_repo, nodes: list[StageNode], also: set[str] | frozense
 def _running_dvc_commands(root: Path) -> list[str]:
     """Commands another DVC process is running here: DVC records them in .dvc/tmp/rwlock while a stage runs (it
     releases its repository lock meanwhile, so the lock alone does not show them)."""
-    from mergeflow.core.io import process_alive  # torch with it: not for a stage command's start (die_with_parent)
+    from mergeflow.core.files import process_alive
 
     path = root / ".dvc" / "tmp" / "rwlock"
     try:

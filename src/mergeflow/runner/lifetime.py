@@ -1,5 +1,7 @@
 """Stages that die with whatever started them: a launcher killed outright (SIGKILL, a closed terminal, a job
-scheduler) leaves no stage running (``die_with_parent``, called by every stage command)."""
+scheduler) leaves no stage running (``die_with_parent``, called by every stage command); and the flow's own servers
+(Prefect's ephemeral API server, which Prefect starts without a parent-death signal) end with the flow
+(``watch_children``)."""
 
 from __future__ import annotations
 
@@ -114,3 +116,49 @@ def _die_with_dvc() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="die-with-dvc", daemon=True).start()
+
+
+WATCH_INTERVAL = 0.5  # seconds between looks at the watched process's children
+GRACE = 10.0  # seconds a child has to stop on SIGTERM before SIGKILL
+
+
+def watch_children() -> None:
+    """Start a watchdog process that ends this process's children once this process is gone, however it went
+    (SIGKILL included): what Prefect starts for the flow (its ephemeral API server, a uvicorn process) has no
+    parent-death signal and would run on. It records the children every WATCH_INTERVAL seconds and, after the
+    death, sends each one still running (same pid, same start time) SIGTERM, then SIGKILL after GRACE seconds. It
+    ignores Ctrl-C (the flow handles that) and exits with the children."""
+    import subprocess
+    import sys
+
+    code = f"from mergeflow.runner.lifetime import _watchdog; _watchdog({os.getpid()})"
+    subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+
+
+def _watchdog(watched: int) -> None:
+    import select
+
+    import psutil
+
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        pidfd = os.pidfd_open(watched)
+        parent = psutil.Process(watched)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return
+    seen: dict[int, float] = {}
+    while not select.select([pidfd], [], [], WATCH_INTERVAL)[0]:  # readable once the watched process has exited
+        with contextlib.suppress(psutil.Error):
+            seen |= {child.pid: child.create_time() for child in parent.children() if child.pid != os.getpid()}
+    left = []
+    for pid, started in seen.items():
+        with contextlib.suppress(psutil.Error):
+            child = psutil.Process(pid)
+            if child.create_time() == started:
+                child.terminate()
+                left.append(child)
+    _, alive = psutil.wait_procs(left, timeout=GRACE)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()

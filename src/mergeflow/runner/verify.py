@@ -12,6 +12,8 @@ outputs changed; on the default pipeline that is about 600 MB read, seconds.
 
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 from dataclasses import dataclass
@@ -123,8 +125,14 @@ def verify(root: str | Path = ".", report=None) -> str:
     for line in machine_lines(root, sorted({c.stage for c in found if c.why != "missing"})):
         (report or print)(line)
     stages = sorted({c.stage for c in found})
-    shown = "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in found)
-    raise MergeflowError(f"{len(found)} file{'s' if len(found) > 1 else ''} differ from dvc.lock: {shown}; `dvc repro --force --single-item {' '.join(stages)}` (or the Prefect flow) makes them again")
+    counts = ", ".join(f"{n} {why}" for why, n in collections.Counter(c.why for c in found).most_common())
+    command = f"dvc repro --force --single-item {' '.join(stages)}"
+    if len(stages) > 3:  # the error stays one short line: the long command goes with the report
+        (report or print)(f"to make them again: {command}")
+        how = f"the command above (their {len(stages)} stages, or the Prefect flow) makes them again"
+    else:
+        how = f"`{command}` (or the Prefect flow) makes them again"
+    raise MergeflowError(f"{len(found)} file{'s' if len(found) > 1 else ''} differ from dvc.lock ({counts}; each named above): {how}")
 
 
 def machine_lines(root: str | Path, stages: list[str]) -> list[str]:

@@ -55,7 +55,7 @@ class Point:
 
 
 def _json(path: Path):
-    from mergeflow.core.io import read_json
+    from mergeflow.core.files import read_json
 
     return read_json(path) if Path(path).is_file() else None
 

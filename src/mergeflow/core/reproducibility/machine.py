@@ -155,7 +155,7 @@ def explain(stage: str, entries: dict[str, dict], here: dict) -> list[str]:
 
 def record_stage(root: str | os.PathLike, address: str, record: dict) -> None:
     """Write ``record`` as ``address``'s entry of provenance.json (atomically, under a lock: stages end at once)."""
-    from mergeflow.core.io import write_json
+    from mergeflow.core.files import write_json
 
     root = Path(root)
     lock_dir = root / ".dvc" / "tmp" if (root / ".dvc").is_dir() else root

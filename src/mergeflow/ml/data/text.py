@@ -137,7 +137,9 @@ def write_text_corpus(path: Path, cfg: SuiteConfig, seed: int, build: bool = Tru
     Returns its number of sentences."""
     import torch
 
-    from mergeflow.core.io import atomic_path, save_state_dict
+    from mergeflow.core.io import save_state_dict
+
+    from mergeflow.core.files import atomic_path
     from mergeflow.ml.data import text_suite
 
     tok = tokenizer(cfg.seq_len, cfg.source == "text2text")

@@ -110,7 +110,7 @@ from pathlib import Path
 from mergeflow.config import Params
 from mergeflow.config.environment import mlflow_ui_base
 from mergeflow.core.errors import TransientError
-from mergeflow.core.io import write_json
+from mergeflow.core.files import write_json
 from mergeflow.core.layout import Layout
 from mergeflow.core.reproducibility.machine import recorded
 from mergeflow.report.summary import percent

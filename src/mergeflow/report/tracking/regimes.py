@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 from mergeflow.config import Params
 from mergeflow.ml.evaluation import gap_recovered
-from mergeflow.core.io import read_json
+from mergeflow.core.files import read_json
 from mergeflow.core.layout import Layout
 from mergeflow.report.summary import percent
 from mergeflow.report.tracking.merges import _val_curve, merge_metrics, merge_params

@@ -16,7 +16,7 @@ import yaml
 
 from mergeflow.core import lockfile
 from mergeflow.core.errors import MergeflowError
-from mergeflow.core.io import read_json
+from mergeflow.core.files import read_json
 
 
 def _flatten(prefix: str, obj) -> dict[str, str]:

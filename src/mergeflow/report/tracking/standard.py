@@ -11,7 +11,7 @@ from typing import Any
 
 from mergeflow.config import Params
 from mergeflow.ml.evaluation import mean
-from mergeflow.core.io import read_json
+from mergeflow.core.files import read_json
 from mergeflow.core.layout import Layout
 from mergeflow.core.reproducibility.machine import tags as machine_tags
 from mergeflow.report.plots import INDIVIDUAL

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.core.errors import MergeflowError
-from mergeflow.core.io import atomic_path, process_alive
+from mergeflow.core.files import atomic_path, process_alive
 from mergeflow.core.mlflow_store import read_one, tracked_runs_lost, tracking_uri  # noqa: F401 - the store's API
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mergeflow.config import Params
-from mergeflow.core.io import read_json
+from mergeflow.core.files import read_json
 from mergeflow.core.layout import Layout
 from mergeflow.report.tracking.runs import _notice, _Recorder, fingerprint, stage_times
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.core.errors import MergeflowError
-from mergeflow.core.io import atomic_path
+from mergeflow.core.files import atomic_path
 from mergeflow.runner.plan import measure
 from mergeflow.runner.plan.measure import ModelShape, Throughput, architecture_key, model_shape, remember_shape
 

@@ -64,7 +64,7 @@ class Bench:
 
 
 def _json(path: Path):
-    from mergeflow.core.io import read_json
+    from mergeflow.core.files import read_json
 
     return read_json(path) if Path(path).is_file() else None
 

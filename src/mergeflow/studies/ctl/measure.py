@@ -36,7 +36,7 @@ def choose_subset(tasks: Sequence[str], k: int, seed: int) -> list[str]:
 
 def pipeline_lam(layout, default: float) -> tuple[float, str]:
     """(lam, where it came from): metrics/merge/task_arithmetic.json's chosen lam, else the setting."""
-    from mergeflow.core.io import read_json
+    from mergeflow.core.files import read_json
 
     path = Path(layout.metrics("merge", "task_arithmetic"))
     if path.is_file():

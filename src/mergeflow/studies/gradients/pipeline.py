@@ -59,7 +59,7 @@ def claim_atm_budget(atm: Mapping[int, Mapping[str, Any]], baselines: Mapping[st
 
 
 def _read(path: Path):
-    from mergeflow.core.io import read_json
+    from mergeflow.core.files import read_json
 
     return read_json(path) if Path(path).is_file() else None
 

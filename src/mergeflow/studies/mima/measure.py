@@ -82,7 +82,7 @@ class Point:
 
 
 def _json(path: Path) -> Any | None:
-    from mergeflow.core.io import read_json
+    from mergeflow.core.files import read_json
 
     return read_json(path) if Path(path).is_file() else None
 
