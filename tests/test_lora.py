@@ -219,6 +219,33 @@ def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
         read_checkpoint(folder / "adapter_model.safetensors", reference=THETA0, source="finetune.checkpoints.count")
 
 
+@pytest.mark.parametrize(
+    "config, factors, message",
+    [
+        ('{"r": 2, "lora_alpha": NaN}', None, r"adapter_config.json: lora_alpha: expected a finite number, got nan$"),
+        ('{"r": 0, "lora_alpha": 4}', None, r"adapter_config.json: r: expected a whole number from 1, got 0$"),
+        ('{"r": 2, "lora_alpha": 4, "rank_pattern": {"qkv": "x"}}', None, r"adapter_config.json: rank_pattern.qkv: expected a whole number from 1, got x$"),
+        ('{"r": 2, "lora_alpha": 4, "use_dora": true}', None, r"adapter_config.json: use_dora: a DoRA adapter's magnitude vectors are not read \(only LoRA\)$"),
+        ("[" * 100_000 + "]" * 100_000, None, r"adapter_config.json: not JSON \(RecursionError: "),
+        ('{"r": 2, "lora_alpha": 4, "x": "' + "a" * (1 << 20) + '"}', None, r"adapter_config.json: 1,048,\d+ bytes, more than an adapter configuration holds"),
+        ('{"r": 40, "lora_alpha": 4}', {"blocks.0.attn.qkv.lora_A.weight": torch.zeros(40, 32), "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 40)}, r"^count: factors of 'blocks.0.attn.qkv.weight' have rank 40, expected 1 to 32 \(the weight's smaller side\)$"),
+        ('{"r": 2, "lora_alpha": 4}', {"blocks.0.attn.qkv.lora_A.weight": torch.zeros(2, 32), "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 3)}, r"^count: factors of 'blocks.0.attn.qkv.weight' disagree on the rank: A has 2 rows, B 3 columns$"),
+    ],
+    ids=["alpha NaN", "rank 0", "pattern not a number", "DoRA", "nested 100k deep", "a megabyte", "rank above the weight", "A and B ranks"],
+)
+def test_a_hostile_peft_adapter_is_one_line(tmp_path, config, factors, message):
+    """What a downloaded adapter folder may hold that would crash the reader, hang it, or give a model of NaNs."""
+    from mergeflow.ml.checkpoints import read_checkpoint
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    factors = factors or {"blocks.0.attn.qkv.lora_A.weight": torch.zeros(2, 32), "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 2)}
+    save_state_dict(folder / "adapter_model.safetensors", {f"base_model.model.{k}": v for k, v in factors.items()})
+    (folder / "adapter_config.json").write_text(config)
+    with pytest.raises(MergeflowError, match=message):
+        read_checkpoint(folder / "adapter_model.safetensors", reference=THETA0, source="count")
+
+
 def test_a_float64_lora_task_vector_stays_float64():
     factors = {k: v.double() for k, v in _factors(2, 0).items()}
     specs = SPECS | {"norm.weight": ((4,), torch.float64)}

@@ -18,6 +18,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -157,10 +158,14 @@ class LoraTaskVector(Mapping[str, torch.Tensor]):
         for key, (a_key, b_key) in self._weights.items():
             if key not in self._specs:
                 raise MergeflowError(f"{source}: adapts '{key}', which the model does not have")
-            want = self._specs[key][0]
-            got = (self.factors[b_key].shape[0], self.factors[a_key].shape[1])
-            if len(want) != 2 or tuple(got) != tuple(want) or self.factors[a_key].shape[0] != self.factors[b_key].shape[1]:
-                raise MergeflowError(f"{source}: factors of '{key}' give shape {tuple(got)} (rank {self.factors[a_key].shape[0]}), expected {tuple(want)}")
+            a, b = self.factors[a_key], self.factors[b_key]
+            if not (a.is_floating_point() and b.is_floating_point()) or a.dim() != 2 or b.dim() != 2:
+                raise MergeflowError(f"{source}: factors of '{key}' must be floating-point matrices (A {a.dtype} {tuple(a.shape)}, B {b.dtype} {tuple(b.shape)})")
+            if a.shape[0] != b.shape[1]:
+                raise MergeflowError(f"{source}: factors of '{key}' disagree on the rank: A has {a.shape[0]} rows, B {b.shape[1]} columns")
+            want, got = self._specs[key][0], (b.shape[0], a.shape[1])
+            if len(want) != 2 or tuple(got) != tuple(want):
+                raise MergeflowError(f"{source}: factors of '{key}' give shape {tuple(got)} (rank {a.shape[0]}), expected {tuple(want)}")
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._specs)
@@ -212,7 +217,7 @@ def is_peft_adapter(path: str | Path) -> bool:
     ``adapter_config.json``) or its folder."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
-    return (folder / "adapter_config.json").is_file() and (path.is_dir() or path.suffix == ".safetensors")
+    return (folder / "adapter_config.json").exists() and (path.is_dir() or path.suffix == ".safetensors")
 
 
 def _pattern_value(pattern: Mapping[str, float], module: str, default: float) -> float:
@@ -221,6 +226,50 @@ def _pattern_value(pattern: Mapping[str, float], module: str, default: float) ->
         if module == key or module.endswith("." + key):
             return value
     return default
+
+
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes; a megabyte is no configuration
+
+
+def _peft_config(path: Path) -> dict:
+    """adapter_config.json read and checked: a regular file of at most MAX_CONFIG_BYTES holding a JSON object, a LORA
+    adapter (not DoRA, whose magnitudes a LoRA reader would drop), r a whole number from 1, lora_alpha finite, the
+    patterns module names to numbers of the same kinds. One line naming the file and the key otherwise."""
+    def refuse(why: str) -> MergeflowError:
+        return MergeflowError(f"{path}: {why}")
+
+    if not path.is_file():
+        raise refuse("not a regular file")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise refuse(f"{path.stat().st_size:,} bytes, more than an adapter configuration holds (at most {MAX_CONFIG_BYTES:,})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"), parse_constant=lambda name: float("nan"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as err:
+        raise refuse(f"not JSON ({type(err).__name__}: {str(err)[:80]})") from None
+    if not isinstance(config, dict):
+        raise refuse(f"expected a JSON object, got {type(config).__name__}")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {str(config['peft_type'])[:40]!r}, only LORA adapters are read")
+    if config.get("use_dora"):
+        raise refuse("use_dora: a DoRA adapter's magnitude vectors are not read (only LoRA)")
+
+    def rank(value: Any, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(f"{key}: expected a whole number from 1, got {str(value)[:40]}")
+        return value
+
+    def alpha(value: Any, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise refuse(f"{key}: expected a finite number, got {str(value)[:40]}")
+        return float(value)
+
+    checked = {"r": rank(config.get("r"), "r"), "lora_alpha": alpha(config.get("lora_alpha"), "lora_alpha"), "use_rslora": bool(config.get("use_rslora"))}
+    for key, kind in (("rank_pattern", rank), ("alpha_pattern", alpha)):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise refuse(f"{key}: expected an object of module names, got {type(pattern).__name__}")
+        checked[key] = {str(module): kind(value, f"{key}.{module}") for module, value in pattern.items()}
+    return checked
 
 
 def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
@@ -233,15 +282,12 @@ def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
     directory = path if path.is_dir() else path.parent
     config_path, weights_path = directory / "adapter_config.json", path if path.is_file() else directory / "adapter_model.safetensors"
     for needed in (config_path, weights_path):
-        if not needed.is_file():
+        if not needed.exists():
             raise MergeflowError(f"{directory}: not a peft adapter folder (no {needed.name})")
-    try:
-        config = json.loads(config_path.read_text())
-        rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise MergeflowError(f"{config_path}: no usable r and lora_alpha ({err!r})") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise MergeflowError(f"{config_path}: peft_type {config['peft_type']!r}, only LORA adapters are read")
+        if not needed.is_file():
+            raise MergeflowError(f"{needed}: not a regular file")
+    config = _peft_config(config_path)
+    rank, alpha = config["r"], config["lora_alpha"]
     raw = load_state_dict(weights_path)
     factors = {}
     for key, value in raw.items():
@@ -252,8 +298,8 @@ def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
         factors[name] = value
     for weight, (a_key, b_key) in adapted_weights(factors).items():
         module = weight[: -len(".weight")]
-        r = int(_pattern_value(config.get("rank_pattern") or {}, module, rank))
-        a = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha))
+        r = int(_pattern_value(config["rank_pattern"], module, rank))
+        a = float(_pattern_value(config["alpha_pattern"], module, alpha))
         if factors[a_key].shape[0] != r:
             raise MergeflowError(f"{weights_path}: '{a_key}' has rank {factors[a_key].shape[0]}, adapter_config.json gives {module} rank {r}")
         factors[b_key] = factors[b_key] * (a / math.sqrt(r) if config.get("use_rslora") else a / r)
@@ -264,6 +310,9 @@ def apply_adapter(pretrained: Mapping[str, torch.Tensor], factors: Mapping[str, 
     """theta0 + s B A on the adapted weights, theta0 elsewhere: an adapter made a fine-tuned model (each module name
     must be the model's own; one line names the first that is not)."""
     tv = LoraTaskVector(factors, scale, tensor_specs(pretrained), source=source)
+    for key, (a_key, _) in adapted_weights(factors).items():  # one adapter's rank (concatenated ones may exceed it)
+        if not 1 <= factors[a_key].shape[0] <= min(pretrained[key].shape):
+            raise MergeflowError(f"{source}: factors of '{key}' have rank {factors[a_key].shape[0]}, expected 1 to {min(pretrained[key].shape)} (the weight's smaller side)")
     adapted = set(tv.adapted)
     wide = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in pretrained.items()}  # the compute dtype
     return {k: (v.to(wide[k]) + tv[k].to(wide[k])).to(v.dtype) if k in adapted else v.clone() for k, v in pretrained.items()}
