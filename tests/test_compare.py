@@ -1,6 +1,8 @@
 """`mergeflow compare` on a hand-made `dvc exp show --json`: a column per experiment, a row per parameter or
 headline entry that differs."""
 
+import pytest
+
 from mergeflow.runner.compare import comparison, render
 
 
@@ -34,3 +36,34 @@ def test_experiments_side_by_side():
     # the names left-aligned (18 wide), the values right-aligned under their experiment, two spaces between
     assert render(table).splitlines()[1] == "merge.ties.k" + " " * 6 + "  " + "0.1".rjust(9) + "  " + "0.2".rjust(4) + "  " + "0.1".rjust(8)
     assert render(table, markdown=True).splitlines()[:2] == ["|                    | workspace | main | ties-k01 |", "|--------------------|----------:|-----:|---------:|"]
+
+
+@pytest.mark.parametrize(
+    "read, message",
+    [
+        ("missing", "k01: no results/leaderboard.json there (its report stage has not run, or its dvc.lock is not committed)"),
+        ("not json {", "k01: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)"),
+        ('{"boards": [1, 2]}', "k01: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)"),
+        ('{"boards": {"standard": [{"method": "ties"}]}}', "compare k01 k01: a leaderboard in another form than this version writes (KeyError: "),
+    ],
+)
+def test_a_broken_experiments_leaderboard_is_one_line(monkeypatch, read, message):
+    """`mergeflow compare A B` on an experiment without a leaderboard, with a damaged one, or one of another form."""
+    import dvc.api
+
+    from mergeflow.core.errors import MergeflowError
+    from mergeflow.runner import compare
+
+    class PathMissingError(Exception):
+        pass
+
+    def fake_read(path, repo, rev):
+        if read == "missing":
+            raise PathMissingError(f"The path '{path}' does not exist in the target repository")
+        return read
+
+    monkeypatch.setattr(dvc.api, "read", fake_read)
+    monkeypatch.setattr(compare, "_exp_show", lambda root: [])
+    with pytest.raises(MergeflowError) as err:
+        compare.compare_leaderboards("k01", "k01")
+    assert str(err.value).startswith(message) and len(str(err.value)) < 200

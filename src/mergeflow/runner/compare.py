@@ -94,9 +94,19 @@ def _leaderboard(revision: str, root: str, shas: Mapping[str, str]) -> dict:
     import dvc.api
 
     try:
-        return json.loads(dvc.api.read("results/leaderboard.json", repo=str(root), rev=shas.get(revision, revision)))
+        text = dvc.api.read("results/leaderboard.json", repo=str(root), rev=shas.get(revision, revision))
     except Exception as err:  # DVC's errors are of many kinds: one line, with the revision
-        raise MergeflowError(f"{revision}: results/leaderboard.json cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}); revisions: {', '.join(shas)}") from None
+        if type(err).__name__ == "PathMissingError":
+            raise MergeflowError(f"{revision}: no results/leaderboard.json there (its report stage has not run, or its dvc.lock is not committed)") from None
+        detail = (str(err).splitlines() or ["no detail"])[0][:100]
+        raise MergeflowError(f"{revision}: results/leaderboard.json cannot be read ({type(err).__name__}: {detail}); revisions: {', '.join(list(shas)[:8])}") from None
+    try:
+        board = json.loads(text)
+    except ValueError:
+        board = None
+    if not isinstance(board, dict) or not isinstance(board.get("boards"), dict):
+        raise MergeflowError(f"{revision}: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)")
+    return board
 
 
 def _exp_show(root: str) -> list[dict]:
@@ -111,4 +121,8 @@ def compare_leaderboards(before: str, after: str, root: str = ".") -> str:
     from mergeflow.report.leaderboard import versus_text
 
     shas = {label: rev for label, rev, _ in _experiments(_exp_show(root)) if rev != "workspace"}  # read once for both
-    return versus_text(_leaderboard(before, root, shas), _leaderboard(after, root, shas), (before, after), shutil.get_terminal_size((160, 24)).columns)
+    boards = _leaderboard(before, root, shas), _leaderboard(after, root, shas)
+    try:
+        return versus_text(*boards, (before, after), shutil.get_terminal_size((160, 24)).columns)
+    except (KeyError, TypeError, ValueError) as err:  # a leaderboard written by another version of mergeflow
+        raise MergeflowError(f"compare {before} {after}: a leaderboard in another form than this version writes ({type(err).__name__}: {str(err)[:60]}); run the report stage there again") from None
