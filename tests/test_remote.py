@@ -121,6 +121,61 @@ def test_push_then_pull_on_a_fresh_clone_restores_the_run(kind, committed_run, t
     assert "Data and pipelines are up to date." in _stdout(["dvc", "status"], clone, env)
 
 
+def test_a_push_that_fills_the_remote_is_one_line_and_leaves_no_partial_file(tmp_path, tiny_env, monkeypatch):
+    """A local remote that runs out of space: DVC logs an error per file (hundreds) and leaves each file it was
+    writing under its temporary name; the push's error names the count and the first cause, the partial files go."""
+    import errno
+
+    import dvc_objects.fs.local as dvc_local
+
+    from mergeflow.core.errors import MergeflowError
+    from mergeflow.runner.remote import push_outputs
+
+    run("git init -q && dvc init -q && for i in 1 2 3 4 5 6; do echo weights$i > model$i.bin; done && dvc add -q model*.bin", tmp_path, tiny_env)
+    store = tmp_path.parent / f"{tmp_path.name}-store"
+    add_remote(str(store), root=tmp_path)
+    written = []
+
+    def copy_until_full(src, dest, callback=None):
+        if len(written) >= 2:  # room for two files: the rest are cut short, as on a full disk
+            Path(dest).write_bytes(Path(src).read_bytes()[:3])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        Path(dest).write_bytes(Path(src).read_bytes())
+        written.append(dest)
+
+    monkeypatch.setattr(dvc_local, "copyfile", copy_until_full)
+    with pytest.raises(MergeflowError) as err:
+        push_outputs(tmp_path, jobs=1)
+    assert str(err.value) == f"dvc push to storage ({store}): 4 files failed to upload (the first: [Errno 28] No space left on device); 4 partial files it left there removed"
+    assert not list(store.rglob("*.tmp")) and len([p for p in store.rglob("*") if p.is_file()]) == 2
+
+
+def test_a_push_with_wrong_credentials_says_to_check_them(tmp_path, tiny_env, monkeypatch):
+    """An S3 server (moto) that checks credentials, given wrong ones: one line, the credentials named."""
+    from moto.server import ThreadedMotoServer
+
+    from mergeflow.core.errors import MergeflowError
+    from mergeflow.runner.remote import push_outputs
+
+    from moto import settings as moto_settings
+
+    monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto: every request authenticated
+    for key, value in {"AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        run("git init -q && dvc init -q && echo weights > model.bin && dvc add -q model.bin", tmp_path, tiny_env)
+        add_remote("s3://bucket/runs", root=tmp_path, endpoint_url=f"http://{host}:{port}")
+        with pytest.raises(MergeflowError) as err:
+            push_outputs(tmp_path)
+    finally:
+        server.stop()
+    assert str(err.value).startswith("dvc push to storage (s3://bucket/runs): PermissionError: ") and str(err.value).endswith("; check the remote's credentials (in the environment, or `dvc remote modify --local`)")
+    assert "wrong" not in str(err.value)
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     """An S3-compatible server on 127.0.0.1 (moto), with the bucket the test pushes to."""

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -109,9 +110,63 @@ def push_outputs(root: str | Path = ".", jobs: int | None = None, remote: Remote
     remote = remote or default_remote(root)
     if remote is None:
         raise MergeflowError("no DVC remote to push to: set one with `mergeflow remote add URL`")
+    failures: list[str] = []
+    # s3fs leaves a coroutine unawaited when a connection fails: a warning at exit that says nothing to a user
+    warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
     try:
-        with Repo(str(root)) as repo:
+        with Repo(str(root)) as repo, _dvc_errors_kept(failures):
             return repo.push(jobs=jobs)
     except Exception as err:  # noqa: BLE001 - DVC's, the file system's or a cloud client's: one line either way
         kind = "" if isinstance(err, DvcException) else f"{type(err).__name__}: "
-        raise MergeflowError(f"dvc push to {remote}: {kind}{(str(err).splitlines() or ['failed'])[0]}") from None
+        said = (str(err).splitlines() or ["failed"])[0]
+        first = f" (the first: {_transfer_error(failures[0])})" if failures and "failed to upload" in said else ""
+        if isinstance(err, PermissionError) or "Forbidden" in first:
+            first += "; check the remote's credentials (in the environment, or `dvc remote modify --local`)"
+        if failures and "No space left" in failures[0] and not urlsplit(remote.url).scheme:  # a local folder
+            store = Path(root) / ".dvc" / remote.url  # a relative URL is relative to .dvc/ (an absolute one stays)
+            first += f"; {_sweep_partial_uploads(store)} partial files it left there removed"
+        raise MergeflowError(f"dvc push to {remote}: {kind}{said[:200]}{first}") from None
+
+
+@contextlib.contextmanager
+def _dvc_errors_kept(kept: list[str]):
+    """DVC's per-file error lines (one per file that failed: hundreds when the remote is full) kept in ``kept``
+    instead of printed: the push's error names the count and the first."""
+    import logging
+
+    class Keep(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno >= logging.ERROR and record.getMessage().startswith("failed to transfer"):
+                kept.append(str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else record.getMessage())
+                return False
+            return True
+
+    # on the handlers: a logger's own filters see only the records logged to it, not its children's (dvc.*)
+    handlers, keep = list(logging.getLogger("dvc").handlers), Keep()
+    for handler in handlers:
+        handler.addFilter(keep)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(keep)
+
+
+def _transfer_error(message: str) -> str:
+    """'[Errno 28] No space left on device' out of "[Errno 28] No space left on device: 'src' -> 'dst'"."""
+    return message.split(": '", 1)[0][:120]
+
+
+# DVC's temporary name for a file it is writing into a local remote: .<22 URL-safe characters>.tmp
+_PARTIAL_UPLOAD = re.compile(r"^\.[A-Za-z0-9_-]{22}\.tmp$")
+
+
+def _sweep_partial_uploads(store: Path) -> int:
+    """Remove what a push that ran out of space left in a local remote (DVC does not: each file it was writing
+    stays under its temporary name, holding the space the next push needs); their count."""
+    removed = 0
+    for partial in store.glob("files/md5/*/.*.tmp"):
+        if _PARTIAL_UPLOAD.match(partial.name):
+            partial.unlink(missing_ok=True)
+            removed += 1
+    return removed
