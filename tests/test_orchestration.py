@@ -14,7 +14,7 @@ import pytest
 from mergeflow.core import lockfile
 
 from mergeflow.runner import graph, running
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, TransientError
 from mergeflow.runner.graph import StageNode, locked_repo
 from mergeflow.runner.running import StageFailed, StageNotStarted, run_stage
 from tasks.stages import _retry_if_transient
@@ -221,11 +221,14 @@ def test_flow_refuses_a_repository_another_dvc_command_holds(tmp_path):
         proc = subprocess.run([DVC, "repro"], cwd=root, capture_output=True, text=True)
         assert proc.returncode != 0 and "Unable to acquire lock" in proc.stderr
         assert not (root / "out.txt").exists()  # refused before running anything
+        with pytest.raises(TransientError, match=r"another DVC command holds the repository lock; run again when it ends$"):
+            with locked_repo(root):  # exit status 75: a later run gets past it
+                pass
     # a stage that another DVC process is running (DVC drops its repository lock meanwhile, but records it)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         (root / ".dvc" / "tmp" / "rwlock").write_text(json.dumps({"read": {}, "write": {str(root / "out.txt"): {"pid": sleeper.pid, "cmd": "dvc repro"}}}))
-        with pytest.raises(MergeflowError, match=rf"another DVC command is running a stage here \(pid {sleeper.pid}: dvc repro\)"):
+        with pytest.raises(TransientError, match=rf"another DVC command is running a stage here \(pid {sleeper.pid}: dvc repro\)"):
             with locked_repo(root):
                 pass
     finally:

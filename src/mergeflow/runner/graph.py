@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.core import lockfile
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, TransientError
 
 _SHELL_TOKENS = {"&&", "||", ";", "|", ">", ">>", "<", "&"}
 
@@ -112,7 +112,8 @@ def _running_dvc_commands(root: Path) -> list[str]:
 @contextlib.contextmanager
 def locked_repo(root: str | Path = ".") -> Iterator:
     """The DVC repository at ``root``, with DVC's repository lock held until the context ends and dvc.lock written
-    atomically. Refuses (one line, MergeflowError) when another DVC command holds the lock or is running a stage."""
+    atomically. Refuses (one line, TransientError: exit status 75, a later run gets past it) when another DVC
+    command holds the lock or is running a stage."""
     from dvc.lock import LockError
     from dvc.repo import lock_repo
 
@@ -121,9 +122,9 @@ def locked_repo(root: str | Path = ".") -> Iterator:
         try:
             stack.enter_context(lock_repo(repo))
         except LockError:
-            raise MergeflowError(f"{root.resolve()}: another DVC command holds the repository lock; run again when it ends") from None
+            raise TransientError(f"{root.resolve()}: another DVC command holds the repository lock; run again when it ends") from None
         if running := _running_dvc_commands(root):
-            raise MergeflowError(f"{root.resolve()}: another DVC command is running a stage here ({running[0]}); run again when it ends")
+            raise TransientError(f"{root.resolve()}: another DVC command is running a stage here ({running[0]}); run again when it ends")
         yield repo
 
 
