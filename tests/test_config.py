@@ -1,5 +1,6 @@
 """params.yaml validation: one line naming the key and what is allowed, exit status 2, nothing written."""
 
+import json
 import subprocess
 import sys
 
@@ -81,6 +82,20 @@ def test_a_regime_that_does_not_run_has_its_settings_checked_too(repo_root, regi
     with pytest.raises(MergeflowError) as err:
         parse_params(raw, "params.yaml")
     assert str(err.value) == f"params.yaml: {message}"
+
+
+def test_lora_targets_are_checked_against_a_text_backbone_when_given_or_run(repo_root):
+    """A default that names a ViT's layers is no error on RoBERTa while LoRA does not run; given, or run, it is."""
+    raw = yaml.safe_load((repo_root / "profiles" / "text8.yaml").read_text())
+    raw["regimes"]["run"] = []
+    raw["regimes"]["lora"].pop("targets")
+    parse_params(raw, "params.yaml")
+    for edit in ({"targets": ["qkv"]}, {}):
+        changed = json.loads(json.dumps(raw))
+        changed["regimes"]["lora"] |= edit
+        changed["regimes"]["run"] = [] if edit else ["lora"]
+        with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.lora.targets: 'qkv' names no linear layer of roberta \(its layers end in query, key, value, dense\)$"):
+            parse_params(changed, "params.yaml")
 
 
 def test_the_linear_layers_named_are_the_ones_the_libraries_build():

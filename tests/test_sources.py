@@ -59,11 +59,17 @@ def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tin
     run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
     assert json.loads((root / "sources" / "merge" / "ties.json").read_text()) == before
     status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
-    merges = sorted(s for s in status if s.startswith("merge@"))  # (the regime merges: the whole folder)
+    merges = sorted(s for s in status if s.startswith(("merge@", "regime_merge@")))  # the regimes merge with neither
     assert merges == ["merge@emr"], status
     # a study that looks methods up by name (cart) follows every method; those that merge nothing do not
     studies = sorted(s for s in status if s.startswith("study@"))
     assert studies == ["study@cart"], status
+    # a method the regimes merge with (regimes.methods: weight_averaging, task_arithmetic, ties): their merges too
+    with open(root / "src" / "mergeflow" / "ml" / "merging" / "ties.py", "a") as f:
+        f.write("# touched\n")
+    run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
+    status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
+    assert sorted(s for s in status if s.startswith("regime_merge@")) == ["regime_merge@mima", "regime_merge@one_epoch"], status
 
 
 def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
@@ -89,3 +95,4 @@ def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
     stages = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]
     assert "sources/study/${item}.json" in stages["study"]["do"]["deps"] and "src/mergeflow/studies" not in stages["study"]["do"]["deps"]
     assert "sources/regime/${item}.json" in stages["regime"]["do"]["deps"] and "src/mergeflow/ml/regimes" not in stages["regime"]["do"]["deps"]
+    assert "sources/regime_merge/${item}.json" in stages["regime_merge"]["do"]["deps"] and not [d for d in stages["regime_merge"]["do"]["deps"] if d.startswith("src/")]

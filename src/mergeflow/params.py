@@ -87,7 +87,7 @@ def _resolve_regimes(params: Params) -> None:
         settings = regime.settings(_mapping(regimes.overrides(name), f"regimes.{name}", "regime's"), where=f"regimes.{name}")
         methods = list(regimes.methods.get(name, regime.methods))
         _regime_methods(name, methods, regime.own_model)
-        settings.check_backbone(name, params.backbone)
+        settings.check_backbone(name, params.backbone, selected=name in regimes.run)
         if name in regimes.run:
             settings.check_budget(name, params.finetune.steps)
         resolved[name] = (settings, methods)

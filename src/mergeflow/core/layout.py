@@ -90,6 +90,10 @@ class Layout:
         """The source files that regime@<regime> follows from."""
         return self.sources / "regime" / f"{regime}.json"
 
+    def regime_merge_sources(self, regime: str) -> Path:
+        """The source files that regime_merge@<regime> follows from: its methods' (regimes.methods) and LoRA's."""
+        return self.sources / "regime_merge" / f"{regime}.json"
+
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")
 

@@ -315,8 +315,9 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
 # ---------------------------------------------------------------- sources
 def sources(params: Params, layout: Layout = Layout()) -> dict:
     """What each merge's, study's and regime's bytes follow from (mergeflow.pipeline.sources): sources/merge/<method>.json,
-    sources/study/<name>.json, sources/regime/<name>.json, {file: md5}, for every registered one (params aside: the
-    stage re-runs on code changes only)."""
+    sources/study/<name>.json, sources/regime/<name>.json for every registered one, and
+    sources/regime_merge/<name>.json for each regime with the methods params.yaml gives it (regimes.methods), each
+    {file: md5}: a change to one method re-runs only the merges that use it."""
     from mergeflow.ml.regimes import REGISTRY as REGIMES
     from mergeflow.pipeline.sources import digest, merging_dir, method_sources, regime_sources, source_dir, study_sources
     from mergeflow.studies import REGISTRY as STUDIES
@@ -324,7 +325,10 @@ def sources(params: Params, layout: Layout = Layout()) -> dict:
     package_dir, src = merging_dir(layout.root), source_dir(layout.root)
     files = {layout.method_sources(m): method_sources(m, package_dir) for m in REGISTRY}
     files |= {layout.study_sources(s): study_sources(s, src) for s in STUDIES}
-    files |= {layout.regime_sources(r): regime_sources(r, src) for r, spec in REGIMES.items() if spec.settings_model is not None}
+    runnable = [r for r, spec in REGIMES.items() if spec.settings_model is not None]
+    files |= {layout.regime_sources(r): regime_sources(r, src) for r in runnable}
+    lora = src / "ml" / "lora.py"  # a regime's LoRA task vectors are read as their factors
+    files |= {layout.regime_merge_sources(r): sorted({lora, *(f for m in params.regimes.methods_of(r) if m in REGISTRY for f in files[layout.method_sources(m)])}) for r in runnable}
     with atomic_path(layout.sources, directory=True) as tmp:
         for out, found in files.items():
             path = tmp / out.relative_to(layout.sources)

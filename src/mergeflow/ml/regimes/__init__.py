@@ -53,9 +53,10 @@ class RegimeSettings(BaseModel):
     def check_budget(self, regime: str, finetune_steps: int) -> None:
         """ValueError, naming the key, when these settings do not fit the fine-tune's budget of steps."""
 
-    def check_backbone(self, regime: str, backbone: Any) -> None:
+    def check_backbone(self, regime: str, backbone: Any, selected: bool) -> None:
         """ValueError, naming the key, when these settings do not fit params.yaml's backbone section
-        (mergeflow.config.BackboneConfig), such as adapters on layers it does not have."""
+        (mergeflow.config.BackboneConfig), such as adapters on layers it does not have: a setting params.yaml
+        gives, or any when the regime runs (``selected``; a default may suit one backbone family only)."""
 
     def training_steps(self, variant_kwargs: Mapping[str, Any], finetune_steps: int, epoch_steps: int) -> int:
         """Optimiser steps a variant takes per task (``epoch_steps``: one epoch's), for `mergeflow plan`'s

@@ -35,9 +35,11 @@ class Settings(RegimeSettings):
     def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
         return {f"{regime}_rank{r}": {"rank": r, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets), "lr": self.lr, "steps": None} for r in self.ranks}
 
-    def check_backbone(self, regime: str, backbone: Any) -> None:
+    def check_backbone(self, regime: str, backbone: Any, selected: bool) -> None:
         from mergeflow.config.backbone import linear_layers
 
+        if not (selected or "targets" in self.model_fields_set):  # the default names a ViT's layers
+            return
         layers = linear_layers(backbone.library, backbone.model)
         if layers is not None and (missing := [t for t in self.targets if t not in layers]):
             raise ValueError(f"regimes.{regime}.targets: {missing[0]!r} names no linear layer of {backbone.model} (its layers end in {', '.join(layers)})")
