@@ -51,7 +51,8 @@ def prepare(params: Params, layout: Layout = Layout()) -> dict:
     for task in suite.tasks:  # a missing dataset or folder, found before any worker starts (as mergeflow check finds it)
         data_mod.check_layout(suite, task, params.downloads())
     data = layout.pretrain_corpus.parent
-    staging = Layout(data / f".staging-{os.getpid()}")  # data/'s files under it: <staging>/data/tasks/<task>...
+    # data/'s files under it (<staging>/data/tasks/<task>...), named as a temporary: ignored by DVC, swept if killed
+    staging = Layout(data / f".staging.tmp-{os.getpid()}-prepare")
     shutil.rmtree(staging.root, ignore_errors=True)
     try:
         with Timer() as timer:
