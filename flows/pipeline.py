@@ -35,7 +35,7 @@ from mergeflow.runner.checks import check_project
 from mergeflow.config.environment import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError
-from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, probe_dask_scheduler, workers_argument
+from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_dask_imports, check_workers, local_cluster, probe_dask_scheduler, workers_argument
 from mergeflow.runner.graph import StageNode, changed_stages, check_repo, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
 from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
 from mergeflow.runner.lifetime import watch_children
@@ -67,6 +67,7 @@ def check_runner(runner: str, dask_address: str | None = None, worker_checkouts:
             raise MergeflowError("--runner dask needs prefect-dask (pip install prefect-dask)") from None
         if dask_address:  # an unreachable scheduler: one line now, not Dask's traceback after its retries
             probe_dask_scheduler(dask_address)
+            check_dask_imports(dask_address)  # and one that cannot unpickle the stages: one line, not ten failures
 
 
 def make_task_runner(runner: str, workers: int, dask_address: str | None = None) -> TaskRunner:
@@ -255,9 +256,9 @@ def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[st
         publish_summary(failure_markdown(outcome, stages=stages))
         if stopping():
             raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {to_run} stages completed and were recorded in dvc.lock; the rest run next time")
-        first = next(iter(outcome.failed.values()), None)
+        first = outcome.error_line(next(iter(outcome.failed))) if outcome.failed else next(iter(outcome.not_run.values()))
         missing = len(outcome.failed) + len(outcome.not_run)
-        raise PipelineFailed(f"{missing} of {to_run} stages did not complete; first failure: {first if first is not None else next(iter(outcome.not_run.values()))}")
+        raise PipelineFailed(f"{missing} of {to_run} stages did not complete; first failure: {first}")
     pushed, push_error = push_section(Path(root))
     logger.info("outputs: %s", pushed)
     publish_summary(success_markdown(Path(root), outcome.done, stages, pushed))

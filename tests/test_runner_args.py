@@ -16,7 +16,7 @@ import pytest
 
 from flows import pipeline, serve
 from mergeflow.core.errors import MergeflowError
-from mergeflow.runner.arguments import check_schedule, check_workers, probe_dask_scheduler
+from mergeflow.runner.arguments import check_dask_imports, check_schedule, check_workers, probe_dask_scheduler
 
 
 def _one_line(capsys, call) -> tuple[int, str]:
@@ -111,6 +111,27 @@ def test_an_unreachable_dask_scheduler_through_the_command_line(repo_root):
     proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--dask-address", f"tcp://127.0.0.1:{port}"], cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"error: --dask-address tcp://127.0.0.1:{port}: no Dask scheduler there (Connection refused)"]
+
+
+def test_a_dask_scheduler_started_outside_the_project_is_one_line(repo_root, tmp_path):
+    """A scheduler that cannot import the project's tasks.stages would fail every stage with Dask's "Error during
+    deserialization of the task graph" (ten lines each): the flow says so first, in one line."""
+    port = _closed_port()
+    scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        address = f"tcp://127.0.0.1:{port}"
+        while True:  # no deadline: pytest-timeout ends a hang
+            with contextlib.suppress(MergeflowError):
+                probe_dask_scheduler(address)
+                break
+            assert scheduler.poll() is None, "the Dask scheduler did not start"
+            time.sleep(0.3)
+        with pytest.raises(MergeflowError) as err:
+            check_dask_imports(address)
+        assert str(err.value) == f"--dask-address {address}: the scheduler cannot import tasks.stages (ModuleNotFoundError) (1 of 1 processes): start the scheduler and workers with the project's root on PYTHONPATH"
+    finally:
+        scheduler.terminate()
+        scheduler.wait()
 
 
 @contextlib.contextmanager

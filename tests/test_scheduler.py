@@ -275,3 +275,13 @@ def test_a_stage_given_a_gpu_forks_from_that_gpus_server_and_not_from_another(tm
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": "9", SERVER_ENV: server, "DVC_STAGE": "report", "DVC_ROOT": str(tmp_path)}
             proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True)
             assert proc.returncode == expected, proc.stderr[-1000:]
+
+
+def test_a_runners_own_failure_of_several_lines_is_its_first():
+    """Dask's errors run to several lines (its deserialization error, ten): the flow's error line is the first."""
+    from mergeflow.runner.scheduler import RunOutcome
+
+    outcome = RunOutcome(["merge@ties"])
+    outcome.failed["merge@ties"] = RuntimeError("Error during deserialization of the task graph. This frequently\noccurs if the Scheduler and Client have different environments.")
+    assert outcome.error_line("merge@ties") == "RuntimeError: Error during deserialization of the task graph. This frequently"
+    assert outcome.status("merge@ties") == "did not finish"

@@ -108,6 +108,31 @@ def probe_dask_scheduler(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, 
         pool.shutdown(wait=False)
 
 
+def check_dask_imports(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, key: str = "--dask-address") -> None:
+    """One line unless the scheduler and every worker at ``address`` can import mergeflow and the project's
+    ``tasks.stages``: the scheduler unpickles each stage's task (Prefect's, by reference), and one started outside
+    the project fails every stage with Dask's "Error during deserialization of the task graph"."""
+    from distributed import Client
+
+    def missing_imports() -> list[str]:  # nested: cloudpickle sends it by value, importable or not there
+        import importlib
+
+        missing = []
+        for name in ("mergeflow", "tasks.stages"):
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # noqa: BLE001 - any reason it cannot be imported there
+                missing.append(f"{name} ({type(err).__name__})")
+        return missing
+
+    with Client(address, timeout=timeout) as client:
+        found = {"the scheduler": client.run_on_scheduler(missing_imports)} | {f"worker {w}": m for w, m in client.run(missing_imports).items()}
+    bad = [(who, names) for who, names in found.items() if names]
+    if bad:
+        who, names = bad[0]
+        raise MergeflowError(f"{key} {address}: {who} cannot import {names[0]} ({len(bad)} of {len(found)} processes): start the scheduler and workers with the project's root on PYTHONPATH")
+
+
 def local_cluster(**kwargs):
     """A Dask LocalCluster whose workers keep this process's thread settings: Dask's nannies otherwise set
     OMP_NUM_THREADS, MKL_NUM_THREADS and OPENBLAS_NUM_THREADS to 1 in every worker, and a stage (a worker's child)

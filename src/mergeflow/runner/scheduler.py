@@ -50,7 +50,8 @@ class RunOutcome:
     def error_line(self, address: str) -> str:
         """A failed stage's one line: its own last line (``error: ...`` for bad input), or the failure's message."""
         err = self.failed[address]
-        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {err}"
+        # a runner's own failure (Dask's) may run to several lines: its first
+        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
 
     def status(self, address: str) -> str:
         err = self.failed[address]
