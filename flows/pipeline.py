@@ -256,7 +256,8 @@ def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[st
         publish_summary(failure_markdown(outcome, stages=stages))
         if stopping():
             raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {to_run} stages completed and were recorded in dvc.lock; the rest run next time")
-        first = outcome.error_line(next(iter(outcome.failed))) if outcome.failed else next(iter(outcome.not_run.values()))
+        # the first failure's first line (a runner's own, Dask's, may run to ten)
+        first = (str(next(iter(outcome.failed.values()))).strip().splitlines() or ["failed"])[0] if outcome.failed else next(iter(outcome.not_run.values()))
         missing = len(outcome.failed) + len(outcome.not_run)
         raise PipelineFailed(f"{missing} of {to_run} stages did not complete; first failure: {first}")
     pushed, push_error = push_section(Path(root))
