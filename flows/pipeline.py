@@ -34,7 +34,7 @@ from mergeflow.runner.checkouts import check_source, pull_dependencies, pull_out
 from mergeflow.runner.checks import check_project
 from mergeflow.config.environment import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, first_line
 from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_dask_imports, check_workers, local_cluster, probe_dask_scheduler, workers_argument
 from mergeflow.runner.graph import StageNode, changed_stages, check_repo, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
 from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
@@ -257,7 +257,7 @@ def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[st
         if stopping():
             raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {to_run} stages completed and were recorded in dvc.lock; the rest run next time")
         # the first failure's first line (a runner's own, Dask's, may run to ten)
-        first = (str(next(iter(outcome.failed.values()))).strip().splitlines() or ["failed"])[0] if outcome.failed else next(iter(outcome.not_run.values()))
+        first = first_line(next(iter(outcome.failed.values())), "failed") if outcome.failed else next(iter(outcome.not_run.values()))
         missing = len(outcome.failed) + len(outcome.not_run)
         raise PipelineFailed(f"{missing} of {to_run} stages did not complete; first failure: {first}")
     pushed, push_error = push_section(Path(root))

@@ -54,12 +54,11 @@ def test_a_broken_experiments_leaderboard_is_one_line(monkeypatch, read, message
     from mergeflow.core.errors import MergeflowError
     from mergeflow.runner import compare
 
-    class PathMissingError(Exception):
-        pass
+    from dvc.exceptions import PathMissingError
 
     def fake_read(path, repo, rev):
         if read == "missing":
-            raise PathMissingError(f"The path '{path}' does not exist in the target repository")
+            raise PathMissingError(path, repo)
         return read
 
     monkeypatch.setattr(dvc.api, "read", fake_read)

@@ -55,12 +55,16 @@ MAX_IMG_SIZE = 4096  # pixels a side: a ViT's position table at 16-pixel patches
 MAX_WIDTH = 1 << 16  # a width, depth or count any published backbone is far below
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive(key: str, value: Any, most: int) -> str | None:
     values = value if isinstance(value, (list, tuple)) and key in ("img_size", "patch_size") else [value]
     if key in ("img_size", "patch_size") and isinstance(value, (list, tuple)) and len(value) != 2:
         return f"backbone.kwargs.{key}: expected one size or two (height, width), got {value!r}"
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+        if not _number(v) or not isinstance(v, int) or not 1 <= v <= most:
             return f"backbone.kwargs.{key}: expected a whole number from 1 to {most}, got {v!r}"
     return None
 
@@ -78,11 +82,11 @@ def check_backbone(library: str, model: str, kwargs: dict[str, Any], global_pool
     for key, value in kwargs.items():
         if key in POSITIVE_INTS and (why := _positive(key, value, MAX_IMG_SIZE if key == "img_size" else MAX_WIDTH)):
             return why
-        if key in RATES and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+        if key in RATES and not (_number(value) and 0 <= value < 1):
             return f"backbone.kwargs.{key}: a dropout rate, from 0 up to (not including) 1, got {value!r}"
-        if key == "mlp_ratio" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 64):
+        if key == "mlp_ratio" and not (_number(value) and 0 < value <= 64):
             return f"backbone.kwargs.mlp_ratio: expected a number above 0 and at most 64, got {value!r}"
-    width, heads = kwargs.get("embed_dim", kwargs.get("hidden_size")), kwargs.get("num_heads", kwargs.get("num_attention_heads"))
+    width, heads = kwargs.get("embed_dim"), kwargs.get("num_heads")
     if vit and isinstance(width, int) and isinstance(heads, int) and width % heads:
         return f"backbone.kwargs: embed_dim {width} does not split into num_heads {heads} equal heads"
     pools = TEXT_POOLS if library == "transformers" else VIT_POOLS if vit else TIMM_POOLS

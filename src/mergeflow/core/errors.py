@@ -20,6 +20,11 @@ class TransientError(MergeflowError):
     exit_status = TRANSIENT_STATUS
 
 
+def first_line(err: object, empty: str = "") -> str:
+    """The first line of an error's text (a library's own may run to ten), or ``empty`` when it has none."""
+    return (str(err).strip().splitlines() or [empty])[0]
+
+
 def did_you_mean(name: object, names: list[str]) -> str:
     """'did you mean ties, lines? ' for the names closest to ``name`` (difflib's ratio, at most three), or '': a
     refusal shows these instead of every name, which it leaves to the command that lists them."""

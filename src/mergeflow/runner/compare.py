@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, first_line
 from mergeflow.report.tables import render
 
 HEADLINE = "metrics/headline/"
@@ -92,13 +92,14 @@ def _leaderboard(revision: str, root: str, shas: Mapping[str, str]) -> dict:
             raise MergeflowError(f"{path}: no leaderboard in the workspace (run the report stage)")
         return json.loads(path.read_text())
     import dvc.api
+    from dvc.exceptions import PathMissingError
 
     try:
         text = dvc.api.read("results/leaderboard.json", repo=str(root), rev=shas.get(revision, revision))
     except Exception as err:  # DVC's errors are of many kinds: one line, with the revision
-        if type(err).__name__ == "PathMissingError":
+        if isinstance(err, PathMissingError):
             raise MergeflowError(f"{revision}: no results/leaderboard.json there (its report stage has not run, or its dvc.lock is not committed)") from None
-        detail = (str(err).splitlines() or ["no detail"])[0][:100]
+        detail = first_line(err, "no detail")[:100]
         raise MergeflowError(f"{revision}: results/leaderboard.json cannot be read ({type(err).__name__}: {detail}); revisions: {', '.join(list(shas)[:8])}") from None
     try:
         board = json.loads(text)

@@ -136,21 +136,25 @@ def watch_children() -> None:
 
 
 def _watchdog(watched: int) -> None:
-    import select
-
     import psutil
 
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        pidfd = os.pidfd_open(watched)
         parent = psutil.Process(watched)
-    except (ProcessLookupError, psutil.NoSuchProcess):
+    except psutil.NoSuchProcess:
         return
     seen: dict[int, float] = {}
-    while not select.select([pidfd], [], [], WATCH_INTERVAL)[0]:  # readable once the watched process has exited
+    while True:
         with contextlib.suppress(psutil.Error):
             seen |= {child.pid: child.create_time() for child in parent.children() if child.pid != os.getpid()}
+        try:
+            parent.wait(timeout=WATCH_INTERVAL)  # returns once the watched process has exited (not our child: polled)
+            break
+        except psutil.TimeoutExpired:
+            with contextlib.suppress(psutil.Error):
+                if parent.status() == psutil.STATUS_ZOMBIE:  # exited, its own parent not yet reaping it
+                    break
     left = []
     for pid, started in seen.items():
         with contextlib.suppress(psutil.Error):

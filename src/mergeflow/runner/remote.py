@@ -8,6 +8,7 @@ do. S3's come from the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import re
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from mergeflow.core.errors import MergeflowError
+from mergeflow.core.errors import MergeflowError, first_line
 
 DEFAULT_NAME = "storage"
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -110,7 +111,7 @@ def push_outputs(root: str | Path = ".", jobs: int | None = None, remote: Remote
     remote = remote or default_remote(root)
     if remote is None:
         raise MergeflowError("no DVC remote to push to: set one with `mergeflow remote add URL`")
-    failures: list[str] = []
+    failures: list[BaseException | str] = []
     # s3fs leaves a coroutine unawaited when a connection fails: a warning at exit that says nothing to a user
     warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
     try:
@@ -118,26 +119,26 @@ def push_outputs(root: str | Path = ".", jobs: int | None = None, remote: Remote
             return repo.push(jobs=jobs)
     except Exception as err:  # noqa: BLE001 - DVC's, the file system's or a cloud client's: one line either way
         kind = "" if isinstance(err, DvcException) else f"{type(err).__name__}: "
-        said = (str(err).splitlines() or ["failed"])[0]
+        said = first_line(err, "failed")
         first = f" (the first: {_transfer_error(failures[0])})" if failures and "failed to upload" in said else ""
         if isinstance(err, PermissionError) or "Forbidden" in first:
             first += "; check the remote's credentials (in the environment, or `dvc remote modify --local`)"
-        if failures and "No space left" in failures[0] and not urlsplit(remote.url).scheme:  # a local folder
+        if failures and getattr(failures[0], "errno", None) == errno.ENOSPC and not urlsplit(remote.url).scheme:  # a local folder
             store = Path(root) / ".dvc" / remote.url  # a relative URL is relative to .dvc/ (an absolute one stays)
             first += f"; {_sweep_partial_uploads(store)} partial files it left there removed"
         raise MergeflowError(f"dvc push to {remote}: {kind}{said[:200]}{first}") from None
 
 
 @contextlib.contextmanager
-def _dvc_errors_kept(kept: list[str]):
-    """DVC's per-file error lines (one per file that failed: hundreds when the remote is full) kept in ``kept``
-    instead of printed: the push's error names the count and the first."""
+def _dvc_errors_kept(kept: list[BaseException | str]):
+    """DVC's per-file error lines (one per file that failed: hundreds when the remote is full) kept in ``kept`` (each
+    its exception, else its message) instead of printed: the push's error names the count and the first."""
     import logging
 
     class Keep(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             if record.levelno >= logging.ERROR and record.getMessage().startswith("failed to transfer"):
-                kept.append(str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else record.getMessage())
+                kept.append(record.exc_info[1] if record.exc_info and record.exc_info[1] else record.getMessage())
                 return False
             return True
 
@@ -152,9 +153,11 @@ def _dvc_errors_kept(kept: list[str]):
             handler.removeFilter(keep)
 
 
-def _transfer_error(message: str) -> str:
-    """'[Errno 28] No space left on device' out of "[Errno 28] No space left on device: 'src' -> 'dst'"."""
-    return message.split(": '", 1)[0][:120]
+def _transfer_error(failure: BaseException | str) -> str:
+    """'[Errno 28] No space left on device', without the paths an OSError names after it."""
+    if isinstance(failure, OSError) and failure.strerror:
+        return f"[Errno {failure.errno}] {failure.strerror}"
+    return first_line(failure)[:120]
 
 
 # DVC's temporary name for a file it is writing into a local remote: .<22 URL-safe characters>.tmp

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergeflow.core.devices import RUN_GPUS_ENV
+from mergeflow.core.errors import first_line
 from mergeflow.runner.gpus import DevicePool, visible_gpus
 from mergeflow.runner.graph import StageNode, changed_stages, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
 from mergeflow.runner.running import StageFailed, StageNotStarted, run_stage, stop_stages, stopping
@@ -51,7 +52,7 @@ class RunOutcome:
         """A failed stage's one line: its own last line (``error: ...`` for bad input), or the failure's message."""
         err = self.failed[address]
         # a runner's own failure (Dask's) may run to several lines: its first
-        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        return err.tail if isinstance(err, StageFailed) else f"{type(err).__name__}: {first_line(err)}"
 
     def status(self, address: str) -> str:
         err = self.failed[address]
