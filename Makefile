@@ -71,6 +71,7 @@ flow: install
 # workers, one a core (at most 4), a test module a unit of work: the tiny reference run and the Prefect server are
 # made once for all of them (tests/conftest.py), the modules that use them start first
 test: install
+	$(BIN)/ruff format --check -q src flows tasks tests bench
 	$(BIN)/ruff check src flows tasks tests bench
 	$(BIN)/mergeflow check
 	$(BIN)/pytest -q -m "not faults" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder

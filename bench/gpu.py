@@ -3,10 +3,10 @@ stage of the 8-task benchmark's size, on CLIP's image tower at its real shapes (
 what costs), through the library's own functions. Prints a table and writes JSON that `mergeflow plan --calibration`
 reads (mergeflow.runner.plan.calibration).
 
-    python bench/gpu.py --json bench-gpu.json                # ViT-B/32 at 224 px, the benchmark's sizes (~2-3 min on an H100)
-    python bench/gpu.py --model b16                          # or l14, or any timm CLIP model name
-    python bench/gpu.py --sections finetune --compile        # one section; the backbone under torch.compile
-    python bench/gpu.py --tiny                               # a 2-block ViT at 32 px and a few images: seconds, any device
+    python bench/gpu.py --json bench-gpu.json          # ViT-B/32 at 224 px, the benchmark's sizes (~2-3 min on an H100)
+    python bench/gpu.py --model b16                    # or l14, or any timm CLIP model name
+    python bench/gpu.py --sections finetune --compile  # one section; the backbone under torch.compile
+    python bench/gpu.py --tiny                         # a 2-block ViT at 32 px and a few images: seconds, any device
 
 Each figure is timed after a warm-up call (allocator, cuDNN's kernel choice), with the device synchronised around it.
 MFU is model FLOPs (6 per parameter and token in the matrix products, 12 L T^2 D for attention: the PaLM paper's
@@ -44,7 +44,11 @@ from mergeflow.ml.models import build_backbone, make_head
 from mergeflow.ml.statistics import fisher_diagonal, input_grams
 from mergeflow.ml.training import finetune
 
-MODELS = {"b32": "vit_base_patch32_clip_quickgelu_224", "b16": "vit_base_patch16_clip_quickgelu_224", "l14": "vit_large_patch14_clip_quickgelu_224"}
+MODELS = {
+    "b32": "vit_base_patch32_clip_quickgelu_224",
+    "b16": "vit_base_patch16_clip_quickgelu_224",
+    "l14": "vit_large_patch14_clip_quickgelu_224",
+}
 # dense bf16 matrix throughput from the datasheets, FLOP/s (H200: the H100 SXM's chip)
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 TA8_LAMBDAS = [0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]  # profiles/ta8.yaml's task_arithmetic grid
@@ -53,13 +57,51 @@ SECTIONS = ("finetune", "forward", "adamerging", "statistics", "host", "merge_st
 
 def sizes(tiny: bool) -> dict:
     if tiny:
-        return dict(tasks=2, classes=3, batch=8, warm_steps=2, steps=3, pool=16, train=16, n_val=16, n_test=24, eval_batch=8, ada_batch=4, ada_steps=2, fisher=4, grams=8, grid=[0.3, 0.6, 1.0])
-    return dict(tasks=8, classes=10, batch=128, warm_steps=10, steps=50, pool=256, train=1024, n_val=1000, n_test=10000, eval_batch=512, ada_batch=16, ada_steps=20, fisher=64, grams=512, grid=TA8_LAMBDAS)
+        return dict(
+            tasks=2,
+            classes=3,
+            batch=8,
+            warm_steps=2,
+            steps=3,
+            pool=16,
+            train=16,
+            n_val=16,
+            n_test=24,
+            eval_batch=8,
+            ada_batch=4,
+            ada_steps=2,
+            fisher=4,
+            grams=8,
+            grid=[0.3, 0.6, 1.0],
+        )
+    return dict(
+        tasks=8,
+        classes=10,
+        batch=128,
+        warm_steps=10,
+        steps=50,
+        pool=256,
+        train=1024,
+        n_val=1000,
+        n_test=10000,
+        eval_batch=512,
+        ada_batch=16,
+        ada_steps=20,
+        fisher=64,
+        grams=512,
+        grid=TA8_LAMBDAS,
+    )
 
 
 def backbone_config(model: str, tiny: bool) -> BackboneConfig:
     kwargs = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2} if tiny else {}
-    return BackboneConfig(model=MODELS.get(model, model), kwargs=kwargs, global_pool="token", input_norm="pretrained_cfg", embedding="clip")
+    return BackboneConfig(
+        model=MODELS.get(model, model),
+        kwargs=kwargs,
+        global_pool="token",
+        input_norm="pretrained_cfg",
+        embedding="clip",
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -134,11 +176,18 @@ def matmul_floor_s(backbone, batch: int, image_size: int, device: torch.device) 
         b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
         seconds += count * event_time(lambda a=a, b=b: a @ b, device)
     heads = net.blocks[0].attn.num_heads
-    q, k, v = (torch.randn(batch, heads, tokens, net.embed_dim // heads, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(
+            batch, heads, tokens, net.embed_dim // heads, device=device, dtype=torch.bfloat16, requires_grad=True
+        )
+        for _ in range(3)
+    )
     out = nn.functional.scaled_dot_product_attention(q, k, v)
     grad = torch.randn_like(out)
     forward = event_time(lambda: nn.functional.scaled_dot_product_attention(q, k, v), device)
-    both = event_time(lambda: torch.autograd.grad(nn.functional.scaled_dot_product_attention(q, k, v), (q, k, v), grad), device)
+    both = event_time(
+        lambda: torch.autograd.grad(nn.functional.scaled_dot_product_attention(q, k, v), (q, k, v), grad), device
+    )
     return seconds + len(net.blocks) * max(both, forward)
 
 
@@ -189,10 +238,31 @@ def bench_finetune(cfg: BackboneConfig, size: dict, image_size: int, device: tor
     images = random_images(size["train"], image_size, size["pool"], seed=1)
     labels = torch.randint(0, size["classes"], (size["train"],), generator=torch.Generator().manual_seed(2))
     schedule = dict(batch_size=size["batch"], lr=1e-5, weight_decay=0.1, warmup_steps=0)
-    out: dict = {"batch_size": size["batch"], "steps": size["steps"], "compile": bool(args.compile), "baseline": bool(args.baseline)}
+    out: dict = {
+        "batch_size": size["batch"],
+        "steps": size["steps"],
+        "compile": bool(args.compile),
+        "baseline": bool(args.baseline),
+    }
     with peak_memory(device, out):
-        _, out["warmup_s"] = timed(lambda: finetune(backbone, head, images, labels, FinetuneConfig(steps=size["warm_steps"], **schedule), seed=0, device=device), device)
-        _, seconds = timed(lambda: finetune(backbone, head, images, labels, FinetuneConfig(steps=size["steps"], **schedule), seed=1, device=device), device)
+        _, out["warmup_s"] = timed(
+            lambda: finetune(
+                backbone,
+                head,
+                images,
+                labels,
+                FinetuneConfig(steps=size["warm_steps"], **schedule),
+                seed=0,
+                device=device,
+            ),
+            device,
+        )
+        _, seconds = timed(
+            lambda: finetune(
+                backbone, head, images, labels, FinetuneConfig(steps=size["steps"], **schedule), seed=1, device=device
+            ),
+            device,
+        )
     out["seconds"] = seconds
     out["images_per_s"] = size["steps"] * size["batch"] / seconds
     per_image = model_flops_per_image(build_backbone(cfg), image_size, training=True)
@@ -224,8 +294,17 @@ def synthetic_tasks(size: dict, image_size: int, splits: dict[str, int]) -> dict
         parts = {}
         for j, (split, n) in enumerate(splits.items()):
             g = torch.Generator().manual_seed(100 * i + j)
-            parts[split] = Split(random_images(n, image_size, size["pool"], seed=100 * i + j), torch.randint(0, size["classes"], (n,), generator=g))
-        tasks[f"task{i}"] = TaskData(f"task{i}", [str(c) for c in range(size["classes"])], train=parts.get("train"), val=parts.get("val"), test=parts.get("test"))
+            parts[split] = Split(
+                random_images(n, image_size, size["pool"], seed=100 * i + j),
+                torch.randint(0, size["classes"], (n,), generator=g),
+            )
+        tasks[f"task{i}"] = TaskData(
+            f"task{i}",
+            [str(c) for c in range(size["classes"])],
+            train=parts.get("train"),
+            val=parts.get("val"),
+            test=parts.get("test"),
+        )
     return tasks
 
 
@@ -256,7 +335,12 @@ def bench_forward(cfg: BackboneConfig, size: dict, image_size: int, device: torc
 
 
 def task_vectors(state: dict, tasks: int, scale: float = 1e-3) -> dict[str, dict[str, torch.Tensor]]:
-    return {f"task{i}": {k: scale * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in state.items()} for i in range(tasks)}
+    return {
+        f"task{i}": {
+            k: scale * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in state.items()
+        }
+        for i in range(tasks)
+    }
 
 
 def bench_adamerging(cfg: BackboneConfig, size: dict, image_size: int, device: torch.device, args, vectors) -> dict:
@@ -280,11 +364,25 @@ def bench_statistics(cfg: BackboneConfig, size: dict, image_size: int, device: t
     images = random_images(max(size["fisher"], size["grams"]), image_size, size["pool"], seed=5)
     out: dict = {"fisher_examples": size["fisher"], "gram_images": size["grams"]}
     with peak_memory(device, out):
-        fisher_diagonal(backbone, head, images[:2], None, generator=torch.Generator().manual_seed(0), device=device)  # warm-up
-        _, seconds = timed(lambda: fisher_diagonal(backbone, head, images[: size["fisher"]], None, generator=torch.Generator().manual_seed(0), device=device), device)
+        fisher_diagonal(
+            backbone, head, images[:2], None, generator=torch.Generator().manual_seed(0), device=device
+        )  # warm-up
+        _, seconds = timed(
+            lambda: fisher_diagonal(
+                backbone,
+                head,
+                images[: size["fisher"]],
+                None,
+                generator=torch.Generator().manual_seed(0),
+                device=device,
+            ),
+            device,
+        )
         out["fisher_examples_per_s"] = size["fisher"] / seconds
         input_grams(backbone, images[:2], batch_size=size["eval_batch"], device=device)
-        _, seconds = timed(lambda: input_grams(backbone, images[: size["grams"]], batch_size=size["eval_batch"], device=device), device)
+        _, seconds = timed(
+            lambda: input_grams(backbone, images[: size["grams"]], batch_size=size["eval_batch"], device=device), device
+        )
         out["gram_images_per_s"] = size["grams"] / seconds
     return out
 
@@ -305,7 +403,13 @@ def bench_host(cfg: BackboneConfig, device: torch.device, args, vectors) -> dict
     _, svd_s = timed(lambda: svd(largest), device)
     from mergeflow.runner.plan.measure import decode_seconds
 
-    return {"param_pass_s": pass_s, "svd_s": svd_s, "svd_shape": list(largest.shape), "threads": torch.get_num_threads(), "decode_s": decode_seconds(224)}
+    return {
+        "param_pass_s": pass_s,
+        "svd_s": svd_s,
+        "svd_shape": list(largest.shape),
+        "threads": torch.get_num_threads(),
+        "decode_s": decode_seconds(224),
+    }
 
 
 def drop_from_page_cache(path: Path) -> bool:
@@ -345,18 +449,27 @@ class TimedScorer:
 
 def read_stage_inputs(workdir: Path, taus, image_size: int):
     """The task files' val and test splits, the pretrained weights and the task vectors, as a merge stage reads them."""
-    tasks = {t: load_task(workdir / f"{t}.safetensors", image_size, ("val", "test")) for t in taus}  # copies the splits out
+    tasks = {
+        t: load_task(workdir / f"{t}.safetensors", image_size, ("val", "test")) for t in taus
+    }  # copies the splits out
     theta = load_state_dict(workdir / "pretrained.safetensors")
     return tasks, theta, {t: load_state_dict(workdir / f"tau-{t}.safetensors") for t in taus}
 
 
 def bench_merge_stage(cfg: BackboneConfig, size: dict, image_size: int, device: torch.device, args, vectors) -> dict:
-    """One merge stage (task arithmetic over its grid) as mergeflow.pipeline.stages.merge_and_evaluate runs it, from files."""
+    """One merge stage (task arithmetic over its grid) as mergeflow.pipeline.stages.merge_and_evaluate runs it, from
+    files."""
     theta0, taus = vectors
     workdir = Path(tempfile.mkdtemp(prefix="mergeflow-bench-", dir=args.workdir))
     files = []
-    for t, data in synthetic_tasks(size, image_size, {"train": 4, "val": size["n_val"], "test": size["n_test"]}).items():
-        arrays = {f"{s}_{p}": getattr(data.split(s), "inputs" if p == "x" else "labels").numpy() for s in ("train", "val", "test") for p in ("x", "y")}
+    for t, data in synthetic_tasks(
+        size, image_size, {"train": 4, "val": size["n_val"], "test": size["n_test"]}
+    ).items():
+        arrays = {
+            f"{s}_{p}": getattr(data.split(s), "inputs" if p == "x" else "labels").numpy()
+            for s in ("train", "val", "test")
+            for p in ("x", "y")
+        }
         save_task(workdir / f"{t}.safetensors", t, arrays, data.classes, image_size)
         files.append(workdir / f"{t}.safetensors")
     save_state_dict(workdir / "pretrained.safetensors", theta0)
@@ -365,7 +478,14 @@ def bench_merge_stage(cfg: BackboneConfig, size: dict, image_size: int, device: 
         files.append(workdir / f"tau-{t}.safetensors")
     files.append(workdir / "pretrained.safetensors")
     cold = all(drop_from_page_cache(f) for f in files)
-    out: dict = {"method": "task_arithmetic", "tasks": size["tasks"], "n_val": size["n_val"], "n_test": size["n_test"], "grid": size["grid"], "cold_read": cold}
+    out: dict = {
+        "method": "task_arithmetic",
+        "tasks": size["tasks"],
+        "n_val": size["n_val"],
+        "n_test": size["n_test"],
+        "grid": size["grid"],
+        "cold_read": cold,
+    }
     out["bytes_read"] = sum(f.stat().st_size for f in files)
     heads = random_heads(taus, build_backbone(cfg).num_features, size["classes"])
     try:
@@ -373,14 +493,22 @@ def bench_merge_stage(cfg: BackboneConfig, size: dict, image_size: int, device: 
             start = time.perf_counter()
             tasks, theta, loaded = read_stage_inputs(workdir, taus, image_size)
             out["read_s"] = time.perf_counter() - start
-            on_val, out["val_to_device_s"] = timed(lambda: MultiTaskEvaluator(cfg, tasks, heads, "val", device, size["eval_batch"], bf16=True), device)
+            on_val, out["val_to_device_s"] = timed(
+                lambda: MultiTaskEvaluator(cfg, tasks, heads, "val", device, size["eval_batch"], bf16=True), device
+            )
             scorer = TimedScorer(on_val, device)
-            (best, output, curve, _), search_s = timed(lambda: search(REGISTRY["task_arithmetic"], {"lam": size["grid"]}, theta, loaded, scorer), device)
+            (best, output, curve, _), search_s = timed(
+                lambda: search(REGISTRY["task_arithmetic"], {"lam": size["grid"]}, theta, loaded, scorer), device
+            )
             out["search_forward_s"], out["merge_s"] = scorer.seconds, search_s - scorer.seconds
-            on_test, out["test_to_device_s"] = timed(lambda: MultiTaskEvaluator(cfg, tasks, heads, "test", device, size["eval_batch"]), device)
+            on_test, out["test_to_device_s"] = timed(
+                lambda: MultiTaskEvaluator(cfg, tasks, heads, "test", device, size["eval_batch"]), device
+            )
             test, out["test_forward_s"] = timed(lambda: on_test(output), device)
             out["total_s"] = time.perf_counter() - start
-        _, out["warm_read_s"] = timed(lambda: read_stage_inputs(workdir, taus, image_size), torch.device("cpu"))  # now from the page cache
+        _, out["warm_read_s"] = timed(
+            lambda: read_stage_inputs(workdir, taus, image_size), torch.device("cpu")
+        )  # now from the page cache
     finally:
         for f in workdir.iterdir():
             f.unlink()
@@ -415,29 +543,81 @@ def table(result: dict) -> str:
     rows = [("device", result["device"]), ("model", f"{result['model']} at {result['image_size']} px")]
     f = result.get("finetune")
     if f:
-        mfu = f"{100 * f['mfu']:.1f}% of {f['peak_tflops']:.0f} TFLOP/s" if f.get("mfu") else f"n/a ({f['peak_source']})"
-        rows += [("fine-tuning", f"{f['images_per_s']:,.0f} images/s at batch {f['batch_size']}{' (compiled)' if f['compile'] else ''}{' (baseline path)' if f['baseline'] else ''}"),
-                 ("  model TFLOP/s, MFU", f"{f['tflops']:.1f}, {mfu}"),
-                 ("  FLOPs per image: model, counted", f"{f['model_flops_per_image'] / 1e9:.2f} G, {f['counted_flops_per_image'] / 1e9:.2f} G")]
+        mfu = (
+            f"{100 * f['mfu']:.1f}% of {f['peak_tflops']:.0f} TFLOP/s" if f.get("mfu") else f"n/a ({f['peak_source']})"
+        )
+        rows += [
+            (
+                "fine-tuning",
+                f"{f['images_per_s']:,.0f} images/s at batch "
+                f"{f['batch_size']}{' (compiled)' if f['compile'] else ''}"
+                f"{' (baseline path)' if f['baseline'] else ''}",
+            ),
+            ("  model TFLOP/s, MFU", f"{f['tflops']:.1f}, {mfu}"),
+            (
+                "  FLOPs per image: model, counted",
+                f"{f['model_flops_per_image'] / 1e9:.2f} G, {f['counted_flops_per_image'] / 1e9:.2f} G",
+            ),
+        ]
         if f.get("matmul_floor_images_per_s"):
             floor_mfu = f", MFU {100 * f['matmul_floor_mfu']:.1f}%" if f.get("matmul_floor_mfu") else ""
-            rows.append(("  products and attention alone", f"{f['matmul_floor_images_per_s']:,.0f} images/s{floor_mfu}"))
+            rows.append(
+                ("  products and attention alone", f"{f['matmul_floor_images_per_s']:,.0f} images/s{floor_mfu}")
+            )
     if "forward" in result:
         r = result["forward"]
         tf32 = f", {r['tf32_images_per_s']:,.0f} float32 with TF32 products" if "tf32_images_per_s" in r else ""
-        rows.append(("evaluator forward", f"{r['float32_images_per_s']:,.0f} images/s float32, {r['bf16_images_per_s']:,.0f} bf16{tf32} (batch {r['batch_size']})"))
+        rows.append(
+            (
+                "evaluator forward",
+                f"{r['float32_images_per_s']:,.0f} images/s float32, "
+                f"{r['bf16_images_per_s']:,.0f} bf16{tf32} (batch {r['batch_size']})",
+            )
+        )
     one_line = {  # section -> (label, its line)
-        "adamerging": ("AdaMerging", lambda r: f"{r['steps_per_s']:.2f} steps/s ({r['tasks']} tasks x {r['batch_size']} inputs a step)"),
-        "statistics": ("statistics", lambda r: f"Fisher {r['fisher_examples_per_s']:,.1f} examples/s, Grams {r['gram_images_per_s']:,.0f} images/s"),
-        "host": ("host", lambda r: f"one pass over the parameters {1e3 * r['param_pass_s']:.1f} ms, one SVD {r['svd_shape']} {1e3 * r['svd_s']:.1f} ms"),
+        "adamerging": (
+            "AdaMerging",
+            lambda r: f"{r['steps_per_s']:.2f} steps/s ({r['tasks']} tasks x {r['batch_size']} inputs a step)",
+        ),
+        "statistics": (
+            "statistics",
+            lambda r: (
+                f"Fisher {r['fisher_examples_per_s']:,.1f} examples/s, Grams {r['gram_images_per_s']:,.0f} images/s"
+            ),
+        ),
+        "host": (
+            "host",
+            lambda r: (
+                f"one pass over the parameters {1e3 * r['param_pass_s']:.1f} ms, one SVD {r['svd_shape']} "
+                f"{1e3 * r['svd_s']:.1f} ms"
+            ),
+        ),
     }
     rows += [(label, line(result[section])) for section, (label, line) in one_line.items() if section in result]
     if "merge_stage" in result:
         r = result["merge_stage"]
-        rows += [("merge stage", f"{r['total_s']:.1f} s: {r['tasks']} tasks, {r['candidates']} candidates x {r['n_val']} val, {r['n_test']} test each"),
-                 ("  reading data", f"{r['read_s']:.1f} s ({r['bytes_read'] / 1e9:.1f} GB, {r['read_bytes_per_s'] / 1e9:.2f} GB/s{', from disk' if r['cold_read'] else ', page cache'}) + {r['val_to_device_s'] + r['test_to_device_s']:.1f} s to the device: {100 * r['read_share']:.0f}%"),
-                 ("  reading again", f"{r['warm_read_s']:.1f} s ({r['warm_read_bytes_per_s'] / 1e9:.2f} GB/s, from the page cache)"),
-                 ("  search, test", f"merges {r['merge_s']:.1f} s, val forward {r['search_forward_s']:.1f} s (bf16), test forward {r['test_forward_s']:.1f} s (float32)")]
+        rows += [
+            (
+                "merge stage",
+                f"{r['total_s']:.1f} s: {r['tasks']} tasks, {r['candidates']} "
+                f"candidates x {r['n_val']} val, {r['n_test']} test each",
+            ),
+            (
+                "  reading data",
+                f"{r['read_s']:.1f} s ({r['bytes_read'] / 1e9:.1f} GB, {r['read_bytes_per_s'] / 1e9:.2f} "
+                f"GB/s{', from disk' if r['cold_read'] else ', page cache'}) + "
+                f"{r['val_to_device_s'] + r['test_to_device_s']:.1f} s to the device: {100 * r['read_share']:.0f}%",
+            ),
+            (
+                "  reading again",
+                f"{r['warm_read_s']:.1f} s ({r['warm_read_bytes_per_s'] / 1e9:.2f} GB/s, from the page cache)",
+            ),
+            (
+                "  search, test",
+                f"merges {r['merge_s']:.1f} s, val forward {r['search_forward_s']:.1f} s (bf16), test forward "
+                f"{r['test_forward_s']:.1f} s (float32)",
+            ),
+        ]
     if result.get("peak_bytes"):
         rows.append(("peak GPU memory", f"{result['peak_bytes'] / 2**30:.1f} GiB"))
     width = max(len(k) for k, _ in rows)
@@ -451,10 +631,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="fine-tune the backbone under torch.compile")
-    parser.add_argument("--baseline", action="store_true", help="fine-tune on the earlier path: batches copied from the host, unfused optimiser, a loss read every step")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="fine-tune on the earlier path: batches copied from the host, unfused optimiser, a loss read every step",
+    )
     parser.add_argument("--no-floor", action="store_true", help="skip timing the step's matrix products alone")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, when it is not in the table")
-    parser.add_argument("--workdir", help="where the merge stage writes its files (default: the system's temporary folder)")
+    parser.add_argument(
+        "--workdir", help="where the merge stage writes its files (default: the system's temporary folder)"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here (mergeflow plan --calibration reads it)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -472,10 +658,19 @@ def main(argv: list[str] | None = None) -> dict:
     image_size = probe.net.patch_embed.img_size[0]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result: dict = {
-        "bench": "gpu", "version": 1, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": f"{device.type} ({name})",
+        "bench": "gpu",
+        "version": 1,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": f"{device.type} ({name})",
         "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0,
-        "model": cfg.model, "kwargs": cfg.kwargs, "image_size": image_size, "parameters": sum(p.numel() for p in probe.parameters()),
-        "tiny": args.tiny, "torch": torch.__version__, "threads": torch.get_num_threads(), "sections": args.sections,
+        "model": cfg.model,
+        "kwargs": cfg.kwargs,
+        "image_size": image_size,
+        "parameters": sum(p.numel() for p in probe.parameters()),
+        "tiny": args.tiny,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "sections": args.sections,
     }
     del probe
     vectors = None

@@ -25,9 +25,21 @@ import sys
 import time
 from pathlib import Path
 
-ELEMENT_WISE = ["task_arithmetic", "ties_tensor", "dare_linear", "dare_ties", "breadcrumbs", "magmax", "consensus_ta", "consensus_ties_tensor"]
+ELEMENT_WISE = [
+    "task_arithmetic",
+    "ties_tensor",
+    "dare_linear",
+    "dare_ties",
+    "breadcrumbs",
+    "magmax",
+    "consensus_ta",
+    "consensus_ties_tensor",
+]
 # variants benchmarked beside a method's defaults: name -> (method, hyperparameters)
-VARIANTS = {"ties_tensor": ("ties", {"trim_scope": "tensor"}), "consensus_ties_tensor": ("consensus_ties", {"trim_scope": "tensor"})}
+VARIANTS = {
+    "ties_tensor": ("ties", {"trim_scope": "tensor"}),
+    "consensus_ties_tensor": ("consensus_ties", {"trim_scope": "tensor"}),
+}
 
 
 def _peak_rss_gb() -> float:
@@ -53,7 +65,9 @@ def make_inputs(directory: Path, tasks: int, model: str, seed: int) -> None:
     save_state_dict(directory / "theta0.safetensors", theta0)
     for t in range(tasks):
         g = torch.Generator().manual_seed(seed + 1 + t)
-        save_state_dict(directory / f"task{t}.safetensors", {k: 1e-3 * torch.randn(v.shape, generator=g) for k, v in theta0.items()})
+        save_state_dict(
+            directory / f"task{t}.safetensors", {k: 1e-3 * torch.randn(v.shape, generator=g) for k, v in theta0.items()}
+        )
     (directory / "done.json").write_text(json.dumps({"tasks": tasks, "model": model}))
 
 
@@ -104,7 +118,14 @@ def worker(directory: Path, method: str, threads: int) -> dict:
         startup = time.perf_counter() - start
         start = time.perf_counter()
         run(theta0, tvs)
-    return {"method": method, "kind": kind, "wall_s": time.perf_counter() - start, "startup_s": startup, "peak_rss_gb": _peak_rss_gb(), "rss_before_gb": baseline}
+    return {
+        "method": method,
+        "kind": kind,
+        "wall_s": time.perf_counter() - start,
+        "startup_s": startup,
+        "peak_rss_gb": _peak_rss_gb(),
+        "rss_before_gb": baseline,
+    }
 
 
 def main() -> None:
@@ -117,7 +138,13 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="comma-separated (default: every method, variants included)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=1, help="rounds over every method; a row keeps its fastest run, its highest peak, and its median ratio to each round's read")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds over every method; a row keeps its fastest run, its "
+        "highest peak, and its median ratio to each round's read",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -128,10 +155,16 @@ def main() -> None:
     start = time.perf_counter()
     make_inputs(args.dir, args.tasks, args.model, args.seed)
     input_gb = sum(p.stat().st_size for p in args.dir.glob("task*.safetensors")) / 1024**3
-    print(f"inputs: {args.tasks} task vectors of {args.model}, {input_gb:.2f} GB (+ theta0), ready in {time.perf_counter() - start:.0f} s; {args.threads} threads")
+    print(
+        f"inputs: {args.tasks} task vectors of {args.model}, {input_gb:.2f} GB (+ theta0), ready in "
+        f"{time.perf_counter() - start:.0f} s; {args.threads} threads"
+    )
     methods = args.methods.split(",") if args.methods else sorted(set(REGISTRY) | set(VARIANTS))
     rows = []
-    print(f"{'method':<24}{'kind':<10}{'wall s':>8}{'x read':>8}{'start-up s':>12}{'x read with':>13}{'peak RSS GB':>13}{'(at start)':>12}  target")
+    print(
+        f"{'method':<24}{'kind':<10}{'wall s':>8}{'x read':>8}{'start-up s':>12}"
+        f"{'x read with':>13}{'peak RSS GB':>13}{'(at start)':>12}  target"
+    )
     rounds: dict[str, list[dict]] = {}
     for round_ in range(args.repeat):
         read_s = math.nan  # this round's read: the machine drifts between quiet and slow spells (a warm read took
@@ -151,7 +184,11 @@ def main() -> None:
             if round_ < args.repeat - 1:
                 continue
             runs = rounds[method]
-            row = {**min(runs, key=lambda r: r["wall_s"]), "startup_s": min(r["startup_s"] for r in runs), "peak_rss_gb": max(r["peak_rss_gb"] for r in runs)}
+            row = {
+                **min(runs, key=lambda r: r["wall_s"]),
+                "startup_s": min(r["startup_s"] for r in runs),
+                "peak_rss_gb": max(r["peak_rss_gb"] for r in runs),
+            }
             for ratio in ("x_read", "x_read_with_startup"):
                 row[ratio] = statistics.median(r[ratio] for r in runs)
             target = ""
@@ -159,7 +196,12 @@ def main() -> None:
                 ok = row["peak_rss_gb"] <= 1.5 and row["x_read"] <= 3.0
                 target = f"{'met' if ok else 'MISSED'} (<= 1.5 GB, merge <= 3x read)"
             rows.append(row)
-            print(f"{method:<24}{row['kind']:<10}{row['wall_s']:>8.2f}{row['x_read']:>8.1f}{row['startup_s']:>12.2f}{row['x_read_with_startup']:>13.1f}{row['peak_rss_gb']:>13.2f}{row['rss_before_gb']:>12.2f}  {target}", flush=True)
+            print(
+                f"{method:<24}{row['kind']:<10}{row['wall_s']:>8.2f}{row['x_read']:>8.1f}"
+                f"{row['startup_s']:>12.2f}{row['x_read_with_startup']:>13.1f}"
+                f"{row['peak_rss_gb']:>13.2f}{row['rss_before_gb']:>12.2f}  {target}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -49,7 +49,10 @@ def _run(argv: list[str], env: dict) -> tuple[float, dict]:
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(argv)} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        sys.exit(
+            f"error: {' '.join(argv)} failed: "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+        )
     return wall, json.loads(proc.stdout)
 
 
@@ -59,7 +62,9 @@ def _hours(seconds: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", action="append", help="a params file (repeatable; default: params.yaml and profiles/ta8.yaml)")
+    parser.add_argument(
+        "--params", action="append", help="a params file (repeatable; default: params.yaml and profiles/ta8.yaml)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="rounds per profile, each with a fresh cache (default 1)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-phase breakdown of a cold plan")
     args = parser.parse_args()
@@ -78,7 +83,10 @@ def main() -> int:
                 cached, again = _run([*mergeflow, "--params", profile, "plan", "--json"], env)
                 # a cold plan measured on a busy machine is measured again by the first plan on an idle one
                 hit = "" if again["throughput_source"]["cached"] else " (measured again: idle now)"
-                print(f"{profile:<22} {round_:>5} {cold:>7.1f} {load_cold:>5.1f} {cached:>9.1f} {load_cached:>5.1f} {_hours(plan['total_seconds']):>16}{hit}")
+                print(
+                    f"{profile:<22} {round_:>5} {cold:>7.1f} {load_cold:>5.1f} {cached:>9.1f} {load_cached:>5.1f} "
+                    f"{_hours(plan['total_seconds']):>16}{hit}"
+                )
         if not args.no_breakdown:
             with tempfile.TemporaryDirectory() as cache:
                 env = os.environ | {"XDG_CACHE_HOME": cache, "HF_HUB_OFFLINE": "1"}

@@ -42,7 +42,10 @@ def main() -> None:
     for call in calls:
         train(*call)
     alone = time.perf_counter() - t0
-    print(f"in process, {torch.get_num_threads()} threads: {alone:.1f} s ({steps / alone:.1f} steps/s), trainer built in {setup:.1f} s")
+    print(
+        f"in process, {torch.get_num_threads()} threads: {alone:.1f} s "
+        f"({steps / alone:.1f} steps/s), trainer built in {setup:.1f} s"
+    )
 
     t0 = time.perf_counter()
     with PoolTrainer(build, args.workers, max(1, torch.get_num_threads() // args.workers)) as pool:
@@ -51,7 +54,10 @@ def main() -> None:
         t0 = time.perf_counter()
         pool.map(calls)
         pooled = time.perf_counter() - t0
-    print(f"pool of {args.workers} x {max(1, torch.get_num_threads() // args.workers)} threads: {pooled:.1f} s ({steps / pooled:.1f} steps/s), workers started (and one call each) in {started:.1f} s")
+    print(
+        f"pool of {args.workers} x {max(1, torch.get_num_threads() // args.workers)} threads: {pooled:.1f} s "
+        f"({steps / pooled:.1f} steps/s), workers started (and one call each) in {started:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,21 @@ def main() -> None:
             start = time.perf_counter()
             for key, stack in read_stacks(theta0, vectors):
                 taus = stack[1:].numpy()
-                list(pool.map(lambda t: row_cuts(taus[t].reshape(shapes[key]), args.gamma, args.beta, "row"), range(len(vectors))))  # noqa: B023
+                list(
+                    pool.map(
+                        lambda t: row_cuts(taus[t].reshape(shapes[key]), args.gamma, args.beta, "row"),
+                        range(len(vectors)),
+                    )
+                )  # noqa: B023
             cuts_s = time.perf_counter() - start
             ratios.append(cuts_s / read_s)
-            print(f"round {round_}: read {read_s:.2f} s, read + cuts {cuts_s:.2f} s, ratio {ratios[-1]:.2f}", flush=True)
-    print(f"median ratio {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}), {args.threads} threads")
+            print(
+                f"round {round_}: read {read_s:.2f} s, read + cuts {cuts_s:.2f} s, ratio {ratios[-1]:.2f}", flush=True
+            )
+    print(
+        f"median ratio {statistics.median(ratios):.2f} (range "
+        f"{min(ratios):.2f}-{max(ratios):.2f}), {args.threads} threads"
+    )
 
 
 if __name__ == "__main__":

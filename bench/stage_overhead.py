@@ -27,7 +27,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies")
-DEFAULT_STAGES = ("vectors", "merge@weight_averaging", "merge@task_arithmetic", "finetune@digits")  # stages with a timer (logs/timing)
+DEFAULT_STAGES = (
+    "vectors",
+    "merge@weight_averaging",
+    "merge@task_arithmetic",
+    "finetune@digits",
+)  # stages with a timer (logs/timing)
 
 
 def _wall(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
@@ -59,7 +64,9 @@ def _copy_project(src: Path, dst: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=REPO, help="a project whose stages have run (default: this repository)")
+    parser.add_argument(
+        "--root", type=Path, default=REPO, help="a project whose stages have run (default: this repository)"
+    )
     parser.add_argument("--stages", nargs="+", default=list(DEFAULT_STAGES), help="stage addresses to time")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -87,7 +94,13 @@ def main() -> int:
             time.sleep(0.1)
             for address_ in args.stages:
                 stage, _, item = address_.partition("@")
-                flag = {"finetune": ["--task", item], "merge": ["--method", item], "regime": ["--regime", item], "regime_merge": ["--regime", item], "study": [item]}.get(stage, [])
+                flag = {
+                    "finetune": ["--task", item],
+                    "merge": ["--method", item],
+                    "regime": ["--regime", item],
+                    "regime_merge": ["--regime", item],
+                    "study": [item],
+                }.get(stage, [])
                 cmd = [mergeflow, stage, *flag]
                 own, served = [], []
                 for _ in range(args.repeat):
@@ -97,7 +110,10 @@ def main() -> int:
                 rows.append((address_, best_own, best_served))
     print(f"{'stage':<28}{'own process':>13}{'(work)':>9}{'fixed':>8}{'server':>10}{'(work)':>9}{'fixed':>8}")
     for address_, (own_total, own_work), (srv_total, srv_work) in rows:
-        print(f"{address_:<28}{own_total:>12.2f}s{own_work:>8.2f}s{own_total - own_work:>7.2f}s{srv_total:>9.2f}s{srv_work:>8.2f}s{srv_total - srv_work:>7.2f}s")
+        print(
+            f"{address_:<28}{own_total:>12.2f}s{own_work:>8.2f}s{own_total - own_work:>7.2f}s{srv_total:>9.2f}s"
+            f"{srv_work:>8.2f}s{srv_total - srv_work:>7.2f}s"
+        )
     print("\nstart-up parts (each in a new process):")
     for name, seconds in start_up.items():
         print(f"  {name:<26}{seconds:>7.2f} s  ({seconds / start_up['python -c pass']:.0f}x python -c pass)")

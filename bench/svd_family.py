@@ -102,7 +102,10 @@ def main(argv=None) -> None:
     threadpoolctl.threadpool_limits(1)  # scipy's LAPACK (mergeflow's eigendecompositions) on one thread too
     ours = mergeflow_functions()
     totals = {name: [0.0, 0.0] for name in REFERENCE}
-    print(f"{'method':<8} {'matrix':<6} {'FusionBench s':>13} {'mergeflow s':>11} {'ratio':>6} {'error FB':>9} {'error ours':>10}")
+    print(
+        f"{'method':<8} {'matrix':<6} {'FusionBench s':>13} "
+        f"{'mergeflow s':>11} {'ratio':>6} {'error FB':>9} {'error ours':>10}"
+    )
     for i, (label, shape) in enumerate(SHAPES.items()):
         taus = task_vectors(shape, args.tasks, seed=i)
         for name, reference in REFERENCE.items():
@@ -112,7 +115,10 @@ def main(argv=None) -> None:
             totals[name][0] += fb_s
             totals[name][1] += our_s
             errors = [float((x.double() - exact).norm() / exact.norm()) for x in (fb, our)]
-            print(f"{name:<8} {label:<6} {fb_s:>13.3f} {our_s:>11.3f} {our_s / fb_s:>6.2f} {errors[0]:>9.1e} {errors[1]:>10.1e}")
+            print(
+                f"{name:<8} {label:<6} {fb_s:>13.3f} {our_s:>11.3f} "
+                f"{our_s / fb_s:>6.2f} {errors[0]:>9.1e} {errors[1]:>10.1e}"
+            )
     for name, (fb_s, our_s) in totals.items():
         print(f"{name:<8} {'block':<6} {fb_s:>13.3f} {our_s:>11.3f} {our_s / fb_s:>6.2f}")
     fb_all, our_all = (sum(t[i] for t in totals.values()) for i in (0, 1))

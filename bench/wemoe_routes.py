@@ -21,7 +21,10 @@ def routes(batch: int, tokens: int, width_in: int, width_out: int, tasks: int, d
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, tokens, width_in, generator=g).to(device)
     w0, b0 = torch.randn(width_out, width_in, generator=g).to(device), torch.randn(width_out, generator=g).to(device)
-    experts, expert_bias = (0.01 * torch.randn(tasks, width_out, width_in, generator=g)).to(device), (0.01 * torch.randn(tasks, width_out, generator=g)).to(device)
+    experts, expert_bias = (
+        (0.01 * torch.randn(tasks, width_out, width_in, generator=g)).to(device),
+        (0.01 * torch.randn(tasks, width_out, generator=g)).to(device),
+    )
     weights = torch.randn(batch, tasks, generator=g).to(device).requires_grad_()
 
     def per_sample():
@@ -29,8 +32,12 @@ def routes(batch: int, tokens: int, width_in: int, width_out: int, tasks: int, d
         return torch.baddbmm((b0 + weights @ expert_bias)[:, None], x, weight.transpose(1, 2))
 
     def mixed():
-        outputs = (x.reshape(batch * tokens, -1) @ experts.reshape(tasks * width_out, -1).T).view(batch * tokens, tasks, width_out)
-        out = torch.nn.functional.linear(x, w0, b0) + torch.bmm(weights.repeat_interleave(tokens, 0)[:, None], outputs).view(batch, tokens, width_out)
+        outputs = (x.reshape(batch * tokens, -1) @ experts.reshape(tasks * width_out, -1).T).view(
+            batch * tokens, tasks, width_out
+        )
+        out = torch.nn.functional.linear(x, w0, b0) + torch.bmm(
+            weights.repeat_interleave(tokens, 0)[:, None], outputs
+        ).view(batch, tokens, width_out)
         return out + (weights @ expert_bias)[:, None]
 
     return {"experts": mixed, "per_sample": per_sample}
@@ -63,7 +70,10 @@ def main() -> None:
             a, b = fns["experts"](), fns["per_sample"]()
         error = float((a - b).abs().max() / b.abs().max())
         times = {name: milliseconds(fn, device, args.repeats) for name, fn in fns.items()}
-        print(f"B N I O T = {shape}: experts {times['experts']:.1f}, per_sample {times['per_sample']:.1f} ({times['per_sample'] / times['experts']:.1f}x), relative difference {error:.1e}")
+        print(
+            f"B N I O T = {shape}: experts {times['experts']:.1f}, per_sample {times['per_sample']:.1f} "
+            f"({times['per_sample'] / times['experts']:.1f}x), relative difference {error:.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The Prefect flows. Prefect reads its home folder when it is imported, so it is made sure of first
-(mergeflow.core.homes): an unwritable HOME gets the repository's .prefect/ and a notice, or one line, not a traceback."""
+(mergeflow.core.homes): an unwritable HOME gets the repository's .prefect/ and a notice, or one line, not a
+traceback."""
 
 import os
 import sys

@@ -35,8 +35,24 @@ from mergeflow.runner.checks import check_project
 from mergeflow.config.environment import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError, first_line
-from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_dask_imports, check_workers, local_cluster, probe_dask_scheduler, workers_argument
-from mergeflow.runner.graph import StageNode, changed_stages, check_repo, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
+from mergeflow.runner.arguments import (
+    DASK_CONNECT_TIMEOUT_S,
+    check_dask_imports,
+    check_workers,
+    local_cluster,
+    probe_dask_scheduler,
+    workers_argument,
+)
+from mergeflow.runner.graph import (
+    StageNode,
+    changed_stages,
+    check_repo,
+    commit_stage,
+    locked_repo,
+    stage_graph,
+    stale_stages,
+    still_changed,
+)
 from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
 from mergeflow.runner.lifetime import watch_children
 from mergeflow.runner.remote import default_remote, push_outputs
@@ -83,7 +99,13 @@ def make_task_runner(runner: str, workers: int, dask_address: str | None = None)
         return DaskTaskRunner(address=dask_address, client_kwargs={"timeout": DASK_CONNECT_TIMEOUT_S})
     # memory_limit 0: a worker's own memory is small (its stage is a child process Dask does not count), and a
     # limit would only pause or restart workers; the dashboard on a free port (two flows at once)
-    cluster = {"n_workers": workers, "threads_per_worker": 1, "processes": True, "memory_limit": 0, "dashboard_address": ":0"}
+    cluster = {
+        "n_workers": workers,
+        "threads_per_worker": 1,
+        "processes": True,
+        "memory_limit": 0,
+        "dashboard_address": ":0",
+    }
     if api_url := _ephemeral_api_url():
         cluster["env"] = {"PREFECT_API_URL": api_url}
     return DaskTaskRunner(cluster_class=local_cluster, cluster_kwargs=cluster)
@@ -113,7 +135,9 @@ def _stop_on_dask(task_runner, futures: dict) -> Callable[[], None]:
     def stop() -> None:
         task_runner.client.cancel([f.wrapped_future for f in futures.values()])
         stopped = task_runner.client.run(stop_worker_stages, run_id)  # {worker: stages it stopped}
-        get_run_logger().warning("stopping: %d running stages stopped on the Dask workers, the rest cancelled", sum(stopped.values()))
+        get_run_logger().warning(
+            "stopping: %d running stages stopped on the Dask workers, the rest cancelled", sum(stopped.values())
+        )
 
     return stop
 
@@ -131,14 +155,21 @@ def _enter_task_runner(stack: contextlib.ExitStack, runner: str, workers: int, d
 
 
 @flow(name="mergeflow-pipeline")
-def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] | None = None, runner: Runner = "thread", dask_address: str | None = None, worker_checkouts: bool = False) -> list[str]:
+def pipeline(
+    root: str = ".",
+    workers: int | None = None,
+    overrides: list[str] | None = None,
+    runner: Runner = "thread",
+    dask_address: str | None = None,
+    worker_checkouts: bool = False,
+) -> list[str]:
     """Run every stale stage. ``overrides`` are ``key.path=value`` settings written into params.yaml first, as
     ``dvc exp run -S`` takes them; every name is checked (mergeflow check) before any stage runs. ``runner``:
     "thread" (a thread pool here) or "dask" (a LocalCluster of ``workers`` processes, or the cluster at
     ``dask_address``); ``workers``: stages at once (default: one per GPU, else one per CPU core).
     ``worker_checkouts`` (Dask only): each worker runs its stages in a checkout of its own, their inputs and
-    outputs moved by the DVC remote, for a cluster without a shared file system (mergeflow.runner.checkouts). The run ends
-    by publishing the Markdown artifact mergeflow-summary: the summary table and the MLflow run, or what failed."""
+    outputs moved by the DVC remote, for a cluster without a shared file system (mergeflow.runner.checkouts). The run
+    ends by publishing the Markdown artifact mergeflow-summary: the summary table and the MLflow run, or what failed."""
     logger = get_run_logger()
     commit = _checked(root, workers, runner, dask_address, worker_checkouts, overrides)
     # DVC names a stage relative to the working directory ("../repo/dvc.yaml:merge@ties" from elsewhere), and a
@@ -157,16 +188,32 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
             workers = min(workers, len(gpus))
         gpu_workers = workers if gpus and runner == "dask" else None
         to_run = [n for n in nodes if n.address in stale]
-        logger.info("%d of %d stages to run: %s", len(to_run), len(nodes), ", ".join(n.address for n in to_run) or "none")
+        logger.info(
+            "%d of %d stages to run: %s", len(to_run), len(nodes), ", ".join(n.address for n in to_run) or "none"
+        )
         outcome = RunOutcome([])
         if not to_run:
             logger.info("nothing to do: every stage is up to date")
         else:
-            logger.info("runner: %s, %d stages at once%s", runner if not dask_address else f"dask at {dask_address}", workers, f", GPUs {', '.join(gpus)}" if gpus else "")
+            logger.info(
+                "runner: %s, %d stages at once%s",
+                runner if not dask_address else f"dask at {dask_address}",
+                workers,
+                f", GPUs {', '.join(gpus)}" if gpus else "",
+            )
 
             def parameters(node: StageNode) -> dict:
-                checkout = {"source": source(root, commit)} if commit else {}  # dvc.lock as it is now, upstream recorded
-                return {"node": node, "root": root, "env": env | served, "gpus": gpus, "gpu_workers": gpu_workers, "servers": servers} | checkout
+                checkout = (
+                    {"source": source(root, commit)} if commit else {}
+                )  # dvc.lock as it is now, upstream recorded
+                return {
+                    "node": node,
+                    "root": root,
+                    "env": env | served,
+                    "gpus": gpus,
+                    "gpu_workers": gpu_workers,
+                    "servers": servers,
+                } | checkout
 
             def record(address: str) -> None:
                 if commit and address not in here:
@@ -199,19 +246,39 @@ def pipeline(root: str = ".", workers: int | None = None, overrides: list[str] |
 
                 def submit(node: StageNode, upstream: list):
                     # wait_for on finished futures: no waiting, but the UI draws the graph's edges
-                    futures[node.address] = run_here(node) if node.address in here else task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
+                    futures[node.address] = (
+                        run_here(node)
+                        if node.address in here
+                        else task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
+                    )
                     return futures[node.address]
 
                 on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
                 # on this machine's CPU, as many stages as their threads leave cores for; on GPUs, one a GPU
                 cores, capacity = stage_cores(root) if runner == "thread" and not gpus else (None, None)
-                outcome = run_graph(to_run, submit, record, None if dask_address else workers, on_stop, cores, capacity, still_changed(repo, changed))
+                outcome = run_graph(
+                    to_run,
+                    submit,
+                    record,
+                    None if dask_address else workers,
+                    on_stop,
+                    cores,
+                    capacity,
+                    still_changed(repo, changed),
+                )
             if commit:  # the outputs the workers pushed, into this working tree
                 pull_outputs(repo, [a for a in outcome.done if a not in here])
     return _finish(outcome, len(nodes), len(to_run), root)
 
 
-def _checked(root: str, workers: int | None, runner: Runner, dask_address: str | None, worker_checkouts: bool, overrides: list[str] | None) -> str | None:
+def _checked(
+    root: str,
+    workers: int | None,
+    runner: Runner,
+    dask_address: str | None,
+    worker_checkouts: bool,
+    overrides: list[str] | None,
+) -> str | None:
     """Every argument and the project checked (mergeflow check) before any stage runs, the overrides written into
     params.yaml; a refusal is published as the run's summary. Returns the commit worker checkouts start from."""
     try:
@@ -237,7 +304,9 @@ def _stale(repo, nodes: list[StageNode], root: str) -> tuple[set[str], set[str]]
     changed = changed_stages(repo)
     stale = stale_stages(repo, nodes, changed=changed)
     if (Path(root) / "dvc.lock").exists() and (rotted := check_outputs(root, skip=stale)[0]):  # a new project: none yet
-        named = "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted[:5]) + (f"; and {len(rotted) - 5} more" if len(rotted) > 5 else "")
+        named = "; ".join(f"{c.path} ({c.why}, stage {c.stage})" for c in rotted[:5]) + (
+            f"; and {len(rotted) - 5} more" if len(rotted) > 5 else ""
+        )
         get_run_logger().warning("%d outputs differ from dvc.lock, their stages run again: %s", len(rotted), named)
         changed |= {c.stage for c in rotted}
         stale = stale_stages(repo, nodes, changed=changed)
@@ -255,9 +324,16 @@ def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[st
             logger.error("not run: %s", "; ".join(f"{a} ({why})" for a, why in outcome.not_run.items()))
         publish_summary(failure_markdown(outcome, stages=stages))
         if stopping():
-            raise PipelineFailed(f"stopped by a signal: {len(outcome.done)} of {to_run} stages completed and were recorded in dvc.lock; the rest run next time")
+            raise PipelineFailed(
+                f"stopped by a signal: {len(outcome.done)} of {to_run} stages "
+                "completed and were recorded in dvc.lock; the rest run next time"
+            )
         # the first failure's first line (a runner's own, Dask's, may run to ten)
-        first = first_line(next(iter(outcome.failed.values())), "failed") if outcome.failed else next(iter(outcome.not_run.values()))
+        first = (
+            first_line(next(iter(outcome.failed.values())), "failed")
+            if outcome.failed
+            else next(iter(outcome.not_run.values()))
+        )
         missing = len(outcome.failed) + len(outcome.not_run)
         raise PipelineFailed(f"{missing} of {to_run} stages did not complete; first failure: {first}")
     pushed, push_error = push_section(Path(root))
@@ -282,11 +358,15 @@ def _mlflow_section(root: Path) -> str:
         tracking = json.loads((root / "metrics" / "tracking.json").read_text())
         url = mlflow_run_url(tracking)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"No MLflow run to link: metrics/tracking.json is missing or incomplete ({type(err).__name__}); the track stage writes it."
+        return (
+            "No MLflow run to link: metrics/tracking.json is missing or "
+            f"incomplete ({type(err).__name__}); the track stage writes it."
+        )
     base = mlflow_ui_base()
     port = mlflow_ui_port()
     return (
-        f"MLflow run [{tracking['run_id']}]({url}) in experiment {tracking.get('experiment', tracking['experiment_id'])}, "
+        f"MLflow run [{tracking['run_id']}]({url}) in experiment "
+        f"{tracking.get('experiment', tracking['experiment_id'])}, "
         f"store `{tracking.get('tracking_uri', '?')}`.\n\n"
         f"The link opens while the MLflow UI serves that store at {base}: run `mergeflow ui --port {port}` in `{root}` "
         f"(set {MLFLOW_UI_ENV} when your MLflow UI runs elsewhere)."
@@ -299,10 +379,18 @@ def push_section(root: Path) -> tuple[str, str | None]:
     try:
         remote = default_remote(root)
         if remote is None:
-            return f"In this machine's DVC cache only (`{root}/.dvc/cache`): no DVC remote is set. `mergeflow remote add URL` sets one, and each run then pushes its outputs there.", None
+            return (
+                f"In this machine's DVC cache only (`{root}/.dvc/cache`): no DVC remote is set. `mergeflow remote add "
+                "URL` sets one, and each run then pushes its outputs there.",
+                None,
+            )
         sent = push_outputs(root, remote=remote)
     except MergeflowError as err:
-        return f"**Not pushed**: {err}. The outputs are in this machine's DVC cache; `dvc push` sends them once the remote answers.", str(err)
+        return (
+            f"**Not pushed**: {err}. The outputs are in this machine's "
+            "DVC cache; `dvc push` sends them once the remote answers.",
+            str(err),
+        )
     return (
         f"Pushed to the DVC remote **{remote.name}** (`{remote.url}`): {sent} files sent, the rest were there already. "
         f"With this dvc.lock (commit it), `dvc pull` on any clone restores every output of this run."
@@ -313,15 +401,24 @@ def success_markdown(root: Path, ran: list[str], stages: int, stored: str | None
     """The artifact of a completed run: which stages ran, results/summary.md, the MLflow run's link, and where
     the outputs are stored (``stored``, push_section's)."""
     if ran:
-        head = f"**Ran in this flow run** ({len(ran)} of {stages} stages): {', '.join(ran)}. The other stages were up to date."
+        head = (
+            f"**Ran in this flow run** ({len(ran)} of {stages} stages): "
+            f"{', '.join(ran)}. The other stages were up to date."
+        )
     else:
-        head = f"**Nothing ran in this flow run**: all {stages} stages were up to date. The results below are the current ones, from an earlier run."
+        head = (
+            f"**Nothing ran in this flow run**: all {stages} stages were up to date. The results below are the current "
+            "ones, from an earlier run."
+        )
     try:
         table = (root / "results" / "summary.md").read_text().strip()
     except OSError:
         table = "results/summary.md is missing (the report stage writes it)."
     stored = f"\n## Outputs\n\n{stored}\n" if stored else ""
-    return f"# mergeflow pipeline: completed\n\n{head}\n\n## Results (results/summary.md)\n\n{table}\n\n## MLflow\n\n{_mlflow_section(root)}\n{stored}"
+    return (
+        f"# mergeflow pipeline: completed\n\n{head}\n\n## Results (results/summary.md)\n\n{table}\n\n## MLflow\n\n"
+        f"{_mlflow_section(root)}\n{stored}"
+    )
 
 
 def failure_markdown(outcome: RunOutcome | None, error: str | None = None, stages: int | None = None) -> str:
@@ -329,13 +426,28 @@ def failure_markdown(outcome: RunOutcome | None, error: str | None = None, stage
     those that completed; or ``error`` when the run stopped before any stage (bad configuration)."""
     lines = ["# mergeflow pipeline: failed", ""]
     if outcome is None:
-        return "\n".join(lines + ["The run stopped before any stage, on:", "", f"    {error}", "", "`mergeflow check` checks the configuration."]) + "\n"
+        return (
+            "\n".join(
+                lines
+                + [
+                    "The run stopped before any stage, on:",
+                    "",
+                    f"    {error}",
+                    "",
+                    "`mergeflow check` checks the configuration.",
+                ]
+            )
+            + "\n"
+        )
     lines += ["## Failed", ""] + [f"- **{a}**, {outcome.status(a)}: `{outcome.error_line(a)}`" for a in outcome.failed]
     if outcome.not_run:
         lines += ["", "## Not run", ""] + [f"- **{a}**: {why}" for a, why in outcome.not_run.items()]
     lines += ["", "## Completed", ""]
     if outcome.done:
-        lines += [f"{', '.join(outcome.done)} ({len(outcome.done)} of the {len(outcome.planned)} stages to run, of {stages} in all): recorded in dvc.lock, so the next run starts from there."]
+        lines += [
+            f"{', '.join(outcome.done)} ({len(outcome.done)} of the {len(outcome.planned)} stages to run, of {stages} "
+            "in all): recorded in dvc.lock, so the next run starts from there."
+        ]
     else:
         lines += [f"None of the {len(outcome.planned)} stages to run (of {stages} in all)."]
     return "\n".join(lines) + "\n"
@@ -347,7 +459,11 @@ def publish_summary(markdown: str) -> None:
     from prefect.artifacts import create_markdown_artifact
 
     try:
-        create_markdown_artifact(markdown=markdown, key=SUMMARY_ARTIFACT_KEY, description="mergeflow: what this flow run did, its results and MLflow run")
+        create_markdown_artifact(
+            markdown=markdown,
+            key=SUMMARY_ARTIFACT_KEY,
+            description="mergeflow: what this flow run did, its results and MLflow run",
+        )
     except Exception as err:  # noqa: BLE001 - see above
         get_run_logger().warning("could not publish the %s artifact: %s", SUMMARY_ARTIFACT_KEY, err)
 
@@ -368,16 +484,44 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runner", choices=RUNNERS, default="thread", help="where stages run: a thread pool here (default) or a Dask cluster")
-    parser.add_argument("--dask-address", default=None, metavar="tcp://HOST:PORT", help="with --runner dask: an existing cluster's scheduler (default: a LocalCluster of --workers processes)")
-    parser.add_argument("--worker-checkouts", action="store_true", help="with --runner dask: each worker runs stages in a checkout of its own, inputs and outputs moved by the DVC remote (no shared file system)")
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="thread",
+        help="where stages run: a thread pool here (default) or a Dask cluster",
+    )
+    parser.add_argument(
+        "--dask-address",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="with --runner dask: an existing cluster's scheduler (default: a LocalCluster of --workers processes)",
+    )
+    parser.add_argument(
+        "--worker-checkouts",
+        action="store_true",
+        help="with --runner dask: each worker runs stages in a checkout of its own, inputs and outputs moved by the "
+        "DVC remote (no shared file system)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description="Run the mergeflow pipeline with Prefect.")
     parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
-    parser.add_argument("--workers", type=workers_argument, default=None, help="stages at once (default: one per GPU, else one per CPU core)")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="set a parameter in params.yaml first, as dvc exp run -S does (repeatable)")
+    parser.add_argument(
+        "--workers",
+        type=workers_argument,
+        default=None,
+        help="stages at once (default: one per GPU, else one per CPU core)",
+    )
+    parser.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a parameter in params.yaml first, as dvc exp run -S does (repeatable)",
+    )
     add_runner_arguments(parser)
     args = parser.parse_args(argv)
     try:  # bad input gets its one line here, before Prefect starts (the flow checks again: deployments start there)
@@ -395,7 +539,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         try:
-            pipeline(root=args.root, workers=args.workers, overrides=args.overrides, runner=args.runner, dask_address=args.dask_address, worker_checkouts=args.worker_checkouts)
+            pipeline(
+                root=args.root,
+                workers=args.workers,
+                overrides=args.overrides,
+                runner=args.runner,
+                dask_address=args.dask_address,
+                worker_checkouts=args.worker_checkouts,
+            )
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             outcome["error"] = err
 

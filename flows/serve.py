@@ -22,22 +22,59 @@ DEPLOYMENT = "scheduled"
 def _parser() -> argparse.ArgumentParser:
     from flows.pipeline import OneLineParser, add_runner_arguments, workers_argument
 
-    parser = OneLineParser(prog="mergeflow serve", description="Register the pipeline as a Prefect deployment with a schedule and serve it (runs come due while this runs).")
+    parser = OneLineParser(
+        prog="mergeflow serve",
+        description="Register the pipeline as a Prefect deployment with a "
+        "schedule and serve it (runs come due while this runs).",
+    )
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--cron", metavar="EXPR", help='a cron schedule, e.g. "0 3 * * *" (every day at 03:00)')
     when.add_argument("--interval", type=float, metavar="SECONDS", help="a run every SECONDS seconds")
-    parser.add_argument("--timezone", default=None, help="the cron schedule's time zone, e.g. Europe/Berlin (default: UTC)")
-    parser.add_argument("--name", default=DEPLOYMENT, help=f"the deployment's name (default: {DEPLOYMENT}; runs as mergeflow-pipeline/NAME)")
+    parser.add_argument(
+        "--timezone", default=None, help="the cron schedule's time zone, e.g. Europe/Berlin (default: UTC)"
+    )
+    parser.add_argument(
+        "--name",
+        default=DEPLOYMENT,
+        help=f"the deployment's name (default: {DEPLOYMENT}; runs as mergeflow-pipeline/NAME)",
+    )
     parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
-    parser.add_argument("--workers", type=workers_argument, default=None, help="stages at once (default: one per GPU, else one per CPU core)")
-    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="a parameter every run sets in params.yaml first, as dvc exp run -S does (repeatable)")
+    parser.add_argument(
+        "--workers",
+        type=workers_argument,
+        default=None,
+        help="stages at once (default: one per GPU, else one per CPU core)",
+    )
+    parser.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter every run sets in params.yaml first, as dvc exp run -S does (repeatable)",
+    )
     add_runner_arguments(parser)
     return parser
 
 
-def deployment_parameters(root: str, workers: int | None, runner: str, overrides: list[str], dask_address: str | None, worker_checkouts: bool = False) -> dict:
+def deployment_parameters(
+    root: str,
+    workers: int | None,
+    runner: str,
+    overrides: list[str],
+    dask_address: str | None,
+    worker_checkouts: bool = False,
+) -> dict:
     """The deployment's default parameters (a run started from the UI or API may change any of them)."""
-    return {"root": str(Path(root).resolve()), "workers": workers, "runner": runner, "overrides": list(overrides), "dask_address": dask_address, "worker_checkouts": worker_checkouts}
+    return {
+        "root": str(Path(root).resolve()),
+        "workers": workers,
+        "runner": runner,
+        "overrides": list(overrides),
+        "dask_address": dask_address,
+        "worker_checkouts": worker_checkouts,
+    }
 
 
 def _sigterm_like_ctrl_c() -> None:
@@ -81,14 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_status
     except ValueError as err:  # a cron expression or time zone the schedule refuses (pydantic's ValidationError)
-        reasons = [e["msg"].removeprefix("Value error, ") for e in err.errors()] if hasattr(err, "errors") else [str(err)]
+        reasons = (
+            [e["msg"].removeprefix("Value error, ") for e in err.errors()] if hasattr(err, "errors") else [str(err)]
+        )
         print(f"error: {'; '.join(reasons)}", file=sys.stderr)
         return 2
     _sigterm_like_ctrl_c()
     pipeline.serve(
         name=args.name,
         schedules=[schedule] if schedule else None,
-        parameters=deployment_parameters(args.root, args.workers, args.runner, args.overrides, args.dask_address, args.worker_checkouts),
+        parameters=deployment_parameters(
+            args.root, args.workers, args.runner, args.overrides, args.dask_address, args.worker_checkouts
+        ),
         # one run at a time; a run that comes due while another runs waits for it
         global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         tags=["mergeflow"],

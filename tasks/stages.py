@@ -1,4 +1,5 @@
-"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner (running, gpus)."""
+"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner (running, \
+gpus)."""
 
 import sys
 import time
@@ -9,7 +10,16 @@ from mergeflow.runner.checkouts import Source, run_in_checkout
 from mergeflow.core.devices import RUN_GPUS_ENV
 from mergeflow.runner.gpus import process_device_pool
 from mergeflow.runner.graph import StageNode
-from mergeflow.runner.running import StageFailed, completed_line, last_lines, quiet_failure_tracebacks, resume_stages, run_stage, stop_stages, stopping
+from mergeflow.runner.running import (
+    StageFailed,
+    completed_line,
+    last_lines,
+    quiet_failure_tracebacks,
+    resume_stages,
+    run_stage,
+    stop_stages,
+    stopping,
+)
 from mergeflow.runner.stage_server import served_env
 
 quiet_failure_tracebacks()  # here too: a Dask worker imports this module, not the flow's
@@ -53,12 +63,20 @@ def stop_worker_stages(flow_run_id: str) -> int:
 
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_if_transient, task_run_name="{node.address}")
-def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[str] | None = None, gpu_workers: int | None = None, source: Source | None = None, servers: dict[str, str | None] | None = None) -> dict:
+def run_stage_task(
+    node: StageNode,
+    root: str,
+    env: dict[str, str],
+    gpus: list[str] | None = None,
+    gpu_workers: int | None = None,
+    source: Source | None = None,
+    servers: dict[str, str | None] | None = None,
+) -> dict:
     """Run one stage. With ``gpus``, the stage gets one of them to itself (CUDA_VISIBLE_DEVICES) from this
     process's pool, waiting while every one is taken; on a Dask LocalCluster of ``gpu_workers`` workers each
     worker hands out its own share of them, and the stage forks from that GPU's stage server where ``servers``
-    names one (mergeflow.runner.stage_server.running_servers). With ``source``, it runs in this worker's own checkout of it, its
-    inputs and outputs moved by the DVC remote (mergeflow.runner.checkouts)."""
+    names one (mergeflow.runner.stage_server.running_servers). With ``source``, it runs in this worker's own checkout of
+    it, its inputs and outputs moved by the DVC remote (mergeflow.runner.checkouts)."""
     logger = get_run_logger()
     worker = dask_worker_index()
     if stopping() and _stopped_flow_run not in (None, env.get("PREFECT__FLOW_RUN_ID")):
@@ -69,7 +87,9 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
             logger.info("%s runs on GPU %s", node.address, device_env["CUDA_VISIBLE_DEVICES"])
         try:
             # the stage's threads: the cores' share of one GPU (Params.stage_share)
-            stage_env = env | served_env(device_env, servers) | ({RUN_GPUS_ENV: str(len(gpus))} if device_env and gpus else {})
+            stage_env = (
+                env | served_env(device_env, servers) | ({RUN_GPUS_ENV: str(len(gpus))} if device_env and gpus else {})
+            )
             if source is None:
                 result = run_stage(node, root, stage_env)
             else:
@@ -78,7 +98,14 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
         except StageFailed as err:
             seconds = time.monotonic() - started
             kind = " (bad input)" if err.bad_input else " (transient)" if err.transient else ""
-            logger.error("%s failed after %.1f s with exit status %d%s: %s", node.address, seconds, err.returncode, kind, err.tail)
+            logger.error(
+                "%s failed after %.1f s with exit status %d%s: %s",
+                node.address,
+                seconds,
+                err.returncode,
+                kind,
+                err.tail,
+            )
             if (last := last_lines(err.output)) != err.tail:  # more than its error line
                 logger.error("%s output (last lines):\n%s", node.address, last)
             raise
@@ -90,4 +117,3 @@ def run_stage_task(node: StageNode, root: str, env: dict[str, str], gpus: list[s
     if last := last_lines(result["stderr"]):
         logger.info("%s stderr (last lines):\n%s", node.address, last)
     return result
-

@@ -65,7 +65,9 @@ def pytest_collection_modifyitems(config, items):
 
 def run(cmd, cwd, env, timeout=None, check=True):
     """Run a command (a list, or a shell string), assert it succeeded (unless check=False); stdout + stderr."""
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str)
+    )
     if check:
         assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc if not check else proc.stdout + proc.stderr
@@ -80,8 +82,18 @@ def tiny_env(tmp_path_factory) -> dict[str, str]:
 
     home = tmp_path_factory.mktemp("homes")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "DVC_", SERVER_ENV))}
-    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(home / "prefect")}
-    env |= {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env |= {
+        "PATH": f"{Path(sys.executable).parent}:{env['PATH']}",
+        "HF_HUB_OFFLINE": "1",
+        "PREFECT_HOME": str(home / "prefect"),
+    }
+    env |= {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     with running_server(env) as address:
         if address:
             env[SERVER_ENV] = address
@@ -105,7 +117,13 @@ def make_tiny_project(dst: Path, env: dict[str, str], **override) -> Path:
     on the tiny profile, committed in a git repository of its own."""
     from .profiles import tiny_params_text
 
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for f in files:
         if (REPO / f).is_file() and not f.startswith("tests/") and f != "dvc.lock":
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
@@ -137,14 +155,22 @@ def copy_project(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _start_prefect_server(home: Path, env: dict[str, str], pid_file: Path | None = None) -> tuple[subprocess.Popen, str]:
+def _start_prefect_server(
+    home: Path, env: dict[str, str], pid_file: Path | None = None
+) -> tuple[subprocess.Popen, str]:
     """`prefect server start` on a free port, in a process group of its own (its id written to ``pid_file``); (its
     process, its API URL) once it answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env | {"PREFECT_HOME": str(home)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env | {"PREFECT_HOME": str(home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     if pid_file:
         pid_file.write_text(str(proc.pid))
     url = f"http://127.0.0.1:{port}/api"
@@ -178,7 +204,9 @@ def prefect_server(tmp_path_factory, tiny_env):
     url_file = Path(shared, "prefect-server.url")
     with FileLock(f"{url_file}.lock"):
         if not url_file.exists():
-            proc, url = _start_prefect_server(Path(shared, "prefect-server-home"), tiny_env, Path(shared, "prefect-server.pid"))
+            proc, url = _start_prefect_server(
+                Path(shared, "prefect-server-home"), tiny_env, Path(shared, "prefect-server.pid")
+            )
             _SHARED_SERVERS.append(proc)
             url_file.write_text(url)
     yield url_file.read_text()

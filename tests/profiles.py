@@ -8,13 +8,29 @@ from pathlib import Path
 import yaml
 
 TINY = {
-    "suite": {"tasks": ["digits", "house_numbers", "count"], "n_train": 200, "n_val": 60, "n_test": 60, "pretrain_images": 800},
+    "suite": {
+        "tasks": ["digits", "house_numbers", "count"],
+        "n_train": 200,
+        "n_val": 60,
+        "n_test": 60,
+        "pretrain_images": 800,
+    },
     "backbone": {"kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}},
     "pretrain": {"steps": 15, "batch_size": 64, "warmup_steps": 2},
     "probe": {"c_grid": [0.1, 1.0]},
     "finetune": {"steps": 8, "batch_size": 32, "lr": 0.001, "warmup_steps": 2},
     "merge": {
-        "methods": ["weight_averaging", "task_arithmetic", "ties", "consensus_ta", "emr", "task_negation", "fisher", "regmean", "adamerging_cart"],
+        "methods": [
+            "weight_averaging",
+            "task_arithmetic",
+            "ties",
+            "consensus_ta",
+            "emr",
+            "task_negation",
+            "fisher",
+            "regmean",
+            "adamerging_cart",
+        ],
         "task_arithmetic": {"lam": [0.1, 0.3, 0.5]},
         "ties": {"k": 0.2, "trim_scope": "global", "lam": [0.8, 1.0]},
         "consensus_ta": {"tall_lambda": [0.2, 0.6], "alpha": [0.3, 0.6]},
@@ -28,7 +44,18 @@ TINY = {
     "runtime": {"threads": 1},
     "regimes": {"mima": {"rounds": [2]}},  # run: one_epoch and mima, as params.yaml
     # every study and part, in seconds: provable on coarser grids (its own tests check its claims at full size)
-    "studies": {"run": ["gradients", "mima", "provable", "cart", "ctl"], "provable": {"real": True, "alphas": [-0.6, 0.0, 0.6], "lambda_step": 0.25, "ood_lambda_step": 0.5, "test_examples": 128, "real_lambda_step": 0.5, "real_ood_lambda_step": 1.0}},
+    "studies": {
+        "run": ["gradients", "mima", "provable", "cart", "ctl"],
+        "provable": {
+            "real": True,
+            "alphas": [-0.6, 0.0, 0.6],
+            "lambda_step": 0.25,
+            "ood_lambda_step": 0.5,
+            "test_examples": 128,
+            "real_lambda_step": 0.5,
+            "real_ood_lambda_step": 1.0,
+        },
+    },
 }
 
 

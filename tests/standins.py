@@ -14,8 +14,14 @@ from mergeflow.ml.data import prompts
 
 # per task: the class indices (into the real list) the stand-in uses, and images per class in train / test
 USED = {
-    "MNIST": [0, 1, 2], "SVHN": [0, 3, 7], "GTSRB": [0, 14, 33], "EuroSAT": [0, 1, 9], "DTD": [0, 8, 46],
-    "SUN397": [0, 8, 395], "Cars": [0, 1, 195], "RESISC45": [0, 4, 44],
+    "MNIST": [0, 1, 2],
+    "SVHN": [0, 3, 7],
+    "GTSRB": [0, 14, 33],
+    "EuroSAT": [0, 1, 9],
+    "DTD": [0, 8, 46],
+    "SUN397": [0, 8, 395],
+    "Cars": [0, 1, 195],
+    "RESISC45": [0, 4, 44],
 }
 PER_CLASS = {"train": 8, "test": 4}
 SIZE = 32
@@ -82,8 +88,18 @@ def write_gtsrb(root: Path, rng) -> None:
     (base / "GT-final_test.csv").write_text("\n".join(rows) + "\n")
 
 
-EUROSAT_FOLDERS = ["AnnualCrop", "Forest", "HerbaceousVegetation", "Highway", "Industrial", "Pasture",
-                   "PermanentCrop", "Residential", "River", "SeaLake"]
+EUROSAT_FOLDERS = [
+    "AnnualCrop",
+    "Forest",
+    "HerbaceousVegetation",
+    "Highway",
+    "Industrial",
+    "Pasture",
+    "PermanentCrop",
+    "Residential",
+    "River",
+    "SeaLake",
+]
 
 
 def write_eurosat(root: Path, rng) -> None:
@@ -134,7 +150,10 @@ def write_cars(root: Path, rng) -> None:
         fname = f"{len(annotations[split]) + 1:05d}.jpg"
         Image.fromarray(img).save(base / f"cars_{split}" / fname, quality=95)
         annotations[split].append((fname, cls + 1))  # devkit classes count from 1
-    for split, path in (("train", base / "devkit" / "cars_train_annos.mat"), ("test", base / "cars_test_annos_withlabels.mat")):
+    for split, path in (
+        ("train", base / "devkit" / "cars_train_annos.mat"),
+        ("test", base / "cars_test_annos_withlabels.mat"),
+    ):
         record = np.array(annotations[split], dtype=[("fname", object), ("class", object)])
         savemat(path, {"annotations": record[None]})
 
@@ -153,8 +172,16 @@ def write_resisc45(root: Path, rng) -> None:
         (base / f"resisc45-{split}.txt").write_text("".join(f"{n}\n" for n in names))
 
 
-WRITERS = {"MNIST": write_mnist, "SVHN": write_svhn, "GTSRB": write_gtsrb, "EuroSAT": write_eurosat,
-           "DTD": write_dtd, "SUN397": write_sun397, "Cars": write_cars, "RESISC45": write_resisc45}
+WRITERS = {
+    "MNIST": write_mnist,
+    "SVHN": write_svhn,
+    "GTSRB": write_gtsrb,
+    "EuroSAT": write_eurosat,
+    "DTD": write_dtd,
+    "SUN397": write_sun397,
+    "Cars": write_cars,
+    "RESISC45": write_resisc45,
+}
 
 
 def write_standins(root, tasks=tuple(WRITERS), seed: int = 0) -> Path:

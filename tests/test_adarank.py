@@ -19,12 +19,16 @@ from .test_data_aware import _tiny_setup
 def test_with_nothing_learned_it_is_task_arithmetic_or_cart_at_its_init():
     theta0, taus, objective = _tiny_setup(torch.float64)
     adarank = REGISTRY["adarank"]
-    ta = adarank.with_data(MergeData(objective=copy.copy(objective)))(theta0, taus, base="ta", lr=0.0, steps=2, init=0.3, rank_ratio=1.0)
+    ta = adarank.with_data(MergeData(objective=copy.copy(objective)))(
+        theta0, taus, base="ta", lr=0.0, steps=2, init=0.3, rank_ratio=1.0
+    )
     expected = REGISTRY["task_arithmetic"](theta0, taus, lam=0.3)
     for k in theta0:
         torch.testing.assert_close(ta[k], expected[k])
     data = MergeData(objective=copy.copy(objective))
-    cart = adarank.with_data(data)(theta0, taus, base="cart", lr=0.0, steps=2, init=1.5, rank_ratio=0.25)  # 16-wide matrices: 4 components
+    cart = adarank.with_data(data)(
+        theta0, taus, base="cart", lr=0.0, steps=2, init=1.5, rank_ratio=0.25
+    )  # 16-wide matrices: 4 components
     expected = REGISTRY["cart"](theta0, taus, lam=1.5, rank_ratio=0.25)
     for k in theta0:
         torch.testing.assert_close(cart[k], expected[k])
@@ -51,7 +55,9 @@ def test_the_masks_are_hard_with_the_sigmoids_gradient():
 def test_learning_moves_the_masks_and_lambda(base):
     theta0, taus, objective = _tiny_setup()
     data = MergeData(objective=objective)
-    merged = REGISTRY["adarank"].with_data(data)(theta0, taus, base=base, lr=0.05, steps=5, init=0.3, rank_ratio=0.5, temperature=1.0)
+    merged = REGISTRY["adarank"].with_data(data)(
+        theta0, taus, base=base, lr=0.05, steps=5, init=0.3, rank_ratio=0.5, temperature=1.0
+    )
     learned = data.learned[0]
     assert any(v != 0.3 for per_task in learned["coefficients"].values() for v in per_task.values())
     at_start = {t: 8 for t in taus} if base == "ta" else {**{t: 1 for t in taus}, COMMON: 13}  # 16-wide matrices
@@ -62,7 +68,9 @@ def test_learning_moves_the_masks_and_lambda(base):
 def test_on_iso_cts_with_nothing_learned_it_is_iso_cts_at_its_init():
     theta0, taus, objective = _tiny_setup(torch.float64)
     data = MergeData(objective=objective)
-    merged = REGISTRY["adarank"].with_data(data)(theta0, taus, base="iso_cts", lr=0.0, steps=2, init=1.4, common_space_fraction=0.8)
+    merged = REGISTRY["adarank"].with_data(data)(
+        theta0, taus, base="iso_cts", lr=0.0, steps=2, init=1.4, common_space_fraction=0.8
+    )
     expected = REGISTRY["iso_cts"](theta0, taus, alpha=1.4, common_space_fraction=0.8)
     for k in theta0:
         torch.testing.assert_close(merged[k], expected[k])

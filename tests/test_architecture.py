@@ -15,13 +15,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # The layers, lowest first: a module may import its own layer and the layers before it.
-ORDER = ["foundation", "config", "data", "models", "training", "task vectors", "merging", "evaluation", "studies", "params", "stages", "orchestration", "flows", "cli"]
+ORDER = [
+    "foundation",
+    "config",
+    "data",
+    "models",
+    "training",
+    "task vectors",
+    "merging",
+    "evaluation",
+    "studies",
+    "params",
+    "stages",
+    "orchestration",
+    "flows",
+    "cli",
+]
 
 # module -> its layer. A package's entry covers every module under it (the longest entry wins); "mergeflow" is the
 # package's own __init__ alone. A new module needs its line here unless its folder's entry covers it (the test says so).
 LAYER = {
     "mergeflow": "foundation",  # __version__ and the OpenMP setting, nothing else
-    "mergeflow.core": "foundation",  # errors, I/O, paths, the stage table, YAML, dvc.lock, the deterministic mode, processes
+    # errors, I/O, paths, the stage table, YAML, dvc.lock, the deterministic mode, processes
+    "mergeflow.core": "foundation",
     "mergeflow.config": "config",  # params.yaml's schema, its fields and backbone checks; the environment's settings
     "mergeflow.ml": "data",  # the ML library's own __init__ (a docstring); its modules' layers follow
     "mergeflow.ml.data": "data",  # the task suite: generated, converted, read
@@ -45,7 +61,8 @@ LAYER = {
     "mergeflow.params": "params",  # params.yaml checked against the registries (methods, regimes, studies)
     "mergeflow.pipeline": "stages",  # the stage functions, the merge's data binding and sources, imported checkpoints
     "mergeflow.report.tracking": "stages",  # the track stage: MLflow records of the other stages' files
-    "mergeflow.runner": "orchestration",  # the stage graph, scheduler, stage servers, checks, plan, verify, reproduce, remote
+    # the stage graph, scheduler, stage servers, checks, plan, verify, reproduce, remote
+    "mergeflow.runner": "orchestration",
     "tasks": "flows",  # the Prefect task that runs one stage
     "flows": "flows",  # the Prefect flows
     "mergeflow.cli": "cli",  # the mergeflow command
@@ -70,7 +87,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(p): p for base in (ROOT / "src" / "mergeflow", ROOT / "flows", ROOT / "tasks") for p in sorted(base.rglob("*.py"))}
+MODULES = {
+    _module_name(p): p
+    for base in (ROOT / "src" / "mergeflow", ROOT / "flows", ROOT / "tasks")
+    for p in sorted(base.rglob("*.py"))
+}
 
 
 def layer_of(module: str) -> str | None:
@@ -89,7 +110,9 @@ def _known(name: str) -> str | None:
 
 def _type_checking(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(module: str) -> list[tuple[str, int, bool, bool]]:
@@ -123,9 +146,17 @@ def imports(module: str) -> list[tuple[str, int, bool, bool]]:
     visit(tree, False, False)
     # a registry's discovery (pkgutil.iter_modules(__path__) then importlib.import_module) imports every public
     # module of the package when the package is imported: an import at the top, as Python runs it
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "iter_modules"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "iter_modules"
+    ]
     if path.name == "__init__.py" and calls:
-        for sub in sorted(p for p in path.parent.iterdir() if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file())):
+        for sub in sorted(
+            p
+            for p in path.parent.iterdir()
+            if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file())
+        ):
             found.append((f"{package}.{sub.name.removesuffix('.py')}", calls[0].lineno, False, False))
     return found
 
@@ -139,10 +170,16 @@ def test_every_module_has_a_layer_and_every_entry_a_module():
 def test_the_folders_show_the_layers():
     src = ROOT / "src" / "mergeflow"
     assert {p.name for p in src.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FOLDERS)
-    wrong = [m for m in MODULES if m.startswith("mergeflow.") and m.split(".")[1] in FOLDERS and layer_of(m) not in FOLDERS[m.split(".")[1]]]
+    wrong = [
+        m
+        for m in MODULES
+        if m.startswith("mergeflow.") and m.split(".")[1] in FOLDERS and layer_of(m) not in FOLDERS[m.split(".")[1]]
+    ]
     assert not wrong, f"modules outside their folder's layers: {wrong}"
     flat = sorted(p.name for p in src.glob("*.py"))
-    assert flat == ["__init__.py", "cli.py", "params.py", "readme.py"], "a flat module of src/mergeflow is a layer of its own"
+    assert flat == ["__init__.py", "cli.py", "params.py", "readme.py"], (
+        "a flat module of src/mergeflow is a layer of its own"
+    )
 
 
 def test_no_import_goes_up_a_layer():
@@ -151,12 +188,16 @@ def test_no_import_goes_up_a_layer():
         for target, line, in_function, _ in imports(module):
             if ORDER.index(layer_of(target)) <= ORDER.index(layer_of(module)):
                 continue
-            wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} ({layer_of(module)}) imports {target} ({layer_of(target)}){'' if in_function else ' at the top'}")
+            wrong.append(
+                f"{MODULES[module].relative_to(ROOT)}:{line}: {module} ({layer_of(module)}) imports {target} "
+                f"({layer_of(target)}){'' if in_function else ' at the top'}"
+            )
     assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(dict.fromkeys(wrong))
 
 
 def _package(module: str) -> str:
-    """The package a module belongs to: mergeflow.ml.merging for mergeflow.ml.merging._tensors, mergeflow for mergeflow.core.io."""
+    """The package a module belongs to: mergeflow.ml.merging for mergeflow.ml.merging._tensors, mergeflow for
+    mergeflow.core.io."""
     return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
@@ -175,7 +216,10 @@ def test_no_import_circle():
     graph = nx.DiGraph()
     graph.add_nodes_from(MODULES)
     for module in MODULES:
-        graph.add_edges_from((module, target) for target, _, _, typing_only in imports(module) if not typing_only)  # a type-only import never runs
+        graph.add_edges_from(
+            (module, target) for target, _, _, typing_only in imports(module) if not typing_only
+        )  # a type-only import never runs
+
     # a registry package and its own modules import each other (the package discovers them, they import its
     # ``register``): a circle inside one package is that pattern; one that leaves it is not
     def inside_one_package(c: set[str]) -> bool:
@@ -183,7 +227,10 @@ def test_no_import_circle():
         return MODULES[root].name == "__init__.py" and all(m == root or m.startswith(root + ".") for m in c)
 
     circles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1 and not inside_one_package(c)]
-    described = [" -> ".join([*(a for a, _ in nx.find_cycle(graph.subgraph(c))), nx.find_cycle(graph.subgraph(c))[0][0]]) for c in circles]
+    described = [
+        " -> ".join([*(a for a, _ in nx.find_cycle(graph.subgraph(c))), nx.find_cycle(graph.subgraph(c))[0][0]])
+        for c in circles
+    ]
     assert not circles, "import circles:\n" + "\n".join(described)
 
 
@@ -191,10 +238,20 @@ def test_no_import_circle():
     "module, target, in_function, typing_only",
     [
         ("mergeflow.cli", "flows.serve", True, False),  # inside a function: still an import (the CLI may run the flows)
-        ("mergeflow.ml.data.benchmark", "mergeflow.ml.data.prompts", False, False),  # from a package, a module: that module
+        (
+            "mergeflow.ml.data.benchmark",
+            "mergeflow.ml.data.prompts",
+            False,
+            False,
+        ),  # from a package, a module: that module
         ("mergeflow.pipeline.train", "mergeflow.ml.data", False, False),  # from mergeflow.ml import data as data_mod
         ("mergeflow.ml.models", "mergeflow.ml.data", False, True),  # under TYPE_CHECKING
-        ("mergeflow.studies.provable.report", "mergeflow.studies.provable.claims", False, False),  # a package's own modules
+        (
+            "mergeflow.studies.provable.report",
+            "mergeflow.studies.provable.claims",
+            False,
+            False,
+        ),  # a package's own modules
         ("mergeflow.studies", "mergeflow.studies.ctl", False, False),  # a registry's discovery imports its modules
         ("mergeflow.ml.regimes", "mergeflow.ml.regimes.mima", False, False),
     ],
@@ -205,7 +262,9 @@ def test_the_walk_reads_imports_as_python_does(module, target, in_function, typi
 
 def test_no_file_over_500_lines_and_no_function_over_80():
     """Small enough to read at once: a module of at most 500 lines, a function of at most 80."""
-    long_files = [f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 500]
+    long_files = [
+        f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 500
+    ]
     long_functions = [
         f"{p.relative_to(ROOT)}:{node.lineno}: {node.name}, {node.end_lineno - node.lineno + 1} lines"
         for p in MODULES.values()

@@ -48,7 +48,9 @@ def test_corrupt_checkpoint_read_lazily(tmp_path):
     save_state_dict(tmp_path / "ok.safetensors", _state())
     truncated = (tmp_path / "ok.safetensors").read_bytes()[:-8]
     (tmp_path / "short.safetensors").write_bytes(truncated)
-    with pytest.raises(MergeflowError, match=r"short.safetensors: not a readable safetensors file \(tensor data runs past the end"):
+    with pytest.raises(
+        MergeflowError, match=r"short.safetensors: not a readable safetensors file \(tensor data runs past the end"
+    ):
         LazyStateDict(tmp_path / "short.safetensors")
 
 
@@ -85,7 +87,10 @@ def test_nan_weights_name_the_tensor(tmp_path):
         (lambda s: s.pop("norm.bias"), r"missing tensor 'norm.bias'"),
         (lambda s: s.update(extra=torch.zeros(1)), r"unexpected tensor 'extra'"),
         (lambda s: s.update({"norm.bias": torch.zeros(5)}), r"tensor 'norm.bias' has shape \(5,\), expected \(3,\)"),
-        (lambda s: s.update({"norm.bias": torch.zeros(3, dtype=torch.float64)}), r"tensor 'norm.bias' has dtype torch.float64, expected torch.float32"),
+        (
+            lambda s: s.update({"norm.bias": torch.zeros(3, dtype=torch.float64)}),
+            r"tensor 'norm.bias' has dtype torch.float64, expected torch.float32",
+        ),
     ],
 )
 def test_mismatched_checkpoints_name_the_tensor(change, pattern):
@@ -103,7 +108,10 @@ def test_vectors_stage_with_mismatched_finetuned_checkpoint_writes_nothing(repo_
     bad = _state(2)
     bad["blocks.0.mlp.fc1.weight"] = torch.zeros(4, 4)
     save_state_dict(layout.finetuned("count"), bad)
-    with pytest.raises(MergeflowError, match=r"count.safetensors: tensor 'blocks.0.mlp.fc1.weight' has shape \(4, 4\), expected \(4, 3\)"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"count.safetensors: tensor 'blocks.0.mlp.fc1.weight' has shape \(4, 4\), expected \(4, 3\)",
+    ):
         stages.vectors(params, layout)
     assert not layout.vectors.exists() and not layout.metrics("vectors").exists()
     assert [p.name for p in layout.vectors.parent.iterdir() if p.name.startswith(".vectors")] == []
@@ -114,7 +122,10 @@ def test_vectors_stage_computes_differences_and_cosines(repo_root, tmp_path):
     params = _params(repo_root, ["digits", "count"])
     theta0 = _state(0)
     save_state_dict(layout.pretrained, theta0)
-    tau = {"digits": {k: torch.ones_like(v) for k, v in theta0.items()}, "count": {k: -2 * torch.ones_like(v) for k, v in theta0.items()}}
+    tau = {
+        "digits": {k: torch.ones_like(v) for k, v in theta0.items()},
+        "count": {k: -2 * torch.ones_like(v) for k, v in theta0.items()},
+    }
     for t in tau:
         save_state_dict(layout.finetuned(t), {k: theta0[k] + tau[t][k] for k in theta0})
     stages.vectors(params, layout)
@@ -122,7 +133,7 @@ def test_vectors_stage_computes_differences_and_cosines(repo_root, tmp_path):
     assert all(torch.allclose(got[k], tau["count"][k]) for k in theta0)
     stats = __import__("json").loads((layout.vectors / "stats.json").read_text())
     assert stats["cosine"][0][1] == pytest.approx(-1.0)
-    assert stats["norms"]["count"] == pytest.approx(2 * (15 ** 0.5))
+    assert stats["norms"]["count"] == pytest.approx(2 * (15**0.5))
 
 
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):
@@ -139,7 +150,10 @@ def test_feature_preservation_without_corpus_images_names_file_and_key(repo_root
     assert params.finetune.preserve_features.weight > 0
     layout = Layout(tmp_path)
     save_state_dict(layout.pretrain_corpus, {"images": torch.zeros(0, 32, 32, 3, dtype=torch.uint8)})
-    with pytest.raises(MergeflowError, match=r"pretrain.safetensors: finetune.preserve_features needs .* set finetune.preserve_features.weight to 0"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"pretrain.safetensors: finetune.preserve_features needs .* set finetune.preserve_features.weight to 0",
+    ):
         stages._feature_anchor(params, layout, None, 0, torch.device("cpu"))
     assert not (tmp_path / "models").exists()
 
@@ -164,7 +178,11 @@ def test_lazy_reader_converts_dtypes_and_reads_empty_tensors(tmp_path):
 
     from mergeflow.core.io import LazyStateDict
 
-    state = {"w": torch.randn(5, 7).to(torch.bfloat16), "e": torch.zeros(0, 3), "i": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    state = {
+        "w": torch.randn(5, 7).to(torch.bfloat16),
+        "e": torch.zeros(0, 3),
+        "i": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
     save_file(state, str(tmp_path / "m.safetensors"))
     lazy = LazyStateDict(tmp_path / "m.safetensors")
     assert all(torch.equal(lazy[k], v) and lazy[k].dtype == v.dtype for k, v in state.items())
@@ -228,7 +246,13 @@ def _pretrained_error(weights, global_pool: str = "token") -> str:
     from mergeflow.config import BackboneConfig
     from mergeflow.ml.models import Backbone
 
-    cfg = BackboneConfig(model="vit_tiny_patch16_224", kwargs=TINY_VIT, pretrained=str(weights), global_pool=global_pool, input_norm="pretrained_cfg")
+    cfg = BackboneConfig(
+        model="vit_tiny_patch16_224",
+        kwargs=TINY_VIT,
+        pretrained=str(weights),
+        global_pool=global_pool,
+        input_norm="pretrained_cfg",
+    )
     with pytest.raises(MergeflowError) as err:
         Backbone(cfg, pretrained=True)
     return str(err.value)
@@ -254,21 +278,68 @@ def _replaced(state, key, value):
 # (what is wrong, a function of tmp_path writing the file, the message after "backbone.pretrained: <file>: ")
 BAD_WEIGHT_FILES = [
     # embed_dim 32: qkv is (3 * 32, 32)
-    ("qkv of another width", lambda p: _save_safetensors(p / "w.safetensors", _replaced(_vit_state(), "blocks.0.attn.qkv.weight", torch.zeros(96, 16))),
-     "tensor 'blocks.0.attn.qkv.weight' has shape (96, 16), the model expects (96, 32)"),
-    ("a wider ViT", lambda p: _save_safetensors(p / "w.safetensors", _vit_state(embed_dim=64)), "tensor 'cls_token' has shape (1, 1, 64), the model expects (1, 1, 32)"),
+    (
+        "qkv of another width",
+        lambda p: _save_safetensors(
+            p / "w.safetensors", _replaced(_vit_state(), "blocks.0.attn.qkv.weight", torch.zeros(96, 16))
+        ),
+        "tensor 'blocks.0.attn.qkv.weight' has shape (96, 16), the model expects (96, 32)",
+    ),
+    (
+        "a wider ViT",
+        lambda p: _save_safetensors(p / "w.safetensors", _vit_state(embed_dim=64)),
+        "tensor 'cls_token' has shape (1, 1, 64), the model expects (1, 1, 32)",
+    ),
     # a block holds norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2: 6 weights and 6 biases
-    ("a deeper ViT", lambda p: _save_safetensors(p / "w.safetensors", _vit_state(depth=2)), "unexpected tensor 'blocks.1.attn.proj.bias' that the model does not have (12 unexpected)"),
-    ("a tensor missing", lambda p: _save_safetensors(p / "w.safetensors", _without(_vit_state(), "blocks.0.attn.qkv.weight")), "missing tensor 'blocks.0.attn.qkv.weight' that the model expects (1 missing)"),
+    (
+        "a deeper ViT",
+        lambda p: _save_safetensors(p / "w.safetensors", _vit_state(depth=2)),
+        "unexpected tensor 'blocks.1.attn.proj.bias' that the model does not have (12 unexpected)",
+    ),
+    (
+        "a tensor missing",
+        lambda p: _save_safetensors(p / "w.safetensors", _without(_vit_state(), "blocks.0.attn.qkv.weight")),
+        "missing tensor 'blocks.0.attn.qkv.weight' that the model expects (1 missing)",
+    ),
     # cls_token, pos_embed, patch_embed.proj (2), one block (12), norm (2): 18
-    ("a ResNet", lambda p: _save_safetensors(p / "w.safetensors", {k: v.contiguous() for k, v in __import__("timm").create_model("resnet18", num_classes=0).state_dict().items()}),
-     "missing tensor 'cls_token' that the model expects (18 missing)"),
-    ("NaN weights", lambda p: _save_safetensors(p / "w.safetensors", _replaced(_vit_state(), "norm.bias", torch.full((32,), float("nan")))), "tensor 'norm.bias' contains NaN or Inf"),
-    ("a pickled model", lambda p: torch.save(__import__("timm").create_model("vit_tiny_patch16_224", num_classes=0, **TINY_VIT), p / "w.pth") or p / "w.pth",
-     "holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to unpickle timm.models.vision_transformer.VisionTransformer); "
-     "save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file"),
-    ("a training checkpoint with a step count", lambda p: torch.save(_vit_state() | {"step": 4}, p / "w.pth") or p / "w.pth", "entry 'step' is not a tensor (int), expected a state dict holding only tensors"),
-    ("a list of tensors", lambda p: torch.save(list(_vit_state().values()), p / "w.pth") or p / "w.pth", "holds list, expected a state dict (tensor name -> tensor)"),
+    (
+        "a ResNet",
+        lambda p: _save_safetensors(
+            p / "w.safetensors",
+            {
+                k: v.contiguous()
+                for k, v in __import__("timm").create_model("resnet18", num_classes=0).state_dict().items()
+            },
+        ),
+        "missing tensor 'cls_token' that the model expects (18 missing)",
+    ),
+    (
+        "NaN weights",
+        lambda p: _save_safetensors(
+            p / "w.safetensors", _replaced(_vit_state(), "norm.bias", torch.full((32,), float("nan")))
+        ),
+        "tensor 'norm.bias' contains NaN or Inf",
+    ),
+    (
+        "a pickled model",
+        lambda p: (
+            torch.save(__import__("timm").create_model("vit_tiny_patch16_224", num_classes=0, **TINY_VIT), p / "w.pth")
+            or p / "w.pth"
+        ),
+        "holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to unpickle "
+        "timm.models.vision_transformer.VisionTransformer); "
+        "save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file",
+    ),
+    (
+        "a training checkpoint with a step count",
+        lambda p: torch.save(_vit_state() | {"step": 4}, p / "w.pth") or p / "w.pth",
+        "entry 'step' is not a tensor (int), expected a state dict holding only tensors",
+    ),
+    (
+        "a list of tensors",
+        lambda p: torch.save(list(_vit_state().values()), p / "w.pth") or p / "w.pth",
+        "holds list, expected a state dict (tensor name -> tensor)",
+    ),
 ]
 
 
@@ -289,12 +360,21 @@ def test_weights_of_another_pooling_say_which_to_use(tmp_path):
 @pytest.mark.parametrize("contents", [b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all", b""])
 def test_unreadable_weight_files_are_one_line(tmp_path, contents):
     (tmp_path / "w.safetensors").write_bytes(contents)
-    assert re.fullmatch(rf"backbone.pretrained: {re.escape(str(tmp_path))}/w.safetensors: not a readable safetensors file \(.+\)", _pretrained_error(tmp_path / "w.safetensors"))
+    assert re.fullmatch(
+        rf"backbone.pretrained: {re.escape(str(tmp_path))}/w.safetensors: not a readable safetensors file \(.+\)",
+        _pretrained_error(tmp_path / "w.safetensors"),
+    )
     (tmp_path / "w.pth").write_bytes(contents or b"garbage")
-    assert re.fullmatch(rf"backbone.pretrained: {re.escape(str(tmp_path))}/w.pth: not a readable PyTorch checkpoint \(.+\)", _pretrained_error(tmp_path / "w.pth"))
+    assert re.fullmatch(
+        rf"backbone.pretrained: {re.escape(str(tmp_path))}/w.pth: not a readable PyTorch checkpoint \(.+\)",
+        _pretrained_error(tmp_path / "w.pth"),
+    )
     torch.save(_vit_state(), tmp_path / "cut.pth")
     (tmp_path / "cut.pth").write_bytes((tmp_path / "cut.pth").read_bytes()[:1000])  # a copy cut short
-    assert re.fullmatch(rf"backbone.pretrained: {re.escape(str(tmp_path))}/cut.pth: not a readable PyTorch checkpoint \(.+\)", _pretrained_error(tmp_path / "cut.pth"))
+    assert re.fullmatch(
+        rf"backbone.pretrained: {re.escape(str(tmp_path))}/cut.pth: not a readable PyTorch checkpoint \(.+\)",
+        _pretrained_error(tmp_path / "cut.pth"),
+    )
 
 
 class _RunsCode:
@@ -312,29 +392,49 @@ def test_a_pickle_that_runs_code_is_refused_without_running_it(tmp_path):
 
     (tmp_path / "w.pth").write_bytes(pickle.dumps(_RunsCode(tmp_path / "ran"), protocol=2))
     assert _pretrained_error(tmp_path / "w.pth") == (
-        f"backbone.pretrained: {tmp_path / 'w.pth'}: holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to unpickle "
-        "posix.system); save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file"
+        f"backbone.pretrained: {tmp_path / 'w.pth'}: holds pickled Python objects, not only tensors "
+        "(torch.load(weights_only=True) refuses to unpickle "
+        "posix.system); save the model's state_dict() with "
+        "safetensors.torch.save_file and point backbone.pretrained at that file"
     )
     assert not (tmp_path / "ran").exists()
 
 
-@pytest.mark.parametrize("wrap", [lambda s: s, lambda s: {"epoch": 3, "state_dict": s}, lambda s: {"model": {f"module.{k}": v for k, v in s.items()}}], ids=["state dict", "training checkpoint", "DataParallel"])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda s: s,
+        lambda s: {"epoch": 3, "state_dict": s},
+        lambda s: {"model": {f"module.{k}": v for k, v in s.items()}},
+    ],
+    ids=["state dict", "training checkpoint", "DataParallel"],
+)
 def test_pytorch_checkpoints_of_tensors_load(tmp_path, wrap):
     from mergeflow.config import BackboneConfig
     from mergeflow.ml.models import Backbone
 
     state = _vit_state()
     torch.save(wrap(state), tmp_path / "w.pth")
-    cfg = BackboneConfig(model="vit_tiny_patch16_224", kwargs=TINY_VIT, pretrained=str(tmp_path / "w.pth"), global_pool="token", input_norm="pretrained_cfg")
+    cfg = BackboneConfig(
+        model="vit_tiny_patch16_224",
+        kwargs=TINY_VIT,
+        pretrained=str(tmp_path / "w.pth"),
+        global_pool="token",
+        input_norm="pretrained_cfg",
+    )
     loaded = Backbone(cfg, pretrained=True).net.state_dict()
     assert set(loaded) == set(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-# ---------------------------------------------------------------- the same through the CLI: exit 2, one line, nothing written
+# ---------------------------------------------------------- the same through the CLI: exit 2, one line, nothing written
 def _cli_project(root, repo_root, pretrained: str):
     from tests.profiles import tiny_params
 
-    raw = tiny_params(repo_root / "params.yaml", suite={"tasks": ["digits"]}, backbone={"pretrained": pretrained, "global_pool": "token", "input_norm": "pretrained_cfg"})
+    raw = tiny_params(
+        repo_root / "params.yaml",
+        suite={"tasks": ["digits"]},
+        backbone={"pretrained": pretrained, "global_pool": "token", "input_norm": "pretrained_cfg"},
+    )
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
 
 
@@ -344,17 +444,23 @@ def _run_cli(root, *args, **env):
 
     environment = {k: v for k, v in os.environ.items() if k != "DVC_STAGE"} | {"HF_HUB_OFFLINE": "1"} | env
     mergeflow = os.path.join(os.path.dirname(sys.executable), "mergeflow")
-    return subprocess.run([mergeflow, "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True)
+    return subprocess.run(
+        [mergeflow, "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True
+    )
 
 
 def _files(root) -> dict[str, tuple[int, bytes]]:
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 HUB_OFFLINE = (
-    "backbone.pretrained: hub: the weights of 'vit_tiny_patch16_224' (timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k on the Hugging Face hub) "
+    "backbone.pretrained: hub: the weights of 'vit_tiny_patch16_224' "
+    "(timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k on the Hugging Face hub) "
     "are not in the local cache, and downloads are off; download them once with network access "
-    "(`mergeflow pretrain --download`, or `hf download timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k`), or set backbone.pretrained to a local weights file"
+    "(`mergeflow pretrain --download`, or `hf download timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k`), or set "
+    "backbone.pretrained to a local weights file"
 )
 
 
@@ -368,15 +474,26 @@ def test_pretrain_cli_with_bad_weights_exits_2_with_one_line_and_writes_nothing(
     elif case == "pickle":
         weights = tmp_path / "w.pth"
         torch.save(__import__("timm").create_model("vit_tiny_patch16_224", num_classes=0, **TINY_VIT), weights)
-        message = f"backbone.pretrained: {weights}: holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to unpickle timm.models.vision_transformer.VisionTransformer); save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file"
+        message = (
+            f"backbone.pretrained: {weights}: holds pickled Python objects, not only tensors "
+            "(torch.load(weights_only=True) refuses to unpickle timm.models.vision_transformer.VisionTransformer); "
+            "save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file"
+        )
     elif case == "shape":
-        weights = _save_safetensors(tmp_path / "w.safetensors", _replaced(state, "blocks.0.attn.qkv.weight", torch.zeros(96, 16)))
-        message = f"backbone.pretrained: {weights}: tensor 'blocks.0.attn.qkv.weight' has shape (96, 16), the model expects (96, 32)"
+        weights = _save_safetensors(
+            tmp_path / "w.safetensors", _replaced(state, "blocks.0.attn.qkv.weight", torch.zeros(96, 16))
+        )
+        message = (
+            f"backbone.pretrained: {weights}: tensor 'blocks.0.attn.qkv.weight' "
+            "has shape (96, 16), the model expects (96, 32)"
+        )
     else:
         weights, message = "hub", HUB_OFFLINE
     _cli_project(project, repo_root, str(weights))
     before = _files(project)
-    result = _run_cli(project, "pretrain", HF_HOME=str(tmp_path / "empty-hf-home"))  # an empty cache, whatever this machine holds
+    result = _run_cli(
+        project, "pretrain", HF_HOME=str(tmp_path / "empty-hf-home")
+    )  # an empty cache, whatever this machine holds
     assert "Traceback" not in result.stderr, result.stderr
     if case == "control":
         assert result.returncode == 0, result.stderr
@@ -454,7 +571,10 @@ def test_quota_exceeded_is_one_line_and_other_write_errors_pass_through(tmp_path
     with pytest.raises(MergeflowError) as err:
         with atomic_path(tmp_path / "a.json"):
             raise OSError(errno.EDQUOT, "Disk quota exceeded")
-    assert str(err.value) == f"{tmp_path / 'a.json'}: could not be written: disk quota exceeded (the partial file was removed; free space and run again)"
+    assert (
+        str(err.value) == f"{tmp_path / 'a.json'}: could not be written: disk quota exceeded "
+        "(the partial file was removed; free space and run again)"
+    )
     with pytest.raises(PermissionError):  # not a lack of space: not relabelled as one
         with atomic_path(tmp_path / "b.json"):
             raise PermissionError(errno.EACCES, "Permission denied")
@@ -467,7 +587,13 @@ def test_full_file_system_through_the_cli(tmp_path, repo_root):
 
     project = tmp_path / "project"
     (project / "models").mkdir(parents=True)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(project / "models")], capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(project / "models")], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a small tmpfs needs root (and CAP_SYS_ADMIN)")
     try:
         _cli_project(project, repo_root, str(_save_safetensors(tmp_path / "w.safetensors", _vit_state())))
@@ -479,7 +605,9 @@ def test_full_file_system_through_the_cli(tmp_path, repo_root):
 
 
 # ---------------------------------------------------------------- permissions (issue 16)
-@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)], ids=["umask 022", "umask 027"])
+@pytest.mark.parametrize(
+    "umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)], ids=["umask 022", "umask 027"]
+)
 def test_outputs_get_the_users_normal_permissions(tmp_path, umask, file_mode, dir_mode):
     """Not mkstemp's 0600 or mkdtemp's 0700: what open() and mkdir() give under the umask."""
     import stat
@@ -494,7 +622,15 @@ def test_outputs_get_the_users_normal_permissions(tmp_path, umask, file_mode, di
         with atomic_path(tmp_path / "vectors", directory=True) as tmp:
             save_state_dict(tmp / "digits.safetensors", _state())
             (tmp / "stats.json").write_text("{}")
-        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [*tmp_path.iterdir(), *(tmp_path / "vectors").iterdir()]}
+        modes = {
+            p.name: stat.S_IMODE(p.stat().st_mode) for p in [*tmp_path.iterdir(), *(tmp_path / "vectors").iterdir()]
+        }
     finally:
         os.umask(previous)
-    assert modes == {"m.safetensors": file_mode, "m.json": file_mode, "vectors": dir_mode, "digits.safetensors": file_mode, "stats.json": file_mode}
+    assert modes == {
+        "m.safetensors": file_mode,
+        "m.json": file_mode,
+        "vectors": dir_mode,
+        "digits.safetensors": file_mode,
+        "stats.json": file_mode,
+    }

@@ -70,20 +70,68 @@ def test_a_valid_task_file_loads_with_int64_labels(tmp_path):
 
 # (what is wrong, the array dict, the message after "<file>: ")
 BAD_ARRAYS = [
-    ("label 99 of 10 classes", _with(_set("test_y", 2, 99)), "array 'test_y' has label 99, but the task declares 10 classes"),
+    (
+        "label 99 of 10 classes",
+        _with(_set("test_y", 2, 99)),
+        "array 'test_y' has label 99, but the task declares 10 classes",
+    ),
     ("negative label", _with(_set("val_y", 0, -1)), "array 'val_y' has label -1, but the task declares 10 classes"),
-    ("float32 images", _with(lambda a: a.update(test_x=a["test_x"].float())), "array 'test_x' has dtype float32, expected uint8 images [N, 32, 32, 3]"),
+    (
+        "float32 images",
+        _with(lambda a: a.update(test_x=a["test_x"].float())),
+        "array 'test_x' has dtype float32, expected uint8 images [N, 32, 32, 3]",
+    ),
     ("array missing", _with(lambda a: a.pop("test_x")), f"array 'test_x' is missing (a task file holds {ALL_ARRAYS})"),
-    ("array misnamed", _with(lambda a: a.update(train_labels=a.pop("train_y"))), f"array 'train_y' is missing (a task file holds {ALL_ARRAYS})"),
-    ("unexpected array", _with(lambda a: a.update(extra_x=a["val_x"].clone())), f"unexpected array 'extra_x' (a task file holds only {ALL_ARRAYS})"),
-    ("images of another size", _with(lambda a: a.update(train_x=torch.zeros(12, 28, 28, 3, dtype=torch.uint8))), "array 'train_x' has shape (12, 28, 28, 3), expected uint8 images [N, 32, 32, 3]"),
-    ("channels first", _with(lambda a: a.update(val_x=a["val_x"].permute(0, 3, 1, 2).contiguous())), "array 'val_x' has shape (4, 3, 32, 32), expected uint8 images [N, 32, 32, 3]"),
-    ("grey images", _with(lambda a: a.update(test_x=a["test_x"][..., 0].contiguous())), "array 'test_x' has shape (6, 32, 32), expected uint8 images [N, 32, 32, 3]"),
-    ("float labels", _with(lambda a: a.update(train_y=a["train_y"].float())), "array 'train_y' has dtype float32, expected integer labels [N]"),
-    ("one-hot labels", _with(lambda a: a.update(test_y=torch.nn.functional.one_hot(a["test_y"], 10))), "array 'test_y' has shape (6, 10), expected integer labels [N]"),
-    ("empty split", _with(lambda a: a.update(val_x=a["val_x"][:0], val_y=a["val_y"][:0])), "array 'val_x' is empty, expected at least one image"),
-    ("one label short", _with(lambda a: a.update(test_y=a["test_y"][:5])), "array 'test_x' has 6 images but 'test_y' has 5 labels"),
-    ("one class in train", _with(lambda a: a.update(train_y=torch.full((12,), 3))), "array 'train_y' holds only label 3, expected at least two classes"),
+    (
+        "array misnamed",
+        _with(lambda a: a.update(train_labels=a.pop("train_y"))),
+        f"array 'train_y' is missing (a task file holds {ALL_ARRAYS})",
+    ),
+    (
+        "unexpected array",
+        _with(lambda a: a.update(extra_x=a["val_x"].clone())),
+        f"unexpected array 'extra_x' (a task file holds only {ALL_ARRAYS})",
+    ),
+    (
+        "images of another size",
+        _with(lambda a: a.update(train_x=torch.zeros(12, 28, 28, 3, dtype=torch.uint8))),
+        "array 'train_x' has shape (12, 28, 28, 3), expected uint8 images [N, 32, 32, 3]",
+    ),
+    (
+        "channels first",
+        _with(lambda a: a.update(val_x=a["val_x"].permute(0, 3, 1, 2).contiguous())),
+        "array 'val_x' has shape (4, 3, 32, 32), expected uint8 images [N, 32, 32, 3]",
+    ),
+    (
+        "grey images",
+        _with(lambda a: a.update(test_x=a["test_x"][..., 0].contiguous())),
+        "array 'test_x' has shape (6, 32, 32), expected uint8 images [N, 32, 32, 3]",
+    ),
+    (
+        "float labels",
+        _with(lambda a: a.update(train_y=a["train_y"].float())),
+        "array 'train_y' has dtype float32, expected integer labels [N]",
+    ),
+    (
+        "one-hot labels",
+        _with(lambda a: a.update(test_y=torch.nn.functional.one_hot(a["test_y"], 10))),
+        "array 'test_y' has shape (6, 10), expected integer labels [N]",
+    ),
+    (
+        "empty split",
+        _with(lambda a: a.update(val_x=a["val_x"][:0], val_y=a["val_y"][:0])),
+        "array 'val_x' is empty, expected at least one image",
+    ),
+    (
+        "one label short",
+        _with(lambda a: a.update(test_y=a["test_y"][:5])),
+        "array 'test_x' has 6 images but 'test_y' has 5 labels",
+    ),
+    (
+        "one class in train",
+        _with(lambda a: a.update(train_y=torch.full((12,), 3))),
+        "array 'train_y' holds only label 3, expected at least two classes",
+    ),
 ]
 
 
@@ -107,8 +155,11 @@ def test_without_image_size_every_split_needs_trains_square_size(tmp_path):
     "classes, message",
     [
         (None, "metadata 'classes' is missing (a task file declares its class names, a JSON list)"),
-        (["only"], 'metadata \'classes\' is ["only"], expected a JSON list of at least two class names'),
-        ({"a": 0, "b": 1}, 'metadata \'classes\' is {"a": 0, "b": 1}, expected a JSON list of at least two class names'),
+        (["only"], "metadata 'classes' is [\"only\"], expected a JSON list of at least two class names"),
+        (
+            {"a": 0, "b": 1},
+            'metadata \'classes\' is {"a": 0, "b": 1}, expected a JSON list of at least two class names',
+        ),
         ([0, 1], "metadata 'classes' is [0, 1], expected a JSON list of at least two class names"),
     ],
 )
@@ -155,7 +206,9 @@ def test_probe_head_has_one_row_per_declared_class(tmp_path):
     g = torch.Generator().manual_seed(0)
     labels = torch.arange(30) % 3  # classes 3 and 4 of 5 never occur
     features = torch.randn(30, 4, generator=g) + torch.nn.functional.one_hot(labels, 4).float() * 3
-    probe = fit_probe(features[:24], labels[:24], features[24:], labels[24:], ProbeConfig(c_grid=[1.0]), seed=0, num_classes=5)
+    probe = fit_probe(
+        features[:24], labels[:24], features[24:], labels[24:], ProbeConfig(c_grid=[1.0]), seed=0, num_classes=5
+    )
     assert probe.head.weight.shape == (5, 4)
     assert set(probe.head(features).argmax(1).tolist()) <= {0, 1, 2}  # an absent class is never predicted
 
@@ -165,21 +218,48 @@ def test_head_with_another_number_of_classes_than_its_task_is_one_line(tmp_path)
     save_state_dict(head, {"weight": torch.zeros(11, 32), "bias": torch.zeros(11)})
     with pytest.raises(MergeflowError) as err:
         load_head(head, 32, num_classes=10, classes_source="data/tasks/digits.safetensors")
-    assert str(err.value) == f"{head}: tensor 'weight' has 11 rows, but data/tasks/digits.safetensors declares 10 classes"
+    assert (
+        str(err.value) == f"{head}: tensor 'weight' has 11 rows, but data/tasks/digits.safetensors declares 10 classes"
+    )
     assert load_head(head, 32, num_classes=11, classes_source="data/tasks/digits.safetensors").out_features == 11
 
 
 # ---------------------------------------------------------------- the pretraining corpus
 def _corpus(n: int = 8) -> dict[str, torch.Tensor]:
-    return {"images": torch.zeros(n, 32, 32, 3, dtype=torch.uint8), "shape": torch.arange(n) % 4, "hue": torch.arange(n) % 2}
+    return {
+        "images": torch.zeros(n, 32, 32, 3, dtype=torch.uint8),
+        "shape": torch.arange(n) % 4,
+        "hue": torch.arange(n) % 2,
+    }
 
 
 BAD_CORPORA = [
-    ("images missing", lambda c: c.pop("images"), "array 'images' is missing (the pretraining corpus holds uint8 images [N, 32, 32, 3] and integer labels [N] per head)"),
-    ("float images", lambda c: c.update(images=c["images"].float()), "array 'images' has dtype float32 and shape (8, 32, 32, 3), expected uint8 images [N, 32, 32, 3]"),
-    ("images of another size", lambda c: c.update(images=torch.zeros(8, 16, 16, 3, dtype=torch.uint8)), "array 'images' has dtype uint8 and shape (8, 16, 16, 3), expected uint8 images [N, 32, 32, 3]"),
-    ("labels short", lambda c: c.update(hue=c["hue"][:7]), "array 'hue' has dtype int64 and shape (7,), expected integer labels [8], one per image"),
-    ("float labels", lambda c: c.update(shape=c["shape"].float()), "array 'shape' has dtype float32 and shape (8,), expected integer labels [8], one per image"),
+    (
+        "images missing",
+        lambda c: c.pop("images"),
+        "array 'images' is missing (the pretraining corpus holds "
+        "uint8 images [N, 32, 32, 3] and integer labels [N] per head)",
+    ),
+    (
+        "float images",
+        lambda c: c.update(images=c["images"].float()),
+        "array 'images' has dtype float32 and shape (8, 32, 32, 3), expected uint8 images [N, 32, 32, 3]",
+    ),
+    (
+        "images of another size",
+        lambda c: c.update(images=torch.zeros(8, 16, 16, 3, dtype=torch.uint8)),
+        "array 'images' has dtype uint8 and shape (8, 16, 16, 3), expected uint8 images [N, 32, 32, 3]",
+    ),
+    (
+        "labels short",
+        lambda c: c.update(hue=c["hue"][:7]),
+        "array 'hue' has dtype int64 and shape (7,), expected integer labels [8], one per image",
+    ),
+    (
+        "float labels",
+        lambda c: c.update(shape=c["shape"].float()),
+        "array 'shape' has dtype float32 and shape (8,), expected integer labels [8], one per image",
+    ),
 ]
 
 
@@ -191,7 +271,10 @@ def test_bad_pretraining_corpus_is_one_line_in_pretrain_and_finetune(tmp_path, r
     corpus = _corpus()
     change(corpus)
     save_state_dict(layout.pretrain_corpus, corpus)
-    for stage in (lambda: stages.pretrain(params, layout), lambda: stages._feature_anchor(params, layout, None, 0, torch.device("cpu"))):
+    for stage in (
+        lambda: stages.pretrain(params, layout),
+        lambda: stages._feature_anchor(params, layout, None, 0, torch.device("cpu")),
+    ):
         with pytest.raises(MergeflowError) as err:
             stage()
         assert str(err.value) == f"{layout.pretrain_corpus}: {message}"
@@ -225,18 +308,29 @@ def _project(root: Path, repo_root: Path) -> tuple[Path, Layout]:
     for task in params.suite.tasks:
         _write(layout.task_data(task), _arrays())
     save_state_dict(layout.pretrained, build_backbone(params.backbone).net.state_dict())
-    save_state_dict(layout.pretrain_corpus, {"images": torch.randint(0, 256, (32, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))})
+    save_state_dict(
+        layout.pretrain_corpus,
+        {
+            "images": torch.randint(
+                0, 256, (32, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+            )
+        },
+    )
     return root / "params.yaml", layout
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
     """Every file under the project, hidden temporary files included: (mtime in ns, contents)."""
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def _run(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "DVC_STAGE"} | {"HF_HUB_OFFLINE": "1"} | env
-    return subprocess.run([str(MERGEFLOW), "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True)
+    return subprocess.run(
+        [str(MERGEFLOW), "--params", "params.yaml", *args], cwd=root, env=environment, capture_output=True, text=True
+    )
 
 
 def _assert_one_line_exit_2(result: subprocess.CompletedProcess, message: str) -> None:
@@ -256,24 +350,57 @@ def finetuned_project(tmp_path_factory, repo_root):
 
 
 CLI_CASES = [
-    ("finetune", "digits", "test_y", _set("test_y", 2, 99), "array 'test_y' has label 99, but the task declares 10 classes"),
-    ("finetune", "digits", "test_x", lambda a: a.update(test_x=a["test_x"].float()), "array 'test_x' has dtype float32, expected uint8 images [N, 32, 32, 3]"),
-    ("finetune", "digits", "val_y", lambda a: a.pop("val_y"), f"array 'val_y' is missing (a task file holds {ALL_ARRAYS})"),
-    ("finetune", "digits", "train_x", lambda a: a.update(train_x=a["train_x"][:, :16].contiguous()), "array 'train_x' has shape (12, 16, 32, 3), expected uint8 images [N, 32, 32, 3]"),
+    (
+        "finetune",
+        "digits",
+        "test_y",
+        _set("test_y", 2, 99),
+        "array 'test_y' has label 99, but the task declares 10 classes",
+    ),
+    (
+        "finetune",
+        "digits",
+        "test_x",
+        lambda a: a.update(test_x=a["test_x"].float()),
+        "array 'test_x' has dtype float32, expected uint8 images [N, 32, 32, 3]",
+    ),
+    (
+        "finetune",
+        "digits",
+        "val_y",
+        lambda a: a.pop("val_y"),
+        f"array 'val_y' is missing (a task file holds {ALL_ARRAYS})",
+    ),
+    (
+        "finetune",
+        "digits",
+        "train_x",
+        lambda a: a.update(train_x=a["train_x"][:, :16].contiguous()),
+        "array 'train_x' has shape (12, 16, 32, 3), expected uint8 images [N, 32, 32, 3]",
+    ),
     ("merge", "count", "val_y", _set("val_y", 0, -1), "array 'val_y' has label -1, but the task declares 10 classes"),
 ]
 
 
 @pytest.mark.parametrize("stage, task, array, change, message", CLI_CASES, ids=[f"{c[0]}-{c[2]}" for c in CLI_CASES])
-def test_cli_bad_task_data_exits_2_with_one_line_and_touches_nothing(tmp_path, repo_root, finetuned_project, stage, task, array, change, message):
+def test_cli_bad_task_data_exits_2_with_one_line_and_touches_nothing(
+    tmp_path, repo_root, finetuned_project, stage, task, array, change, message
+):
     _, layout = _project(tmp_path, repo_root)
     if stage == "merge":  # its other inputs, valid: task vectors and heads for both tasks
-        theta0 = build_backbone(parse_params(yaml.safe_load((tmp_path / "params.yaml").read_text())).backbone).net.state_dict()
+        theta0 = build_backbone(
+            parse_params(yaml.safe_load((tmp_path / "params.yaml").read_text())).backbone
+        ).net.state_dict()
         for t in ("digits", "count"):
             save_state_dict(layout.vectors / f"{t}.safetensors", {k: torch.zeros_like(v) for k, v in theta0.items()})
             save_state_dict(layout.head(t), {"weight": torch.zeros(10, 32), "bias": torch.zeros(10)})
     _write(layout.task_data(task), _with(change))
     before = _snapshot(tmp_path)
-    result = _run(tmp_path, stage, "--task" if stage == "finetune" else "--method", task if stage == "finetune" else "weight_averaging")
+    result = _run(
+        tmp_path,
+        stage,
+        "--task" if stage == "finetune" else "--method",
+        task if stage == "finetune" else "weight_averaging",
+    )
     _assert_one_line_exit_2(result, f"data/tasks/{task}.safetensors: {message}")
     assert _snapshot(tmp_path) == before

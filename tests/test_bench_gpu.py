@@ -48,7 +48,14 @@ def test_the_merge_stage_reads_what_it_wrote_and_searches_the_whole_grid(tiny):
     images = m["tasks"] * (4 + m["n_val"] + m["n_test"]) * tiny["image_size"] ** 2 * 3
     assert images < m["bytes_read"] < images + 40 * tiny["parameters"] * 4 + 10**6  # the images, 3 models' weights
     assert 0 < m["read_share"] < 1
-    parts = m["read_s"] + m["val_to_device_s"] + m["search_forward_s"] + m["merge_s"] + m["test_to_device_s"] + m["test_forward_s"]
+    parts = (
+        m["read_s"]
+        + m["val_to_device_s"]
+        + m["search_forward_s"]
+        + m["merge_s"]
+        + m["test_to_device_s"]
+        + m["test_forward_s"]
+    )
     assert parts == pytest.approx(m["total_s"], rel=0.05)
 
 
@@ -61,10 +68,22 @@ def test_the_session_script_keeps_the_benchmark_and_the_cuda_tests_output(tmp_pa
 
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     # one section: the benchmark's sections themselves are the tests above
-    proc = subprocess.run(["bash", "bench/gpu_session.sh", "--tiny", "--device", "cpu", "--sections", "host", "--workdir", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", "bench/gpu_session.sh", "--tiny", "--device", "cpu", "--sections", "host", "--workdir", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = tmp_path / "out"
     result = json.loads((out / "gpu-bench.json").read_text())
     assert result["bench"] == "gpu" and result["tiny"] and result["device"].startswith("cpu")
-    assert "one pass over the parameters" in (out / "bench.log").read_text() and " skipped" in (out / "cuda-tests.log").read_text()
-    assert "cuda False" in (out / "gpu.txt").read_text() and "bench/gpu.py: exit 0; tests/test_cuda.py: exit 0" in proc.stdout
+    assert (
+        "one pass over the parameters" in (out / "bench.log").read_text()
+        and " skipped" in (out / "cuda-tests.log").read_text()
+    )
+    assert (
+        "cuda False" in (out / "gpu.txt").read_text()
+        and "bench/gpu.py: exit 0; tests/test_cuda.py: exit 0" in proc.stdout
+    )

@@ -13,7 +13,16 @@ from mergeflow.core.errors import MergeflowError
 from tests.standins import USED, write_standins
 
 TA8 = benchmark.SUITES["ta8"]
-REAL_CLASS_COUNTS = {"SUN397": 397, "Cars": 196, "RESISC45": 45, "EuroSAT": 10, "SVHN": 10, "GTSRB": 43, "MNIST": 10, "DTD": 47}
+REAL_CLASS_COUNTS = {
+    "SUN397": 397,
+    "Cars": 196,
+    "RESISC45": 45,
+    "EuroSAT": 10,
+    "SVHN": 10,
+    "GTSRB": 43,
+    "MNIST": 10,
+    "DTD": 47,
+}
 
 
 def _cfg(root, **kw):
@@ -41,7 +50,13 @@ def test_standin_reads_through_build_task(standins, task):
 
 
 def test_missing_dataset_is_one_line_with_how_to_fetch(tmp_path):
-    for task, how in (("MNIST", "--download"), ("SVHN", "--download"), ("Cars", "Kaggle"), ("RESISC45", "NWPU-RESISC45.rar"), ("FER2013", "Kaggle")):
+    for task, how in (
+        ("MNIST", "--download"),
+        ("SVHN", "--download"),
+        ("Cars", "Kaggle"),
+        ("RESISC45", "NWPU-RESISC45.rar"),
+        ("FER2013", "Kaggle"),
+    ):
         with pytest.raises(MergeflowError) as err:
             build_task(_cfg(tmp_path), task, seed=0)
         message = str(err.value)
@@ -66,7 +81,12 @@ def _mnist_files(root) -> None:
     """MNIST's four raw file names, empty: enough for the cheap layout check (check_layout), which then lets
     torchvision's reader (faked here) have its say."""
     (root / "MNIST" / "raw").mkdir(parents=True)
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         (root / "MNIST" / "raw" / name).write_bytes(b"")
 
 
@@ -83,7 +103,11 @@ def test_download_reaches_torchvision_only_when_asked(tmp_path, monkeypatch):
 
 
 def test_registry_covers_the_three_suites_with_templates_and_classes():
-    assert len(benchmark.SUITES["ta8"]) == 8 and len(benchmark.SUITES["ta14"]) == 14 and len(benchmark.SUITES["ta20"]) == 20
+    assert (
+        len(benchmark.SUITES["ta8"]) == 8
+        and len(benchmark.SUITES["ta14"]) == 14
+        and len(benchmark.SUITES["ta20"]) == 20
+    )
     assert benchmark.SUITES["ta20"][:14] == benchmark.SUITES["ta14"] and benchmark.SUITES["ta14"][:8] == TA8
     assert set(benchmark.SUITES["ta20"]) == set(benchmark.BENCHMARK)
     for task, entry in benchmark.BENCHMARK.items():
@@ -120,14 +144,18 @@ def test_resize_modes_match_pil_and_torchvision_by_hand(shape):
     assert squash.dtype == np.uint8 and squash.shape == (size, size, 3)
     assert np.array_equal(squash, np.asarray(Image.fromarray(array).resize((size, size), Image.BILINEAR)))
     # crop: CLIP's eval transform, torchvision's Resize(S, bicubic) + CenterCrop(S) on the same PIL image
-    clip = transforms.Compose([transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(size)])
+    clip = transforms.Compose(
+        [transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(size)]
+    )
     crop = resize_image(Image.fromarray(array), size, "crop")
     assert crop.shape == (size, size, 3) and np.array_equal(crop, np.asarray(clip(Image.fromarray(array))))
     assert np.array_equal(resize_image(array, size, "crop"), crop)  # an array as well as a PIL image
     if shape[0] != shape[1]:
         assert not np.array_equal(crop, squash)
     gray = rng.integers(0, 256, shape, dtype=np.uint8)  # grayscale: three equal channels
-    assert np.array_equal(resize_image(Image.fromarray(gray), size, "crop"), np.asarray(clip(Image.fromarray(gray).convert("RGB"))))
+    assert np.array_equal(
+        resize_image(Image.fromarray(gray), size, "crop"), np.asarray(clip(Image.fromarray(gray).convert("RGB")))
+    )
 
 
 def test_crop_mode_through_build_task(standins):
@@ -136,7 +164,9 @@ def test_crop_mode_through_build_task(standins):
     assert classes == same_classes
     for split in ("train", "val", "test"):
         assert np.array_equal(squash[f"{split}_y"], crop[f"{split}_y"])  # the same images picked, resized otherwise
-        assert crop[f"{split}_x"].shape == squash[f"{split}_x"].shape and not np.array_equal(crop[f"{split}_x"], squash[f"{split}_x"])
+        assert crop[f"{split}_x"].shape == squash[f"{split}_x"].shape and not np.array_equal(
+            crop[f"{split}_x"], squash[f"{split}_x"]
+        )
 
 
 # ---------------------------------------------------------------- missing against unreadable files
@@ -144,7 +174,10 @@ def test_crop_mode_through_build_task(standins):
 
 def test_a_damaged_file_is_named_not_reported_missing(tmp_path):
     write_standins(tmp_path, ["SVHN", "Cars"], seed=0)
-    for task, damaged in (("SVHN", tmp_path / "svhn" / "train_32x32.mat"), ("Cars", tmp_path / "stanford_cars" / "devkit" / "cars_meta.mat")):
+    for task, damaged in (
+        ("SVHN", tmp_path / "svhn" / "train_32x32.mat"),
+        ("Cars", tmp_path / "stanford_cars" / "devkit" / "cars_meta.mat"),
+    ):
         damaged.write_bytes(b"MATLAB 5.0 MAT-file, this is not one" + bytes(range(256)) * 4)
         with pytest.raises(MergeflowError) as err:
             build_task(_cfg(tmp_path), task, seed=0)
@@ -154,7 +187,11 @@ def test_a_damaged_file_is_named_not_reported_missing(tmp_path):
     (tmp_path / "svhn" / "train_32x32.mat").unlink()
     with pytest.raises(MergeflowError) as err:
         build_task(_cfg(tmp_path), "SVHN", seed=0)
-    assert str(err.value) == f"suite.root: SVHN not found under '{tmp_path}' ({tmp_path / 'svhn' / 'train_32x32.mat'} is missing) (expected <root>/svhn/{{train,test}}_32x32.mat); run with --download (or suite.download: true)"
+    assert (
+        str(err.value)
+        == f"suite.root: SVHN not found under '{tmp_path}' ({tmp_path / 'svhn' / 'train_32x32.mat'} is missing) "
+        f"(expected <root>/svhn/{{train,test}}_32x32.mat); run with --download (or suite.download: true)"
+    )
 
 
 def test_an_undecodable_image_names_the_task_and_the_file(tmp_path):
@@ -210,8 +247,17 @@ def test_prepare_takes_the_download_permission_from_the_command_line(repo_root, 
     monkeypatch.setattr(tvd, "MNIST", _fake_mnist(seen))
     monkeypatch.setattr(train, "process_pool", _InProcess)  # prepare's worker pool, in this process
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
-    raw["suite"] = {"source": "torchvision", "root": str(tmp_path / "data"), "download": False, "tasks": ["MNIST"],
-                    "image_size": 16, "n_train": 12, "n_val": 4, "n_test": 6, "pretrain_images": 0}
+    raw["suite"] = {
+        "source": "torchvision",
+        "root": str(tmp_path / "data"),
+        "download": False,
+        "tasks": ["MNIST"],
+        "image_size": 16,
+        "n_train": 12,
+        "n_val": 4,
+        "n_test": 6,
+        "pretrain_images": 0,
+    }
     params = parse_params(raw)
     monkeypatch.setenv(DOWNLOAD_ENV, "1")  # what `mergeflow prepare --download` sets
     assert params.downloads() and not params.suite.download

@@ -38,13 +38,23 @@ METHODS = ["weight_averaging", "task_arithmetic", "ties", "adamerging"]
 
 def _hub_architecture_weights(path):
     """CLIP ViT-B/32's image tower in timm's names and shapes (the hub's model.safetensors), one block deep."""
-    net = timm.create_model("vit_base_patch32_clip_quickgelu_224", pretrained=False, num_classes=512, global_pool="token", depth=1)
+    net = timm.create_model(
+        "vit_base_patch32_clip_quickgelu_224", pretrained=False, num_classes=512, global_pool="token", depth=1
+    )
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
 
 
 def _fusionbench_checkpoint(path):
     """A FusionBench-style fine-tune: transformers' CLIPVisionModel (no projection), ViT-B/32 widths, one layer."""
-    config = transformers.CLIPVisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=1, num_attention_heads=12, image_size=224, patch_size=32, hidden_act="quick_gelu")
+    config = transformers.CLIPVisionConfig(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=1,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=32,
+        hidden_act="quick_gelu",
+    )
     torch.manual_seed(1)
     model = transformers.CLIPVisionModel(config)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
@@ -60,8 +70,19 @@ def ta8_run(repo_root, tmp_path_factory):
     raw = yaml.safe_load((repo_root / "profiles" / "ta8.yaml").read_text())
     raw["suite"] |= {"root": str(tmp / "datasets"), "n_train": 20, "n_val": 4, "n_test": 12}
     raw["backbone"] |= {"kwargs": {"depth": 1}, "pretrained": str(tmp / "clip_b32.safetensors"), "text": "random"}
-    raw["finetune"] |= {"steps": 2, "batch_size": 8, "warmup_steps": 0, "lr": 1e-4, "checkpoints": {"MNIST": str(tmp / "mnist_finetuned.safetensors")}}
-    raw["merge"] |= {"methods": METHODS, "task_arithmetic": {"lam": [0.3, 1.0]}, "ties": {"k": 0.2, "lam": [1.0]}, "adamerging": {"steps": 3, "batch_size": 4}}
+    raw["finetune"] |= {
+        "steps": 2,
+        "batch_size": 8,
+        "warmup_steps": 0,
+        "lr": 1e-4,
+        "checkpoints": {"MNIST": str(tmp / "mnist_finetuned.safetensors")},
+    }
+    raw["merge"] |= {
+        "methods": METHODS,
+        "task_arithmetic": {"lam": [0.3, 1.0]},
+        "ties": {"k": 0.2, "lam": [1.0]},
+        "adamerging": {"steps": 3, "batch_size": 4},
+    }
     raw["runtime"] |= {"eval_batch_size": 64, "threads": THREADS}  # a worker's share of the cores under xdist
     params = parse_params(raw, "profiles/ta8.yaml (tiny)")
     layout = Layout(tmp / "repo")
@@ -112,7 +133,9 @@ def test_heads_are_zero_shot_and_stay_frozen(ta8_run):
         norms = head["weight"].norm(dim=1)
         torch.testing.assert_close(norms, torch.full_like(norms, 1 / 0.07), rtol=1e-4, atol=1e-4)
         assert head["weight"].shape == (len(benchmark.class_names(task)), 512) and not head["bias"].any()
-        assert finetune[task]["probe"]["head"] == "zeroshot" and finetune[task]["probe"]["templates"] == len(benchmark.templates(task))
+        assert finetune[task]["probe"]["head"] == "zeroshot" and finetune[task]["probe"]["templates"] == len(
+            benchmark.templates(task)
+        )
     # fine-tuned backbones differ from theta0, except CLIP's projection bias, frozen at zero
     theta0 = load_state_dict(layout.pretrained)
     tuned = load_state_dict(layout.finetuned("DTD"))
@@ -124,7 +147,9 @@ def test_the_imported_fine_tune_is_the_published_one_with_theta0s_projection(ta8
     params, layout, finetune, _ = ta8_run
     assert finetune["MNIST"]["steps"] == 0 and finetune["MNIST"]["imported"].endswith("mnist_finetuned.safetensors")
     # transformers 5 writes CLIPVisionModel's names without FusionBench's 'vision_model.' prefix: both are read
-    published = {k.removeprefix("vision_model."): v for k, v in load_state_dict(params.finetune.checkpoints["MNIST"]).items()}
+    published = {
+        k.removeprefix("vision_model."): v for k, v in load_state_dict(params.finetune.checkpoints["MNIST"]).items()
+    }
     imported, theta0 = load_state_dict(layout.finetuned("MNIST")), load_state_dict(layout.pretrained)
     q, k, v = (published[f"encoder.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert torch.equal(imported["blocks.0.attn.qkv.weight"], torch.cat([q, k, v]))
@@ -146,7 +171,9 @@ def test_every_method_lands_in_the_summary_under_the_suites_name(ta8_run):
     probe = sum(finetune[t]["probe"]["test"] for t in TA8) / 8
     individual = sum(finetune[t]["individual"]["test"] for t in TA8) / 8
     assert (rows["task_arithmetic"]["gap_recovered"] is None) == (individual - probe < MIN_GAP)
-    row = next(line for line in (layout.results / "summary.md").read_text().splitlines() if "| task_arithmetic |" in line)
+    row = next(
+        line for line in (layout.results / "summary.md").read_text().splitlines() if "| task_arithmetic |" in line
+    )
     assert f"| {gap_cell(rows['task_arithmetic']['gap_recovered'])} |" in row
     from mergeflow.report.tracking import experiment_name
 

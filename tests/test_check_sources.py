@@ -42,7 +42,9 @@ def _refused(root) -> str:
 
 
 def _cli_check(root):
-    proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "check"], cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergeflow.cli", "check"], cwd=root, capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
@@ -52,13 +54,19 @@ def test_an_embedded_task_that_does_not_exist_through_the_cli(tmp_path, repo_roo
     before = sorted(p.name for p in root.iterdir())
     status, lines = _cli_check(root)
     assert status == 2
-    assert lines == [f"error: params.yaml: suite.tasks: the embedded suite has no task 'cars' (tasks: {', '.join(EMBEDDED)})"]
+    assert lines == [
+        f"error: params.yaml: suite.tasks: the embedded suite has no task 'cars' (tasks: {', '.join(EMBEDDED)})"
+    ]
     assert sorted(p.name for p in root.iterdir()) == before
 
 
 # ---------------------------------------------------------------- ImageFolder
 def _imagefolder(tmp_path, repo_root, root_value, tasks=("pets",)):
-    return _project(tmp_path, repo_root, lambda raw: raw["suite"].update(source="imagefolder", root=root_value, tasks=list(tasks), name="mine"))[0]
+    return _project(
+        tmp_path,
+        repo_root,
+        lambda raw: raw["suite"].update(source="imagefolder", root=root_value, tasks=list(tasks), name="mine"),
+    )[0]
 
 
 def _folder_task(base, splits=("train", "test"), classes=("cat", "dog"), files=1):
@@ -75,20 +83,36 @@ def test_imagefolder_root_and_task_folders(tmp_path, repo_root):
     photos = tmp_path / "photos"
     root = _imagefolder(project, repo_root, str(photos))
     source = project / "params.yaml"
-    assert _refused(root) == f"{source}: suite.root: '{photos}' not found (expected a folder of task folders: <root>/<task>/{{train,val,test}}/<class>/<image>, val/ optional)"
+    assert (
+        _refused(root) == f"{source}: suite.root: '{photos}' not found (expected a folder of task folders: "
+        f"<root>/<task>/{{train,val,test}}/<class>/<image>, val/ optional)"
+    )
     photos.mkdir()
-    assert _refused(root) == f"{source}: suite.tasks: task 'pets' has no folder in suite.root ('{photos / 'pets'}' not found; expected <root>/<task>/{{train,val,test}}/<class>/<image>, val/ optional)"
+    assert (
+        _refused(root)
+        == f"{source}: suite.tasks: task 'pets' has no folder in suite.root ('{photos / 'pets'}' not found; expected "
+        f"<root>/<task>/{{train,val,test}}/<class>/<image>, val/ optional)"
+    )
     _folder_task(photos / "pets", splits=("train",))
-    assert _refused(root) == f"{source}: suite.root: '{photos / 'pets'}' needs train/ and test/ subdirectories of class folders (test/ is missing)"
+    assert (
+        _refused(root) == f"{source}: suite.root: '{photos / 'pets'}' needs train/ and "
+        "test/ subdirectories of class folders (test/ is missing)"
+    )
     _folder_task(photos / "pets", splits=("test",), files=0)
     assert _refused(root) == f"{source}: {photos / 'pets' / 'test'}: no images"
     _folder_task(photos / "pets", splits=("val",), classes=("cat", "horse"))
-    assert _refused(root) == f"{source}: {photos / 'pets' / 'val' / 'horse'}: class 'horse' is not among the train classes"
+    assert (
+        _refused(root) == f"{source}: {photos / 'pets' / 'val' / 'horse'}: class 'horse' is not among the train classes"
+    )
     for f in (photos / "pets" / "val" / "horse").iterdir():
         f.unlink()
     (photos / "pets" / "val" / "horse").rmdir()
     (photos / "pets" / "test" / "cat" / "0.png").write_bytes(b"")
-    assert _refused(root) == f"{source}: {photos / 'pets' / 'test' / 'dog'}: an empty class folder (class 'dog' would have no test image: add images or remove the folder)"
+    assert (
+        _refused(root)
+        == f"{source}: {photos / 'pets' / 'test' / 'dog'}: an empty class folder (class 'dog' would have no test "
+        "image: add images or remove the folder)"
+    )
     (photos / "pets" / "test" / "dog" / "0.png").write_bytes(b"")
     params, _ = check_project(root)
     assert params.suite.tasks == ["pets"]
@@ -99,7 +123,10 @@ def test_imagefolder_train_without_class_folders_and_a_relative_root(tmp_path, r
     root = _imagefolder(tmp_path, repo_root, "photos")
     (tmp_path / "photos" / "pets" / "train").mkdir(parents=True)
     (tmp_path / "photos" / "pets" / "test").mkdir()
-    assert _refused(root) == f"{root / 'params.yaml'}: suite.root: '{tmp_path / 'photos' / 'pets' / 'train'}' has no class folders"
+    assert (
+        _refused(root)
+        == f"{root / 'params.yaml'}: suite.root: '{tmp_path / 'photos' / 'pets' / 'train'}' has no class folders"
+    )
 
 
 def test_prepare_finds_the_same_layout_fault_before_it_starts_a_worker(tmp_path, repo_root, monkeypatch):
@@ -108,41 +135,71 @@ def test_prepare_finds_the_same_layout_fault_before_it_starts_a_worker(tmp_path,
     root = _imagefolder(tmp_path, repo_root, str(tmp_path / "photos"))
     _folder_task(tmp_path / "photos" / "pets", splits=("train",))
     started = []
-    monkeypatch.setattr(train, "process_pool", lambda *a, **k: started.append(a) or pytest.fail("a worker pool started"))
+    monkeypatch.setattr(
+        train, "process_pool", lambda *a, **k: started.append(a) or pytest.fail("a worker pool started")
+    )
     params = parse_params(yaml.safe_load((root / "params.yaml").read_text()))
     with pytest.raises(MergeflowError) as err:
         stages.prepare(params, stages.Layout(tmp_path / "repo"))
-    assert str(err.value) == f"suite.root: '{tmp_path / 'photos' / 'pets'}' needs train/ and test/ subdirectories of class folders (test/ is missing)"
+    assert (
+        str(err.value) == f"suite.root: '{tmp_path / 'photos' / 'pets'}' needs train/ "
+        "and test/ subdirectories of class folders (test/ is missing)"
+    )
     assert not started and not (tmp_path / "repo").exists()
 
 
 # ---------------------------------------------------------------- torchvision
 def _torchvision(tmp_path, repo_root, root_value, tasks, download=False):
-    return _project(tmp_path, repo_root, lambda raw: raw["suite"].update(source="torchvision", root=root_value, tasks=tasks, download=download, name="bench"))[0]
+    return _project(
+        tmp_path,
+        repo_root,
+        lambda raw: raw["suite"].update(
+            source="torchvision", root=root_value, tasks=tasks, download=download, name="bench"
+        ),
+    )[0]
 
 
 def test_torchvision_root_missing_and_downloads(tmp_path, repo_root, monkeypatch):
     datasets = tmp_path / "datasets"
     root = _torchvision(tmp_path, repo_root, str(datasets), ["MNIST", "Cars"])
     layout = "<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"
-    assert _refused(root) == f"{root / 'params.yaml'}: suite.root: MNIST not found under '{datasets}' ('{datasets}' is missing) (expected {layout}); run with --download (or suite.download: true)"
+    assert (
+        _refused(root)
+        == f"{root / 'params.yaml'}: suite.root: MNIST not found under '{datasets}' ('{datasets}' is missing) "
+        f"(expected {layout}); run with --download (or suite.download: true)"
+    )
     # with downloads allowed (--download sets MERGEFLOW_DOWNLOAD): MNIST is fetched, Cars cannot be
     monkeypatch.setenv("MERGEFLOW_DOWNLOAD", "1")
     message = _refused(root)
-    assert message.startswith(f"{root / 'params.yaml'}: suite.root: Cars not found under '{datasets}' ('{datasets}' is missing) (expected <root>/stanford_cars/")
+    assert message.startswith(
+        f"{root / 'params.yaml'}: suite.root: Cars not found under '{datasets}' "
+        f"('{datasets}' is missing) (expected <root>/stanford_cars/"
+    )
     assert message.endswith("(pytorch/vision#7545)")
     monkeypatch.delenv("MERGEFLOW_DOWNLOAD")
     datasets.mkdir()
     first = datasets / "MNIST" / "raw" / "train-images-idx3-ubyte"
-    assert _refused(root) == f"{root / 'params.yaml'}: suite.root: MNIST not found under '{datasets}' ({first} is missing) (expected {layout}); run with --download (or suite.download: true)"
+    assert (
+        _refused(root)
+        == f"{root / 'params.yaml'}: suite.root: MNIST not found under '{datasets}' ({first} is missing) (expected "
+        f"{layout}); run with --download (or suite.download: true)"
+    )
 
 
 def test_torchvision_task_names(tmp_path):
-    cfg = parse_params({"suite": {"source": "torchvision", "root": str(tmp_path), "tasks": ["Omniglot", "Nonsense"]}, "merge": {"methods": ["ties"]}}).suite
+    cfg = parse_params(
+        {
+            "suite": {"source": "torchvision", "root": str(tmp_path), "tasks": ["Omniglot", "Nonsense"]},
+            "merge": {"methods": ["ties"]},
+        }
+    ).suite
     check_layout(cfg, "Omniglot")  # a torchvision dataset class outside the benchmark: its own reader checks its files
     with pytest.raises(MergeflowError) as err:
         check_layout(cfg, "Nonsense")
-    assert str(err.value) == f"suite.tasks: 'Nonsense' is neither a benchmark dataset ({', '.join(benchmark.BENCHMARK)}) nor a torchvision dataset class"
+    assert (
+        str(err.value) == "suite.tasks: 'Nonsense' is neither a benchmark dataset "
+        f"({', '.join(benchmark.BENCHMARK)}) nor a torchvision dataset class"
+    )
     import torchvision.datasets as tvd  # the list read from torchvision's source is the one it exports
 
     assert benchmark.torchvision_dataset_names() == frozenset(tvd.__all__)
@@ -180,7 +237,11 @@ KW = {"img_size": 32, "patch_size": 8, "embed_dim": 128, "depth": 4, "num_heads"
 
 
 def _timm_shapes(width=128, patch=8, depth=4, tokens=17, channels=3):
-    shapes = {"cls_token": (1, 1, width), "pos_embed": (1, tokens, width), "patch_embed.proj.weight": (width, channels, patch, patch)}
+    shapes = {
+        "cls_token": (1, 1, width),
+        "pos_embed": (1, tokens, width),
+        "patch_embed.proj.weight": (width, channels, patch, patch),
+    }
     return shapes | {f"blocks.{i}.norm1.weight": (width,) for i in range(depth)}
 
 
@@ -205,9 +266,16 @@ def test_checkpoints_that_safetensors_cannot_read(tmp_path, repo_root):
     check_project(root)  # right shapes; the hub spec is not a local file
     whole = path.read_bytes()
     path.write_bytes(whole[:-100])  # cut short: the header describes data that is not there
-    assert _refused(root) == f"{source}: {key}: 'ft/digits.safetensors' is not a readable safetensors file (Error while deserializing header: incomplete metadata, file not fully covered)"
+    assert (
+        _refused(root)
+        == f"{source}: {key}: 'ft/digits.safetensors' is not a readable safetensors file (Error while deserializing "
+        "header: incomplete metadata, file not fully covered)"
+    )
     path.write_bytes((20).to_bytes(8, "little") + b'{"a": not json}     ')
-    assert _refused(root).startswith(f"{source}: {key}: 'ft/digits.safetensors' is not a readable safetensors file (Error while deserializing header: ")
+    assert _refused(root).startswith(
+        f"{source}: {key}: 'ft/digits.safetensors' is not a readable "
+        "safetensors file (Error while deserializing header: "
+    )
     path.write_bytes((10**12).to_bytes(8, "little") + b"{}")
     assert _refused(root).startswith(f"{source}: {key}: 'ft/digits.safetensors' is not a readable safetensors file (")
 
@@ -223,28 +291,62 @@ def test_pytorch_checkpoints_are_judged_by_their_first_bytes(tmp_path, repo_root
     torch.save({"cls_token": torch.zeros(1)}, path, _use_new_zipfile_serialization=False)  # the legacy pickle
     check_project(root)
     path.write_text("model weights\n")
-    assert _refused(root) == f"{root / 'params.yaml'}: finetune.checkpoints.digits: 'ft/digits.pt' is not a PyTorch checkpoint (neither a zip (torch.save) nor a pickle: it starts with b'mode'); name a .safetensors file or a torch.save checkpoint"
+    assert (
+        _refused(root) == f"{root / 'params.yaml'}: finetune.checkpoints.digits: 'ft/digits.pt' is "
+        "not a PyTorch checkpoint (neither a zip (torch.save) nor a pickle: it "
+        "starts with b'mode'); name a .safetensors file or a torch.save checkpoint"
+    )
     path.write_bytes(b"")
-    assert _refused(root) == f"{root / 'params.yaml'}: finetune.checkpoints.digits: 'ft/digits.pt' is not a PyTorch checkpoint (it is empty); name a .safetensors file or a torch.save checkpoint"
+    assert (
+        _refused(root)
+        == f"{root / 'params.yaml'}: finetune.checkpoints.digits: 'ft/digits.pt' is not a PyTorch checkpoint (it is "
+        "empty); name a .safetensors file or a torch.save checkpoint"
+    )
 
 
 @pytest.mark.parametrize(
     "shapes, says",
     [
-        (_timm_shapes(patch=16), "its patch size is 16 (tensor 'patch_embed.proj.weight' [128, 3, 16, 16]), not 8 (backbone.kwargs.patch_size = 8)"),
-        (_timm_shapes(width=192), "its width is 192 (tensor 'patch_embed.proj.weight' [192, 3, 8, 8]), not 128 (backbone.kwargs.embed_dim = 128)"),
+        (
+            _timm_shapes(patch=16),
+            "its patch size is 16 (tensor 'patch_embed.proj.weight' [128, 3, 16, 16]), not 8 "
+            "(backbone.kwargs.patch_size = 8)",
+        ),
+        (
+            _timm_shapes(width=192),
+            "its width is 192 (tensor 'patch_embed.proj.weight' [192, "
+            "3, 8, 8]), not 128 (backbone.kwargs.embed_dim = 128)",
+        ),
         (_timm_shapes(depth=12), "its depth is 12 (12 blocks 'blocks.<i>.*'), not 4 (backbone.kwargs.depth = 4)"),
-        (_timm_shapes(channels=1), "its input channels is 1 (tensor 'patch_embed.proj.weight' [128, 1, 8, 8]), not 3 (backbone.model vit_tiny_patch16_224)"),
+        (
+            _timm_shapes(channels=1),
+            "its input channels is 1 (tensor 'patch_embed.proj.weight' "
+            "[128, 1, 8, 8]), not 3 (backbone.model vit_tiny_patch16_224)",
+        ),
         # open_clip's and Hugging Face's namings, read as they are named
-        ({"visual.class_embedding": (128,), "visual.conv1.weight": (128, 3, 16, 16)}, "its patch size is 16 (tensor 'visual.conv1.weight' [128, 3, 16, 16]), not 8 (backbone.kwargs.patch_size = 8)"),
-        ({"vision_model.embeddings.class_embedding": (128,), "vision_model.embeddings.patch_embedding.weight": (128, 3, 8, 8)} | {f"vision_model.encoder.layers.{i}.layer_norm1.weight": (128,) for i in range(6)},
-         "its depth is 6 (6 blocks 'vision_model.encoder.layers.<i>.*'), not 4 (backbone.kwargs.depth = 4)"),
+        (
+            {"visual.class_embedding": (128,), "visual.conv1.weight": (128, 3, 16, 16)},
+            "its patch size is 16 (tensor 'visual.conv1.weight' [128, "
+            "3, 16, 16]), not 8 (backbone.kwargs.patch_size = 8)",
+        ),
+        (
+            {
+                "vision_model.embeddings.class_embedding": (128,),
+                "vision_model.embeddings.patch_embedding.weight": (128, 3, 8, 8),
+            }
+            | {f"vision_model.encoder.layers.{i}.layer_norm1.weight": (128,) for i in range(6)},
+            "its depth is 6 (6 blocks 'vision_model.encoder.layers.<i>.*'), not 4 (backbone.kwargs.depth = 4)",
+        ),
     ],
 )
 def test_checkpoints_of_another_shape_than_the_backbone(tmp_path, repo_root, shapes, says):
     root = _with_checkpoints(tmp_path, repo_root, {"signs": "ft/signs.safetensors"})
     _write(root / "ft" / "signs.safetensors", shapes)
-    assert _refused(root) == f"{root / 'params.yaml'}: finetune.checkpoints.signs: 'ft/signs.safetensors' does not fit backbone.model vit_tiny_patch16_224: {says}"
+    assert (
+        _refused(root)
+        == f"{root / 'params.yaml'}: finetune.checkpoints.signs: 'ft/signs.safetensors' does not fit backbone.model "
+        f"vit_tiny_patch16_224: {says}"
+    )
 
 
 def test_checkpoints_against_the_pretrained_file_and_each_other(tmp_path, repo_root):
@@ -253,17 +355,47 @@ def test_checkpoints_against_the_pretrained_file_and_each_other(tmp_path, repo_r
     _write(tmp_path / "theta0.safetensors", _timm_shapes())
     _write(tmp_path / "ft" / "digits.safetensors", _timm_shapes(tokens=50))
     root = _with_checkpoints(tmp_path, repo_root, {"digits": "ft/digits.safetensors"}, pretrained="theta0.safetensors")
-    assert _refused(root) == f"{source}: finetune.checkpoints.digits: 'ft/digits.safetensors' does not fit backbone.pretrained 'theta0.safetensors': its token count is 50 (tensor 'pos_embed' [1, 50, 128]), not 17 (tensor 'pos_embed' [1, 17, 128])"
+    assert (
+        _refused(root) == f"{source}: finetune.checkpoints.digits: 'ft/digits.safetensors' does not "
+        "fit backbone.pretrained 'theta0.safetensors': its token count is 50 "
+        "(tensor 'pos_embed' [1, 50, 128]), not 17 (tensor 'pos_embed' [1, 17, 128])"
+    )
     # a backbone whose shape its name does not say: the fine-tunes must at least agree with each other
     _write(tmp_path / "ft" / "digits.safetensors", _timm_shapes())
     _write(tmp_path / "ft" / "signs.safetensors", _timm_shapes(width=64))
-    root = _with_checkpoints(tmp_path, repo_root, {"digits": "ft/digits.safetensors", "signs": "ft/signs.safetensors"}, model="deit_tiny_patch16_224", pretrained=None)
-    assert _refused(root) == f"{source}: finetune.checkpoints.signs: 'ft/signs.safetensors' does not fit finetune.checkpoints.digits 'ft/digits.safetensors': its width is 64 (tensor 'patch_embed.proj.weight' [64, 3, 8, 8]), not 128 (tensor 'patch_embed.proj.weight' [128, 3, 8, 8])"
+    root = _with_checkpoints(
+        tmp_path,
+        repo_root,
+        {"digits": "ft/digits.safetensors", "signs": "ft/signs.safetensors"},
+        model="deit_tiny_patch16_224",
+        pretrained=None,
+    )
+    assert (
+        _refused(root)
+        == f"{source}: finetune.checkpoints.signs: 'ft/signs.safetensors' does not fit finetune.checkpoints.digits "
+        "'ft/digits.safetensors': its width is 64 (tensor 'patch_embed.proj.weight' [64, 3, 8, 8]), not 128 "
+        "(tensor 'patch_embed.proj.weight' [128, 3, 8, 8])"
+    )
     _write(tmp_path / "ft" / "signs.safetensors", {"fc.weight": (10, 128), "fc.bias": (10,)})
-    assert _refused(root) == f"{source}: finetune.checkpoints.signs: 'ft/signs.safetensors' is not a CLIP or ViT image tower: found neither open_clip's 'visual.class_embedding', Hugging Face's '[vision_model.]embeddings.class_embedding' nor timm's 'cls_token' (first tensors: 'fc.bias', 'fc.weight')"
+    assert (
+        _refused(root)
+        == f"{source}: finetune.checkpoints.signs: 'ft/signs.safetensors' is not a CLIP or ViT image tower: found "
+        "neither open_clip's 'visual.class_embedding', Hugging Face's '[vision_model.]embeddings.class_embedding' "
+        "nor timm's 'cls_token' (first tensors: 'fc.bias', 'fc.weight')"
+    )
 
 
-@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_small_patch32_384", "vit_medium_patch16_clip_224", "vit_base_patch32_clip_quickgelu_224.openai", "vit_large_patch14_clip_224", "vit_huge_patch14_clip_224"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vit_tiny_patch16_224",
+        "vit_small_patch32_384",
+        "vit_medium_patch16_clip_224",
+        "vit_base_patch32_clip_quickgelu_224.openai",
+        "vit_large_patch14_clip_224",
+        "vit_huge_patch14_clip_224",
+    ],
+)
 def test_the_shapes_said_by_a_name_are_the_ones_timm_builds(name):
     import timm
     import torch
@@ -274,7 +406,10 @@ def test_the_shapes_said_by_a_name_are_the_ones_timm_builds(name):
         built = architecture({k: tuple(v.shape) for k, v in net.state_dict().items()})
         said = expected_architecture(name, kwargs)
         assert {f: v for f, (v, _) in said.items()} == {f: built[f][0] for f in said}, (name, kwargs)
-    assert expected_architecture("deit_tiny_patch16_224", {}) is None and expected_architecture("vit_base_patch16_plus_240", {}) is None
+    assert (
+        expected_architecture("deit_tiny_patch16_224", {}) is None
+        and expected_architecture("vit_base_patch16_plus_240", {}) is None
+    )
 
 
 def test_the_three_namings_say_the_same_shape(tmp_path):
@@ -288,11 +423,23 @@ def test_the_three_namings_say_the_same_shape(tmp_path):
     from tests.test_checkpoints import hf_clip, timm_clip
 
     expected = {"width": 64, "channels": 3, "patch": 32, "depth": 2, "tokens": 7 * 7 + 1}
-    clip = open_clip.model.CLIP(32, dict(layers=2, width=64, head_width=32, mlp_ratio=2, patch_size=32, image_size=224), dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1), quick_gelu=True)
-    for name, state in (("open_clip", clip.state_dict()), ("hugging_face", hf_clip().state_dict()), ("timm", timm_clip().state_dict())):
+    clip = open_clip.model.CLIP(
+        32,
+        dict(layers=2, width=64, head_width=32, mlp_ratio=2, patch_size=32, image_size=224),
+        dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1),
+        quick_gelu=True,
+    )
+    for name, state in (
+        ("open_clip", clip.state_dict()),
+        ("hugging_face", hf_clip().state_dict()),
+        ("timm", timm_clip().state_dict()),
+    ):
         for form, tensors in (("as published", state), ("converted", to_timm_clip(state, source=name))):
             path = tmp_path / f"{name}-{form}.safetensors"
-            save_torch({k: v.detach().clone().contiguous() for k, v in tensors.items() if isinstance(v, torch.Tensor)}, str(path))
+            save_torch(
+                {k: v.detach().clone().contiguous() for k, v in tensors.items() if isinstance(v, torch.Tensor)},
+                str(path),
+            )
             facts = architecture(safetensors_shapes(path))
             assert {f: v for f, (v, _) in facts.items()} == expected, (name, form, facts)
 
@@ -302,14 +449,24 @@ def test_a_run_fetched_with_dvc_pull_needs_no_raw_data(tmp_path, repo_root):
     root = _torchvision(tmp_path, repo_root, "datasets", ["MNIST"])
     assert "MNIST not found" in _refused(root)
     params = parse_params(yaml.safe_load((root / "params.yaml").read_text()))
-    recorded = {"seed": params.seed, "backbone.pretrained": None} | {f"suite.{k}": v for k, v in params.suite.model_dump(mode="json").items() if k not in ("name", "download")}
-    (root / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare", "params": {"params.yaml": recorded}}}}))
+    recorded = {"seed": params.seed, "backbone.pretrained": None} | {
+        f"suite.{k}": v for k, v in params.suite.model_dump(mode="json").items() if k not in ("name", "download")
+    }
+    (root / "dvc.lock").write_text(
+        yaml.safe_dump(
+            {"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare", "params": {"params.yaml": recorded}}}}
+        )
+    )
     assert "MNIST not found" in _refused(root)  # the prepared file is not here either
     (root / "data" / "tasks").mkdir(parents=True)
     (root / "data" / "tasks" / "MNIST.safetensors").write_bytes(b"prepared")
     check_project(root)
     recorded["suite.n_train"] += 1  # prepared for other settings: prepare runs again, and needs the datasets
-    (root / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare", "params": {"params.yaml": recorded}}}}))
+    (root / "dvc.lock").write_text(
+        yaml.safe_dump(
+            {"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare", "params": {"params.yaml": recorded}}}}
+        )
+    )
     assert "MNIST not found" in _refused(root)
 
 
@@ -328,12 +485,16 @@ def test_the_new_checks_import_no_torch(tmp_path, repo_root):
         from pathlib import Path
         from mergeflow.params import parse_params
         import mergeflow.runner.checks as checks
-        folders = parse_params({{"suite": {{"source": "imagefolder", "root": "photos", "tasks": ["pets"]}}, "finetune": {{"checkpoints": {{"pets": "ft/pets.safetensors"}}}}, "backbone": {{"kwargs": {KW!r}}}, "merge": {{"methods": ["ties"]}}}})
-        bench = parse_params({{"suite": {{"source": "torchvision", "root": "bench", "tasks": ["Omniglot", "MNIST"], "download": True}}, "merge": {{"methods": ["ties"]}}}})
+        folders = parse_params({{"suite": {{"source": "imagefolder", "root": "photos", "tasks": ["pets"]}}, \
+"finetune": {{"checkpoints": {{"pets": "ft/pets.safetensors"}}}}, "backbone": {{"kwargs": {KW!r}}}, "merge": \
+{{"methods": ["ties"]}}}})
+        bench = parse_params({{"suite": {{"source": "torchvision", "root": "bench", "tasks": ["Omniglot", "MNIST"], \
+"download": True}}, "merge": {{"methods": ["ties"]}}}})
         blocked = {BLOCKED!r}
         keep = ("mergeflow", "mergeflow.config", "mergeflow.core.errors", "mergeflow.runner.checks")
         for name in list(sys.modules):
-            if name.split(".")[0] in blocked or (name.startswith("mergeflow") and name not in keep and not name.startswith("mergeflow.config.")):
+            if name.split(".")[0] in blocked or (name.startswith("mergeflow") and name not in keep and not \
+name.startswith("mergeflow.config.")):
                 del sys.modules[name]
         class Block:
             def find_spec(self, name, path=None, target=None):
@@ -347,6 +508,12 @@ def test_the_new_checks_import_no_torch(tmp_path, repo_root):
         loaded = sorted(n for n in sys.modules if n.split(".")[0] in blocked)
         print("loaded:", loaded)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "loaded: []"

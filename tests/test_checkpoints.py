@@ -28,7 +28,13 @@ def timm_clip(width=WIDTH, depth=DEPTH) -> torch.nn.Module:
     """The pipeline's backbone for CLIP: timm's OpenAI CLIP B/32 (pre-norm, LayerNorm eps 1e-5, QuickGELU), head =
     the visual projection, class-token pooling."""
     return timm.create_model(
-        "vit_base_patch32_clip_quickgelu_224", embed_dim=width, depth=depth, num_heads=HEADS, mlp_ratio=2, num_classes=EMBED, global_pool="token"
+        "vit_base_patch32_clip_quickgelu_224",
+        embed_dim=width,
+        depth=depth,
+        num_heads=HEADS,
+        mlp_ratio=2,
+        num_classes=EMBED,
+        global_pool="token",
     ).eval()
 
 
@@ -42,8 +48,14 @@ def hf_clip(width=WIDTH, depth=DEPTH):
 
     torch.manual_seed(0)
     cfg = CLIPVisionConfig(
-        hidden_size=width, intermediate_size=2 * width, num_hidden_layers=depth, num_attention_heads=HEADS,
-        image_size=224, patch_size=32, projection_dim=EMBED, hidden_act="quick_gelu",
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=depth,
+        num_attention_heads=HEADS,
+        image_size=224,
+        patch_size=32,
+        projection_dim=EMBED,
+        hidden_act="quick_gelu",
     )
     model = CLIPVisionModelWithProjection(cfg).eval()
     with torch.no_grad():  # random LayerNorm affines and biases too, so that every tensor's route is checked
@@ -74,14 +86,20 @@ def test_hugging_face_clip_vision_model_takes_the_pretrained_projection(tmp_path
     error says so in one line. FusionBench's files (transformers 4) name the tower 'vision_model.*',
     transformers 5's save_pretrained leaves the prefix out."""
     with_projection = hf_clip()
-    tower = {k.removeprefix("vision_model."): v.contiguous() for k, v in with_projection.state_dict().items() if k.startswith("vision_model.")}
+    tower = {
+        k.removeprefix("vision_model."): v.contiguous()
+        for k, v in with_projection.state_dict().items()
+        if k.startswith("vision_model.")
+    }
     save_file({prefix + k: v for k, v in tower.items()}, tmp_path / "model.safetensors")
     pretrained = read_checkpoint(dict(with_projection.state_dict()))  # the projection's source: a timm state
     net = timm_clip()
     with pytest.raises(MergeflowError, match=r"no visual projection.*projection_from") as err:
         read_checkpoint(tmp_path / "model.safetensors", reference=net.state_dict())
     assert "\n" not in str(err.value)
-    net.load_state_dict(read_checkpoint(tmp_path / "model.safetensors", reference=net.state_dict(), projection_from=pretrained))
+    net.load_state_dict(
+        read_checkpoint(tmp_path / "model.safetensors", reference=net.state_dict(), projection_from=pretrained)
+    )
     with torch.no_grad():
         expected = torch.nn.functional.normalize(with_projection(pixel_values=images).image_embeds, dim=-1)
     torch.testing.assert_close(embed(net, images), expected, atol=1e-5, rtol=1e-5)
@@ -89,7 +107,7 @@ def test_hugging_face_clip_vision_model_takes_the_pretrained_projection(tmp_path
 
 # the task arithmetic repository's classes (github:mlfoundations/task_vectors, src/modeling.py), reduced to what
 # a pickle records; importing the module appends a line to $MERGEFLOW_TEST_IMPORT_LOG
-MODELING = '''
+MODELING = """
 import os
 import torch
 
@@ -113,7 +131,7 @@ class ClassificationHead(torch.nn.Linear):
         self.normalize = normalize
         self.weight = torch.nn.Parameter(weights.clone())
         self.bias = torch.nn.Parameter(biases.clone())
-'''
+"""
 
 
 @pytest.fixture
@@ -167,7 +185,9 @@ def test_task_arithmetic_image_encoder(tmp_path, images, modeling):
     with torch.no_grad():
         for p in clip.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    encoder = modeling.ImageEncoder(clip, open_clip.image_transform(224, is_train=True), open_clip.image_transform(224, is_train=False))
+    encoder = modeling.ImageEncoder(
+        clip, open_clip.image_transform(224, is_train=True), open_clip.image_transform(224, is_train=False)
+    )
     expected_state = {k: v.clone() for k, v in encoder.state_dict().items()}
     with torch.no_grad():
         expected = torch.nn.functional.normalize(clip.encode_image(images), dim=-1)
@@ -214,7 +234,11 @@ def test_crafted_pickle_runs_nothing(tmp_path, attack, container):
     import builtins
 
     marker = tmp_path / "pwned"
-    exploit = _Exploit(os.system, f"touch {marker}") if attack == "os.system" else _Exploit(builtins.exec, f"open({str(marker)!r}, 'w').close()")
+    exploit = (
+        _Exploit(os.system, f"touch {marker}")
+        if attack == "os.system"
+        else _Exploit(builtins.exec, f"open({str(marker)!r}, 'w').close()")
+    )
     path = tmp_path / "finetuned.pt"
     if container == "torch-zip":
         torch.save(exploit, path)
@@ -249,7 +273,9 @@ def one_line_error(call, *match):
 
 
 @pytest.mark.parametrize("form", ["slot-state", "dict-state"])
-@pytest.mark.parametrize("target", ["torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_parameter", "copyreg _reconstructor"])
+@pytest.mark.parametrize(
+    "target", ["torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_parameter", "copyreg _reconstructor"]
+)
 def test_build_on_an_allowed_function_is_refused(tmp_path, target, form):
     """pickle's BUILD on a global the reader allows (``(None, {'__defaults__': ...})`` sets the function's
     attributes) is refused in one line, and the reader's function is the same for the next file."""
@@ -258,7 +284,12 @@ def test_build_on_an_allowed_function_is_refused(tmp_path, target, form):
     defaults, attributes = func.__defaults__, dict(vars(func))
     state = b"}V__defaults__\n\x88NN\x87s"  # {'__defaults__': (True, None, None)}
     path = tmp_path / "build.pkl"
-    path.write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode() + (b"N" + state + b"\x86" if form == "slot-state" else state) + b"b.")
+    path.write_bytes(
+        b"\x80\x02c"
+        + f"{module}\n{name}\n".encode()
+        + (b"N" + state + b"\x86" if form == "slot-state" else state)
+        + b"b."
+    )
     try:
         assert "BUILD" in one_line_error(lambda: read_tensors(path), str(path))
         assert func.__defaults__ == defaults and vars(func) == attributes
@@ -270,7 +301,11 @@ def test_build_on_an_allowed_function_is_refused(tmp_path, target, form):
 
 def strided(storage: torch.Tensor, offset, size, stride, state=None) -> _Reduce:
     """A tensor that torch.save pickles as this view of ``storage``'s elements (then a BUILD of ``state``)."""
-    return _Reduce(torch._utils._rebuild_tensor_v2, (storage._typed_storage(), offset, size, stride, False, collections.OrderedDict()), state)
+    return _Reduce(
+        torch._utils._rebuild_tensor_v2,
+        (storage._typed_storage(), offset, size, stride, False, collections.OrderedDict()),
+        state,
+    )
 
 
 def test_build_on_a_tensor_reference_is_refused(tmp_path):
@@ -280,12 +315,15 @@ def test_build_on_a_tensor_reference_is_refused(tmp_path):
     one_line_error(lambda: read_tensors(tmp_path / "build.pt"), r"BUILD")
 
 
-@pytest.mark.parametrize(("offset", "size", "stride", "expected"), [
-    (0, (2**40,), (0,), "larger than its storage of 3 elements"),  # stride 0: one element read, 4 TiB to copy
-    (0, (2, 2), (1, 1), "larger than its storage of 3 elements"),  # every index within the storage, 4 elements of 3
-    (1, (3,), (1,), "runs past its storage of 3 elements"),
-    (0, (2, 3), (2**62, 1), "runs past its storage of 3 elements"),
-])
+@pytest.mark.parametrize(
+    ("offset", "size", "stride", "expected"),
+    [
+        (0, (2**40,), (0,), "larger than its storage of 3 elements"),  # stride 0: one element read, 4 TiB to copy
+        (0, (2, 2), (1, 1), "larger than its storage of 3 elements"),  # every index within the storage, 4 elements of 3
+        (1, (3,), (1,), "runs past its storage of 3 elements"),
+        (0, (2, 3), (2**62, 1), "runs past its storage of 3 elements"),
+    ],
+)
 def test_tensor_views_stay_within_their_storage(tmp_path, offset, size, stride, expected):
     """A tensor must reach only its storage's elements, and no more of them than it holds: else one line, before
     anything is allocated."""
@@ -305,7 +343,10 @@ def test_tensor_that_torch_cannot_build(tmp_path, monkeypatch):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.\nError code 12")
 
     monkeypatch.setattr(torch.Tensor, "clone", fail)
-    one_line_error(lambda: read_tensors(path), rf"{path.name}: .*tensor 'weight' could not be built \(RuntimeError: DefaultCPUAllocator")
+    one_line_error(
+        lambda: read_tensors(path),
+        rf"{path.name}: .*tensor 'weight' could not be built \(RuntimeError: DefaultCPUAllocator",
+    )
 
 
 def test_untyped_storage(tmp_path):
@@ -380,13 +421,18 @@ def test_not_a_checkpoint(tmp_path):
         read_tensors(path)
 
 
-@pytest.mark.parametrize(("width", "depth", "expected"), [
-    (WIDTH, DEPTH + 1, r"unexpected tensor 'blocks\.2\.[\w.]+' absent from the pretrained backbone"),
-    (96, DEPTH, r"tensor 'cls_token' has shape \(1, 1, 96\), expected \(1, 1, 64\)"),
-])
+@pytest.mark.parametrize(
+    ("width", "depth", "expected"),
+    [
+        (WIDTH, DEPTH + 1, r"unexpected tensor 'blocks\.2\.[\w.]+' absent from the pretrained backbone"),
+        (96, DEPTH, r"tensor 'cls_token' has shape \(1, 1, 96\), expected \(1, 1, 64\)"),
+    ],
+)
 def test_mismatched_checkpoint(tmp_path, width, depth, expected):
     """A fine-tune of another depth or width: one line naming the first differing tensor."""
-    save_file({k: v.contiguous() for k, v in hf_clip(width, depth).state_dict().items()}, tmp_path / "model.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in hf_clip(width, depth).state_dict().items()}, tmp_path / "model.safetensors"
+    )
     with pytest.raises(MergeflowError, match=expected) as err:
         read_checkpoint(tmp_path / "model.safetensors", reference=timm_clip().state_dict())
     assert "\n" not in str(err.value) and "model.safetensors" in str(err.value)
@@ -402,13 +448,23 @@ def test_resolve_source_offline(monkeypatch, tmp_path):
 
     def missing(repo_id, **kwargs):
         calls.append((repo_id, kwargs))
-        raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder for the specified revision on the local disk")
+        raise LocalEntryNotFoundError(
+            "Cannot find an appropriate cached snapshot folder for the specified revision on the local disk"
+        )
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", missing)
-    with pytest.raises(MergeflowError, match=r"hf:tanganke/clip-vit-base-patch32_sun397: not in the local Hugging Face cache; run with --download") as err:
+    with pytest.raises(
+        MergeflowError,
+        match=r"hf:tanganke/clip-vit-base-patch32_sun397: not in the local Hugging Face cache; run with --download",
+    ) as err:
         resolve_source("hf:tanganke/clip-vit-base-patch32_sun397", download=False)
     assert "\n" not in str(err.value)
-    assert calls == [("tanganke/clip-vit-base-patch32_sun397", dict(revision=None, allow_patterns=["*.safetensors", "*.json"], local_files_only=True))]
+    assert calls == [
+        (
+            "tanganke/clip-vit-base-patch32_sun397",
+            dict(revision=None, allow_patterns=["*.safetensors", "*.json"], local_files_only=True),
+        )
+    ]
     with pytest.raises(MergeflowError, match=r"could not download it") as err:
         resolve_source("hf:tanganke/clip-vit-base-patch32_sun397", download=True)
     assert "\n" not in str(err.value)

@@ -14,8 +14,29 @@ from .conftest import REPO
 from .profiles import written_out
 
 # a params file of this test's own: two tasks, two methods, and TIES's lam grid narrowed from the paper's 18 values
-PARAMS = written_out({"suite": {"tasks": ["digits", "count"]}, "merge": {"methods": ["ties", "weight_averaging"], "ties": {"lam": [0.5, 1.5]}}})
-COMMANDS = ["prepare", "pretrain", "finetune", "vectors", "sources", "merge", "report", "track", "methods", "check", "verify", "reproduce", "repro", "ui", "serve"]
+PARAMS = written_out(
+    {
+        "suite": {"tasks": ["digits", "count"]},
+        "merge": {"methods": ["ties", "weight_averaging"], "ties": {"lam": [0.5, 1.5]}},
+    }
+)
+COMMANDS = [
+    "prepare",
+    "pretrain",
+    "finetune",
+    "vectors",
+    "sources",
+    "merge",
+    "report",
+    "track",
+    "methods",
+    "check",
+    "verify",
+    "reproduce",
+    "repro",
+    "ui",
+    "serve",
+]
 
 
 @pytest.fixture
@@ -117,7 +138,11 @@ def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys)
     status, out, err = _exit(["repro"], capsys)
     assert status == 2 and not out and len(err.splitlines()) == 1
     # the key, the closest names and where to list them all, in one short line
-    assert err == "error: params.yaml: merge.methods: unknown merge method 'fisher_merging' (did you mean fw_merging, fisher? `mergeflow methods` lists all 45)\n"
+    assert (
+        err
+        == "error: params.yaml: merge.methods: unknown merge method 'fisher_merging' (did you mean fw_merging, fisher? "
+        "`mergeflow methods` lists all 45)\n"
+    )
     # the flow's command line checks the project before Prefect starts (the flow itself: tests/test_flow_output.py)
     from flows.pipeline import main as flow_main
 

@@ -7,13 +7,22 @@ from mergeflow.runner.compare import comparison, render
 
 
 def _rev(rev, name, k, ties, ta, holds):
-    return {"rev": rev, "name": name, "data": {
-        "params": {"params.yaml": {"data": {"seed": 0, "merge": {"ties": {"k": k, "lam": [0.8, 1.0, 1.2, 1.5, 2.0, 2.5, 3.0]}}}}},
-        "metrics": {
-            "metrics/headline/ties.json": {"data": {"test_avg": ties, "gap": 20.0}},
-            "metrics/headline/mima_n4/task_arithmetic.json": {"data": {"test_avg": ta}},
-            "metrics/verdicts/mima.json": {"data": {"holds": holds, "fails": 1, "not_measured": 0}},
-        }}}
+    return {
+        "rev": rev,
+        "name": name,
+        "data": {
+            "params": {
+                "params.yaml": {
+                    "data": {"seed": 0, "merge": {"ties": {"k": k, "lam": [0.8, 1.0, 1.2, 1.5, 2.0, 2.5, 3.0]}}}
+                }
+            },
+            "metrics": {
+                "metrics/headline/ties.json": {"data": {"test_avg": ties, "gap": 20.0}},
+                "metrics/headline/mima_n4/task_arithmetic.json": {"data": {"test_avg": ta}},
+                "metrics/verdicts/mima.json": {"data": {"holds": holds, "fails": 1, "not_measured": 0}},
+            },
+        },
+    }
 
 
 def test_experiments_side_by_side():
@@ -31,20 +40,41 @@ def test_experiments_side_by_side():
     # the same gap everywhere: no row for it
     assert [r[0] for r in comparison(shown, "gap")] == ["", "merge.ties.k", "mima (holds/fails)"]
     every_row = comparison(shown, every_row=True)
-    assert [r[0] for r in every_row][1:] == ["seed", "merge.ties.k", "merge.ties.lam", "ties", "mima_n4/task_arithmetic", "mima (holds/fails)"]
+    assert [r[0] for r in every_row][1:] == [
+        "seed",
+        "merge.ties.k",
+        "merge.ties.lam",
+        "ties",
+        "mima_n4/task_arithmetic",
+        "mima (holds/fails)",
+    ]
     assert every_row[3][1] == "[0.8, 1.0, 1.2, 1.5, 2.…"  # a grid cut to 24 characters
     # the names left-aligned (18 wide), the values right-aligned under their experiment, two spaces between
-    assert render(table).splitlines()[1] == "merge.ties.k" + " " * 6 + "  " + "0.1".rjust(9) + "  " + "0.2".rjust(4) + "  " + "0.1".rjust(8)
-    assert render(table, markdown=True).splitlines()[:2] == ["|                    | workspace | main | ties-k01 |", "|--------------------|----------:|-----:|---------:|"]
+    assert render(table).splitlines()[1] == "merge.ties.k" + " " * 6 + "  " + "0.1".rjust(9) + "  " + "0.2".rjust(
+        4
+    ) + "  " + "0.1".rjust(8)
+    assert render(table, markdown=True).splitlines()[:2] == [
+        "|                    | workspace | main | ties-k01 |",
+        "|--------------------|----------:|-----:|---------:|",
+    ]
 
 
 @pytest.mark.parametrize(
     "read, message",
     [
-        ("missing", "k01: no results/leaderboard.json there (its report stage has not run, or its dvc.lock is not committed)"),
+        (
+            "missing",
+            "k01: no results/leaderboard.json there (its report stage has not run, or its dvc.lock is not committed)",
+        ),
         ("not json {", "k01: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)"),
-        ('{"boards": [1, 2]}', "k01: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)"),
-        ('{"boards": {"standard": [{"method": "ties"}]}}', "compare k01 k01: a leaderboard in another form than this version writes (KeyError: "),
+        (
+            '{"boards": [1, 2]}',
+            "k01: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)",
+        ),
+        (
+            '{"boards": {"standard": [{"method": "ties"}]}}',
+            "compare k01 k01: a leaderboard in another form than this version writes (KeyError: ",
+        ),
     ],
 )
 def test_a_broken_experiments_leaderboard_is_one_line(monkeypatch, read, message):

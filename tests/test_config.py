@@ -41,17 +41,44 @@ def test_bad_values_name_the_key(repo_root, section, key, value, pattern):
 @pytest.mark.parametrize(
     "backbone, message",
     [
-        ({"kwargs": {"img_sise": 32}}, "backbone.kwargs.img_sise: not an argument of timm's VisionTransformer (did you mean img_size? it takes 31)"),
+        (
+            {"kwargs": {"img_sise": 32}},
+            "backbone.kwargs.img_sise: not an argument of timm's "
+            "VisionTransformer (did you mean img_size? it takes 31)",
+        ),
         ({"kwargs": {"img_size": -3}}, "backbone.kwargs.img_size: expected a whole number from 1 to 4096, got -3"),
-        ({"kwargs": {"patch_size": [8, 8, 8]}}, "backbone.kwargs.patch_size: expected one size or two (height, width), got [8, 8, 8]"),
+        (
+            {"kwargs": {"patch_size": [8, 8, 8]}},
+            "backbone.kwargs.patch_size: expected one size or two (height, width), got [8, 8, 8]",
+        ),
         ({"kwargs": {"depth": 2.5}}, "backbone.kwargs.depth: expected a whole number from 1 to 65536, got 2.5"),
-        ({"kwargs": {"embed_dim": 128, "num_heads": 3}}, "backbone.kwargs: embed_dim 128 does not split into num_heads 3 equal heads"),
-        ({"kwargs": {"drop_path_rate": 1.0}}, "backbone.kwargs.drop_path_rate: a dropout rate, from 0 up to (not including) 1, got 1.0"),
-        ({"kwargs": {"num_classes": 10}}, "backbone.kwargs.num_classes: mergeflow sets it (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it"),
+        (
+            {"kwargs": {"embed_dim": 128, "num_heads": 3}},
+            "backbone.kwargs: embed_dim 128 does not split into num_heads 3 equal heads",
+        ),
+        (
+            {"kwargs": {"drop_path_rate": 1.0}},
+            "backbone.kwargs.drop_path_rate: a dropout rate, from 0 up to (not including) 1, got 1.0",
+        ),
+        (
+            {"kwargs": {"num_classes": 10}},
+            "backbone.kwargs.num_classes: mergeflow sets it (a features-only backbone, backbone.global_pool, "
+            "backbone.pretrained); remove it",
+        ),
         ({"global_pool": ""}, "backbone.global_pool: '' is not a ViT's pooling (one of token, avg, max, avgmax, map)"),
-        ({"model": "resnet18", "kwargs": {}, "global_pool": "token_mean"}, "backbone.global_pool: 'token_mean' is not a timm model's pooling (one of avg, max, avgmax, catavgmax, fast, token, map)"),
-        ({"library": "transformers", "model": "roberta", "kwargs": {"hidden_size": 0}}, "backbone.kwargs.hidden_size: expected a whole number from 1 to 65536, got 0"),
-        ({"library": "transformers", "model": "roberta", "kwargs": {}, "global_pool": "max"}, "backbone.global_pool: 'max' is not a text backbone's pooling (one of token, avg)"),
+        (
+            {"model": "resnet18", "kwargs": {}, "global_pool": "token_mean"},
+            "backbone.global_pool: 'token_mean' is not a timm model's "
+            "pooling (one of avg, max, avgmax, catavgmax, fast, token, map)",
+        ),
+        (
+            {"library": "transformers", "model": "roberta", "kwargs": {"hidden_size": 0}},
+            "backbone.kwargs.hidden_size: expected a whole number from 1 to 65536, got 0",
+        ),
+        (
+            {"library": "transformers", "model": "roberta", "kwargs": {}, "global_pool": "max"},
+            "backbone.global_pool: 'max' is not a text backbone's pooling (one of token, avg)",
+        ),
     ],
 )
 def test_backbone_settings_are_checked_at_load(repo_root, backbone, message):
@@ -67,7 +94,12 @@ def test_backbone_settings_are_checked_at_load(repo_root, backbone, message):
 @pytest.mark.parametrize(
     "regime, settings, message",
     [
-        ("lora", {"targets": ["qkv", "nomodule"]}, "regimes.lora.targets: 'nomodule' names no linear layer of vit_tiny_patch16_224 (its layers end in qkv, proj, fc1, fc2, head, q, kv)"),
+        (
+            "lora",
+            {"targets": ["qkv", "nomodule"]},
+            "regimes.lora.targets: 'nomodule' names no linear layer of vit_tiny_patch16_224 (its layers end in qkv, "
+            "proj, fc1, fc2, head, q, kv)",
+        ),
         ("lora", {"lr": 1e308}, "regimes.lora.lr: Input should be less than or equal to 100 (got 1e+308)"),
         ("atm", {"rounds": [4, 0]}, "regimes.atm.rounds.1: Input should be greater than or equal to 1 (got 0)"),
         ("atm", {"steps": -5}, "regimes.atm.steps: expected at least 1 step a round, 'epoch' or empty (null) (got -5)"),
@@ -94,7 +126,11 @@ def test_lora_targets_are_checked_against_a_text_backbone_when_given_or_run(repo
         changed = json.loads(json.dumps(raw))
         changed["regimes"]["lora"] |= edit
         changed["regimes"]["run"] = [] if edit else ["lora"]
-        with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.lora.targets: 'qkv' names no linear layer of roberta \(its layers end in query, key, value, dense\)$"):
+        with pytest.raises(
+            MergeflowError,
+            match=r"^params.yaml: regimes.lora.targets: 'qkv' names no linear layer of roberta \(its layers end in "
+            r"query, key, value, dense\)$",
+        ):
             parse_params(changed, "params.yaml")
 
 
@@ -109,9 +145,28 @@ def test_the_linear_layers_named_are_the_ones_the_libraries_build():
     def names(net):
         return {name.rsplit(".", 1)[-1] for name, module in net.named_modules() if isinstance(module, nn.Linear)}
 
-    vit = set().union(*(names(timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=1, **kw)) for kw in ({"num_classes": 0}, {"num_classes": 8, "global_pool": "token"}, {"num_classes": 0, "global_pool": "map"})))
+    vit = set().union(
+        *(
+            names(timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=1, **kw))
+            for kw in (
+                {"num_classes": 0},
+                {"num_classes": 8, "global_pool": "token"},
+                {"num_classes": 0, "global_pool": "map"},
+            )
+        )
+    )
     assert vit == set(linear_layers("timm", "vit_base_patch32_clip_quickgelu_224.openai"))
-    sizes = {"hidden_size": 32, "d_model": 32, "num_attention_heads": 2, "num_heads": 2, "intermediate_size": 64, "d_ff": 64, "num_hidden_layers": 1, "num_layers": 1, "vocab_size": 50}
+    sizes = {
+        "hidden_size": 32,
+        "d_model": 32,
+        "num_attention_heads": 2,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "d_ff": 64,
+        "num_hidden_layers": 1,
+        "num_layers": 1,
+        "vocab_size": 50,
+    }
     for model_type in ("roberta", "bert", "t5"):
         built = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(model_type, **sizes))
         assert names(built) == set(linear_layers("transformers", model_type)), model_type
@@ -119,14 +174,28 @@ def test_the_linear_layers_named_are_the_ones_the_libraries_build():
 
 
 def test_the_vit_arguments_are_timms():
-    """config.backbone.VIT_KWARGS is timm's VisionTransformer signature less what mergeflow sets and what is no setting."""
+    """config.backbone.VIT_KWARGS is timm's VisionTransformer signature less what mergeflow sets and what is no
+    setting."""
     import inspect
 
     from timm.models.vision_transformer import VisionTransformer
 
     from mergeflow.config.backbone import VIT_KWARGS
 
-    not_settings = {"self", "num_classes", "global_pool", "embed_layer", "embed_norm_layer", "norm_layer", "act_layer", "block_fn", "mlp_layer", "attn_layer", "device", "dtype"}
+    not_settings = {
+        "self",
+        "num_classes",
+        "global_pool",
+        "embed_layer",
+        "embed_norm_layer",
+        "norm_layer",
+        "act_layer",
+        "block_fn",
+        "mlp_layer",
+        "attn_layer",
+        "device",
+        "dtype",
+    }
     assert VIT_KWARGS == set(inspect.signature(VisionTransformer.__init__).parameters) - not_settings
 
 
@@ -135,7 +204,10 @@ def test_a_params_file_names_every_section_and_an_empty_one_takes_its_defaults(r
 
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
     path = tmp_path / "params.yaml"
-    for gone, said in (("probe", "section 'probe' is missing (`probe:` left empty takes its defaults)"), ("seed", "'seed' is missing")):
+    for gone, said in (
+        ("probe", "section 'probe' is missing (`probe:` left empty takes its defaults)"),
+        ("seed", "'seed' is missing"),
+    ):
         path.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != gone}))
         with pytest.raises(MergeflowError) as err:
             load_params(path)
@@ -147,7 +219,9 @@ def test_a_params_file_names_every_section_and_an_empty_one_takes_its_defaults(r
 def test_cli_bad_params_exit_2_one_line_nothing_written(repo_root, tmp_path):
     bad = _with(repo_root, "finetune", "lr", "fast")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(bad))
-    proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "prepare"], cwd=tmp_path, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergeflow.cli", "prepare"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "finetune.lr" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
@@ -155,9 +229,17 @@ def test_cli_bad_params_exit_2_one_line_nothing_written(repo_root, tmp_path):
 
 def test_cli_unknown_task_is_one_line(repo_root, tmp_path):
     (tmp_path / "params.yaml").write_text((repo_root / "params.yaml").read_text())
-    proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "finetune", "--task", "cars"], cwd=tmp_path, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergeflow.cli", "finetune", "--task", "cars"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: params.yaml: suite.tasks has no task 'cars' (listed: {', '.join(load_params(tmp_path / 'params.yaml').suite.tasks)})"
+    assert (
+        proc.stderr.strip() == "error: params.yaml: suite.tasks has no task 'cars' (listed: "
+        f"{', '.join(load_params(tmp_path / 'params.yaml').suite.tasks)})"
+    )
     assert not (tmp_path / "models").exists()
 
 
@@ -178,11 +260,27 @@ def test_suite_name_is_the_suite_that_runs(repo_root, tmp_path):
 @pytest.mark.parametrize(
     "edit, pattern",
     [
-        (lambda raw: raw["finetune"].update(head="zeroshot"), r"finetune.head: zeroshot needs CLIP's image embedding and text tower"),
-        (lambda raw: raw["finetune"].update(checkpoints={"cars": "hf:someone/cars"}), r"finetune.checkpoints: 'cars' is not in suite.tasks"),
-        (lambda raw: raw["backbone"].update(embedding="clip"), r"backbone.embedding: clip embeds CLIP's class token .* set backbone.global_pool: token and backbone.input_norm: pretrained_cfg \(not 'avg', 'center'\)"),
-        (lambda raw: raw["backbone"].update(embedding="clip", global_pool="token", input_norm="pretrained_cfg"), None),  # only a stage builds the model: models' error
-        (lambda raw: raw["finetune"].update(checkpoints={"digits": "hf:no-owner"}), r"finetune.checkpoints.digits: 'hf:no-owner' is not hf:<owner>/<repo>\[@<revision>\]"),
+        (
+            lambda raw: raw["finetune"].update(head="zeroshot"),
+            r"finetune.head: zeroshot needs CLIP's image embedding and text tower",
+        ),
+        (
+            lambda raw: raw["finetune"].update(checkpoints={"cars": "hf:someone/cars"}),
+            r"finetune.checkpoints: 'cars' is not in suite.tasks",
+        ),
+        (
+            lambda raw: raw["backbone"].update(embedding="clip"),
+            r"backbone.embedding: clip embeds CLIP's class token .* set backbone.global_pool: token and "
+            r"backbone.input_norm: pretrained_cfg \(not 'avg', 'center'\)",
+        ),
+        (
+            lambda raw: raw["backbone"].update(embedding="clip", global_pool="token", input_norm="pretrained_cfg"),
+            None,
+        ),  # only a stage builds the model: models' error
+        (
+            lambda raw: raw["finetune"].update(checkpoints={"digits": "hf:no-owner"}),
+            r"finetune.checkpoints.digits: 'hf:no-owner' is not hf:<owner>/<repo>\[@<revision>\]",
+        ),
     ],
 )
 def test_clip_settings_are_checked_together(repo_root, edit, pattern):
@@ -201,11 +299,18 @@ def test_check_finds_missing_weights_files_before_any_stage(repo_root, tmp_path)
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
     raw["finetune"]["checkpoints"] = {"digits": "published/digits.safetensors", "signs": "hf:someone/signs"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(MergeflowError, match=r"params.yaml: finetune.checkpoints.digits: weights file 'published/digits.safetensors' not found$"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"params.yaml: finetune.checkpoints.digits: weights file 'published/digits.safetensors' not found$",
+    ):
         check_project(tmp_path)
     (tmp_path / "published").mkdir()
     (tmp_path / "published" / "digits.safetensors").write_bytes(b"")  # found, but not safetensors: its header says so
-    with pytest.raises(MergeflowError, match=r"finetune.checkpoints.digits: 'published/digits.safetensors' is not a readable safetensors file \(.*header too small\)$"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"finetune.checkpoints.digits: 'published/digits.safetensors' "
+        r"is not a readable safetensors file \(.*header too small\)$",
+    ):
         check_project(tmp_path)
     from safetensors.numpy import save_file
 
@@ -213,7 +318,13 @@ def test_check_finds_missing_weights_files_before_any_stage(repo_root, tmp_path)
 
     # timm's names and params.yaml's backbone shapes (width 128, patch 8, 4 blocks): its tensors are the stage's to read
     kw = raw["backbone"]["kwargs"]
-    shapes = {"cls_token": (1, 1, kw["embed_dim"]), "pos_embed": (1, 17, kw["embed_dim"]), "patch_embed.proj.weight": (kw["embed_dim"], 3, kw["patch_size"], kw["patch_size"])}
+    shapes = {
+        "cls_token": (1, 1, kw["embed_dim"]),
+        "pos_embed": (1, 17, kw["embed_dim"]),
+        "patch_embed.proj.weight": (kw["embed_dim"], 3, kw["patch_size"], kw["patch_size"]),
+    }
     shapes |= {f"blocks.{i}.norm1.weight": (kw["embed_dim"],) for i in range(kw["depth"])}
-    save_file({k: np.zeros(v, np.float32) for k, v in shapes.items()}, str(tmp_path / "published" / "digits.safetensors"))
+    save_file(
+        {k: np.zeros(v, np.float32) for k, v in shapes.items()}, str(tmp_path / "published" / "digits.safetensors")
+    )
     check_project(tmp_path)

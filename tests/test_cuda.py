@@ -24,7 +24,12 @@ SMALL = BackboneConfig(kwargs={"img_size": 32, "patch_size": 8, "embed_dim": 64,
 def _models(n_tasks=4, seed=0):
     # ViT-shaped keys: matrices (qkv, mlp) take the SVD route, the rest the element-wise one
     g = torch.Generator().manual_seed(seed)
-    shapes = {"blocks.0.attn.qkv.weight": (96, 32), "blocks.0.mlp.fc1.weight": (64, 32), "blocks.0.norm1.bias": (32,), "pos_embed": (1, 5, 32)}
+    shapes = {
+        "blocks.0.attn.qkv.weight": (96, 32),
+        "blocks.0.mlp.fc1.weight": (64, 32),
+        "blocks.0.norm1.bias": (32,),
+        "pos_embed": (1, 5, 32),
+    }
     theta0 = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     tvs = {f"t{i}": {k: 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()} for i in range(n_tasks)}
     return theta0, tvs
@@ -40,7 +45,12 @@ def test_svd_methods_list_is_complete():
 
     def imported_names(module_name: str) -> set[str]:  # at the top or inside a function (methods import torch lazily)
         tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
-        return {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+        return {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
 
     uses_svd = {n for n, m in REGISTRY.items() if helpers & imported_names(m.fn.__module__)}
     # adamerging_cart: test_data_aware_methods_on_the_gpu_match_the_cpu; doge_ta: its basis on the GPU, its Adam loop
@@ -77,7 +87,17 @@ def test_data_aware_methods_on_the_gpu_match_the_cpu(monkeypatch):
     _, _, objective = _tiny_setup()
     images, head = objective.inputs["test"]["a"][:6], objective.heads["a"]
     labels = torch.arange(6) % 3
-    on = {d: fisher_diagonal(copy.deepcopy(objective.backbone), copy.deepcopy(head), images, labels, generator=torch.Generator(), device=torch.device(d)) for d in ("cpu", "cuda")}
+    on = {
+        d: fisher_diagonal(
+            copy.deepcopy(objective.backbone),
+            copy.deepcopy(head),
+            images,
+            labels,
+            generator=torch.Generator(),
+            device=torch.device(d),
+        )
+        for d in ("cpu", "cuda")
+    }
     for k, v in on["cpu"].items():
         assert (on["cuda"][k] - v).norm() <= 1e-3 * v.norm() + 1e-12, k
 
@@ -130,7 +150,10 @@ def test_one_full_batch_gd_step_under_bf16_autocast_is_minus_lr_times_gradient()
     head = make_head(backbone.num_features, 3)
     theta0 = backbone_state(backbone)
 
-    ref_backbone, ref_head = copy.deepcopy(backbone), copy.deepcopy(head)  # float32 on the CPU: ~1e-6, exact beside bf16
+    ref_backbone, ref_head = (
+        copy.deepcopy(backbone),
+        copy.deepcopy(head),
+    )  # float32 on the CPU: ~1e-6, exact beside bf16
     loss = torch.nn.functional.cross_entropy(ref_head(ref_backbone(images)), labels)
     names = [n for n, _ in ref_backbone.net.named_parameters()]
     grads = dict(zip(names, torch.autograd.grad(loss, list(ref_backbone.net.parameters()))))
@@ -155,7 +178,15 @@ def test_finetuning_on_the_gpu_is_deterministic():
         seed_everything(0)
         backbone = build_backbone(SMALL)
         head = make_head(backbone.num_features, 3)
-        finetune(backbone, head, images, labels, FinetuneConfig(steps=5, batch_size=16, lr=1e-3, warmup_steps=1), seed=5, device=CUDA)
+        finetune(
+            backbone,
+            head,
+            images,
+            labels,
+            FinetuneConfig(steps=5, batch_size=16, lr=1e-3, warmup_steps=1),
+            seed=5,
+            device=CUDA,
+        )
         states.append(backbone_state(backbone))
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
@@ -174,8 +205,18 @@ def test_finetuning_from_device_resident_images_equals_host_batches(monkeypatch)
         seed_everything(0)
         backbone = build_backbone(SMALL)
         head = make_head(backbone.num_features, 3)
-        curve = finetune(backbone, head, images, labels, FinetuneConfig(steps=40, batch_size=16, lr=1e-3, warmup_steps=1), seed=5, device=CUDA)
-        assert len(curve.loss) == 40 and all(math.isfinite(v) for v in curve.loss)  # read back in stretches of LOSS_READ_EVERY
+        curve = finetune(
+            backbone,
+            head,
+            images,
+            labels,
+            FinetuneConfig(steps=40, batch_size=16, lr=1e-3, warmup_steps=1),
+            seed=5,
+            device=CUDA,
+        )
+        assert len(curve.loss) == 40 and all(
+            math.isfinite(v) for v in curve.loss
+        )  # read back in stretches of LOSS_READ_EVERY
         states.append(backbone_state(backbone))
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
@@ -190,7 +231,15 @@ def test_a_non_finite_loss_on_the_gpu_names_its_step():
     with torch.no_grad():
         backbone.net.blocks[0].mlp.fc1.weight.fill_(float("nan"))
     with pytest.raises(MergeflowError, match="at step 0, before any update"):
-        finetune(backbone, head, images, labels, FinetuneConfig(steps=5, batch_size=8, lr=1e-3, warmup_steps=0), seed=0, device=CUDA)
+        finetune(
+            backbone,
+            head,
+            images,
+            labels,
+            FinetuneConfig(steps=5, batch_size=8, lr=1e-3, warmup_steps=0),
+            seed=0,
+            device=CUDA,
+        )
 
 
 @needs_cuda
@@ -231,7 +280,9 @@ def test_mergeflow_repro_runs_the_tiny_pipeline_a_gpu_a_stage(tmp_path, tiny_env
     root = make_tiny_project(tmp_path / "p", env)
     out = run("mergeflow repro", root, env)
     assert re.search(rf"stages to run, up to {torch.cuda.device_count()} at once on a GPU each \(", out), out[-2000:]
-    assert "Running stage 'merge@adamerging_cart' on GPU " in out and "stages ran; dvc.lock records them" in out, out[-2000:]
+    assert "Running stage 'merge@adamerging_cart' on GPU " in out and "stages ran; dvc.lock records them" in out, out[
+        -2000:
+    ]
     learning = json.loads((root / "logs/timing/merge/adamerging_cart.json").read_text())["learning"]
     assert learning[0]["device"].startswith("cuda")
     assert "Data and pipelines are up to date." in run(["dvc", "status"], root, env)
@@ -248,6 +299,8 @@ def test_a_split_stacked_on_the_gpu_is_the_hosts_cat():
     stacked = resident_stack(parts, CUDA)
     assert stacked.device.type == "cuda" and torch.equal(stacked.cpu(), torch.cat(parts))
     assert resident_stack(parts, CUDA, share=0.0).device.type == "cpu"  # too large for the device: kept on the host
-    assert resident_stack([parts[0][:0], *parts], CUDA, share=0.0).device.type == "cpu"  # an empty first part: sized still
+    assert (
+        resident_stack([parts[0][:0], *parts], CUDA, share=0.0).device.type == "cpu"
+    )  # an empty first part: sized still
     with pytest.raises(RuntimeError):  # parts that differ are torch.cat's error, not broadcast into the first's shape
         resident_stack([parts[0], parts[1][..., :1]], CUDA)

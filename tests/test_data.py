@@ -58,9 +58,25 @@ def test_imagefolder_and_local_timm_checkpoint_through_the_stages(repo_root, tmp
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(weights))
 
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
-    raw["suite"] = {"name": "folders", "source": "imagefolder", "root": str(root), "tasks": ["colours"], "image_size": 32, "n_train": 30, "n_val": 6, "n_test": 12, "pretrain_images": 0}
+    raw["suite"] = {
+        "name": "folders",
+        "source": "imagefolder",
+        "root": str(root),
+        "tasks": ["colours"],
+        "image_size": 32,
+        "n_train": 30,
+        "n_val": 6,
+        "n_test": 12,
+        "pretrain_images": 0,
+    }
     # a CLS-token checkpoint, as on the hub: keep its own pooling (avg pooling would swap norm for a fresh fc_norm)
-    raw["backbone"] = {"model": "vit_tiny_patch16_224", "kwargs": KWARGS, "pretrained": str(weights), "input_norm": "pretrained_cfg", "global_pool": "token"}
+    raw["backbone"] = {
+        "model": "vit_tiny_patch16_224",
+        "kwargs": KWARGS,
+        "pretrained": str(weights),
+        "input_norm": "pretrained_cfg",
+        "global_pool": "token",
+    }
     raw["finetune"] = {"steps": 3, "batch_size": 8, "lr": 1e-3}
     raw["regimes"]["run"] = []  # MIMA's default 4 rounds do not split 3 steps (and this test runs no regime)
     params = parse_params(raw)
@@ -69,7 +85,9 @@ def test_imagefolder_and_local_timm_checkpoint_through_the_stages(repo_root, tmp
     stages.prepare(params, layout)
     task = load_task(layout.task_data("colours"))
     assert task.classes == ["blue", "green", "red"]
-    assert len(task.train.labels) == 30 and len(task.val.labels) == 6 and len(task.test.labels) == 12  # val split off train
+    assert (
+        len(task.train.labels) == 30 and len(task.val.labels) == 6 and len(task.test.labels) == 12
+    )  # val split off train
     assert task.train.inputs.shape[1:] == (32, 32, 3)
 
     stages.pretrain(params, layout)
@@ -100,10 +118,19 @@ def test_imagefolder_without_test_split_is_one_line(repo_root, tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda t: (t / "train" / "red" / "3.png").write_bytes((t / "train" / "red" / "3.png").read_bytes()[:60]), r"3.png"),
-        (lambda t: [f.unlink() for f in (t / "train" / "blue").iterdir()], r"train/blue: an empty class folder \(class 'blue' would have no train image"),
+        (
+            lambda t: (t / "train" / "red" / "3.png").write_bytes((t / "train" / "red" / "3.png").read_bytes()[:60]),
+            r"3.png",
+        ),
+        (
+            lambda t: [f.unlink() for f in (t / "train" / "blue").iterdir()],
+            r"train/blue: an empty class folder \(class 'blue' would have no train image",
+        ),
     ],
-    ids=["truncated image", "empty class folder"],  # a layout error (a class outside train's): tests/test_check_sources.py
+    ids=[
+        "truncated image",
+        "empty class folder",
+    ],  # a layout error (a class outside train's): tests/test_check_sources.py
 )
 def test_a_broken_imagefolder_task_writes_no_task_and_no_import_link(repo_root, tmp_path, damage, message):
     """prepare converts every task or none: with the second task's folder broken, the first task's file (converted
@@ -113,7 +140,16 @@ def test_a_broken_imagefolder_task_writes_no_task_and_no_import_link(repo_root, 
     _write_imagefolder(root, "broken", ["red", "green", "blue"], {"train": 6, "test": 3})
     damage(root / "broken")
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
-    raw["suite"] = {"source": "imagefolder", "root": str(root), "tasks": ["good", "broken"], "image_size": 32, "n_train": 12, "n_val": 4, "n_test": 6, "pretrain_images": 8}
+    raw["suite"] = {
+        "source": "imagefolder",
+        "root": str(root),
+        "tasks": ["good", "broken"],
+        "image_size": 32,
+        "n_train": 12,
+        "n_val": 4,
+        "n_test": 6,
+        "pretrain_images": 8,
+    }
     layout = Layout(tmp_path / "repo")
     with pytest.raises(MergeflowError, match=message):
         stages.prepare(parse_params(raw), layout)
@@ -152,4 +188,6 @@ def test_a_merge_reads_only_the_splits_it_evaluates(tmp_path):
     some = load_task(tmp_path / "digits.safetensors", 32, ("val", "test"))
     assert some.train is None and some.classes == full.classes
     for split in ("val", "test"):
-        assert torch.equal(some.split(split).inputs, full.split(split).inputs) and torch.equal(some.split(split).labels, full.split(split).labels)
+        assert torch.equal(some.split(split).inputs, full.split(split).inputs) and torch.equal(
+            some.split(split).labels, full.split(split).labels
+        )

@@ -15,7 +15,9 @@ from mergeflow.ml.merging._adaptive import EntropyObjective, MergedParameters
 from mergeflow.ml.models import build_backbone
 from mergeflow.ml.statistics import fisher_diagonal, input_grams
 
-TINY_VIT = BackboneConfig(model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2})
+TINY_VIT = BackboneConfig(
+    model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2}
+)
 
 
 def _stats(**per_task):
@@ -50,13 +52,19 @@ def test_fisher_per_model_weights_by_hand():
     # the example above with lambda_a = 3 (lambda_b = 1, not named): entry 0: (3*3*2 + 1*1*(-1)) / (9 + 1) = 1.7 away;
     # entry 1: both at the floor, weights 3e-6 and 1e-6 -> (3 * 0 + 1 * 4) / 4 = 1 away
     theta0 = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
-    taus = {"a": {"w": torch.tensor([2.0, 0.0], dtype=torch.float64)}, "b": {"w": torch.tensor([-1.0, 4.0], dtype=torch.float64)}}
+    taus = {
+        "a": {"w": torch.tensor([2.0, 0.0], dtype=torch.float64)},
+        "b": {"w": torch.tensor([-1.0, 4.0], dtype=torch.float64)},
+    }
     fishers = {"a": {"w": torch.tensor([3.0, 0.0])}, "b": {"w": torch.tensor([1.0, 1e-9])}}
     data = _stats(**{t: {"fisher_sampled": fishers[t], "fisher_empirical": fishers[t]} for t in taus})
     merged = REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"a": 3.0})["w"]
     torch.testing.assert_close(merged, torch.tensor([2.7, 3.0], dtype=torch.float64), rtol=0, atol=1e-12)
     # equal weights are the plain merge; a task not merged is named
-    torch.testing.assert_close(REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"a": 2.0, "b": 2.0})["w"], REGISTRY["fisher"].with_data(data)(theta0, taus)["w"])
+    torch.testing.assert_close(
+        REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"a": 2.0, "b": 2.0})["w"],
+        REGISTRY["fisher"].with_data(data)(theta0, taus)["w"],
+    )
     with pytest.raises(ValueError, match="merge.fisher.weights: no task 'c' among the merged tasks"):
         REGISTRY["fisher"].with_data(data)(theta0, taus, weights={"c": 1.0})
 
@@ -66,7 +74,10 @@ def test_fisher_with_fusionbench_normalisation_and_floor_by_hand():
     #   entry 0: weights 0.75, 0.75 -> theta0 + (0.75 * 2 - 0.75 * 1) / 1.5 = 1.5
     #   entry 1: both Fishers 0 -> weights 0.25e-6, 0.75e-6 -> 2 + 0.75 * 4 = 5
     theta0 = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
-    taus = {"a": {"w": torch.tensor([2.0, 0.0], dtype=torch.float64)}, "b": {"w": torch.tensor([-1.0, 4.0], dtype=torch.float64)}}
+    taus = {
+        "a": {"w": torch.tensor([2.0, 0.0], dtype=torch.float64)},
+        "b": {"w": torch.tensor([-1.0, 4.0], dtype=torch.float64)},
+    }
     fishers = {"a": {"w": torch.tensor([3.0, 0.0])}, "b": {"w": torch.tensor([1.0, 0.0])}}
     data = _stats(**{t: {"fisher_sampled": fishers[t], "fisher_empirical": fishers[t]} for t in taus})
     merged = REGISTRY["fisher"].with_data(data)(theta0, taus, normalize="global_norm", floor_rule="add")["w"]
@@ -105,8 +116,12 @@ def test_sampled_fisher_draws_its_labels_from_the_model():
         head.bias.copy_(torch.tensor([-50.0, -50.0, 50.0]))
         net.weight.normal_()
     x = torch.randn(6, 3)
-    sampled = fisher_diagonal(_LinearBackbone(net), head, x, None, generator=torch.Generator().manual_seed(0), device=torch.device("cpu"))
-    empirical = fisher_diagonal(_LinearBackbone(net), head, x, torch.full((6,), 2), generator=torch.Generator(), device=torch.device("cpu"))
+    sampled = fisher_diagonal(
+        _LinearBackbone(net), head, x, None, generator=torch.Generator().manual_seed(0), device=torch.device("cpu")
+    )
+    empirical = fisher_diagonal(
+        _LinearBackbone(net), head, x, torch.full((6,), 2), generator=torch.Generator(), device=torch.device("cpu")
+    )
     for k in sampled:
         torch.testing.assert_close(sampled[k], empirical[k])
 
@@ -143,7 +158,10 @@ def _regmean(theta0, taus, grams, alpha=1.0):
 
 def test_regmean_with_identity_grams_is_weight_averaging_and_one_task_gives_its_own_weights():
     g = torch.Generator().manual_seed(3)
-    theta0 = {"fc.weight": torch.randn(3, 4, generator=g, dtype=torch.float64), "fc.bias": torch.randn(3, generator=g, dtype=torch.float64)}
+    theta0 = {
+        "fc.weight": torch.randn(3, 4, generator=g, dtype=torch.float64),
+        "fc.bias": torch.randn(3, generator=g, dtype=torch.float64),
+    }
     taus = {t: {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in theta0.items()} for t in "abc"}
     identity = {t: {"fc.weight": torch.eye(4)} for t in taus}
     merged = _regmean(theta0, taus, identity, alpha=0.95)
@@ -171,21 +189,39 @@ def test_regmean_is_least_squares_on_the_union_of_the_tasks_inputs():
 
 def test_regmean_alpha_zero_keeps_only_the_diagonal():
     theta0 = {"fc.weight": torch.zeros(1, 2, dtype=torch.float64)}
-    taus = {"a": {"fc.weight": torch.tensor([[1.0, 0.0]], dtype=torch.float64)}, "b": {"fc.weight": torch.tensor([[0.0, 1.0]], dtype=torch.float64)}}
-    grams = {"a": {"fc.weight": torch.tensor([[3.0, 1.0], [1.0, 1.0]])}, "b": {"fc.weight": torch.tensor([[1.0, 1.0], [1.0, 3.0]])}}
+    taus = {
+        "a": {"fc.weight": torch.tensor([[1.0, 0.0]], dtype=torch.float64)},
+        "b": {"fc.weight": torch.tensor([[0.0, 1.0]], dtype=torch.float64)},
+    }
+    grams = {
+        "a": {"fc.weight": torch.tensor([[3.0, 1.0], [1.0, 1.0]])},
+        "b": {"fc.weight": torch.tensor([[1.0, 1.0], [1.0, 3.0]])},
+    }
     # diagonals (3, 1) and (1, 3): per input, w = sum_t G_t,ii W_t,i / sum_t G_t,ii -> (3/4, 3/4)
-    torch.testing.assert_close(_regmean(theta0, taus, grams, alpha=0.0)["fc.weight"], torch.tensor([[0.75, 0.75]], dtype=torch.float64))
+    torch.testing.assert_close(
+        _regmean(theta0, taus, grams, alpha=0.0)["fc.weight"], torch.tensor([[0.75, 0.75]], dtype=torch.float64)
+    )
 
 
 def test_regmean_gives_an_input_no_task_activates_the_weights_average():
     """Input 2 is zero in every example (a dead ReLU unit): the least-squares fit on inputs 0-1 is unchanged (the
     same as without input 2) and the free column is the average of the models' columns."""
     g = torch.Generator().manual_seed(5)
-    xs = {t: torch.cat([torch.randn(n, 2, generator=g, dtype=torch.float64), torch.zeros(n, 1, dtype=torch.float64)], 1) for t, n in (("a", 9), ("b", 6))}
+    xs = {
+        t: torch.cat([torch.randn(n, 2, generator=g, dtype=torch.float64), torch.zeros(n, 1, dtype=torch.float64)], 1)
+        for t, n in (("a", 9), ("b", 6))
+    }
     ws = {t: torch.randn(3, 3, generator=g, dtype=torch.float64) for t in xs}
     theta0 = {"fc.weight": torch.zeros(3, 3, dtype=torch.float64)}
-    merged = _regmean(theta0, {t: {"fc.weight": ws[t]} for t in xs}, {t: {"fc.weight": x.T @ x} for t, x in xs.items()}, alpha=0.9)["fc.weight"]
-    live = _regmean({"fc.weight": torch.zeros(3, 2, dtype=torch.float64)}, {t: {"fc.weight": ws[t][:, :2]} for t in xs}, {t: {"fc.weight": (x.T @ x)[:2, :2]} for t, x in xs.items()}, alpha=0.9)["fc.weight"]
+    merged = _regmean(
+        theta0, {t: {"fc.weight": ws[t]} for t in xs}, {t: {"fc.weight": x.T @ x} for t, x in xs.items()}, alpha=0.9
+    )["fc.weight"]
+    live = _regmean(
+        {"fc.weight": torch.zeros(3, 2, dtype=torch.float64)},
+        {t: {"fc.weight": ws[t][:, :2]} for t in xs},
+        {t: {"fc.weight": (x.T @ x)[:2, :2]} for t, x in xs.items()},
+        alpha=0.9,
+    )["fc.weight"]
     torch.testing.assert_close(merged[:, :2], live, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(merged[:, 2], (ws["a"][:, 2] + ws["b"][:, 2]) / 2, rtol=1e-12, atol=1e-12)
 
@@ -218,7 +254,9 @@ def test_adamerging_with_learning_rate_zero_is_task_arithmetic_at_its_init(metho
 
 def test_adamerging_cart_with_learning_rate_zero_is_cart_at_its_init():
     theta0, taus, objective = _tiny_setup()
-    merged = REGISTRY["adamerging_cart"].with_data(MergeData(objective=objective))(theta0, taus, lr=0.0, steps=2, init=1.5, rank_ratio=0.25)
+    merged = REGISTRY["adamerging_cart"].with_data(MergeData(objective=objective))(
+        theta0, taus, lr=0.0, steps=2, init=1.5, rank_ratio=0.25
+    )
     cart = REGISTRY["cart"](theta0, taus, lam=1.5, rank_ratio=0.25)
     for k in theta0:
         torch.testing.assert_close(merged[k], cart[k], rtol=1e-5, atol=1e-6)
@@ -284,6 +322,9 @@ def test_entropy_falls_on_the_embedded_suite_and_the_pipeline_records_what_was_l
     assert chosen["reads"] == "test_inputs" and len(chosen["learned"]["entropy"]) == 10
     assert set(chosen["learned"]["coefficients"]) == set(params.suite.tasks)
     summary = (root / "results" / "summary.md").read_text()
-    assert "| standard | adamerging_cart | test inputs (TTA) |" in summary and "| standard | fisher | train stats |" in summary
+    assert (
+        "| standard | adamerging_cart | test inputs (TTA) |" in summary
+        and "| standard | fisher | train stats |" in summary
+    )
     stats = json.loads((root / "metrics" / "statistics.json").read_text())
     assert stats["examples"] == dict.fromkeys(params.suite.tasks, 32)

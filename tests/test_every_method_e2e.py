@@ -23,7 +23,9 @@ def test_a_method_for_two_tasks_is_refused_on_three(repo_root, tmp_path):
     params = yaml.safe_load((repo_root / "params.yaml").read_text())
     params["suite"]["tasks"] = ["digits", "signs", "count"]
     params["merge"]["methods"].append("slerp")
-    with pytest.raises(MergeflowError, match="^params.yaml: merge.methods: slerp merges exactly 2 task models, and suite.tasks has 3$"):
+    with pytest.raises(
+        MergeflowError, match="^params.yaml: merge.methods: slerp merges exactly 2 task models, and suite.tasks has 3$"
+    ):
         parse_params(params)
     params["suite"]["tasks"] = ["digits", "signs"]
     parse_params(params)
@@ -31,7 +33,12 @@ def test_a_method_for_two_tasks_is_refused_on_three(repo_root, tmp_path):
     params["suite"]["tasks"] = ["digits", "signs", "count"]
     params["merge"]["methods"].remove("slerp")
     path.write_text(yaml.safe_dump(params))
-    listed = subprocess.run([sys.executable, "-m", "mergeflow.cli", "--params", str(path), "methods", "--list"], capture_output=True, text=True, check=True).stdout.strip()
+    listed = subprocess.run(
+        [sys.executable, "-m", "mergeflow.cli", "--params", str(path), "methods", "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert listed == "[" + ",".join(sorted(n for n in REGISTRY if n not in ("slerp", "nuslerp"))) + "]"
 
 
@@ -40,7 +47,9 @@ def test_every_method_runs_as_a_stage_on_the_tiny_profile(tiny_reference, tmp_pa
     root = copy_project(tiny_reference[0], tmp_path / "every-method")
     raw = yaml.safe_load((root / "params.yaml").read_text())
     ran_already = set(raw["merge"]["methods"])
-    names = [n for n, m in sorted(REGISTRY.items()) if m.tasks in (None, len(raw["suite"]["tasks"])) and n not in ran_already]
+    names = [
+        n for n, m in sorted(REGISTRY.items()) if m.tasks in (None, len(raw["suite"]["tasks"])) and n not in ran_already
+    ]
     raw["merge"]["methods"] += names
     for name in names:  # one setting each: the paper's defaults
         raw["merge"][name] = dict(REGISTRY[name].defaults)
@@ -54,4 +63,6 @@ def test_every_method_runs_as_a_stage_on_the_tiny_profile(tiny_reference, tmp_pa
         assert layout.merged(name).stat().st_size > 0, name
         assert evaluated["searched"] == {} or evaluated["kind"] == "per_task", (name, evaluated["searched"])
         average = evaluated["average"]["target"] if evaluated["kind"] == "negation" else evaluated["average"]
-        assert 0.0 <= average <= 1.0 and math.isfinite(metrics["val_average"] if "val_average" in metrics else average), name
+        assert 0.0 <= average <= 1.0 and math.isfinite(
+            metrics["val_average"] if "val_average" in metrics else average
+        ), name

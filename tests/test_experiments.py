@@ -50,7 +50,11 @@ def _headline(root) -> dict:
 
 def _shown(metrics: dict) -> dict:
     """`dvc exp show --json`'s metrics of one revision, in _headline's shape."""
-    return {path.removeprefix("metrics/headline/").removesuffix(".json"): m["data"] for path, m in metrics.items() if path.startswith("metrics/headline/")}
+    return {
+        path.removeprefix("metrics/headline/").removesuffix(".json"): m["data"]
+        for path, m in metrics.items()
+        if path.startswith("metrics/headline/")
+    }
 
 
 def test_experiments_keep_and_compare_their_results(project, tiny_env):
@@ -59,25 +63,47 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     baseline = _headline(root)
     # the committed run, before any experiment: nothing differs, so `dvc exp show --only-changed` is two columns wide
     # (COLUMNS wide enough that DVC's table elides no column: its full width is measured)
-    shown = _stdout(["dvc", "exp", "show", "--only-changed", "--no-pager"], root, tiny_env | {"COLUMNS": "1000"}).splitlines()
-    assert [line.split() for line in shown if line.strip() and not line.strip().startswith("─")][0] == ["Experiment", "Created"] and max(map(len, shown)) <= 160, shown
+    shown = _stdout(
+        ["dvc", "exp", "show", "--only-changed", "--no-pager"], root, tiny_env | {"COLUMNS": "1000"}
+    ).splitlines()
+    assert [line.split() for line in shown if line.strip() and not line.strip().startswith("─")][0] == [
+        "Experiment",
+        "Created",
+    ] and max(map(len, shown)) <= 160, shown
 
     out = run(["dvc", "exp", "run", "-n", "ties-k01", "-S", "merge.ties.k=0.1"], root, tiny_env)
     # only what reads merge.ties ran again (every regime merges with TIES; the studies read the merges)
-    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "regime_merge@mima", "regime_merge@one_epoch", "report", *(f"study@{s}" for s in STUDIES), "track"}
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {
+        "merge@ties",
+        "regime_merge@mima",
+        "regime_merge@one_epoch",
+        "report",
+        *(f"study@{s}" for s in STUDIES),
+        "track",
+    }
     after = (root / "params.yaml").read_text().splitlines()
-    assert [(a, b) for a, b in zip(before, after) if a != b] == [(l, l.replace("k: 0.2", "k: 0.1")) for l in before if "ties: {k: 0.2" in l]
+    assert [(a, b) for a, b in zip(before, after) if a != b] == [
+        (l, l.replace("k: 0.2", "k: 0.1")) for l in before if "ties: {k: 0.2" in l
+    ]
     assert len(before) == len(after)
     first = _headline(root)
     evaluated = read_json(root / "metrics" / "evaluate" / "ties.json")
     chosen = read_json(root / "metrics" / "merge" / "ties.json")
-    assert first["ties"]["test_avg"] == round(100 * evaluated["average"], 2) and first["ties"]["choice"] == f"lam={evaluated['searched']['lam']}"  # k is set, not searched
+    assert (
+        first["ties"]["test_avg"] == round(100 * evaluated["average"], 2)
+        and first["ties"]["choice"] == f"lam={evaluated['searched']['lam']}"
+    )  # k is set, not searched
     assert first["ties"]["val_avg"] == round(100 * chosen["val_average"], 2)
     first_model = _md5(root / "merged" / "ties.safetensors")
 
     # the second experiment up to the headline (report) only: the studies and track ran above already
     out = run(["dvc", "exp", "run", "-n", "ties-k05", "-S", "merge.ties.k=0.5", "report"], root, tiny_env)
-    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"merge@ties", "regime_merge@mima", "regime_merge@one_epoch", "report"}
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {
+        "merge@ties",
+        "regime_merge@mima",
+        "regime_merge@one_epoch",
+        "report",
+    }
     second = _headline(root)
 
     # every experiment's headline, and the baseline's, from `dvc exp show`
@@ -99,7 +125,11 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     (shown,) = [ws["data"] for ws in _json(["dvc", "metrics", "show", "--json"], root, tiny_env).values()]
     counts = {path: m["data"] for path, m in shown.items() if path.startswith("metrics/verdicts/")}
     assert set(counts) == {f"metrics/verdicts/{s}.json" for s in STUDIES}
-    assert all(c == {k: read_json(root / "metrics" / "studies" / Path(path).name)[k] for k in c} and set(c) == {"holds", "fails", "not_measured"} for path, c in counts.items())
+    assert all(
+        c == {k: read_json(root / "metrics" / "studies" / Path(path).name)[k] for k in c}
+        and set(c) == {"holds", "fails", "not_measured"}
+        for path, c in counts.items()
+    )
 
     # the experiments side by side in a terminal: a column each, a row per value that differs
     table = _stdout(["mergeflow", "compare"], root, tiny_env).splitlines()
@@ -107,22 +137,34 @@ def test_experiments_keep_and_compare_their_results(project, tiny_env):
     assert order[0] == "workspace" and sorted(order[2:]) == ["ties-k01", "ties-k05"], table
     rows = {line.split()[0]: dict(zip(order, line.split()[1:])) for line in table[1:]}
     assert rows["merge.ties.k"] == {"workspace": "0.5", order[1]: "0.2", "ties-k01": "0.1", "ties-k05": "0.5"}
-    assert rows["ties"] == {"workspace": str(second["ties"]["test_avg"]), order[1]: str(baseline["ties"]["test_avg"]), "ties-k01": str(first["ties"]["test_avg"]), "ties-k05": str(second["ties"]["test_avg"])}
+    assert rows["ties"] == {
+        "workspace": str(second["ties"]["test_avg"]),
+        order[1]: str(baseline["ties"]["test_avg"]),
+        "ties-k01": str(first["ties"]["test_avg"]),
+        "ties-k05": str(second["ties"]["test_avg"]),
+    }
     assert "task_arithmetic" not in rows and max(map(len, table)) <= 160
     # two revisions' leaderboards, read back from DVC's cache: the committed run's against the first experiment's
     versus = _stdout(["mergeflow", "compare", order[1], "ties-k01"], root, tiny_env).splitlines()
-    assert versus[0] == f"Standard fine-tune: ties-k01 against {order[1]}, ranked by ties-k01" and max(map(len, versus)) <= 160
+    assert (
+        versus[0] == f"Standard fine-tune: ties-k01 against {order[1]}, ranked by ties-k01"
+        and max(map(len, versus)) <= 160
+    )
     ties_row = next(line.split() for line in versus if line.split()[1:2] == ["ties"])  # the standard fine-tune's, first
     change = first["ties"]["test_avg"] - baseline["ties"]["test_avg"]
     # the scores to one decimal of the unrounded averages (the headline's are to two)
-    assert abs(float(ties_row[2]) - baseline["ties"]["test_avg"]) <= 0.051 and abs(float(ties_row[5]) - first["ties"]["test_avg"]) <= 0.051
+    assert (
+        abs(float(ties_row[2]) - baseline["ties"]["test_avg"]) <= 0.051
+        and abs(float(ties_row[5]) - first["ties"]["test_avg"]) <= 0.051
+    )
     assert ties_row[8] == (f"{change:+.1f}" if round(change, 1) != 0 else "0.0")
 
     diff = _json(["dvc", "metrics", "diff", "HEAD", "--all", "--json"], root, tiny_env)
     assert diff["metrics/headline/ties.json"]["test_avg"]["old"] == baseline["ties"]["test_avg"]
     assert diff["metrics/headline/ties.json"]["test_avg"]["new"] == second["ties"]["test_avg"]
 
-    # the first experiment's track logged its TIES merge again (and nothing that did not change), in the workspace's store
+    # the first experiment's track logged its TIES merge again
+    # (and nothing that did not change), in the workspace's store
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id], max_results=500)
     merges = sorted((r for r in runs if r.data.tags["mergeflow.stage"] == "merge"), key=lambda r: r.info.start_time)
@@ -141,7 +183,9 @@ def test_every_declared_plot_renders(project, tiny_env):
     methods = [r for r in read_json(project / "results" / "summary.json")["rows"][2:] if r["regime"] == "standard"]
     expected = {"results/accuracy.png", "results/averages.png", "average test accuracy by method", "logs/pretrain.json"}
     expected |= {f"logs/finetune/{t}.json" for t in ("digits", "house_numbers", "count")}
-    expected |= {f"logs/merge/{m}.{ext}" for m in [r["method"] for r in methods] + ["task_negation"] for ext in ("png", "json")}
+    expected |= {
+        f"logs/merge/{m}.{ext}" for m in [r["method"] for r in methods] + ["task_negation"] for ext in ("png", "json")
+    }
     assert set(plots) == expected and not shown.get("errors")
     for name, [plot] in plots.items():
         if plot["type"] == "image":
@@ -155,8 +199,13 @@ def test_every_declared_plot_renders(project, tiny_env):
     assert sum(v["chosen"] for v in search["content"]["data"]["values"]) == 1
     bars = plots["average test accuracy by method"][0]["content"]["data"]["values"]
     rows = read_json(project / "results" / "summary.json")["rows"]
-    labels = {(r["regime"], r["method"]): r["method"] if r["regime"] == "standard" else f"{r['method']} ({r['regime']})" for r in rows}
-    assert {b["method"]: b["test_avg"] for b in bars} == {labels[r["regime"], r["method"]]: round(100 * r["average"], 2) for r in rows}
+    labels = {
+        (r["regime"], r["method"]): r["method"] if r["regime"] == "standard" else f"{r['method']} ({r['regime']})"
+        for r in rows
+    }
+    assert {b["method"]: b["test_avg"] for b in bars} == {
+        labels[r["regime"], r["method"]]: round(100 * r["average"], 2) for r in rows
+    }
     assert {r["regime"] for r in rows} == {"standard", "one_epoch", "mima_n2"}
 
 
@@ -166,14 +215,23 @@ def test_the_plots_page_draws_offline(project, tiny_env, tmp_path):
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], project, tiny_env)
     page = (tmp_path / "plots" / "index.html").read_text()
     assert "<script src" not in page and "https://cdn" not in page
-    charts = [name for name, [plot] in _json(["dvc", "plots", "show", "--json"], project, tiny_env)["data"].items() if plot["type"] != "image"]
+    charts = [
+        name
+        for name, [plot] in _json(["dvc", "plots", "show", "--json"], project, tiny_env)["data"].items()
+        if plot["type"] != "image"
+    ]
     assert "window.vegaEmbed=" in page and page.count("vegaEmbed('#") == len(charts) > 0  # the PNGs are <img>
 
 
 def test_a_failed_stage_loses_nothing_and_a_rerun_with_the_same_outputs_stales_nothing(project, tiny_env):
     root = project
     run("git checkout -q -- params.yaml dvc.lock && dvc checkout -q", root, tiny_env)
-    outs = [root / "merged" / "ties.safetensors", root / "metrics" / "merge" / "ties.json", root / "metrics" / "evaluate" / "ties.json", root / "logs" / "merge" / "ties.png"]
+    outs = [
+        root / "merged" / "ties.safetensors",
+        root / "metrics" / "merge" / "ties.json",
+        root / "metrics" / "evaluate" / "ties.json",
+        root / "logs" / "merge" / "ties.png",
+    ]
     kept = {p: _md5(p) for p in outs}
     params = root / "params.yaml"
     good = params.read_text()

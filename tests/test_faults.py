@@ -28,7 +28,12 @@ VARYING = ("logs/timing", "results", "metrics/tracking.json")
 
 def _outs(root: Path) -> dict[str, str]:
     lock = yaml.safe_load((root / "dvc.lock").read_text())
-    return {o["path"]: o["md5"] for s in lock["stages"].values() for o in s.get("outs", []) if not o["path"].startswith(VARYING)}
+    return {
+        o["path"]: o["md5"]
+        for s in lock["stages"].values()
+        for o in s.get("outs", [])
+        if not o["path"].startswith(VARYING)
+    }
 
 
 def _project_processes(root: Path) -> list[psutil.Process]:
@@ -50,7 +55,9 @@ def _wait_gone(root: Path, timeout: float = 120) -> list:  # a limit for a hang,
 
 
 def _start(cmd, root, env):
-    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
 
 
 def _assert_recoverable(root, env):
@@ -62,19 +69,31 @@ def _assert_recoverable(root, env):
 def _flow_with_a_stage_running(root, env):
     """The flow started on an ephemeral Prefect server, once a stage has run for a second (not about to end): (its
     process, the pids of all its descendants then). No deadline: the temporary server may start slowly."""
-    flow = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--workers", "1"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "flows.pipeline", "--workers", "1"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     stage_seen = False
     while flow.poll() is None and not stage_seen:
         time.sleep(0.2)
         with contextlib.suppress(psutil.Error):
             family = psutil.Process(flow.pid).children()
-            stage_seen = any(p.cmdline()[1:2] and p.cmdline()[1].endswith("/mergeflow") and time.time() - p.create_time() > 1.0 for p in family)
+            stage_seen = any(
+                p.cmdline()[1:2] and p.cmdline()[1].endswith("/mergeflow") and time.time() - p.create_time() > 1.0
+                for p in family
+            )
     assert stage_seen, f"the flow ended before a stage had run for a second: {flow.communicate()[0][-2000:]}"
     return flow, [p.pid for p in psutil.Process(flow.pid).children(recursive=True)]
 
 
 def _still_running(pids, wait: float) -> list[int]:
     """The processes of ``pids`` still running (not zombies) after up to ``wait`` seconds."""
+
     def running():
         return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
@@ -111,7 +130,9 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_env, 
     flow, family = _flow_with_a_stage_running(root, tiny_env)
     flow.kill()
     flow.communicate()
-    assert not _still_running(family, wait=30), "a stage, the stage server or the flow's Prefect server outlived the SIGKILLed flow"
+    assert not _still_running(family, wait=30), (
+        "a stage, the stage server or the flow's Prefect server outlived the SIGKILLed flow"
+    )
     faults.append("flow on its ephemeral server, SIGKILL while a stage ran")
     # SIGTERM: the flow stops its stages and its own ephemeral Prefect server
     flow, family = _flow_with_a_stage_running(root, tiny_env)
@@ -145,7 +166,9 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_env, 
     (root / "params.yaml").write_text(params)
     # 4. dvc.lock cut short, as a kill during DVC's own (non-atomic) write leaves it; a leftover temporary file
     lock = (root / "dvc.lock").read_text()
-    cut = next(i for i in range(len(lock) // 2, len(lock)) if not lockfile.readable(lock[:i]))  # a prefix DVC cannot load
+    cut = next(
+        i for i in range(len(lock) // 2, len(lock)) if not lockfile.readable(lock[:i])
+    )  # a prefix DVC cannot load
     (root / "dvc.lock").write_text(lock[:cut])
     (root / "data" / ".pretrain.safetensors.tmp-999999-x").write_bytes(b"half a file")
     faults.append("dvc.lock cut in half")
@@ -156,7 +179,10 @@ def test_killed_flow_and_dvc_repro_recover_to_the_reference(tmp_path, tiny_env, 
     assert "restored from" in out
     assert "up to date" in run(["dvc", "status"], root, env)
     assert _outs(root) == _outs(reference)
-    assert json.loads((root / "results/summary.json").read_text())["rows"] == json.loads((reference / "results/summary.json").read_text())["rows"]
+    assert (
+        json.loads((root / "results/summary.json").read_text())["rows"]
+        == json.loads((reference / "results/summary.json").read_text())["rows"]
+    )
     print("faults survived:", "; ".join(faults))
 
 
@@ -195,7 +221,11 @@ def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
         assert not store.exists() or _revision(store) == head, f"store left half-migrated by a kill at {delay} s"
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
     experiment = client.get_experiment_by_name("mergeflow/embedded")
-    abandoned = len(client.search_runs([experiment.experiment_id], filter_string="attributes.status = 'RUNNING'")) if experiment else 0
+    abandoned = (
+        len(client.search_runs([experiment.experiment_id], filter_string="attributes.status = 'RUNNING'"))
+        if experiment
+        else 0
+    )
     out = run(["mergeflow", "track"], root, env)
     if abandoned:  # the last kill left runs RUNNING (earlier ones were marked by the tracks after them)
         assert f"marked {abandoned} runs FAILED that a killed track left RUNNING" in out
@@ -209,8 +239,11 @@ def test_killed_track_recovers(tmp_path, tiny_reference, tiny_env):
 
     p = load_params(root / "params.yaml")
     variants = [(r, v) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps)]
-    # prepare, pretrain, the fine-tunes, vectors, the merges, the two baselines, the regimes' variants and merges, the studies
-    assert last.info.status == "FINISHED" and len(covered) == 2 + len(p.suite.tasks) + 1 + len(p.merge.methods) + 2 + len(variants) + sum(len(p.regimes.methods_of(r)) for r, _ in variants) + len(p.studies.run)
+    # prepare, pretrain, the fine-tunes, vectors, the merges, the
+    # two baselines, the regimes' variants and merges, the studies
+    assert last.info.status == "FINISHED" and len(covered) == 2 + len(p.suite.tasks) + 1 + len(
+        p.merge.methods
+    ) + 2 + len(variants) + sum(len(p.regimes.methods_of(r)) for r, _ in variants) + len(p.studies.run)
     assert all(client.get_run(r).info.status == "FINISHED" for r in covered.values())
 
 
@@ -226,7 +259,11 @@ def test_a_deleted_store_is_logged_again_by_the_next_repro(tmp_path, tiny_refere
         (root / "metrics/tracking.json").unlink()
     assert "Running stage" not in run(["dvc", "repro"], root, tiny_env)  # what DVC sees: nothing changed
     out = run(["mergeflow", "repro"], root, tiny_env)
-    assert "logging every stage to MLflow again" in out and "Running stage 'track'" in out and "restored from run-cache" not in out
+    assert (
+        "logging every stage to MLflow again" in out
+        and "Running stage 'track'" in out
+        and "restored from run-cache" not in out
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("mergeflow/embedded").experiment_id])
     assert json.loads((root / "metrics/tracking.json").read_text())["run_id"] in {r.info.run_id for r in runs}

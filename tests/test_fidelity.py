@@ -83,7 +83,9 @@ def test_iso_cts_left_factor_falls_back_to_the_whole_basis_where_a_residual_has_
     # 1 and keeps s = 2 directions: its second is any unit vector off its residual's range, U_c's span included, so
     # the identity does not hold and the whole basis is orthogonalised; U stays orthonormal.
     g = torch.Generator().manual_seed(3)
-    taus = torch.stack([torch.outer(torch.randn(40, generator=g), torch.randn(32, generator=g)) for _ in range(4)]).double()
+    taus = torch.stack(
+        [torch.outer(torch.randn(40, generator=g), torch.randn(32, generator=g)) for _ in range(4)]
+    ).double()
     c, s = subspace_sizes(32, 4, 0.75)
     assert (c, s) == (24, 2)
     u, v, sigma, owner = iso_cts_factors(taus, 0.75)
@@ -93,7 +95,10 @@ def test_iso_cts_left_factor_falls_back_to_the_whole_basis_where_a_residual_has_
 
 
 # ------------------------------------------------------------------ CART's rank: ceil(gamma r)
-@pytest.mark.parametrize("ratio, rank", [(0.08, 62), (0.12, 93), (0.04, 31), (0.16, 123), (0.32, 246), (0.25, 192), (0.5, 384), (1.0, 768), (0.0, 0)])
+@pytest.mark.parametrize(
+    "ratio, rank",
+    [(0.08, 62), (0.12, 93), (0.04, 31), (0.16, 123), (0.32, 246), (0.25, 192), (0.5, 384), (1.0, 768), (0.0, 0)],
+)
 def test_rank_is_the_ceiling_of_ratio_times_width(ratio, rank):
     # 0.08 x 768 = 61.44 -> 62 (round gave 61); 0.12 x 768 = 92.16 -> 93; 0.25 x 768 = 192 exactly stays 192
     assert rank_of_ratio(torch.empty(768, 3072), ratio) == rank
@@ -110,7 +115,9 @@ def test_cart_low_rank_ta_and_cart_indexing_keep_the_ceiling_rank():
     tvs = {f"t{i}": {MATRIX: torch.randn(10, 8, generator=g, dtype=torch.float64)} for i in range(3)}
     taus = np.stack([tv[MATRIX].numpy() for tv in tvs.values()])
     centred = taus - taus.mean(0)
-    cart = REGISTRY["cart"](theta0, tvs, rank_ratio=0.3, lam=1.0)[MATRIX].numpy() - theta0[MATRIX].numpy() - taus.mean(0)
+    cart = (
+        REGISTRY["cart"](theta0, tvs, rank_ratio=0.3, lam=1.0)[MATRIX].numpy() - theta0[MATRIX].numpy() - taus.mean(0)
+    )
     assert np.allclose(cart, sum(_low_rank(c, 3) for c in centred), atol=1e-12)
     low = REGISTRY["low_rank_ta"](theta0, tvs, rank_ratio=0.3, lam=1.0)[MATRIX].numpy() - theta0[MATRIX].numpy()
     assert np.allclose(low, sum(_low_rank(t, 3) for t in taus), atol=1e-12)
@@ -173,7 +180,9 @@ def test_floor_rounding_computes_as_the_tools_do_float_noise_included():
 )
 def test_each_band_rounding_keeps_the_ranks_worked_out_by_hand(gamma, beta, rounding, ranks):
     tau = _distinct_48()
-    merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(48)}, {"a": {"w": tau}}, gamma=gamma, beta=beta, rounding=rounding, alpha=1.0)["w"]
+    merged = REGISTRY["breadcrumbs"](
+        {"w": torch.zeros(48)}, {"a": {"w": tau}}, gamma=gamma, beta=beta, rounding=rounding, alpha=1.0
+    )["w"]
     rank_of = {int(m): 48 - int(m) for m in tau.abs()}  # |tau| = 48 is rank 0
     assert sorted(rank_of[int(m)] for m in tau[merged != 0].abs()) == list(ranks)
     assert torch.equal(merged[merged != 0], tau[merged != 0])
@@ -183,7 +192,12 @@ def test_each_band_rounding_keeps_the_ranks_worked_out_by_hand(gamma, beta, roun
 def _vit_like(dtype=torch.float64, tasks=3, seed=0):
     """theta0 and task vectors with 2-D, 1-D, 3-D and 4-D tensors; every task leaves every 7th entry untouched."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {MATRIX: (12, 10), "blocks.0.norm1.bias": (10,), "pos_embed": (1, 3, 10), "patch_embed.proj.weight": (4, 3, 2, 2)}
+    shapes = {
+        MATRIX: (12, 10),
+        "blocks.0.norm1.bias": (10,),
+        "pos_embed": (1, 3, 10),
+        "patch_embed.proj.weight": (4, 3, 2, 2),
+    }
     theta0 = {k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
     tvs = {}
     for i in range(tasks):
@@ -272,7 +286,18 @@ def _element_wise_by_hand(name, theta0, taus, tasks):
     raise KeyError(name)
 
 
-ELEMENT_WISE = ["task_arithmetic", "weight_averaging", "ties", "ties_tensor", "dare_linear", "dare_ties", "breadcrumbs", "magmax", "consensus_ta", "consensus_ties"]
+ELEMENT_WISE = [
+    "task_arithmetic",
+    "weight_averaging",
+    "ties",
+    "ties_tensor",
+    "dare_linear",
+    "dare_ties",
+    "breadcrumbs",
+    "magmax",
+    "consensus_ta",
+    "consensus_ties",
+]
 
 
 @pytest.mark.parametrize("name", ELEMENT_WISE)
@@ -300,7 +325,9 @@ def _svd_by_hand(name, theta0, taus, T):
             out[k] = x0 + 0.4 * (sum(_low_rank(t, int(np.ceil(0.08 * r))) for t in tau) if is_matrix else tau.sum(0))
         elif name == "cart":
             avg = x0 + tau.mean(0)
-            out[k] = avg + 2.0 * sum(_low_rank(c, int(np.ceil(0.08 * r))) for c in tau - tau.mean(0)) if is_matrix else avg
+            out[k] = (
+                avg + 2.0 * sum(_low_rank(c, int(np.ceil(0.08 * r))) for c in tau - tau.mean(0)) if is_matrix else avg
+            )
         elif name == "tsv_m":
             if is_matrix:
                 svds = [np.linalg.svd(t, full_matrices=False) for t in tau]
@@ -354,7 +381,10 @@ def test_float64_per_task_element_wise_models_stay_float64(name):
         elected = {k: np.sign(v.sum(0)) for k, v in taus.items()}
         agree = {k: v * elected[k] > 0 for k, v in taus.items()}
         uni = {k: elected[k] * (np.abs(v) * agree[k]).max(0) for k, v in taus.items()}
-        scale = [sum(np.abs(v[t]).sum() for v in taus.values()) / sum(np.abs(agree[k][t] * uni[k]).sum() for k in taus) for t in range(len(tvs))]
+        scale = [
+            sum(np.abs(v[t]).sum() for v in taus.values()) / sum(np.abs(agree[k][t] * uni[k]).sum() for k in taus)
+            for t in range(len(tvs))
+        ]
         expected = [{k: theta0[k].numpy() + scale[t] * agree[k][t] * uni[k] for k in taus} for t in range(len(tvs))]
     else:
         vectors = _ties_by_hand(taus, "global")
@@ -363,7 +393,9 @@ def test_float64_per_task_element_wise_models_stay_float64(name):
     for t, task in enumerate(tvs):
         model = method.reconstruct(store, theta0, task)
         for k in theta0:
-            assert model[k].dtype == torch.float64 and np.allclose(model[k].numpy(), expected[t][k], rtol=0, atol=1e-12), (task, k)
+            assert model[k].dtype == torch.float64 and np.allclose(
+                model[k].numpy(), expected[t][k], rtol=0, atol=1e-12
+            ), (task, k)
             assert torch.equal(model[k].reshape(-1)[::7], theta0[k].reshape(-1)[::7])
 
 
@@ -371,8 +403,12 @@ def test_float64_per_task_element_wise_models_stay_float64(name):
 def test_bf16_inputs_compute_in_float32(name):
     theta0, tvs = _vit_like(dtype=torch.bfloat16)
     merged = REGISTRY[name](theta0, tvs)
-    upcast = REGISTRY[name]({k: v.float() for k, v in theta0.items()}, {t: {k: v.float() for k, v in tv.items()} for t, tv in tvs.items()})
-    assert all(merged[k].dtype == torch.bfloat16 and torch.equal(merged[k], upcast[k].to(torch.bfloat16)) for k in theta0)
+    upcast = REGISTRY[name](
+        {k: v.float() for k, v in theta0.items()}, {t: {k: v.float() for k, v in tv.items()} for t, tv in tvs.items()}
+    )
+    assert all(
+        merged[k].dtype == torch.bfloat16 and torch.equal(merged[k], upcast[k].to(torch.bfloat16)) for k in theta0
+    )
 
 
 def test_float32_merges_are_unchanged_by_a_float64_model_beside_them():
@@ -380,7 +416,11 @@ def test_float32_merges_are_unchanged_by_a_float64_model_beside_them():
     theta0, tvs = _vit_like(dtype=torch.float32)
     mixed0 = {**theta0, "extra": torch.randn(5, dtype=torch.float64)}
     mixed = {t: {**tv, "extra": torch.randn(5, dtype=torch.float64)} for t, tv in tvs.items()}
-    for name, hp in (("ties", {"trim_scope": "tensor"}), ("breadcrumbs", {}), ("consensus_ties", {"trim_scope": "tensor"})):
+    for name, hp in (
+        ("ties", {"trim_scope": "tensor"}),
+        ("breadcrumbs", {}),
+        ("consensus_ties", {"trim_scope": "tensor"}),
+    ):
         alone, beside = REGISTRY[name](theta0, tvs, **hp), REGISTRY[name](mixed0, mixed, **hp)
         assert all(torch.equal(alone[k], beside[k]) for k in theta0) and beside["extra"].dtype == torch.float64
 
@@ -404,14 +444,19 @@ def _outside(constraint):
     return None
 
 
-BOUNDED = [(name, key) for name, m in sorted(REGISTRY.items()) for key, c in m.ranges.items() if _outside(c) is not None]
+BOUNDED = [
+    (name, key) for name, m in sorted(REGISTRY.items()) for key, c in m.ranges.items() if _outside(c) is not None
+]
 
 
 def test_every_hyperparameter_declares_a_range_holding_its_default_and_grid():
     for name, method in REGISTRY.items():
         assert set(method.ranges) == set(method.defaults), name
         for key, value in method.defaults.items():
-            assert all(method.ranges[key].admits(v) for v in [value, *method.grid.get(key, []), *method.per_task_grid.get(key, [])]), (name, key)
+            assert all(
+                method.ranges[key].admits(v)
+                for v in [value, *method.grid.get(key, []), *method.per_task_grid.get(key, [])]
+            ), (name, key)
 
 
 @pytest.mark.parametrize("name, key", BOUNDED)
@@ -428,15 +473,22 @@ def test_every_bounded_hyperparameter_is_checked_at_load_under_its_own_key(name,
 def test_out_of_range_values_name_the_key_the_user_wrote():
     with pytest.raises(MergeflowError, match=re.escape("merge.ties.k: expected a fraction in (0, 1], got 1.5")):
         parse_params(_params("ties", {"k": 1.5}))
-    with pytest.raises(MergeflowError, match=re.escape("merge.dare_linear.p: expected a drop probability in [0, 1), got 1.0")):
+    with pytest.raises(
+        MergeflowError, match=re.escape("merge.dare_linear.p: expected a drop probability in [0, 1), got 1.0")
+    ):
         parse_params(_params("dare_linear", {"p": 1.0}))
-    with pytest.raises(MergeflowError, match=re.escape("merge.ties.rounding: expected one of 'ties_original', 'floor', 'round', got 'ceil'")):
+    with pytest.raises(
+        MergeflowError,
+        match=re.escape("merge.ties.rounding: expected one of 'ties_original', 'floor', 'round', got 'ceil'"),
+    ):
         parse_params(_params("ties", {"rounding": "ceil"}))
 
 
 def test_breadcrumbs_joint_rule_is_checked_at_load_on_every_grid_combination():
     parse_params(_params("breadcrumbs", {"gamma": [0.1, 0.3], "beta": 0.7}))
-    with pytest.raises(MergeflowError, match=re.escape("merge.breadcrumbs: need gamma + beta <= 1, got gamma=0.4, beta=0.7")):
+    with pytest.raises(
+        MergeflowError, match=re.escape("merge.breadcrumbs: need gamma + beta <= 1, got gamma=0.4, beta=0.7")
+    ):
         parse_params(_params("breadcrumbs", {"gamma": [0.1, 0.4], "beta": 0.7}))
 
 
@@ -444,7 +496,9 @@ def test_direct_calls_are_checked_by_the_same_ranges():
     theta0, tvs = {"w": torch.zeros(3)}, {"a": {"w": torch.ones(3)}}
     with pytest.raises(ValueError, match=re.escape("merge.ties.k: expected a fraction in (0, 1], got 1.5")):
         REGISTRY["ties"](theta0, tvs, k=1.5)
-    with pytest.raises(ValueError, match=re.escape("merge.consensus_ta.tall_lambda: expected a TALL mask threshold >= 0, got -1.0")):
+    with pytest.raises(
+        ValueError, match=re.escape("merge.consensus_ta.tall_lambda: expected a TALL mask threshold >= 0, got -1.0")
+    ):
         REGISTRY["consensus_ta"](theta0, tvs, tall_lambda={"a": -1.0})
     with pytest.raises(ValueError, match=re.escape("merge.tall_ties.rounding: expected one of")):
         REGISTRY["tall_ties"].task_models(theta0, tvs, rounding="up")
@@ -453,7 +507,10 @@ def test_direct_calls_are_checked_by_the_same_ranges():
 def test_ranges_are_shown_by_mergeflow_methods():
     assert "rounding='ties_original' (one of 'ties_original', 'floor', 'round')" in REGISTRY["ties"].describe()
     assert "rounding='floor' (one of 'floor', 'round')" in REGISTRY["breadcrumbs"].describe()
-    assert isinstance(REGISTRY["ties"].ranges["k"], Range) and "k=0.2 (a fraction in (0, 1])" in REGISTRY["ties"].describe()
+    assert (
+        isinstance(REGISTRY["ties"].ranges["k"], Range)
+        and "k=0.2 (a fraction in (0, 1])" in REGISTRY["ties"].describe()
+    )
 
 
 def test_float64_stays_float64_from_the_task_vectors_through_the_search():
@@ -465,10 +522,20 @@ def test_float64_stays_float64_from_the_task_vectors_through_the_search():
     theta0, tvs = _vit_like()
     finetuned = {k: theta0[k] + tvs["t0"][k] for k in theta0}
     tau = task_vector(theta0, finetuned, pretrained_name="p", finetuned_name="f")
-    assert all(tau[k].dtype == torch.float64 and torch.allclose(tau[k], tvs["t0"][k], rtol=0, atol=1e-15) for k in theta0)
-    single = task_vector({k: v.float() for k, v in theta0.items()}, {k: v.float() for k, v in finetuned.items()}, pretrained_name="p", finetuned_name="f")
+    assert all(
+        tau[k].dtype == torch.float64 and torch.allclose(tau[k], tvs["t0"][k], rtol=0, atol=1e-15) for k in theta0
+    )
+    single = task_vector(
+        {k: v.float() for k, v in theta0.items()},
+        {k: v.float() for k, v in finetuned.items()},
+        pretrained_name="p",
+        finetuned_name="f",
+    )
     assert all(v.dtype == torch.float32 for v in single.values())
     fixed, grid = REGISTRY["ties"].search_space({"lam": [0.3, 0.7]})
     for hp, merged in merged_candidates(REGISTRY["ties"], fixed, grid, theta0, tvs):
         direct = REGISTRY["ties"](theta0, tvs, **hp)
-        assert all(merged[k].dtype == torch.float64 and torch.allclose(merged[k], direct[k], rtol=0, atol=1e-12) for k in theta0)
+        assert all(
+            merged[k].dtype == torch.float64 and torch.allclose(merged[k], direct[k], rtol=0, atol=1e-12)
+            for k in theta0
+        )

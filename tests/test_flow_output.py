@@ -17,23 +17,36 @@ UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}
 
 
 def _api(url: str, path: str, body: dict) -> list[dict]:
-    request = urllib.request.Request(f"{url}/{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        f"{url}/{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
     return json.loads(urllib.request.urlopen(request, timeout=30).read())
 
 
 def _last_flow_run(url: str, root) -> dict:
-    runs = [r for r in _api(url, "flow_runs/filter", {"sort": "START_TIME_DESC"}) if r["parameters"].get("root") == str(root)]
+    runs = [
+        r
+        for r in _api(url, "flow_runs/filter", {"sort": "START_TIME_DESC"})
+        if r["parameters"].get("root") == str(root)
+    ]
     assert runs, f"no flow run of {root} on the server"
     return runs[0]
 
 
 def _logs(url: str, flow_run_id: str) -> list[str]:
     """Every log message of the flow run, its task runs' included, oldest first."""
-    return [e["message"] for e in _api(url, "logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC"})]
+    return [
+        e["message"]
+        for e in _api(url, "logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC"})
+    ]
 
 
 def _summary_artifact(url: str, flow_run_id: str) -> str:
-    artifacts = _api(url, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": ["mergeflow-summary"]}}})
+    artifacts = _api(
+        url,
+        "artifacts/filter",
+        {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": ["mergeflow-summary"]}}},
+    )
     assert len(artifacts) == 1 and artifacts[0]["type"] == "markdown", artifacts
     return artifacts[0]["data"]
 
@@ -49,7 +62,25 @@ def test_a_run_publishes_the_summary_and_the_mlflow_link(project, tiny_env, pref
     logs, and the artifact holds the summary table, the MLflow run's link and which stages ran. Then a run with
     nothing to do publishes the same results, saying that nothing ran."""
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "MERGEFLOW_MLFLOW_UI": "http://mlflow.example:8080/"}
-    out = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(project), "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "flows.pipeline",
+            "--workers",
+            "2",
+            "--root",
+            str(project),
+            "-S",
+            "merge.ties.k=0.1",
+            "-S",
+            "regimes.run=[]",
+            "-S",
+            "studies.run=[]",
+        ],
+        project,
+        env,
+    )
     assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]
     assert "Traceback" not in out
     flow_run = _last_flow_run(prefect_server, project)
@@ -84,11 +115,38 @@ def test_a_failed_stage_is_named_with_its_error_line_and_no_traceback(project, t
     UUID; the artifact says the same."""
     root = copy_project(project, tmp_path / "failing")
     env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": ""}
-    proc = _run([sys.executable, "-m", "flows.pipeline", "--workers", "2", "--root", str(root), "-S", "merge.ties.k=0.3", "-S", "runtime.device=cuda", "-S", "regimes.run=[]", "-S", "studies.run=[]"], root, env, check=False)
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "flows.pipeline",
+            "--workers",
+            "2",
+            "--root",
+            str(root),
+            "-S",
+            "merge.ties.k=0.3",
+            "-S",
+            "runtime.device=cuda",
+            "-S",
+            "regimes.run=[]",
+            "-S",
+            "studies.run=[]",
+        ],
+        root,
+        env,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     error = "error: runtime.device: 'cuda' asked for but no CUDA device is available"
     assert proc.returncode == 1, out[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: 3 of 3 stages did not complete; first failure: stage merge@ties exited with status 2: " + error), out[-3000:]
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: 3 of 3 stages did not complete; first failure: stage merge@ties exited with status 2: " + error
+        )
+    ), out[-3000:]
     flow_run = _last_flow_run(prefect_server, root)
     logs = _logs(prefect_server, flow_run["id"])
     assert flow_run["state_type"] == "FAILED"
@@ -96,12 +154,17 @@ def test_a_failed_stage_is_named_with_its_error_line_and_no_traceback(project, t
         assert "Traceback" not in text
         assert f"failed: merge@ties, exit status 2 (bad input): {error}" in text
         assert "not run: report (needs merge@ties, which failed); track (needs merge@ties, which failed)" in text
-        assert not UUID.search("\n".join(line for line in text.splitlines() if "merge@ties" in line or "not run" in line))
+        assert not UUID.search(
+            "\n".join(line for line in text.splitlines() if "merge@ties" in line or "not run" in line)
+        )
     assert "merge@ties failed after" in "\n".join(logs) and "NotReady" not in out  # no task run left waiting on a UUID
 
     markdown = _summary_artifact(prefect_server, flow_run["id"])
     assert f"- **merge@ties**, exit status 2 (bad input): `{error}`" in markdown
-    assert "- **report**: needs merge@ties, which failed" in markdown and "- **track**: needs merge@ties, which failed" in markdown
+    assert (
+        "- **report**: needs merge@ties, which failed" in markdown
+        and "- **track**: needs merge@ties, which failed" in markdown
+    )
     assert yaml.safe_load((root / "dvc.lock").read_text()) == yaml.safe_load((project / "dvc.lock").read_text())
 
 
@@ -120,7 +183,9 @@ def test_bad_configuration_in_a_deployment_run_is_one_line(project, tmp_path, pr
     assert state.is_failed() and "unknown merge method 'fisher_merging'" in state.message
     flow_run = _last_flow_run(prefect_server, root)
     logs = _logs(prefect_server, flow_run["id"])
-    assert not any("Traceback" in m for m in logs) and any("unknown merge method 'fisher_merging'" in m for m in logs), logs
+    assert not any("Traceback" in m for m in logs) and any(
+        "unknown merge method 'fisher_merging'" in m for m in logs
+    ), logs
     markdown = _summary_artifact(prefect_server, flow_run["id"])
     assert "The run stopped before any stage" in markdown and "fisher_merging" in markdown
 
@@ -137,9 +202,18 @@ def test_a_stages_output_reaches_the_logs_on_success_and_on_failure(tmp_path, pr
     from mergeflow.runner.graph import StageNode
     from tasks.stages import run_stage_task
 
-    (tmp_path / "works.py").write_text("import sys\nfor i in range(30):\n    print(f'step {i}')\nprint('summary: 30 steps', flush=True)\nprint('UserWarning: noisy', file=sys.stderr)\n")
-    (tmp_path / "fails.py").write_text("import sys\nprint('reading data/tasks/digits.npz')\nprint('error: data/tasks/digits.npz: not a readable task file', file=sys.stderr)\nsys.exit(2)\n")
-    works, fails = StageNode("finetune@digits", (sys.executable, "works.py"), ()), StageNode("merge@ties", (sys.executable, "fails.py"), ())
+    (tmp_path / "works.py").write_text(
+        "import sys\nfor i in range(30):\n    print(f'step {i}')\nprint('summary: 30 steps', flush=True)\n"
+        "print('UserWarning: noisy', file=sys.stderr)\n"
+    )
+    (tmp_path / "fails.py").write_text(
+        "import sys\nprint('reading data/tasks/digits.npz')\nprint('error: data/tasks/digits.npz: not a readable task "
+        "file', file=sys.stderr)\nsys.exit(2)\n"
+    )
+    works, fails = (
+        StageNode("finetune@digits", (sys.executable, "works.py"), ()),
+        StageNode("merge@ties", (sys.executable, "fails.py"), ()),
+    )
 
     @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
     def two_stages():
@@ -156,5 +230,15 @@ def test_a_stages_output_reaches_the_logs_on_success_and_on_failure(tmp_path, pr
     stdout = next(m for m in logs if m.startswith("finetune@digits output (last lines):"))
     assert stdout.splitlines()[1:] == [f"step {i}" for i in range(11, 30)] + ["summary: 30 steps"]
     assert "finetune@digits stderr (last lines):\nUserWarning: noisy" in logs
-    assert any(re.fullmatch(r"merge@ties failed after [\d.]+ s with exit status 2 \(bad input\): error: data/tasks/digits.npz: not a readable task file", m) for m in logs), logs
-    assert "merge@ties output (last lines):\nreading data/tasks/digits.npz\nerror: data/tasks/digits.npz: not a readable task file" in logs
+    assert any(
+        re.fullmatch(
+            r"merge@ties failed after [\d.]+ s with exit status 2 \(bad "
+            r"input\): error: data/tasks/digits.npz: not a readable task file",
+            m,
+        )
+        for m in logs
+    ), logs
+    assert (
+        "merge@ties output (last lines):\nreading data/tasks/digits.npz\n"
+        "error: data/tasks/digits.npz: not a readable task file" in logs
+    )

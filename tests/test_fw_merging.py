@@ -17,7 +17,9 @@ def _setup():
     theta0, taus, objective = _tiny_setup(torch.float64)
     g = torch.Generator().manual_seed(3)
     images = objective.inputs["test"]
-    labels = {t: torch.randint(0, head.out_features, (len(images[t]),), generator=g) for t, head in objective.heads.items()}
+    labels = {
+        t: torch.randint(0, head.out_features, (len(images[t]),), generator=g) for t, head in objective.heads.items()
+    }
     train = EntropyObjective(objective.backbone, objective.heads, {"train": images}, objective.device)
     return theta0, taus, train, labels
 
@@ -33,7 +35,17 @@ def _gradient(objective, labels, state):
     backbone = copy.deepcopy(objective.backbone)
     backbone.net.load_state_dict(state)
     count = sum(len(y) for y in labels.values())
-    loss = sum(torch.nn.functional.cross_entropy(objective.heads[t](backbone.embed(backbone.net(backbone.normalise(x).double()))), labels[t], reduction="sum") for t, x in objective.inputs["train"].items()) / count
+    loss = (
+        sum(
+            torch.nn.functional.cross_entropy(
+                objective.heads[t](backbone.embed(backbone.net(backbone.normalise(x).double()))),
+                labels[t],
+                reduction="sum",
+            )
+            for t, x in objective.inputs["train"].items()
+        )
+        / count
+    )
     loss.backward()
     return {k: p.grad for k, p in backbone.net.named_parameters()}
 
@@ -64,7 +76,9 @@ def test_one_step_moves_toward_the_vertex_the_gradient_picks(alignment):
         return sum(float((grad[k] * v[k]).sum() / (grad[k].norm() * v[k].norm())) for k in v)
 
     best = min(vertices, key=lambda name: score(vertices[name]))
-    merged, learned = _run(theta0, taus, objective, labels, steps=1, scaling=scaling, step_size=step_size, alignment=alignment)
+    merged, learned = _run(
+        theta0, taus, objective, labels, steps=1, scaling=scaling, step_size=step_size, alignment=alignment
+    )
     assert learned["selected"] == [best]
     gamma = 2 / 2 * step_size * scaling
     for k in theta0:

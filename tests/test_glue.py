@@ -27,9 +27,14 @@ def save_glue_task(root, task: str, splits: dict[str, dict[str, list]]) -> None:
     for split, columns in splits.items():
         (base / split).mkdir()
         table = pa.table(columns)
-        with pa.OSFile(str(base / split / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        with (
+            pa.OSFile(str(base / split / "data-00000-of-00001.arrow"), "wb") as sink,
+            pa.ipc.new_stream(sink, table.schema) as writer,
+        ):
             writer.write_table(table)
-        (base / split / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": split}))
+        (base / split / "state.json").write_text(
+            json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": split})
+        )
         (base / split / "dataset_info.json").write_text(json.dumps({"builder_name": "glue", "config_name": task}))
 
 
@@ -41,27 +46,69 @@ def save_tiny_roberta(folder) -> BackboneConfig:
     vocab = {w: i for i, w in enumerate(WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
     fast.save_pretrained(folder)
-    config = RobertaConfig(vocab_size=len(WORDS), hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, max_position_embeddings=24, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    config = RobertaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=24,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
     RobertaModel(config, add_pooling_layer=False).save_pretrained(folder)
     return BackboneConfig(library="transformers", model="roberta", pretrained=str(folder), global_pool="token")
 
 
 @pytest.fixture
 def glue(tmp_path):
-    pairs = {"sentence1": ["the cat sat", "a dog ran", "the dog is big", "a cat ran", "the cat is not big"], "sentence2": ["a cat sat", "the dog sat", "a dog", "the cat", "a big cat"]}
-    save_glue_task(tmp_path / "glue", "stsb", {
-        "train": pairs | {"label": pa.array([4.5, 2.0, 3.25, 1.0, 0.5], pa.float32()), "idx": list(range(5))},
-        "validation": {"sentence1": ["the cat", "a dog"], "sentence2": ["a cat", "the cat"], "label": pa.array([5.0, 1.5], pa.float32()), "idx": [0, 1]},
-    })
-    save_glue_task(tmp_path / "glue", "mnli", {
-        "train": {"premise": pairs["sentence1"], "hypothesis": pairs["sentence2"], "label": [0, 1, 2, 1, 0], "idx": list(range(5))},
-        TEST_SPLIT["mnli"]: {"premise": ["the cat sat"], "hypothesis": ["a cat"], "label": [0], "idx": [0]},
-    })
+    pairs = {
+        "sentence1": ["the cat sat", "a dog ran", "the dog is big", "a cat ran", "the cat is not big"],
+        "sentence2": ["a cat sat", "the dog sat", "a dog", "the cat", "a big cat"],
+    }
+    save_glue_task(
+        tmp_path / "glue",
+        "stsb",
+        {
+            "train": pairs | {"label": pa.array([4.5, 2.0, 3.25, 1.0, 0.5], pa.float32()), "idx": list(range(5))},
+            "validation": {
+                "sentence1": ["the cat", "a dog"],
+                "sentence2": ["a cat", "the cat"],
+                "label": pa.array([5.0, 1.5], pa.float32()),
+                "idx": [0, 1],
+            },
+        },
+    )
+    save_glue_task(
+        tmp_path / "glue",
+        "mnli",
+        {
+            "train": {
+                "premise": pairs["sentence1"],
+                "hypothesis": pairs["sentence2"],
+                "label": [0, 1, 2, 1, 0],
+                "idx": list(range(5)),
+            },
+            TEST_SPLIT["mnli"]: {"premise": ["the cat sat"], "hypothesis": ["a cat"], "label": [0], "idx": [0]},
+        },
+    )
     backbone = save_tiny_roberta(tmp_path / "roberta")
-    suite = SuiteConfig(source="glue", root=str(tmp_path / "glue"), tasks=["stsb", "mnli"], seq_len=12, n_train=8, n_val=4, n_test=8)
+    suite = SuiteConfig(
+        source="glue", root=str(tmp_path / "glue"), tasks=["stsb", "mnli"], seq_len=12, n_train=8, n_val=4, n_test=8
+    )
     return suite, backbone, tmp_path
 
 
@@ -76,7 +123,20 @@ def test_a_glue_task_becomes_a_text_task_file(glue):
     torch.testing.assert_close(task.test.labels, torch.tensor([5.0, 1.5]))
     tok = AutoTokenizer.from_pretrained(tmp_path / "roberta")
     assert tok.decode(task.test.inputs[1].tolist(), skip_special_tokens=True).split() == "a dog the cat".split()
-    assert task.test.inputs[1].tolist() == [0, 5, 7, 2, 2, 10, 6, 2, 1, 1, 1, 1]  # <s> a dog </s></s> the cat </s>, padded
+    assert task.test.inputs[1].tolist() == [
+        0,
+        5,
+        7,
+        2,
+        2,
+        10,
+        6,
+        2,
+        1,
+        1,
+        1,
+        1,
+    ]  # <s> a dog </s></s> the cat </s>, padded
     # every train and val example is one of train's, none twice
     labels = sorted(task.train.labels.tolist() + task.val.labels.tolist())
     assert labels == sorted([4.5, 2.0, 3.25, 1.0, 0.5])
@@ -96,7 +156,9 @@ def test_what_is_missing_is_named_before_anything_runs(glue):
     with pytest.raises(MergeflowError, match="^suite.tasks: 'squad' is not a GLUE task"):
         check_layout(suite, "squad")
     (tmp_path / "glue" / "stsb" / "validation" / "state.json").unlink()
-    with pytest.raises(MergeflowError, match="^suite.root: '.*/stsb/validation' is missing \\(GLUE's stsb needs its 'validation' split"):
+    with pytest.raises(
+        MergeflowError, match="^suite.root: '.*/stsb/validation' is missing \\(GLUE's stsb needs its 'validation' split"
+    ):
         check_layout(suite, "stsb")
     with pytest.raises(MergeflowError, match="^backbone.pretrained: .* is not a transformers model folder"):
         new_backbone(backbone.model_copy(update={"pretrained": str(tmp_path / "glue")}), pretrained=True)
@@ -111,10 +173,16 @@ def test_check_names_a_missing_model_before_any_stage(glue, repo_root):
     suite, backbone, tmp_path = glue
     raw = yaml.safe_load((repo_root / "profiles" / "glue8.yaml").read_text())
     raw["backbone"]["model"] = "no-such-model-in-the-cache"
-    with pytest.raises(MergeflowError, match="^params.yaml: backbone.pretrained: hub: 'no-such-model-in-the-cache' is not in the local Hugging Face cache, and downloads are off"):
+    with pytest.raises(
+        MergeflowError,
+        match="^params.yaml: backbone.pretrained: hub: 'no-such-model-in-the-cache' is not in the local Hugging Face "
+        "cache, and downloads are off",
+    ):
         check_local_files(parse_params(raw), tmp_path, "params.yaml")
     raw["backbone"]["pretrained"] = "glue"  # a folder without config.json
-    with pytest.raises(MergeflowError, match="^params.yaml: backbone.pretrained: 'glue' is not a transformers model folder"):
+    with pytest.raises(
+        MergeflowError, match="^params.yaml: backbone.pretrained: 'glue' is not a transformers model folder"
+    ):
         check_local_files(parse_params(raw), tmp_path, "params.yaml")
     raw["backbone"]["pretrained"] = "roberta"
     check_local_files(parse_params(raw), tmp_path, "params.yaml")

@@ -75,15 +75,26 @@ def test_golden_search_on_task_arithmetic_chooses_what_the_grid_chooses_with_few
     results, calls = {}, {}
     for strategy in ("grid", "golden"):
         calls[strategy] = []
-        results[strategy] = search(REGISTRY["task_arithmetic"], {"lam": grid}, theta0, taus, DistanceScorer(theta0, taus, calls[strategy]), strategy)
+        results[strategy] = search(
+            REGISTRY["task_arithmetic"],
+            {"lam": grid},
+            theta0,
+            taus,
+            DistanceScorer(theta0, taus, calls[strategy]),
+            strategy,
+        )
     (best_g, out_g, curve_g, _), (best_s, out_s, curve_s, _) = results["grid"], results["golden"]
-    assert best_g["hyperparameters"]["lam"] == best_s["hyperparameters"]["lam"] == 0.5  # 0.55 lies between 0.5 and 0.6: 0.5 is nearer
+    assert (
+        best_g["hyperparameters"]["lam"] == best_s["hyperparameters"]["lam"] == 0.5
+    )  # 0.55 lies between 0.5 and 0.6: 0.5 is nearer
     assert all(torch.equal(out_g[k], out_s[k]) for k in out_g)
     assert len(calls["grid"]) == 10 and len(calls["golden"]) == len(curve_s) < 10
     lams = [r["hyperparameters"]["lam"] for r in curve_s]
     assert lams == sorted(lams) and set(lams) <= set(grid)  # in grid order, each a grid point
     by_lam = {r["hyperparameters"]["lam"]: r["average"] for r in curve_g}
-    assert all(r["average"] == by_lam[r["hyperparameters"]["lam"]] for r in curve_s)  # the same candidates, scored the same
+    assert all(
+        r["average"] == by_lam[r["hyperparameters"]["lam"]] for r in curve_s
+    )  # the same candidates, scored the same
 
 
 def test_golden_applies_to_sorted_numeric_grids_of_four_or_more_and_otherwise_scores_every_point():

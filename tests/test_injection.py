@@ -77,7 +77,12 @@ def test_hostile_backbone_names_are_refused(repo_root, field, value):
 @pytest.mark.parametrize("name", HOSTILE[:6])
 def test_a_value_pasted_into_a_command_must_be_a_plain_name(name):
     """A future stage that pastes ${...} into its command, or loops over a list, is checked too."""
-    dvc_yaml = {"stages": {"study": {"cmd": "mergeflow study --name ${study.name}"}, "regime": {"foreach": "${regimes}", "do": {"cmd": "mergeflow regime"}}}}
+    dvc_yaml = {
+        "stages": {
+            "study": {"cmd": "mergeflow study --name ${study.name}"},
+            "regime": {"foreach": "${regimes}", "do": {"cmd": "mergeflow regime"}},
+        }
+    }
     with pytest.raises(MergeflowError, match=r"study.name \(pasted into the command of stage 'study'\)"):
         check_interpolations(dvc_yaml, {"study": {"name": name}, "regimes": ["standard"]})
     with pytest.raises(MergeflowError, match=r"regimes\[1\] \(stage name 'regime@...'\)"):
@@ -85,7 +90,15 @@ def test_a_value_pasted_into_a_command_must_be_a_plain_name(name):
     check_interpolations(dvc_yaml, {"study": {"name": "cart"}, "regimes": ["standard", "one_epoch"]})
 
 
-@pytest.mark.parametrize("override", [f"merge.methods=[task_arithmetic, 'wa;touch {CANARY};#']", f"suite.tasks=[digits, '$(touch {CANARY})']", f"merge.x;touch {CANARY}=1", "merge.ties.k"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"merge.methods=[task_arithmetic, 'wa;touch {CANARY};#']",
+        f"suite.tasks=[digits, '$(touch {CANARY})']",
+        f"merge.x;touch {CANARY}=1",
+        "merge.ties.k",
+    ],
+)
 def test_hostile_overrides_leave_params_untouched(tmp_path, repo_root, override):
     params = tmp_path / "params.yaml"
     params.write_text((repo_root / "params.yaml").read_text())
@@ -103,10 +116,22 @@ def test_overrides_keep_the_file_and_its_comments(tmp_path, repo_root):
     original, text = (repo_root / "params.yaml").read_text().splitlines(), params.read_text().splitlines()
     assert [l for l in original if l.strip().startswith("#")] == [l for l in text if l.strip().startswith("#")]
     changed = [(a, b) for a, b in zip(original, text) if a != b]
-    assert len(original) == len(text) and [b.strip() for _, b in changed] == ["steps: 400", "ties: {k: 0.1, trim_scope: global, lam: [0.8, 1.0, 1.2, 1.5, 2.0, 2.5]}"]
+    assert len(original) == len(text) and [b.strip() for _, b in changed] == [
+        "steps: 400",
+        "ties: {k: 0.1, trim_scope: global, lam: [0.8, 1.0, 1.2, 1.5, 2.0, 2.5]}",
+    ]
 
 
-@pytest.mark.parametrize("override", ["merge.ties.k=0.1", "suite.tasks=[digits,signs]", "backbone.pretrained=weights.safetensors", "merge.cart.lam=[1.0,2.0]", "runtime.threads=2"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "merge.ties.k=0.1",
+        "suite.tasks=[digits,signs]",
+        "backbone.pretrained=weights.safetensors",
+        "merge.cart.lam=[1.0,2.0]",
+        "runtime.threads=2",
+    ],
+)
 def test_params_yaml_is_in_the_form_dvc_writes(tmp_path, repo_root, override):
     """`dvc exp run -S` rewrites the whole file with its own YAML writer: params.yaml is kept in that form, so
     DVC's rewrite and ours give the same file, and change only the value set."""
@@ -137,7 +162,9 @@ def hostile_project(tmp_path_factory, tiny_env):
 def _one_line_refusal(proc, pattern):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and any(l.startswith("error: ") and pattern in l for l in lines), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and any(l.startswith("error: ") and pattern in l for l in lines), proc.stderr[
+        -2000:
+    ]
 
 
 def test_mergeflow_check_and_repro_refuse(hostile_project):
@@ -158,7 +185,13 @@ def test_plain_dvc_repro_runs_no_name_as_code(hostile_project):
 
 def test_the_flow_refuses_before_any_stage(hostile_project, prefect_server):
     root, env = hostile_project
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--root", str(root)], cwd=root, env=env | {"PREFECT_API_URL": prefect_server}, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--root", str(root)],
+        cwd=root,
+        env=env | {"PREFECT_API_URL": prefect_server},
+        capture_output=True,
+        text=True,
+    )
     _one_line_refusal(proc, "unknown merge method 'wa;touch")
     assert not (root / "data").exists()
 
@@ -168,7 +201,13 @@ def test_a_hostile_override_to_the_flow_is_refused(tmp_path_factory, tiny_env, p
     root = make_tiny_project(tmp_path_factory.mktemp("override"), tiny_env)
     before = (root / "params.yaml").read_text()
     override = f"suite.tasks=[digits, 'x;touch {CANARY}']"
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--root", str(root), "-S", override], cwd=root, env=tiny_env | {"PREFECT_API_URL": prefect_server}, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--root", str(root), "-S", override],
+        cwd=root,
+        env=tiny_env | {"PREFECT_API_URL": prefect_server},
+        capture_output=True,
+        text=True,
+    )
     _one_line_refusal(proc, "is not a plain name")
     assert (root / "params.yaml").read_text() == before and not (root / "data").exists()
 

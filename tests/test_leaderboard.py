@@ -36,7 +36,9 @@ def test_accuracy_interval_matches_the_binomial_standard_error():
     n, p = 400, 0.75
     labels = torch.zeros(n, dtype=torch.long)
     predicted = torch.cat([torch.zeros(300, dtype=torch.long), torch.ones(100, dtype=torch.long)])
-    samples = resampled_averages({"m": {"t": predicted}}, {"t": labels}, {"t": "accuracy"}, resample_indices({"t": n}, 4000, seed=3))["m"]
+    samples = resampled_averages(
+        {"m": {"t": predicted}}, {"t": labels}, {"t": "accuracy"}, resample_indices({"t": n}, 4000, seed=3)
+    )["m"]
     low, high = interval(samples)
     half = 1.96 * math.sqrt(p * (1 - p) / n)
     assert low == pytest.approx(p - half, abs=0.006) and high == pytest.approx(p + half, abs=0.006)
@@ -50,7 +52,9 @@ def test_paired_difference_is_narrow_when_two_models_agree():
     a = torch.cat([torch.zeros(296, dtype=torch.long), torch.ones(104, dtype=torch.long)])
     b = a.clone()
     b[296:300] = 0
-    samples = resampled_averages({"a": {"t": a}, "b": {"t": b}}, {"t": labels}, {"t": "accuracy"}, resample_indices({"t": n}, 2000, seed=5))
+    samples = resampled_averages(
+        {"a": {"t": a}, "b": {"t": b}}, {"t": labels}, {"t": "accuracy"}, resample_indices({"t": n}, 2000, seed=5)
+    )
     low, high = interval(samples["b"] - samples["a"])
     assert 0 < low and high < 0.025
     a_low, a_high = interval(samples["a"])
@@ -58,21 +62,45 @@ def test_paired_difference_is_narrow_when_two_models_agree():
 
 
 def _rows(averages: dict[str, float]) -> list[dict]:
-    return [{"regime": "standard", "method": m, "data": "none", "average": v, "chosen": "lam=0.3" if m == "task_arithmetic" else "", "storage_models": 8.0 if m == "Individual" else 1.0}
-            for m, v in averages.items()]
+    return [
+        {
+            "regime": "standard",
+            "method": m,
+            "data": "none",
+            "average": v,
+            "chosen": "lam=0.3" if m == "task_arithmetic" else "",
+            "storage_models": 8.0 if m == "Individual" else 1.0,
+        }
+        for m, v in averages.items()
+    ]
 
 
 def _predictions(right: dict[str, int], n: int = 200):
     labels = {"t": torch.zeros(n, dtype=torch.long)}
-    preds = {m: {"t": torch.cat([torch.zeros(k, dtype=torch.long), torch.ones(n - k, dtype=torch.long)])} for m, k in right.items()}
+    preds = {
+        m: {"t": torch.cat([torch.zeros(k, dtype=torch.long), torch.ones(n - k, dtype=torch.long)])}
+        for m, k in right.items()
+    }
     return preds, labels
 
 
 def test_board_ranks_methods_with_baselines_beside_them():
     right = {"Pretrained (linear probe)": 150, "Individual": 190, "task_arithmetic": 160, "ties": 161, "tsv_m": 180}
     preds, labels = _predictions(right)
-    entries = board(_rows({m: k / 200 for m, k in right.items()}), preds, labels, {"t": "accuracy"}, resample_indices({"t": 200}, 1000, seed=0))
-    assert [e["method"] for e in entries] == ["Individual", "tsv_m", "ties", "task_arithmetic", "Pretrained (linear probe)"]
+    entries = board(
+        _rows({m: k / 200 for m, k in right.items()}),
+        preds,
+        labels,
+        {"t": "accuracy"},
+        resample_indices({"t": 200}, 1000, seed=0),
+    )
+    assert [e["method"] for e in entries] == [
+        "Individual",
+        "tsv_m",
+        "ties",
+        "task_arithmetic",
+        "Pretrained (linear probe)",
+    ]
     assert [e["rank"] for e in entries] == [None, 1, 2, 3, None]
     by = {e["method"]: e for e in entries}
     # differences by hand: 160/200 - 180/200 = -10 points; ties is one example from task arithmetic (a tie)
@@ -108,10 +136,21 @@ def test_rendered_boards_fit_the_terminal_and_name_the_test_sets():
 
 def test_two_runs_side_by_side_rank_by_the_second_and_mark_changes_within_noise():
     def entry(method, score, half, rank):
-        return {"method": method, "score": score, "low": None if half is None else score - half, "high": None if half is None else score + half, "rank": rank}
+        return {
+            "method": method,
+            "score": score,
+            "low": None if half is None else score - half,
+            "high": None if half is None else score + half,
+            "rank": rank,
+        }
 
     before = [entry("ties", 70.0, 2.0, 1), entry("task_arithmetic", 69.0, 2.0, 2), entry("Individual", 80.0, 2.0, None)]
-    after = [entry("Individual", 80.0, 2.0, None), entry("task_arithmetic", 74.0, 2.0, 1), entry("ties", 71.0, 2.0, 2), entry("cart", 72.0, None, 3)]
+    after = [
+        entry("Individual", 80.0, 2.0, None),
+        entry("task_arithmetic", 74.0, 2.0, 1),
+        entry("ties", 71.0, 2.0, 2),
+        entry("cart", 72.0, None, 3),
+    ]
     table = versus_table(before, after, ("main", "exp"))
     assert table[0] == ["#", "method", "main", "exp", "change"]
     # by hand: +5 is past sqrt(2^2 + 2^2) = 2.83, +1 is within it; cart is new (no change), Individual unchanged
@@ -124,7 +163,18 @@ def test_a_run_over_seeds_shows_each_score_mean_and_spread():
     right = {"Pretrained (linear probe)": 150, "task_arithmetic": 160}
     preds, labels = _predictions(right)
     spread = {"task_arithmetic": {"seeds": 3, "mean": 79.5, "sd": 1.25, "min": 78.0, "max": 81.0}}
-    entries = board(_rows({m: k / 200 for m, k in right.items()}), preds, labels, {"t": "accuracy"}, resample_indices({"t": 200}, 100), spread)
+    entries = board(
+        _rows({m: k / 200 for m, k in right.items()}),
+        preds,
+        labels,
+        {"t": "accuracy"},
+        resample_indices({"t": 200}, 100),
+        spread,
+    )
     table = board_table(entries)
-    assert table[0][3] == "3 seeds: mean ± sd" and table[1][:4] == ["1", "task_arithmetic", table[1][2], "79.5 ± 1.2"] and table[2][3] == ""
+    assert (
+        table[0][3] == "3 seeds: mean ± sd"
+        and table[1][:4] == ["1", "task_arithmetic", table[1][2], "79.5 ± 1.2"]
+        and table[2][3] == ""
+    )
     assert "3 seeds: mean ± sd" in board_markdown({"standard": entries}, {"t": 200}, "accuracy")

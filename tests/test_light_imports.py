@@ -21,8 +21,15 @@ HEAVY = ("torch", "numba")
 def fresh(code: str, cwd: Path = REPO) -> dict:
     """``out``, the dict ``code`` builds, with "heavy": the packages of HEAVY it imported (which module imports one:
     ``python -X importtime -c ...``), run by a new interpreter on this tree's sources."""
-    code += f"\nimport json, sys\nout['heavy'] = sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r})\nprint(json.dumps(out))\n"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1"}
+    code += (
+        f"\nimport json, sys\nout['heavy'] = sorted({{m.split('.')[0] for "
+        f"m in sys.modules}} & {set(HEAVY)!r})\nprint(json.dumps(out))\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p),
+        "HF_HUB_OFFLINE": "1",
+    }
     proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -32,7 +39,11 @@ def modules_of(package: str) -> set[str]:
     """The registering modules of a package of src/mergeflow (its files not starting with '_'), by name."""
     from mergeflow.ml.merging import NOT_METHODS
 
-    return {m.name for m in pkgutil.iter_modules([str(REPO / "src" / "mergeflow" / package)]) if not m.name.startswith("_") and m.name not in NOT_METHODS}
+    return {
+        m.name
+        for m in pkgutil.iter_modules([str(REPO / "src" / "mergeflow" / package)])
+        if not m.name.startswith("_") and m.name not in NOT_METHODS
+    }
 
 
 def test_params_and_the_registries_load_without_torch_or_numba():
@@ -44,8 +55,10 @@ from mergeflow.ml.merging import REGISTRY
 from mergeflow.studies import REGISTRY as STUDIES
 from mergeflow.ml.regimes import REGISTRY as REGIMES
 out = {{
-    "regimes": {{name: [list(r.methods), r.own_model, r.settings_model is not None, params.regimes.methods_of(name) if r.settings_model else None] for name, r in REGIMES.items()}},
-    "methods": {{name: [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {{k: str(r) for k, r in m.ranges.items()}}] for name, m in REGISTRY.items()}},
+    "regimes": {{name: [list(r.methods), r.own_model, r.settings_model is not None, params.regimes.methods_of(name) if \
+r.settings_model else None] for name, r in REGIMES.items()}},
+    "methods": {{name: [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, \
+m.per_task_grid, {{k: str(r) for k, r in m.ranges.items()}}] for name, m in REGISTRY.items()}},
     "joint": sorted(name for name, m in REGISTRY.items() if m.joint),
     "studies": sorted(STUDIES),
     "merge_methods": params.merge.methods,
@@ -66,7 +79,16 @@ out = {{
     assert {module for module, *_ in out["methods"].values()} == modules_of("ml/merging")
     assert set(out["methods"]) == set(REGISTRY)
     for name, m in REGISTRY.items():
-        full = [m.fn.__module__.rsplit(".", 1)[1], m.kind, m.reads, m.coefficient, m.defaults, m.grid, m.per_task_grid, {k: str(r) for k, r in m.ranges.items()}]
+        full = [
+            m.fn.__module__.rsplit(".", 1)[1],
+            m.kind,
+            m.reads,
+            m.coefficient,
+            m.defaults,
+            m.grid,
+            m.per_task_grid,
+            {k: str(r) for k, r in m.ranges.items()},
+        ]
         assert out["methods"][name] == json.loads(json.dumps(full)), name
     assert out["joint"] == sorted(name for name, m in REGISTRY.items() if m.joint) and "breadcrumbs" in out["joint"]
     assert set(out["studies"]) == modules_of("studies")
@@ -84,7 +106,11 @@ for overrides in ({"gamma": 0.9, "beta": 0.2}, {"alpha": "big"}, {"rounding": "c
         out["errors"].append(str(err))
 """)
     assert out["heavy"] == []
-    assert len(out["errors"]) == 3 and "gamma + beta <= 1" in out["errors"][0] and out["errors"][2].startswith("merge.breadcrumbs.rounding:")
+    assert (
+        len(out["errors"]) == 3
+        and "gamma + beta <= 1" in out["errors"][0]
+        and out["errors"][2].startswith("merge.breadcrumbs.rounding:")
+    )
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["check"], ["methods"]])
@@ -93,14 +119,17 @@ def test_check_help_version_and_methods_import_no_torch(argv, tmp_path):
     yet, which `check` writes (through mergeflow.core.files, not the torch-importing mergeflow.core.io)."""
     for name in ("params.yaml", "dvc.yaml", "dvc.lock"):
         shutil.copy(REPO / name, tmp_path / name)
-    out = fresh(f"""
+    out = fresh(
+        f"""
 from mergeflow.cli import main
 try:
     code = main({argv!r})
 except SystemExit as exit:
     code = exit.code
 out = {{"code": code}}
-""", cwd=tmp_path)
+""",
+        cwd=tmp_path,
+    )
     assert out["code"] in (0, None)
     assert out["heavy"] == [], f"mergeflow {' '.join(argv)} imported {out['heavy']}"
 
@@ -117,7 +146,10 @@ out = {}
     assert out["heavy"] == []
 
 
-@pytest.mark.skipif(__import__("mergeflow.core.devices", fromlist=["x"]).gpu_driver_present(), reason="a GPU driver here: torch is asked")
+@pytest.mark.skipif(
+    __import__("mergeflow.core.devices", fromlist=["x"]).gpu_driver_present(),
+    reason="a GPU driver here: torch is asked",
+)
 def test_mergeflow_repro_on_a_machine_without_a_gpu_driver_imports_no_torch_to_find_none():
     """`mergeflow repro` asks for the GPUs before it starts its stage servers, and the stages' threads ask how many
     GPUs the run shares: where no GPU driver is installed both answer at once, without torch (1.2 s here)."""

@@ -15,7 +15,9 @@ def test_the_committed_lock_records_the_current_code_and_params(repo_root, tiny_
     proc = run(["dvc", "status", "--json"], repo_root, tiny_env, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().startswith("{"), proc.stderr[-2000:]
     status = json.loads(proc.stdout)  # {} when every stage is up to date; a fresh clone lists its missing outputs
-    tracked = set(subprocess.run(["git", "ls-files"], cwd=repo_root, capture_output=True, text=True, check=True).stdout.split())
+    tracked = set(
+        subprocess.run(["git", "ls-files"], cwd=repo_root, capture_output=True, text=True, check=True).stdout.split()
+    )
 
     lock = yaml.safe_load((repo_root / "dvc.lock").read_text())
     outs = [o["path"] for entry in lock["stages"].values() for o in entry.get("outs", [])]
@@ -25,7 +27,9 @@ def test_the_committed_lock_records_the_current_code_and_params(repo_root, tiny_
 
     def in_git(path: str) -> bool:
         """Code or configuration: tracked by git and no stage's output (metrics/regime holds a README and outputs)."""
-        return (path in tracked or any(f.startswith(path.rstrip("/") + "/") for f in tracked)) and not any(related(path, o) for o in outs)
+        return (path in tracked or any(f.startswith(path.rstrip("/") + "/") for f in tracked)) and not any(
+            related(path, o) for o in outs
+        )
 
     stale = []
     for stage, changes in status.items():

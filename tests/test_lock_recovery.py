@@ -110,7 +110,9 @@ def test_a_whole_lock_is_not_taken_for_a_cut_one(project):
     whole = (project / "dvc.lock").read_text()
     assert lockfile.recover(project) is None
     # dvc.yaml edited since (a dep added to the last stage): the entry is the good copy's, so not cut
-    (project / "dvc.yaml").write_text((project / "dvc.yaml").read_text().replace("        - a.txt\n", "        - a.txt\n        - in.txt\n"))
+    (project / "dvc.yaml").write_text(
+        (project / "dvc.yaml").read_text().replace("        - a.txt\n", "        - a.txt\n        - in.txt\n")
+    )
     assert lockfile.cut_short(whole, project, whole) is None
     assert lockfile.recover(project) is None and (project / "dvc.lock").read_text() == whole
 
@@ -118,7 +120,9 @@ def test_a_whole_lock_is_not_taken_for_a_cut_one(project):
 def test_the_repositorys_own_lock_is_whole_and_its_cuts_are_not(repo_root):
     whole = (repo_root / "dvc.lock").read_text()
     assert lockfile.cut_short(whole, repo_root, whole) is None
-    cuts = [whole[:i] for i in random.Random(0).sample(_line_ends(whole), 10)] + [whole[:i] for i in random.Random(1).sample(range(1, len(whole)), 10)]
+    cuts = [whole[:i] for i in random.Random(0).sample(_line_ends(whole), 10)] + [
+        whole[:i] for i in random.Random(1).sample(range(1, len(whole)), 10)
+    ]
     missed = [len(t) for t in cuts if lockfile.readable(t) and lockfile.cut_short(t, repo_root, whole) is None]
     assert missed == []
 
@@ -128,8 +132,12 @@ def test_a_cut_lock_with_nothing_to_mend_it_from_is_one_line(project):
     (project / "dvc.lock").write_text(whole[: whole.index("  two@q:")] + "  two@q:\n    cmd: x\n")
     lockfile.good_copy(project).unlink(missing_ok=True)
     # no good copy: the count check needs one, but an entry with no deps' hashes is cut all the same
-    (project / "dvc.lock").write_text(whole[: whole.index("  two@q:") + whole[whole.index("  two@q:"):].index("      hash: md5")])
-    with pytest.raises(MergeflowError, match=r"dvc.lock: cut short \(stage two@q: deps entry a.txt has no hash\) and no good copy"):
+    (project / "dvc.lock").write_text(
+        whole[: whole.index("  two@q:") + whole[whole.index("  two@q:") :].index("      hash: md5")]
+    )
+    with pytest.raises(
+        MergeflowError, match=r"dvc.lock: cut short \(stage two@q: deps entry a.txt has no hash\) and no good copy"
+    ):
         lockfile.recover(project)
 
 
@@ -190,7 +198,10 @@ def test_a_lock_changed_between_commits_is_read_again(project, monkeypatch):
         commit_stage(repo, "two@p")
     text = lock.read_text()
     assert text.startswith("# kept by hand\n")
-    assert yaml.safe_load(text)["stages"]["two@p"]["deps"][0]["md5"] == yaml.safe_load(text)["stages"]["one"]["outs"][0]["md5"]
+    assert (
+        yaml.safe_load(text)["stages"]["two@p"]["deps"][0]["md5"]
+        == yaml.safe_load(text)["stages"]["one"]["outs"][0]["md5"]
+    )
 
 
 def test_libyaml_writes_what_dvcs_dumper_writes_or_leaves_it_to_dvc():
@@ -208,8 +219,26 @@ def test_libyaml_writes_what_dvcs_dumper_writes_or_leaves_it_to_dvc():
 
     accepted = [
         lockfile.parse((REPO / "dvc.lock").read_text()),
-        {"schema": "2.0", "stages": {"s@x": {"cmd": "mergeflow merge", "params": {"params.yaml": {"a.b": None, "c": [1, 2.5, True, "2.0", "a b"], "d": {}, "e": []}}}}},
-        {"outs": [{"path": "m/x.json", "hash": "md5", "md5": "0f1762dc8a0b5499597d66583e5d3076.dir", "size": 40229, "nfiles": 11}]},
+        {
+            "schema": "2.0",
+            "stages": {
+                "s@x": {
+                    "cmd": "mergeflow merge",
+                    "params": {"params.yaml": {"a.b": None, "c": [1, 2.5, True, "2.0", "a b"], "d": {}, "e": []}},
+                }
+            },
+        },
+        {
+            "outs": [
+                {
+                    "path": "m/x.json",
+                    "hash": "md5",
+                    "md5": "0f1762dc8a0b5499597d66583e5d3076.dir",
+                    "size": 40229,
+                    "nfiles": 11,
+                }
+            ]
+        },
         {"stages": {"one": collections.OrderedDict([("cmd", "python make.py one"), ("deps", [])])}},  # DVC's entries
     ]
     for data in accepted:

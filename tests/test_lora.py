@@ -17,7 +17,18 @@ from torch import nn
 
 from mergeflow.core.errors import MergeflowError
 from mergeflow.core.io import save_state_dict
-from mergeflow.ml.lora import AdapterSpec, LoraTaskVector, attach, concatenate, delta, load_adapter, merge_in, read_peft_adapter, save_adapter, split_factors
+from mergeflow.ml.lora import (
+    AdapterSpec,
+    LoraTaskVector,
+    attach,
+    concatenate,
+    delta,
+    load_adapter,
+    merge_in,
+    read_peft_adapter,
+    save_adapter,
+    split_factors,
+)
 from mergeflow.ml.merging import REGISTRY
 from mergeflow.ml.regimes import REGISTRY as REGIMES, Budget
 from mergeflow.ml.task_vectors import read_task_vector
@@ -45,7 +56,15 @@ def test_full_rank_lora_reaches_the_least_squares_solution():
     attach(net, AdapterSpec(rank=2, alpha=2.0, targets=("0",)), seed=3)  # rank 2 = min(out, in): any Delta W
     trainable = [p for p in net.parameters() if p.requires_grad]
     assert len(trainable) == 2 and not net[0].base.weight.requires_grad
-    opt = torch.optim.LBFGS(trainable, lr=1, max_iter=500, tolerance_grad=1e-14, tolerance_change=1e-16, history_size=50, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        trainable,
+        lr=1,
+        max_iter=500,
+        tolerance_grad=1e-14,
+        tolerance_change=1e-16,
+        history_size=50,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure():
         opt.zero_grad()
@@ -90,7 +109,12 @@ def _factors(rank, seed, shapes={"blocks.0.attn.qkv": (6, 4), "blocks.0.mlp.fc1"
     return out
 
 
-SPECS = {"blocks.0.attn.qkv.weight": ((6, 4), torch.float32), "blocks.0.attn.qkv.bias": ((6,), torch.float32), "blocks.0.mlp.fc1.weight": ((5, 4), torch.float32), "norm.weight": ((4,), torch.float32)}
+SPECS = {
+    "blocks.0.attn.qkv.weight": ((6, 4), torch.float32),
+    "blocks.0.attn.qkv.bias": ((6,), torch.float32),
+    "blocks.0.mlp.fc1.weight": ((5, 4), torch.float32),
+    "norm.weight": ((4,), torch.float32),
+}
 
 
 def test_factorised_task_arithmetic_equals_dense():
@@ -103,7 +127,9 @@ def test_factorised_task_arithmetic_equals_dense():
     for key in SPECS:
         expected = sum(w * tv[key] for w, tv in zip(weights, dense))
         assert torch.allclose(via_factors[key], expected, atol=1e-5), key
-    assert torch.equal(dense[0]["norm.weight"], torch.zeros(4)) and torch.equal(dense[0]["blocks.0.attn.qkv.bias"], torch.zeros(6))
+    assert torch.equal(dense[0]["norm.weight"], torch.zeros(4)) and torch.equal(
+        dense[0]["blocks.0.attn.qkv.bias"], torch.zeros(6)
+    )
 
 
 def test_factor_file_round_trip_and_peft_layout(tmp_path):
@@ -120,26 +146,45 @@ def test_factor_file_round_trip_and_peft_layout(tmp_path):
     peft = tmp_path / "peft"
     peft.mkdir()
     save_state_dict(peft / "adapter_model.safetensors", {f"base_model.model.{k}": v for k, v in factors.items()})
-    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_rslora": True}))
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_rslora": True})
+    )
     read, scale = read_peft_adapter(peft)
     assert scale == 1.0 and read.keys() == factors.keys()  # each module's scale folded into its B
-    assert torch.allclose(read["blocks.0.mlp.fc1.lora_B.weight"], factors["blocks.0.mlp.fc1.lora_B.weight"] * 8 / 2**0.5)
+    assert torch.allclose(
+        read["blocks.0.mlp.fc1.lora_B.weight"], factors["blocks.0.mlp.fc1.lora_B.weight"] * 8 / 2**0.5
+    )
     # peft's per-module patterns: fc1 at its own alpha; a rank the config does not give is refused
-    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "alpha_pattern": {"mlp.fc1": 2}}))
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "alpha_pattern": {"mlp.fc1": 2}})
+    )
     read, _ = read_peft_adapter(peft)
     assert torch.allclose(read["blocks.0.mlp.fc1.lora_B.weight"], factors["blocks.0.mlp.fc1.lora_B.weight"] * 1.0)
     assert torch.allclose(read["blocks.0.attn.qkv.lora_B.weight"], factors["blocks.0.attn.qkv.lora_B.weight"] * 4.0)
-    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "rank_pattern": {"attn.qkv": 4}}))
-    with pytest.raises(MergeflowError, match=r"'blocks.0.attn.qkv.lora_A.weight' has rank 2, adapter_config.json gives blocks.0.attn.qkv rank 4$"):
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8, "rank_pattern": {"attn.qkv": 4}})
+    )
+    with pytest.raises(
+        MergeflowError,
+        match=r"'blocks.0.attn.qkv.lora_A.weight' has rank 2, adapter_config.json gives blocks.0.attn.qkv rank 4$",
+    ):
         read_peft_adapter(peft)
-    with pytest.raises(MergeflowError, match=r"^x: factors of 'blocks.0.mlp.fc1.weight' give shape \(5, 4\) \(rank 2\), expected \(4, 5\)"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"^x: factors of 'blocks.0.mlp.fc1.weight' give shape \(5, 4\) \(rank 2\), expected \(4, 5\)",
+    ):
         LoraTaskVector(factors, 1.0, SPECS | {"blocks.0.mlp.fc1.weight": ((4, 5), torch.float32)}, source="x")
     with pytest.raises(MergeflowError, match=r"has no 'blocks.0.attn.qkv.lora_B.weight'"):
-        LoraTaskVector({k: v for k, v in factors.items() if k != "blocks.0.attn.qkv.lora_B.weight"}, 1.0, SPECS, source="x")
+        LoraTaskVector(
+            {k: v for k, v in factors.items() if k != "blocks.0.attn.qkv.lora_B.weight"}, 1.0, SPECS, source="x"
+        )
 
 
 def test_attach_names_the_layers_it_could_not_find():
-    with pytest.raises(MergeflowError, match=r"LoRA targets \['q_proj'\] match no linear layer of the backbone \(its linear layers end in: 0\)"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"LoRA targets \['q_proj'\] match no linear layer of the backbone \(its linear layers end in: 0\)",
+    ):
         attach(_linear(), AdapterSpec(rank=1, alpha=1.0, targets=("q_proj",)), seed=0)
     with pytest.raises(MergeflowError, match=r"LoRA rank 3 exceeds 0's dimensions \(2 x 3\)"):
         attach(_linear(), AdapterSpec(rank=3, alpha=1.0, targets=("0",)), seed=0)
@@ -150,9 +195,15 @@ KNOTS, TA, TIES = REGISTRY["knots"].fn, REGISTRY["task_arithmetic"].fn, REGISTRY
 
 def test_knots_ta_is_task_arithmetic():
     g = torch.Generator().manual_seed(0)
-    pretrained = {"a.weight": torch.randn(5, 7, generator=g, dtype=torch.float64), "a.bias": torch.randn(5, generator=g, dtype=torch.float64)}
+    pretrained = {
+        "a.weight": torch.randn(5, 7, generator=g, dtype=torch.float64),
+        "a.bias": torch.randn(5, generator=g, dtype=torch.float64),
+    }
     tvs = {t: {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in pretrained.items()} for t in "xyz"}
-    out, ref = KNOTS(pretrained, tvs, base="ta", k=0.2, trim_scope="global", rounding="ties_original", lam=0.3), TA(pretrained, tvs, lam=0.3)
+    out, ref = (
+        KNOTS(pretrained, tvs, base="ta", k=0.2, trim_scope="global", rounding="ties_original", lam=0.3),
+        TA(pretrained, tvs, lam=0.3),
+    )
     assert all(torch.allclose(out[k], ref[k], atol=1e-12) for k in pretrained)
 
 
@@ -168,7 +219,12 @@ def test_knots_ties_by_hand():
     expected = torch.tensor([[1.2, -1.8, 0.0], [1.6, -2.4, 0.0]], dtype=torch.float64)
     assert torch.allclose(KNOTS(pretrained, tvs, base="ties", **kw)["w.weight"], expected, atol=1e-12)
     # tensors no task changed (a LoRA task vector's zeros) are merged apart: they do not widen the coefficients' trim
-    padded = KNOTS(pretrained | {"b.bias": torch.zeros(30, dtype=torch.float64)}, {t: tv | {"b.bias": torch.zeros(30, dtype=torch.float64)} for t, tv in tvs.items()}, base="ties", **kw)
+    padded = KNOTS(
+        pretrained | {"b.bias": torch.zeros(30, dtype=torch.float64)},
+        {t: tv | {"b.bias": torch.zeros(30, dtype=torch.float64)} for t, tv in tvs.items()},
+        base="ties",
+        **kw,
+    )
     assert torch.allclose(padded["w.weight"], expected, atol=1e-12) and not padded["b.bias"].any()
     # TIES on the dense entries (2 of 6 each) keeps tau_x's 1.6 and -1.52, tau_y's -2.4 and -1.8: another merge
     dense = TIES(pretrained, tvs, **kw)["w.weight"]
@@ -180,7 +236,11 @@ def test_the_trainer_trains_only_the_adapters():
     state, _ = trainer(ADAMW)("digits", dict(THETA0), Budget(adapter=spec), None)
     weights, factors = split_factors(state)
     assert weights.keys() == THETA0.keys()
-    assert sorted(factors) == sorted(f"blocks.0.{m}.{f}.weight" for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2") for f in ("lora_A", "lora_B"))
+    assert sorted(factors) == sorted(
+        f"blocks.0.{m}.{f}.weight"
+        for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+        for f in ("lora_A", "lora_B")
+    )
     for key, value in weights.items():
         module = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and f"{module}.lora_A.weight" in factors:
@@ -209,13 +269,34 @@ def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
     folder = tmp_path / "count_adapter"
     folder.mkdir()
     save_state_dict(folder / "adapter_model.safetensors", {f"base_model.model.{k}": v for k, v in factors.items()})
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["qkv", "proj", "fc1", "fc2"]}))
-    imported = read_checkpoint(folder / "adapter_model.safetensors", reference=THETA0, source="finetune.checkpoints.count")
-    assert imported.keys() == weights.keys() and all(torch.allclose(imported[k], weights[k], atol=1e-6) for k in weights)
-    params = parse_params({"suite": {"tasks": ["digits", "count"]}, "merge": {"methods": ["task_arithmetic"]}, "finetune": {"checkpoints": {"count": "count_adapter/adapter_model.safetensors"}}})
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["qkv", "proj", "fc1", "fc2"]})
+    )
+    imported = read_checkpoint(
+        folder / "adapter_model.safetensors", reference=THETA0, source="finetune.checkpoints.count"
+    )
+    assert imported.keys() == weights.keys() and all(
+        torch.allclose(imported[k], weights[k], atol=1e-6) for k in weights
+    )
+    params = parse_params(
+        {
+            "suite": {"tasks": ["digits", "count"]},
+            "merge": {"methods": ["task_arithmetic"]},
+            "finetune": {"checkpoints": {"count": "count_adapter/adapter_model.safetensors"}},
+        }
+    )
     check_checkpoint_headers(params, tmp_path, "params.yaml")  # not an image tower, and not refused as one
-    save_state_dict(folder / "adapter_model.safetensors", {"base_model.model.blocks.0.attn.q_proj.lora_A.weight": torch.zeros(2, 32), "base_model.model.blocks.0.attn.q_proj.lora_B.weight": torch.zeros(32, 2)})
-    with pytest.raises(MergeflowError, match=r"^finetune.checkpoints.count: adapts 'blocks.0.attn.q_proj.weight', which the model does not have$"):
+    save_state_dict(
+        folder / "adapter_model.safetensors",
+        {
+            "base_model.model.blocks.0.attn.q_proj.lora_A.weight": torch.zeros(2, 32),
+            "base_model.model.blocks.0.attn.q_proj.lora_B.weight": torch.zeros(32, 2),
+        },
+    )
+    with pytest.raises(
+        MergeflowError,
+        match=r"^finetune.checkpoints.count: adapts 'blocks.0.attn.q_proj.weight', which the model does not have$",
+    ):
         read_checkpoint(folder / "adapter_model.safetensors", reference=THETA0, source="finetune.checkpoints.count")
 
 
@@ -224,14 +305,50 @@ def test_a_peft_adapter_imports_as_a_fine_tune(tmp_path):
     [
         ('{"r": 2, "lora_alpha": NaN}', None, r"adapter_config.json: lora_alpha: expected a finite number, got nan$"),
         ('{"r": 0, "lora_alpha": 4}', None, r"adapter_config.json: r: expected a whole number from 1, got 0$"),
-        ('{"r": 2, "lora_alpha": 4, "rank_pattern": {"qkv": "x"}}', None, r"adapter_config.json: rank_pattern.qkv: expected a whole number from 1, got x$"),
-        ('{"r": 2, "lora_alpha": 4, "use_dora": true}', None, r"adapter_config.json: use_dora: a DoRA adapter's magnitude vectors are not read \(only LoRA\)$"),
+        (
+            '{"r": 2, "lora_alpha": 4, "rank_pattern": {"qkv": "x"}}',
+            None,
+            r"adapter_config.json: rank_pattern.qkv: expected a whole number from 1, got x$",
+        ),
+        (
+            '{"r": 2, "lora_alpha": 4, "use_dora": true}',
+            None,
+            r"adapter_config.json: use_dora: a DoRA adapter's magnitude vectors are not read \(only LoRA\)$",
+        ),
         ("[" * 100_000 + "]" * 100_000, None, r"adapter_config.json: not JSON \(RecursionError: "),
-        ('{"r": 2, "lora_alpha": 4, "x": "' + "a" * (1 << 20) + '"}', None, r"adapter_config.json: 1,048,\d+ bytes, more than an adapter configuration holds"),
-        ('{"r": 40, "lora_alpha": 4}', {"blocks.0.attn.qkv.lora_A.weight": torch.zeros(40, 32), "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 40)}, r"^count: factors of 'blocks.0.attn.qkv.weight' have rank 40, expected 1 to 32 \(the weight's smaller side\)$"),
-        ('{"r": 2, "lora_alpha": 4}', {"blocks.0.attn.qkv.lora_A.weight": torch.zeros(2, 32), "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 3)}, r"^count: factors of 'blocks.0.attn.qkv.weight' disagree on the rank: A has 2 rows, B 3 columns$"),
+        (
+            '{"r": 2, "lora_alpha": 4, "x": "' + "a" * (1 << 20) + '"}',
+            None,
+            r"adapter_config.json: 1,048,\d+ bytes, more than an adapter configuration holds",
+        ),
+        (
+            '{"r": 40, "lora_alpha": 4}',
+            {
+                "blocks.0.attn.qkv.lora_A.weight": torch.zeros(40, 32),
+                "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 40),
+            },
+            r"^count: factors of 'blocks.0.attn.qkv.weight' have rank "
+            r"40, expected 1 to 32 \(the weight's smaller side\)$",
+        ),
+        (
+            '{"r": 2, "lora_alpha": 4}',
+            {
+                "blocks.0.attn.qkv.lora_A.weight": torch.zeros(2, 32),
+                "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 3),
+            },
+            r"^count: factors of 'blocks.0.attn.qkv.weight' disagree on the rank: A has 2 rows, B 3 columns$",
+        ),
     ],
-    ids=["alpha NaN", "rank 0", "pattern not a number", "DoRA", "nested 100k deep", "a megabyte", "rank above the weight", "A and B ranks"],
+    ids=[
+        "alpha NaN",
+        "rank 0",
+        "pattern not a number",
+        "DoRA",
+        "nested 100k deep",
+        "a megabyte",
+        "rank above the weight",
+        "A and B ranks",
+    ],
 )
 def test_a_hostile_peft_adapter_is_one_line(tmp_path, config, factors, message):
     """What a downloaded adapter folder may hold that would crash the reader, hang it, or give a model of NaNs."""
@@ -239,7 +356,10 @@ def test_a_hostile_peft_adapter_is_one_line(tmp_path, config, factors, message):
 
     folder = tmp_path / "adapter"
     folder.mkdir()
-    factors = factors or {"blocks.0.attn.qkv.lora_A.weight": torch.zeros(2, 32), "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 2)}
+    factors = factors or {
+        "blocks.0.attn.qkv.lora_A.weight": torch.zeros(2, 32),
+        "blocks.0.attn.qkv.lora_B.weight": torch.zeros(96, 2),
+    }
     save_state_dict(folder / "adapter_model.safetensors", {f"base_model.model.{k}": v for k, v in factors.items()})
     (folder / "adapter_config.json").write_text(config)
     with pytest.raises(MergeflowError, match=message):
@@ -250,7 +370,10 @@ def test_a_float64_lora_task_vector_stays_float64():
     factors = {k: v.double() for k, v in _factors(2, 0).items()}
     specs = SPECS | {"norm.weight": ((4,), torch.float64)}
     tv = LoraTaskVector(factors, 0.5, specs, source="x")
-    assert tv["blocks.0.attn.qkv.weight"].dtype == torch.float64 and tv.specs()["blocks.0.attn.qkv.weight"][1] == torch.float64
+    assert (
+        tv["blocks.0.attn.qkv.weight"].dtype == torch.float64
+        and tv.specs()["blocks.0.attn.qkv.weight"][1] == torch.float64
+    )
     assert tv["norm.weight"].dtype == torch.float64 and tv["blocks.0.attn.qkv.bias"].dtype == torch.float32
     a, b = factors["blocks.0.attn.qkv.lora_A.weight"], factors["blocks.0.attn.qkv.lora_B.weight"]
     assert torch.equal(tv["blocks.0.attn.qkv.weight"], 0.5 * (b @ a))

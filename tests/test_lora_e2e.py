@@ -22,9 +22,15 @@ TASKS = TINY["suite"]["tasks"]
 @pytest.mark.e2e
 def test_lora_regime_merges_and_study(tiny_reference, tiny_env, tmp_path):
     root = copy_project(tiny_reference[0], tmp_path / "lora")
-    apply_overrides(root / "params.yaml", [
-        "regimes.run=[one_epoch,mima,lora]", "regimes.lora.ranks=[1,2]", "regimes.methods.lora=[task_arithmetic,ties,knots]", "studies.run=[lora]",
-    ])
+    apply_overrides(
+        root / "params.yaml",
+        [
+            "regimes.run=[one_epoch,mima,lora]",
+            "regimes.lora.ranks=[1,2]",
+            "regimes.methods.lora=[task_arithmetic,ties,knots]",
+            "studies.run=[lora]",
+        ],
+    )
     run("git commit -qam lora", root, tiny_env)
     run("mergeflow repro", root, tiny_env)
 
@@ -56,23 +62,40 @@ def test_lora_regime_merges_and_study(tiny_reference, tiny_env, tmp_path):
 
 def test_alignment_of_shared_and_orthogonal_subspaces():
     u = torch.eye(4, dtype=torch.float64)
-    same = {"a": {"w": torch.outer(u[0], torch.ones(3, dtype=torch.float64))}, "b": {"w": 2 * torch.outer(u[0], torch.arange(3.0, dtype=torch.float64))}}
+    same = {
+        "a": {"w": torch.outer(u[0], torch.ones(3, dtype=torch.float64))},
+        "b": {"w": 2 * torch.outer(u[0], torch.arange(3.0, dtype=torch.float64))},
+    }
     assert _alignments(same, ["w"], 1)[0] == pytest.approx(1.0)
-    apart = {"a": {"w": torch.outer(u[0], torch.ones(3, dtype=torch.float64))}, "b": {"w": torch.outer(u[1], torch.ones(3, dtype=torch.float64))}}
+    apart = {
+        "a": {"w": torch.outer(u[0], torch.ones(3, dtype=torch.float64))},
+        "b": {"w": torch.outer(u[1], torch.ones(3, dtype=torch.float64))},
+    }
     assert _alignments(apart, ["w"], 1)[0] == pytest.approx(0.0)
-    # rank 2 against rank 2 sharing one of two directions: |U_a^T U_b|_F^2 / 2 = 1/2; the energy in the top 2 is all of it
-    a = torch.outer(u[0], torch.tensor([1.0, 0, 0], dtype=torch.float64)) + torch.outer(u[1], torch.tensor([0, 1.0, 0], dtype=torch.float64))
-    b = torch.outer(u[0], torch.tensor([1.0, 0, 0], dtype=torch.float64)) + torch.outer(u[2], torch.tensor([0, 0, 1.0], dtype=torch.float64))
+    # rank 2 against rank 2 sharing one of two directions: |U_a^T
+    # U_b|_F^2 / 2 = 1/2; the energy in the top 2 is all of it
+    a = torch.outer(u[0], torch.tensor([1.0, 0, 0], dtype=torch.float64)) + torch.outer(
+        u[1], torch.tensor([0, 1.0, 0], dtype=torch.float64)
+    )
+    b = torch.outer(u[0], torch.tensor([1.0, 0, 0], dtype=torch.float64)) + torch.outer(
+        u[2], torch.tensor([0, 0, 1.0], dtype=torch.float64)
+    )
     assert _alignments({"a": {"w": a}, "b": {"w": b}}, ["w"], 2) == (pytest.approx(0.5), pytest.approx(1.0))
 
 
 def test_claims_follow_the_numbers():
     s = LoraSettings()
-    p4 = Point(4, alignment=0.10, full_alignment=0.30, normalized={"task_arithmetic": 70.0, "ties": 72.0, "knots": 75.0})
-    p16 = Point(16, alignment=0.20, full_alignment=0.25, normalized={"task_arithmetic": 74.0, "ties": 73.0, "knots": 73.5})
+    p4 = Point(
+        4, alignment=0.10, full_alignment=0.30, normalized={"task_arithmetic": 70.0, "ties": 72.0, "knots": 75.0}
+    )
+    p16 = Point(
+        16, alignment=0.20, full_alignment=0.25, normalized={"task_arithmetic": 74.0, "ties": 73.0, "knots": 73.5}
+    )
     full = Point(None, normalized={"task_arithmetic": 80.0, "ties": 81.0})
     assert claim_alignment([p4, p16], s).holds is True
-    assert claim_alignment([p4, p16], LoraSettings(alignment_margin=0.1)).holds is False  # r = 16: 0.20 is not below 0.25 - 0.1
+    assert (
+        claim_alignment([p4, p16], LoraSettings(alignment_margin=0.1)).holds is False
+    )  # r = 16: 0.20 is not below 0.25 - 0.1
     assert claim_knots([p4], s).holds is True and claim_knots([p4, p16], s).holds is False  # r = 16: 73.5 < 74.0
     assert claim_loss([p4, p16], full, s).holds is True
     assert claim_loss([p4, p16], Point(None, normalized={"task_arithmetic": 73.0, "ties": 81.0}), s).holds is False

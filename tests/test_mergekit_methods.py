@@ -18,7 +18,11 @@ def close(a, b, atol=1e-6):
 
 def _random(tasks=3, seed=0):
     g = torch.Generator().manual_seed(seed)
-    theta0 = {"blocks.0.w": torch.randn(6, 5, generator=g), "blocks.1.w": torch.randn(6, 5, generator=g), "norm.bias": torch.randn(5, generator=g)}
+    theta0 = {
+        "blocks.0.w": torch.randn(6, 5, generator=g),
+        "blocks.1.w": torch.randn(6, 5, generator=g),
+        "norm.bias": torch.randn(5, generator=g),
+    }
     tvs = {f"t{i}": {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(tasks)}
     return theta0, tvs
 
@@ -36,7 +40,9 @@ def test_della_ranks_along_dim_1_as_mergekit_does_when_asked():
     # each column's three entries rank together. keep = 0.7 - 0.1 + 0.2 r (p 0.3, epsilon 0.2), by hand
     tau = T([[[0.1, 0.9], [0.3, 0.2], [0.2, 0.5]]])
     assert close(keep_probabilities(tau, p=0.3, epsilon=0.2), T([[[0.6, 0.8], [0.8, 0.6], [0.6, 0.8]]]))
-    assert close(keep_probabilities(tau, p=0.3, epsilon=0.2, rank_axis="dim1"), T([[[0.6, 0.8], [0.8, 0.6], [0.7, 0.7]]]))
+    assert close(
+        keep_probabilities(tau, p=0.3, epsilon=0.2, rank_axis="dim1"), T([[[0.6, 0.8], [0.8, 0.6], [0.7, 0.7]]])
+    )
     matrix = T([[0.1, -0.4, 0.2], [0.3, 0.1, 0.2]])  # on a matrix the two agree
     assert close(keep_probabilities(matrix, 0.3, 0.2, "dim1"), keep_probabilities(matrix, 0.3, 0.2))
 
@@ -173,7 +179,12 @@ def test_nearswap_by_hand_and_as_mergekit_for_one_model():
 
 # ------------------------------------------------------------------ LiNeS
 def test_lines_scales_each_block_by_its_depth_by_hand():
-    theta0 = {"blocks.0.w": torch.zeros(2), "blocks.2.w": torch.zeros(2), "blocks.1.w": torch.zeros(2), "norm.w": torch.zeros(2)}
+    theta0 = {
+        "blocks.0.w": torch.zeros(2),
+        "blocks.2.w": torch.zeros(2),
+        "blocks.1.w": torch.zeros(2),
+        "norm.w": torch.zeros(2),
+    }
     ones = {k: torch.ones(2) for k in theta0}
     tvs = {"a": ones, "b": {k: 3 * torch.ones(2) for k in theta0}}
     # base task arithmetic: tau_MTL = sum = 4, alpha = 1 / T = 0.5; depths 0, 1, 0.5 and none (alpha)
@@ -196,7 +207,18 @@ def test_lines_alpha_gives_tau_mtl_the_mean_task_vectors_l1_norm():
     assert all(close(wa[k], lines[k], 1e-5) for k in theta0)
 
 
-@pytest.mark.parametrize("name, hp", [("della", {"p": 0.0, "epsilon": 0.0}), ("della_linear", {"p": 0.0, "epsilon": 0.0, "lam": 0.5}), ("breadcrumbs_ties", {"gamma": 0.0, "beta": 1.0, "fuse": "mean", "lam": 1.0}), ("sce", {}), ("nuslerp", {}), ("nearswap", {"t": 1.0}), ("lines", {"beta": 0.0})])
+@pytest.mark.parametrize(
+    "name, hp",
+    [
+        ("della", {"p": 0.0, "epsilon": 0.0}),
+        ("della_linear", {"p": 0.0, "epsilon": 0.0, "lam": 0.5}),
+        ("breadcrumbs_ties", {"gamma": 0.0, "beta": 1.0, "fuse": "mean", "lam": 1.0}),
+        ("sce", {}),
+        ("nuslerp", {}),
+        ("nearswap", {"t": 1.0}),
+        ("lines", {"beta": 0.0}),
+    ],
+)
 def test_float64_merges_of_copies_stay_float64_and_exact(name, hp):
     theta0, tvs = _random(tasks=2)
     theta0 = {k: v.double() for k, v in theta0.items()}
@@ -204,7 +226,10 @@ def test_float64_merges_of_copies_stay_float64_and_exact(name, hp):
     copies = {"a": tau, "b": tau}
     scale = 2 * hp.get("lam", 1.0) if name == "della_linear" else (hp.get("lam", 1.1) if name == "della" else 1.0)
     merged = REGISTRY[name](theta0, copies, **hp)
-    assert all(merged[k].dtype == torch.float64 and torch.allclose(merged[k], theta0[k] + scale * tau[k], rtol=0, atol=1e-12) for k in theta0)
+    assert all(
+        merged[k].dtype == torch.float64 and torch.allclose(merged[k], theta0[k] + scale * tau[k], rtol=0, atol=1e-12)
+        for k in theta0
+    )
 
 
 # ------------------------------------------------------------------ WUDI
@@ -212,14 +237,18 @@ def test_wudi_gradient_is_fusionbench_autograd_and_exact_solves_the_normal_equat
     from mergeflow.ml.merging.wudi import interference, normal_equations, solve_exact
 
     g = torch.Generator().manual_seed(4)
-    taus = torch.randn(3, 5, 2, generator=g, dtype=torch.float64) @ torch.randn(3, 2, 6, generator=g, dtype=torch.float64)  # rank 2 each
+    taus = torch.randn(3, 5, 2, generator=g, dtype=torch.float64) @ torch.randn(
+        3, 2, 6, generator=g, dtype=torch.float64
+    )  # rank 2 each
     merged = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
     interference(merged, taus).backward()  # FusionBench's loss, by autograd
     s, b = normal_equations(taus)
     assert torch.allclose(merged.grad, 2 * (merged.detach() @ s - b), atol=1e-10)
     # S has rank 6 = in here (three rank-2 vectors): the unique minimiser, where the gradient vanishes
     exact = solve_exact(taus)
-    assert torch.allclose(exact @ s, b, atol=1e-10) and float(interference(exact, taus)) < float(interference(taus.sum(0), taus))
+    assert torch.allclose(exact @ s, b, atol=1e-10) and float(interference(exact, taus)) < float(
+        interference(taus.sum(0), taus)
+    )
 
 
 def test_wudi_keeps_the_start_outside_the_task_vectors_row_space_and_adam_descends():
@@ -227,7 +256,9 @@ def test_wudi_keeps_the_start_outside_the_task_vectors_row_space_and_adam_descen
 
     g = torch.Generator().manual_seed(5)
     taus = torch.zeros(2, 4, 3, dtype=torch.float64)
-    taus[:, :, :2] = torch.randn(2, 4, 2, generator=g, dtype=torch.float64)  # rows in span(e1, e2): e3 is S's null space
+    taus[:, :, :2] = torch.randn(
+        2, 4, 2, generator=g, dtype=torch.float64
+    )  # rows in span(e1, e2): e3 is S's null space
     exact = solve_exact(taus)
     s, b = normal_equations(taus)
     assert torch.allclose(exact[:, 2], taus.sum(0)[:, 2]) and torch.allclose(exact @ s, b, atol=1e-10)
@@ -250,14 +281,19 @@ def test_doge_gradient_is_fusionbench_autograd_and_descends():
     lambdas = torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64)
     delta = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
     conflict(delta, taus, lambdas).backward()
-    one_step = correction(taus, lambdas, torch.zeros(5, 0, dtype=torch.float64), steps=1, lr=1e-3)  # Adam's first step: -lr sign(g)
+    one_step = correction(
+        taus, lambdas, torch.zeros(5, 0, dtype=torch.float64), steps=1, lr=1e-3
+    )  # Adam's first step: -lr sign(g)
     merged = (lambdas[:, None, None] * taus).sum(0)
     grad0 = -2 * lambdas.sum() * (((taus * taus).sum(-1) - (taus * merged).sum(-1))[:, :, None] * taus).sum(0)
     assert torch.allclose(one_step, -1e-3 * torch.sign(grad0), atol=1e-9)
     zero = torch.zeros(5, 4, dtype=torch.float64, requires_grad=True)
     conflict(zero, taus, lambdas).backward()
     assert torch.allclose(zero.grad, grad0, atol=1e-10)  # the closed form is FusionBench's loss differentiated
-    losses = [float(conflict(correction(taus, lambdas, torch.zeros(5, 0, dtype=torch.float64), steps, 1e-2), taus, lambdas)) for steps in (0, 20, 200)]
+    losses = [
+        float(conflict(correction(taus, lambdas, torch.zeros(5, 0, dtype=torch.float64), steps, 1e-2), taus, lambdas))
+        for steps in (0, 20, 200)
+    ]
     assert losses[0] > losses[1] > losses[2]
 
 
@@ -273,7 +309,8 @@ def test_doge_shared_basis_by_hand():
 
 
 def test_doge_without_steps_is_masked_norm_scaled_task_arithmetic_by_hand():
-    # one task, two matrices: |tau| over both = [4, .5, 2, .1, 3, 1, .2, .3]; k = 0.4 keeps int(3.2) + 1 = 4 (|tau| >= 1)
+    # one task, two matrices: |tau| over both = [4, .5, 2, .1,
+    # 3, 1, .2, .3]; k = 0.4 keeps int(3.2) + 1 = 4 (|tau| >= 1)
     theta0 = {"a.weight": torch.zeros(2, 2), "b.weight": torch.zeros(2, 2), "bias": torch.ones(2)}
     tv = {"a.weight": T([[4.0, -0.5], [2.0, 0.1]]), "b.weight": T([[-3.0, 1.0], [0.2, 0.3]]), "bias": T([5.0, 5.0])}
     merged = REGISTRY["doge_ta"](theta0, {"t": tv}, lam=0.7, k=0.4, steps=0)
@@ -282,8 +319,16 @@ def test_doge_without_steps_is_masked_norm_scaled_task_arithmetic_by_hand():
     assert close(merged["b.weight"], 0.7 / norm_b * T([[-3.0, 1.0], [0.0, 0.0]]))
     assert torch.equal(merged["bias"], theta0["bias"])  # not a matrix: theta0's, as FusionBench's
     # timm's head (CLIP's projection) is not the encoder's: theta0's, and outside the cut
-    with_head = REGISTRY["doge_ta"]({**theta0, "head.weight": torch.zeros(2, 2)}, {"t": {**tv, "head.weight": T([[9.0, 8.0], [7.0, 6.0]])}}, lam=0.7, k=0.4, steps=0)
-    assert torch.equal(with_head["head.weight"], torch.zeros(2, 2)) and torch.equal(with_head["a.weight"], merged["a.weight"])
+    with_head = REGISTRY["doge_ta"](
+        {**theta0, "head.weight": torch.zeros(2, 2)},
+        {"t": {**tv, "head.weight": T([[9.0, 8.0], [7.0, 6.0]])}},
+        lam=0.7,
+        k=0.4,
+        steps=0,
+    )
+    assert torch.equal(with_head["head.weight"], torch.zeros(2, 2)) and torch.equal(
+        with_head["a.weight"], merged["a.weight"]
+    )
 
 
 @pytest.mark.parametrize("name", ["slerp", "nuslerp"])

@@ -48,7 +48,8 @@ def test_ties_disjoint_mean_averages_only_agreeing_entries():
 
 
 def test_ties_global_trim_differs_from_per_tensor():
-    # one task, k = 0.5 of 4 entries (floor: 2): globally the two largest are both in 'a'; per tensor each keeps its largest
+    # one task, k = 0.5 of 4 entries (floor: 2): globally the two
+    # largest are both in 'a'; per tensor each keeps its largest
     theta0 = {"a": torch.zeros(2), "b": torch.zeros(2)}
     tvs = {"t": {"a": T([10.0, 9.0]), "b": T([1.0, 2.0])}}
     glob = REGISTRY["ties"](theta0, tvs, k=0.5, trim_scope="global", rounding="floor", lam=1.0)
@@ -60,7 +61,11 @@ def test_ties_global_trim_differs_from_per_tensor():
 # ------------------------------------------------------------------ identities from the papers
 def _random_models(T_=4, seed=0):
     g = torch.Generator().manual_seed(seed)
-    theta0 = {"blocks.0.attn.qkv.weight": torch.randn(12, 4, generator=g), "blocks.0.norm1.bias": torch.randn(4, generator=g), "pos_embed": torch.randn(1, 3, 4, generator=g)}
+    theta0 = {
+        "blocks.0.attn.qkv.weight": torch.randn(12, 4, generator=g),
+        "blocks.0.norm1.bias": torch.randn(4, generator=g),
+        "pos_embed": torch.randn(1, 3, 4, generator=g),
+    }
     tvs = {f"t{i}": {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(T_)}
     return theta0, tvs
 
@@ -122,13 +127,23 @@ IDENTITY_SETTINGS = {
     "wudi": {"solver": "exact"},
     "knots": {"k": 1.0, "lam": 1.0},  # copies share one basis and one set of coefficients: their disjoint mean
     "adarank": {},  # copies: the centred directions are zero, theta_avg is the model
-    "fw_merging": {"init": "base", "steps": 1, "step_size": 1.0, "scaling": 1.0, "examples": 8},  # gamma = 1 onto a copy
+    "fw_merging": {
+        "init": "base",
+        "steps": 1,
+        "step_size": 1.0,
+        "scaling": 1.0,
+        "examples": 8,
+    },  # gamma = 1 onto a copy
     "svc": {"base": "weight_averaging"},  # copies: s = 1 everywhere, gamma = 1, their average
     "surgery": None,
-    "wemoe": None,  # not a state dict of the backbone: tests/test_wemoe.py (constant routing is task arithmetic)  # its base runs at its own defaults (AdaMerging's lambda 0.3, not 1/T)
+    # not a state dict of the backbone: tests/test_wemoe.py (constant routing is task arithmetic)
+    # its base runs at its own defaults (AdaMerging's lambda 0.3, not 1/T)
+    "wemoe": None,
     "regmean_plusplus": {},  # copies: every task's weights are the model's, and so is their regression mean
     "pcb": None,  # its min-max weights drop each task's weakest entry even at ratio 1 (the authors' scaling)
-    "doge_ta": None,  # each task's layer scaled to norm lam, and theta0 outside the matrices  # tau is its own least-interference point (Adam's 300 small steps stop short of it)
+    # each task's layer scaled to norm lam, and theta0 outside the matrices
+    # tau is its own least-interference point (Adam's 300 small steps stop short of it)
+    "doge_ta": None,
 }
 PAIRS_ONLY = {"slerp", "nuslerp"}
 
@@ -199,9 +214,13 @@ def _toy_data(tasks):
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(12, 3) for t in tasks}
     inputs = {t: torch.randn(32, 3, 4, generator=g) for t in tasks}
-    objective = EntropyObjective(_ToyBackbone(), heads, {"test": inputs, "val": inputs, "train": inputs}, torch.device("cpu"))
+    objective = EntropyObjective(
+        _ToyBackbone(), heads, {"test": inputs, "val": inputs, "train": inputs}, torch.device("cpu")
+    )
     labels = {t: torch.randint(0, 3, (32,), generator=g) for t in tasks}
-    return MergeData(statistics=stats, objective=objective, backbone=_ToyBackbone(), train_inputs=inputs, train_labels=labels)
+    return MergeData(
+        statistics=stats, objective=objective, backbone=_ToyBackbone(), train_inputs=inputs, train_labels=labels
+    )
 
 
 def models_of(name, theta0, tvs, **hp):
@@ -251,7 +270,11 @@ def test_every_method_merging_copies_of_one_model_returns_it(name):
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_method_declares_a_paper_and_a_valid_grid(name):
     method = REGISTRY[name]
-    assert method.paper and method.fn.__module__.startswith("mergeflow.ml.merging.") and method.fn.__module__ != "mergeflow.ml.merging"
+    assert (
+        method.paper
+        and method.fn.__module__.startswith("mergeflow.ml.merging.")
+        and method.fn.__module__ != "mergeflow.ml.merging"
+    )
     assert (method.fn.__doc__ or __import__(method.fn.__module__, fromlist=["x"]).__doc__).strip()
     assert set(method.grid) <= set(method.defaults)
     validate_overrides(method, {k: list(v) for k, v in method.grid.items()}, where=f"merge.{name}")
@@ -269,7 +292,9 @@ def _params(merge: dict) -> dict:
 
 
 def test_unknown_hyperparameter_is_one_line_naming_the_key():
-    with pytest.raises(MergeflowError, match=r"merge\.ties\.kk: unknown hyperparameter \(allowed: k, trim_scope, rounding, lam\)"):
+    with pytest.raises(
+        MergeflowError, match=r"merge\.ties\.kk: unknown hyperparameter \(allowed: k, trim_scope, rounding, lam\)"
+    ):
         parse_params(_params({"methods": ["ties"], "ties": {"kk": 0.1}}))
 
 
@@ -279,9 +304,15 @@ def test_wrong_hyperparameter_type_names_the_key():
 
 
 def test_unknown_method_names_the_closest_registered_ones():
-    with pytest.raises(MergeflowError, match=r"^params.yaml: merge.methods: unknown merge method 'soup' \(`mergeflow methods` lists all \d+\)$"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"^params.yaml: merge.methods: unknown merge method 'soup' \(`mergeflow methods` lists all \d+\)$",
+    ):
         parse_params(_params({"methods": ["soup"]}))
-    with pytest.raises(MergeflowError, match=r"^params.yaml: merge.tie: unknown merge method 'tie' \(did you mean ties\? `mergeflow methods`"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"^params.yaml: merge.tie: unknown merge method 'tie' \(did you mean ties\? `mergeflow methods`",
+    ):
         parse_params(_params({"methods": ["ties"], "tie": {"k": 0.1}}))
 
 
@@ -344,13 +375,21 @@ def test_search_picks_the_best_validation_point_and_per_task_choices():
 
     theta0 = {"w": torch.zeros(4)}
     tvs = {"a": {"w": torch.ones(4)}, "b": {"w": torch.ones(4)}}
-    best, merged, curve, _ = search(REGISTRY["task_arithmetic"], {"lam": [0.1, 0.25, 0.5]}, theta0, tvs, FakeEvaluator({"a": 0.5, "b": 0.5}))
+    best, merged, curve, _ = search(
+        REGISTRY["task_arithmetic"], {"lam": [0.1, 0.25, 0.5]}, theta0, tvs, FakeEvaluator({"a": 0.5, "b": 0.5})
+    )
     assert best["hyperparameters"]["lam"] == 0.25 and torch.allclose(merged["w"], torch.full((4,), 0.5))
     assert [r["hyperparameters"]["lam"] for r in curve] == [0.1, 0.25, 0.5]
 
     # consensus: lambda_t is chosen per task, alpha then on the average
     tvs = {"a": {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])}, "b": {"w": torch.tensor([1.0, 1.0, 0.0, 0.0])}}
-    best, _, curve, per_task = search(REGISTRY["consensus_ta"], {"tall_lambda": [0.2, 2.0], "alpha": [0.5, 1.0]}, theta0, tvs, FakeEvaluator({"a": 0.0, "b": 1.0}))
+    best, _, curve, per_task = search(
+        REGISTRY["consensus_ta"],
+        {"tall_lambda": [0.2, 2.0], "alpha": [0.5, 1.0]},
+        theta0,
+        tvs,
+        FakeEvaluator({"a": 0.0, "b": 1.0}),
+    )
     assert set(per_task["chosen"]["tall_lambda"]) == {"a", "b"} and len(curve) == 2
     assert "tall_lambda" not in best["hyperparameters"]
 
@@ -388,7 +427,10 @@ def test_radix_topk_threshold_matches_sorting(n, k):
 def test_element_wise_merges_do_not_depend_on_the_thread_count(name):
     # the kernels split entries over threads; each entry is computed alone, in task order
     g = torch.Generator().manual_seed(3)
-    theta0 = {"blocks.0.mlp.fc1.weight": torch.randn(64, 300, generator=g), "blocks.0.norm1.bias": torch.randn(300, generator=g)}
+    theta0 = {
+        "blocks.0.mlp.fc1.weight": torch.randn(64, 300, generator=g),
+        "blocks.0.norm1.bias": torch.randn(300, generator=g),
+    }
     tvs = {f"t{i}": {k: torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(5)}
     merged = {}
     for threads in (1, 2):
@@ -404,7 +446,9 @@ def test_read_stacks_holds_theta0_then_each_task_per_key_in_one_reused_buffer():
     tvs = {t: {k: v + 10 * (i + 1) for k, v in theta0.items()} for i, t in enumerate(["a", "b"])}
     seen = []
     for key, stack in read_stacks(theta0, tvs):
-        assert torch.equal(stack, torch.stack([theta0[key].reshape(-1), tvs["a"][key].reshape(-1), tvs["b"][key].reshape(-1)]))
+        assert torch.equal(
+            stack, torch.stack([theta0[key].reshape(-1), tvs["a"][key].reshape(-1), tvs["b"][key].reshape(-1)])
+        )
         seen.append((key, stack.untyped_storage().data_ptr()))
     assert [k for k, _ in seen] == ["big", "small"] and seen[0][1] == seen[1][1]
 

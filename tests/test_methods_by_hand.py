@@ -22,7 +22,10 @@ def close(a, b, atol=1e-5):
 
 def _models(n_tasks=3, seed=0, shape=(6, 5)):
     g = torch.Generator().manual_seed(seed)
-    theta0 = {"blocks.0.mlp.fc1.weight": torch.randn(*shape, generator=g), "blocks.0.norm1.bias": torch.randn(shape[1], generator=g)}
+    theta0 = {
+        "blocks.0.mlp.fc1.weight": torch.randn(*shape, generator=g),
+        "blocks.0.norm1.bias": torch.randn(shape[1], generator=g),
+    }
     tvs = {f"t{i}": {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for i in range(n_tasks)}
     return theta0, tvs
 
@@ -32,13 +35,17 @@ M = "blocks.0.mlp.fc1.weight"
 
 # ------------------------------------------------------------------ element-wise
 def test_magmax_keeps_the_largest_magnitude():
-    merged = REGISTRY["magmax"]({"w": torch.zeros(2)}, {"a": {"w": T([1.0, -3.0])}, "b": {"w": T([-2.0, 2.0])}}, lam=1.0)
+    merged = REGISTRY["magmax"](
+        {"w": torch.zeros(2)}, {"a": {"w": T([1.0, -3.0])}, "b": {"w": T([-2.0, 2.0])}}, lam=1.0
+    )
     assert close(merged["w"], T([-2.0, -3.0]))
 
 
 def test_breadcrumbs_drops_outliers_and_small_entries_per_row():
     row = T([5.0, -4.0, 3.0, -2.0, 1.0, 0.5, 0.1, 0.05, 0.02, 0.01])
-    merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(2, 10)}, {"a": {"w": torch.stack([row, -row])}}, gamma=0.1, beta=0.2, scope="row", alpha=1.0)
+    merged = REGISTRY["breadcrumbs"](
+        {"w": torch.zeros(2, 10)}, {"a": {"w": torch.stack([row, -row])}}, gamma=0.1, beta=0.2, scope="row", alpha=1.0
+    )
     expected = torch.zeros(10)
     expected[1], expected[2] = -4.0, 3.0
     assert close(merged["w"], torch.stack([expected, -expected]))
@@ -46,7 +53,9 @@ def test_breadcrumbs_drops_outliers_and_small_entries_per_row():
 
 def test_breadcrumbs_tensor_scope_ranks_the_whole_tensor():
     w = T([[10.0, 1.0], [2.0, 3.0]])  # n = 4: gamma 0.25 drops 10, beta 0.5 keeps 3 and 2
-    merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(2, 2)}, {"a": {"w": w}}, gamma=0.25, beta=0.5, scope="tensor", alpha=1.0)
+    merged = REGISTRY["breadcrumbs"](
+        {"w": torch.zeros(2, 2)}, {"a": {"w": w}}, gamma=0.25, beta=0.5, scope="tensor", alpha=1.0
+    )
     assert close(merged["w"], T([[0.0, 0.0], [2.0, 3.0]]))
 
 
@@ -88,11 +97,15 @@ def test_tall_per_task_models_mask_one_task_at_each_lambda():
     model_of = REGISTRY["consensus_ta"].task_models(theta0, tvs, tall_lambda=0.4, min_tasks=2, alpha=0.5)
     assert close(model_of("c", {"tall_lambda": 0.5})["w"], T([1.0, -0.5]))
     assert close(model_of("c", {"tall_lambda": 0.05})["w"], T([2.05, -0.5]))
-    assert close(model_of("a", {"tall_lambda": 0.5})["w"], T([2.05, -1.0]))  # |tau_MTL - tau_a| = [1.1, 1]: m_a = [T, F]
+    assert close(
+        model_of("a", {"tall_lambda": 0.5})["w"], T([2.05, -1.0])
+    )  # |tau_MTL - tau_a| = [1.1, 1]: m_a = [T, F]
     ties_of = REGISTRY["tall_ties"].task_models(theta0, tvs, tall_lambda=0.4, ties_k=1.0, trim_scope="tensor", lam=2.0)
     store = REGISTRY["tall_ties"](theta0, tvs, tall_lambda=0.5, ties_k=1.0, trim_scope="tensor", lam=2.0)
     for task in tvs:  # the same model as the stored one with lambda_t = 0.5 for every task
-        assert close(ties_of(task, {"tall_lambda": 0.5})["w"], REGISTRY["tall_ties"].reconstruct(store, theta0, task)["w"])
+        assert close(
+            ties_of(task, {"tall_lambda": 0.5})["w"], REGISTRY["tall_ties"].reconstruct(store, theta0, task)["w"]
+        )
     assert close(ties_of("c", {"tall_lambda": 0.5})["w"], T([1.0, 1.0]))
 
 
@@ -166,7 +179,10 @@ def test_cart_low_rank_by_hand():
     taus = torch.stack([tv[M] for tv in tvs.values()])
     expected = theta0[M] + taus.mean(0) + 1.5 * sum(low_rank(c, 1) for c in taus - taus.mean(0))
     assert close(cart[M], expected)
-    assert close(cart["blocks.0.norm1.bias"], theta0["blocks.0.norm1.bias"] + torch.stack([tv["blocks.0.norm1.bias"] for tv in tvs.values()]).mean(0))
+    assert close(
+        cart["blocks.0.norm1.bias"],
+        theta0["blocks.0.norm1.bias"] + torch.stack([tv["blocks.0.norm1.bias"] for tv in tvs.values()]).mean(0),
+    )
 
 
 def test_low_rank_ta_at_full_rank_is_task_arithmetic():
@@ -198,7 +214,9 @@ def test_tsv_m_merged_matrix_has_orthonormal_singular_vectors():
     u, s, vh = task_singular_vectors(taus, 3)  # k = 6 // 2
     merged = tsv_merge_matrix(taus)
     # with orthonormal factors the merged matrix's singular values are exactly the kept task singular values
-    assert close(torch.linalg.svdvals(merged), torch.sort(s.cpu(), descending=True).values, atol=1e-4)  # s: on the SVD device
+    assert close(
+        torch.linalg.svdvals(merged), torch.sort(s.cpu(), descending=True).values, atol=1e-4
+    )  # s: on the SVD device
 
 
 def test_iso_c_flattens_the_spectrum():
@@ -213,7 +231,9 @@ def test_iso_cts_flattens_the_spectrum_over_common_and_task_subspaces():
     taus = torch.stack([tv[M] for tv in tvs.values()])
     sv = torch.linalg.svdvals(iso_cts_matrix(taus, 0.8))  # c = 8, then (10 - 8) / 2 = 1 per task: rank 10
     u, s, _ = torch.linalg.svd(taus.sum(0))
-    kept = [s[:8]] + [torch.linalg.svdvals(tau - u[:, :8] @ (u[:, :8].T @ tau))[:1] for tau in taus]  # the authors' scale
+    kept = [s[:8]] + [
+        torch.linalg.svdvals(tau - u[:, :8] @ (u[:, :8].T @ tau))[:1] for tau in taus
+    ]  # the authors' scale
     assert close(sv, torch.full_like(sv, torch.cat(kept).mean().item()), atol=1e-4)
 
 
@@ -225,7 +245,9 @@ def test_breadcrumbs_thresholds_match_ranks(scope):
     ranks = mags.argsort(-1, descending=True).argsort(-1)  # 0 = largest
     expected = (ranks >= round(0.1 * n)) & (ranks < round(0.4 * n))
     for tau, keep in zip(taus, expected.reshape(taus.shape)):
-        merged = REGISTRY["breadcrumbs"]({"w": torch.zeros(7, 50)}, {"a": {"w": tau}}, gamma=0.1, beta=0.3, scope=scope, alpha=1.0)
+        merged = REGISTRY["breadcrumbs"](
+            {"w": torch.zeros(7, 50)}, {"a": {"w": tau}}, gamma=0.1, beta=0.3, scope=scope, alpha=1.0
+        )
         assert torch.equal(merged["w"], tau * keep)
 
 
@@ -346,10 +368,14 @@ def test_dare_masks_follow_the_documented_counter_based_rule(name):
     p, seed, lam = 0.6, 7, 0.5
     merged = REGISTRY[name](theta0, tvs, p=p, seed=seed, lam=lam)
     for key in theta0:
-        dropped = np.stack([
-            tv[key].numpy().reshape(-1) * (_dare_words(seed_of(seed, task, key), tv[key].numel()) >= keep_cut(p)) / np.float32(1 - p)
-            for task, tv in tvs.items()
-        ])
+        dropped = np.stack(
+            [
+                tv[key].numpy().reshape(-1)
+                * (_dare_words(seed_of(seed, task, key), tv[key].numel()) >= keep_cut(p))
+                / np.float32(1 - p)
+                for task, tv in tvs.items()
+            ]
+        )
         if name == "dare_linear":
             direction = dropped.sum(0)
         else:

@@ -24,8 +24,12 @@ def test_matthews_against_scikit_learn_and_constant_prediction():
     g = torch.Generator().manual_seed(0)
     for classes in (2, 3):
         labels = torch.randint(0, classes, (200,), generator=g)
-        predicted = torch.where(torch.rand(200, generator=g) < 0.7, labels, torch.randint(0, classes, (200,), generator=g))
-        assert metrics.score("matthews", _logits(predicted.tolist(), classes), labels) == pytest.approx(matthews_corrcoef(labels, predicted))
+        predicted = torch.where(
+            torch.rand(200, generator=g) < 0.7, labels, torch.randint(0, classes, (200,), generator=g)
+        )
+        assert metrics.score("matthews", _logits(predicted.tolist(), classes), labels) == pytest.approx(
+            matthews_corrcoef(labels, predicted)
+        )
     assert metrics.score("matthews", _logits([1] * 5, 2), torch.tensor([0, 1, 0, 1, 1])) == 0.0
 
 

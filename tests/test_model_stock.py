@@ -11,7 +11,8 @@ MODEL_STOCK = REGISTRY["model_stock"]
 
 
 def test_two_task_vectors_at_45_degrees_by_hand():
-    """tau_a = (1, 0), tau_b = (1, 1): cos = 1/sqrt(2), t = 2 cos / (1 + cos), theta = theta0 + t (tau_a + tau_b) / 2."""
+    """tau_a = (1, 0), tau_b = (1, 1): cos = 1/sqrt(2), t = 2 cos / (1 + cos), theta = theta0 + t (tau_a + tau_b)
+    / 2."""
     theta0 = {"w": torch.tensor([[0.5, -1.0]])}
     taus = {"a": {"w": torch.tensor([[1.0, 0.0]])}, "b": {"w": torch.tensor([[1.0, 1.0]])}}
     cos = 1 / math.sqrt(2)
@@ -59,7 +60,11 @@ def test_fusionbenchs_convention_averages_the_angles():
     """tau_a = (1, 0), tau_b = (0, 1), tau_c = (1, 1): angles 90, 45, 45 degrees. FusionBench: cos of their mean
     (60 degrees) = 1/2, t = 3/4; mergekit: the mean of the cosines (0 + 2/sqrt(2)) / 3."""
     theta0 = {"w": torch.zeros(2)}
-    taus = {"a": {"w": torch.tensor([1.0, 0.0])}, "b": {"w": torch.tensor([0.0, 1.0])}, "c": {"w": torch.tensor([1.0, 1.0])}}
+    taus = {
+        "a": {"w": torch.tensor([1.0, 0.0])},
+        "b": {"w": torch.tensor([0.0, 1.0])},
+        "c": {"w": torch.tensor([1.0, 1.0])},
+    }
     mean_tau = torch.tensor([2 / 3, 2 / 3])
     assert torch.allclose(MODEL_STOCK(theta0, taus, average="angles")["w"], 0.75 * mean_tau, atol=1e-6)
     cos = math.sqrt(2) / 3
@@ -77,4 +82,6 @@ def test_last_axis_scope_is_mergekits_filter_wise_on_a_3d_tensor():
     assert torch.allclose(last, torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]]), atol=1e-6)
     # "filter", row 0: <a0, b0> = 1, |a0| = |b0| = sqrt(2): cos 1/2, t = 2/3; row 1: identical, t = 1
     per_row = MODEL_STOCK(theta0, taus, scope="filter")["w"]
-    assert torch.allclose(per_row[0], (2 / 3) * (a[0] + b[0]) / 2, atol=1e-6) and torch.allclose(per_row[1], a[1], atol=1e-6)
+    assert torch.allclose(per_row[0], (2 / 3) * (a[0] + b[0]) / 2, atol=1e-6) and torch.allclose(
+        per_row[1], a[1], atol=1e-6
+    )

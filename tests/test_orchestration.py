@@ -37,7 +37,10 @@ class _State:
     [
         (StageFailed("merge@ties", -9, "killed"), True),  # the OOM killer, a preempted node
         (StageFailed("merge@ties", 75, "error: the MLflow store is locked by another process"), True),
-        (StageFailed("merge@ties", 2, "error: params.yaml: merge.ties.k: ..."), False),  # bad input: retrying cannot help
+        (
+            StageFailed("merge@ties", 2, "error: params.yaml: merge.ties.k: ..."),
+            False,
+        ),  # bad input: retrying cannot help
         (StageFailed("merge@ties", 1, "ZeroDivisionError: division by zero"), False),  # a bug fails the same way again
         (RuntimeError("lost the connection"), True),
         (None, False),
@@ -53,10 +56,18 @@ def _node(tmp_path, script: str, address="finetune@digits") -> StageNode:
 
 
 def test_failed_stage_reports_its_status_and_last_line(tmp_path):
-    node = _node(tmp_path, "import sys\nprint('starting')\nprint('error: task digits: no such file', file=sys.stderr)\nsys.exit(2)\n")
+    node = _node(
+        tmp_path,
+        "import sys\nprint('starting')\nprint('error: task digits: no such file', file=sys.stderr)\nsys.exit(2)\n",
+    )
     with pytest.raises(StageFailed) as err:
         run_stage(node, tmp_path)
-    assert err.value.returncode == 2 and err.value.address == "finetune@digits" and err.value.bad_input and not err.value.transient
+    assert (
+        err.value.returncode == 2
+        and err.value.address == "finetune@digits"
+        and err.value.bad_input
+        and not err.value.transient
+    )
     assert str(err.value).endswith("error: task digits: no such file")
 
 
@@ -69,7 +80,9 @@ def test_stage_runs_as_an_argument_list_with_dvc_stage_set(tmp_path):
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
 
 
-@pytest.mark.parametrize("cmd", ["mergeflow prepare && rm -rf data", "mergeflow merge | tee log", "mergeflow report > out"])
+@pytest.mark.parametrize(
+    "cmd", ["mergeflow prepare && rm -rf data", "mergeflow merge | tee log", "mergeflow report > out"]
+)
 def test_a_command_needing_a_shell_is_refused(cmd):
     with pytest.raises(MergeflowError, match=r"needs a shell; the flow runs commands as argument lists"):
         graph._argv("report", cmd)
@@ -90,7 +103,9 @@ def test_stop_stages_ends_running_stages_and_refuses_new_ones(tmp_path):
         # well short of the stage's 60 s sleep (SIGTERM after a 5 s grace), with room for a busy machine
         assert time.monotonic() - started < 50 and errors[0].returncode == -signal.SIGTERM
         assert not errors[0].transient  # stopped on purpose: not retried
-        with pytest.raises(StageNotStarted, match="not started: the run is stopping"):  # a StageFailed, recorded as not run
+        with pytest.raises(
+            StageNotStarted, match="not started: the run is stopping"
+        ):  # a StageFailed, recorded as not run
             run_stage(node, tmp_path)
     finally:
         running._stopping.clear()
@@ -136,8 +151,14 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     stages = ("finetune@digits", "merge@ties", "vectors", "statistics")
     assert [params.stage_share(a, cores=16, gpus=1) for a in stages] == [None] * 4
     assert [params.stage_share(a, cores=16, gpus=8) for a in stages] == [2] * 4
-    assert params.stage_share("prepare", cores=16, gpus=8) is None and params.stage_share("pretrain", cores=16, gpus=8) is None  # alone
-    assert params.stage_share("merge@ties", cores=16, gpus=3) == 5 and params.stage_share("merge@ties", cores=2, gpus=2) is None
+    assert (
+        params.stage_share("prepare", cores=16, gpus=8) is None
+        and params.stage_share("pretrain", cores=16, gpus=8) is None
+    )  # alone
+    assert (
+        params.stage_share("merge@ties", cores=16, gpus=3) == 5
+        and params.stage_share("merge@ties", cores=2, gpus=2) is None
+    )
     from mergeflow.core import devices
 
     monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
@@ -148,7 +169,9 @@ def test_on_the_gpu_path_each_stage_takes_its_gpus_share_of_the_cores(repo_root,
     monkeypatch.setenv(RUN_GPUS_ENV, "2")
     assert run_gpus(params.runtime.device) == 2 and params.stage_share("merge@ties", cores=16) == 8
     on_cpu = params.model_copy(update={"runtime": params.runtime.model_copy(update={"device": "cpu"})})
-    assert run_gpus(on_cpu.runtime.device) == 0 and on_cpu.stage_share("merge@ties", cores=16) == 2  # the items' share again
+    assert (
+        run_gpus(on_cpu.runtime.device) == 0 and on_cpu.stage_share("merge@ties", cores=16) == 2
+    )  # the items' share again
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert run_gpus(params.runtime.device) == 0  # pretend GPUs on a machine without CUDA: the CPU's rule
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -160,7 +183,9 @@ def _dvc_project(tmp_path):
     """A one-stage DVC project: `echo` into out.txt."""
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     subprocess.run([DVC, "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "dvc.yaml").write_text("stages:\n  one:\n    cmd: python -c \"open('out.txt','w').write('1')\"\n    outs: [out.txt]\n")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  one:\n    cmd: python -c \"open('out.txt','w').write('1')\"\n    outs: [out.txt]\n"
+    )
     return tmp_path
 
 
@@ -180,7 +205,9 @@ def test_empty_lock_without_a_copy_comes_back_from_git(tmp_path):
     root = _dvc_project(tmp_path)
     subprocess.run([DVC, "repro", "-q"], cwd=root, check=True)
     good = (root / "dvc.lock").read_text()
-    subprocess.run("git add -A && git -c user.name=t -c user.email=t@t commit -qm one", shell=True, cwd=root, check=True)
+    subprocess.run(
+        "git add -A && git -c user.name=t -c user.email=t@t commit -qm one", shell=True, cwd=root, check=True
+    )
     (root / "dvc.lock").write_text("")
     assert "restored from git HEAD" in lockfile.recover(root)
     assert (root / "dvc.lock").read_text() == good
@@ -221,14 +248,20 @@ def test_flow_refuses_a_repository_another_dvc_command_holds(tmp_path):
         proc = subprocess.run([DVC, "repro"], cwd=root, capture_output=True, text=True)
         assert proc.returncode != 0 and "Unable to acquire lock" in proc.stderr
         assert not (root / "out.txt").exists()  # refused before running anything
-        with pytest.raises(TransientError, match=r"another DVC command holds the repository lock; run again when it ends$"):
+        with pytest.raises(
+            TransientError, match=r"another DVC command holds the repository lock; run again when it ends$"
+        ):
             with locked_repo(root):  # exit status 75: a later run gets past it
                 pass
     # a stage that another DVC process is running (DVC drops its repository lock meanwhile, but records it)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        (root / ".dvc" / "tmp" / "rwlock").write_text(json.dumps({"read": {}, "write": {str(root / "out.txt"): {"pid": sleeper.pid, "cmd": "dvc repro"}}}))
-        with pytest.raises(TransientError, match=rf"another DVC command is running a stage here \(pid {sleeper.pid}: dvc repro\)"):
+        (root / ".dvc" / "tmp" / "rwlock").write_text(
+            json.dumps({"read": {}, "write": {str(root / "out.txt"): {"pid": sleeper.pid, "cmd": "dvc repro"}}})
+        )
+        with pytest.raises(
+            TransientError, match=rf"another DVC command is running a stage here \(pid {sleeper.pid}: dvc repro\)"
+        ):
             with locked_repo(root):
                 pass
     finally:
@@ -243,7 +276,10 @@ def test_sweep_removes_only_dead_processes_temporaries(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "vectors").mkdir()
-    leftovers = [tmp_path / "vectors" / f".digits.safetensors.tmp-{dead.pid}-ab12", tmp_path / f".vectors.old-{dead.pid}"]
+    leftovers = [
+        tmp_path / "vectors" / f".digits.safetensors.tmp-{dead.pid}-ab12",
+        tmp_path / f".vectors.old-{dead.pid}",
+    ]
     leftovers[0].write_bytes(b"half")
     leftovers[1].mkdir()
     (leftovers[1] / "x.safetensors").write_bytes(b"old")

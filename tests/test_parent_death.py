@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 HANG_S = 120  # a limit for a hang on a loaded machine, not a measurement
 
-STAGE = textwrap.dedent('''
+STAGE = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
 
@@ -44,7 +44,7 @@ STAGE = textwrap.dedent('''
         for i in range(2):
             pool.submit(work, f"worker{i}.pid")
         time.sleep(3600)
-''')
+""")
 
 
 def _project(root: Path, shell: str) -> dict[str, str]:
@@ -52,13 +52,22 @@ def _project(root: Path, shell: str) -> dict[str, str]:
     (root / "stage.py").write_text(STAGE)
     (root / "dvc.yaml").write_text(f"stages:\n  standin:\n    cmd: {sys.executable} stage.py\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MERGEFLOW_"))}
-    env |= {"PYTHONPATH": str(REPO / "src"), "SHELL": shell, "DVC_NO_ANALYTICS": "1", "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    env |= {
+        "PYTHONPATH": str(REPO / "src"),
+        "SHELL": shell,
+        "DVC_NO_ANALYTICS": "1",
+        "PATH": f"{Path(sys.executable).parent}:{env['PATH']}",
+    }
     subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=root, env=env, check=True)
     return env
 
 
 def _pids(root: Path) -> list[int]:
-    return [int((root / f).read_text().split()[0]) for f in ("stage.pid", "worker0.pid", "worker1.pid") if (root / f).is_file() and (root / f).read_text()]
+    return [
+        int((root / f).read_text().split()[0])
+        for f in ("stage.pid", "worker0.pid", "worker1.pid")
+        if (root / f).is_file() and (root / f).read_text()
+    ]
 
 
 def _alive(pids) -> list[int]:
@@ -76,7 +85,14 @@ def _kill_dvc_and_wait(root: Path, env: dict[str, str], sig: int, wait_s: float 
     """Start `dvc repro`, wait for the stage and its two workers, send ``sig`` to dvc alone; what the stage's
     parent was ("dvc", or the name of a shell between), and the pids still alive once they are gone or ``wait_s``
     passed."""
-    dvc = subprocess.Popen(["dvc", "repro"], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    dvc = subprocess.Popen(
+        ["dvc", "repro"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     pids: list[int] = []
     try:
         deadline = time.monotonic() + HANG_S
@@ -105,7 +121,10 @@ def test_a_stage_and_its_workers_die_with_plain_dvc_repro(tmp_path, sig, shell):
     env = _project(tmp_path / "p", shell)
     parent, left = _kill_dvc_and_wait(tmp_path / "p", env, sig)
     # DVC runs `$SHELL -c CMD`: bash execs a single command, Debian's dash forks it and waits
-    assert parent == {"/bin/bash": "dvc", "/bin/sh": "dvc" if os.path.realpath("/bin/sh").endswith("bash") else "sh"}[shell]
+    assert (
+        parent
+        == {"/bin/bash": "dvc", "/bin/sh": "dvc" if os.path.realpath("/bin/sh").endswith("bash") else "sh"}[shell]
+    )
     assert left == [], f"still running after dvc got {signal.Signals(sig).name}: {left}"
 
 
@@ -151,9 +170,18 @@ def test_the_real_prepare_stage_dies_with_plain_dvc_repro(tmp_path, tiny_env, si
 
     from .conftest import make_tiny_project, run
 
-    root = make_tiny_project(tmp_path / "p", tiny_env, suite={"n_train": 50000, "pretrain_images": 200000}, runtime={"threads": None})  # minutes of work left when killed; a worker process per core
+    root = make_tiny_project(
+        tmp_path / "p", tiny_env, suite={"n_train": 50000, "pretrain_images": 200000}, runtime={"threads": None}
+    )  # minutes of work left when killed; a worker process per core
     env = {k: v for k, v in tiny_env.items() if k != SERVER_ENV}
-    dvc = subprocess.Popen(["dvc", "repro", "prepare"], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    dvc = subprocess.Popen(
+        ["dvc", "repro", "prepare"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + HANG_S
         workers = []

@@ -11,6 +11,7 @@ from mergeflow.ml.merging.pcb import pcb_vector
 
 def _authors(rows: np.ndarray, ratio: float, clamp_ratio: float, inter: str) -> np.ndarray:
     """pcb-merging.py's PCB_merge (inter 'sum'; the vision script's normalized sum), in numpy."""
+
     def normalize(x):
         low, high = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
         return (x - low) / (high - low)

@@ -20,22 +20,46 @@ TASKS = ["a", "b", "c"]
 
 
 def small_params(**merge):
-    return parse_params({
-        "suite": {"tasks": TASKS, "n_train": 100, "n_val": 10, "n_test": 20, "pretrain_images": 500},
-        "backbone": {"kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}},
-        "pretrain": {"steps": 7, "batch_size": 16},
-        "probe": {"c_grid": [1.0], "max_iter": 10},
-        "finetune": {"steps": 5, "batch_size": 8, "preserve_features": {"weight": 1.0, "images": 40, "batch_size": 4}},
-        "statistics": {"examples": 6},
-        "merge": {"methods": ["task_arithmetic", "task_negation", "cart", "adamerging", "weight_averaging"],
-                  "task_arithmetic": {"lam": [0.1, 0.2, 0.3, 0.4]}, "task_negation": {"lam": [0.5, 1.0]},
-                  "cart": {"rank_ratio": [0.1, 0.2], "lam": [0.5, 1.0, 1.5]}, "adamerging": {"steps": 3, "batch_size": 2}, **merge},
-        "regimes": {"run": ["mima"], "mima": {"rounds": [5]}},
-    })
+    return parse_params(
+        {
+            "suite": {"tasks": TASKS, "n_train": 100, "n_val": 10, "n_test": 20, "pretrain_images": 500},
+            "backbone": {"kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}},
+            "pretrain": {"steps": 7, "batch_size": 16},
+            "probe": {"c_grid": [1.0], "max_iter": 10},
+            "finetune": {
+                "steps": 5,
+                "batch_size": 8,
+                "preserve_features": {"weight": 1.0, "images": 40, "batch_size": 4},
+            },
+            "statistics": {"examples": 6},
+            "merge": {
+                "methods": ["task_arithmetic", "task_negation", "cart", "adamerging", "weight_averaging"],
+                "task_arithmetic": {"lam": [0.1, 0.2, 0.3, 0.4]},
+                "task_negation": {"lam": [0.5, 1.0]},
+                "cart": {"rank_ratio": [0.1, 0.2], "lam": [0.5, 1.0, 1.5]},
+                "adamerging": {"steps": 3, "batch_size": 2},
+                **merge,
+            },
+            "regimes": {"run": ["mima"], "mima": {"rounds": [5]}},
+        }
+    )
 
 
-FAKE = P.Throughput(device="cpu", threads=1, forward_img_s=100.0, train_img_s=10.0, example_grad_s=0.5, param_pass_s=0.01, svd_s=0.2,
-                    train_peak_bytes=1000, forward_peak_bytes=500, base_bytes=100, memory_source="fake", import_s=1.0, batches={"forward": 4, "train": 2})
+FAKE = P.Throughput(
+    device="cpu",
+    threads=1,
+    forward_img_s=100.0,
+    train_img_s=10.0,
+    example_grad_s=0.5,
+    param_pass_s=0.01,
+    svd_s=0.2,
+    train_peak_bytes=1000,
+    forward_peak_bytes=500,
+    base_bytes=100,
+    memory_source="fake",
+    import_s=1.0,
+    batches={"forward": 4, "train": 2},
+)
 
 
 def test_merge_work_counts_grid_candidates_times_tasks_times_val():
@@ -55,14 +79,20 @@ def test_merge_work_counts_grid_candidates_times_tasks_times_val():
 
 
 def test_surgery_wemoe_and_fw_merging_work_by_hand():
-    p = small_params(methods=["surgery", "wemoe", "fw_merging"], surgery={"base": "task_arithmetic"}, wemoe={"steps": 4, "batch_size": 2},
-                     fw_merging={"steps": 2, "examples": 1000})
+    p = small_params(
+        methods=["surgery", "wemoe", "fw_merging"],
+        surgery={"base": "task_arithmetic"},
+        wemoe={"steps": 4, "batch_size": 2},
+        fw_merging={"steps": 2, "examples": 1000},
+    )
     test = 3 * 20
     surgery = P.stage_work(p, "merge@surgery")  # TA at its defaults (no adaptation), then two feature passes
     assert surgery.train_images == 0 and surgery.forward_images == 10 * 3 + test + 2 * test
     wemoe = P.stage_work(p, "merge@wemoe")  # AdaMerging's steps x tasks x batch, and each image through T MLPs
     assert wemoe.train_images == 4 * 3 * 2 and wemoe.trains
-    assert wemoe.forward_images == pytest.approx(10 * 3 + test + 4 * 3 * 2 * 3 * P.work.MLP_SHARE * 2)  # x T MLPs, fwd + input grad
+    assert wemoe.forward_images == pytest.approx(
+        10 * 3 + test + 4 * 3 * 2 * 3 * P.work.MLP_SHARE * 2
+    )  # x T MLPs, fwd + input grad
     assert P.stage_work(p, "merge@fw_merging").train_images == 2 * 3 * 100  # every train example (100 < 1000) a step
 
 
@@ -79,16 +109,34 @@ def test_training_stage_work_by_hand():
 
 
 def test_estimate_is_work_over_throughput():
-    work = P.Work(forward_images=200, train_images=30, example_grads=4, param_passes=10, svds=5, load_bytes=P.LOAD_BYTES_PER_S, fixed_s=0.25)
-    assert P.compute_seconds(work, FAKE) == pytest.approx(200 / 100 + 30 / 10 + 4 * 0.5 + 10 * 0.01 + 5 * 0.2 + 1 + 0.25)
-    assert P.overhead_seconds(FAKE) == pytest.approx(P.STAGE_GAP_S) and P.overhead_seconds(FAKE, first=True) == pytest.approx(1.0 + P.STAGE_GAP_S)
+    work = P.Work(
+        forward_images=200,
+        train_images=30,
+        example_grads=4,
+        param_passes=10,
+        svds=5,
+        load_bytes=P.LOAD_BYTES_PER_S,
+        fixed_s=0.25,
+    )
+    assert P.compute_seconds(work, FAKE) == pytest.approx(
+        200 / 100 + 30 / 10 + 4 * 0.5 + 10 * 0.01 + 5 * 0.2 + 1 + 0.25
+    )
+    assert P.overhead_seconds(FAKE) == pytest.approx(P.STAGE_GAP_S) and P.overhead_seconds(
+        FAKE, first=True
+    ) == pytest.approx(1.0 + P.STAGE_GAP_S)
     assert P.peak_bytes(P.Work(trains=True), FAKE, 10) == 100 + 1000
-    assert P.peak_bytes(P.Work(held_models=2, held_bytes=7), FAKE, 10) == 100 + 500 + 2 * 10 * 4 + 7  # base + step + held
+    assert (
+        P.peak_bytes(P.Work(held_models=2, held_bytes=7), FAKE, 10) == 100 + 500 + 2 * 10 * 4 + 7
+    )  # base + step + held
 
 
 def _nodes():
-    return [StageNode("prepare", ("mergeflow", "prepare"), ()), StageNode("finetune@a", ("mergeflow", "finetune"), ("prepare",)),
-            StageNode("merge@task_arithmetic", ("mergeflow", "merge"), ("finetune@a",)), StageNode("study@mima", ("mergeflow", "study"), ("merge@task_arithmetic",))]
+    return [
+        StageNode("prepare", ("mergeflow", "prepare"), ()),
+        StageNode("finetune@a", ("mergeflow", "finetune"), ("prepare",)),
+        StageNode("merge@task_arithmetic", ("mergeflow", "merge"), ("finetune@a",)),
+        StageNode("study@mima", ("mergeflow", "study"), ("merge@task_arithmetic",)),
+    ]
 
 
 def test_will_run_marking_total_and_json_shape():
@@ -96,23 +144,58 @@ def test_will_run_marking_total_and_json_shape():
     plan = P.make_plan(p, _nodes(), {"merge@task_arithmetic", "study@mima"}, FAKE)
     rows = {r["stage"]: r for r in plan["stages"]}
     assert [r["stage"] for r in plan["stages"]] == ["prepare", "finetune@a", "merge@task_arithmetic", "study@mima"]
-    assert not rows["prepare"]["will_run"] and rows["prepare"]["seconds"] is None  # up to date: not estimated without --all
+    assert (
+        not rows["prepare"]["will_run"] and rows["prepare"]["seconds"] is None
+    )  # up to date: not estimated without --all
     merge = rows["merge@task_arithmetic"]
-    assert merge["will_run"] and merge["seconds"] == pytest.approx(P.compute_seconds(P.stage_work(p, "merge@task_arithmetic"), FAKE) + P.overhead_seconds(FAKE, first=True))
+    assert merge["will_run"] and merge["seconds"] == pytest.approx(
+        P.compute_seconds(P.stage_work(p, "merge@task_arithmetic"), FAKE) + P.overhead_seconds(FAKE, first=True)
+    )
     assert rows["study@mima"]["will_run"] and not rows["study@mima"]["estimated"]
-    assert plan["total_seconds"] == pytest.approx(merge["seconds"]) and plan["will_run"] == 2 and plan["not_estimated"] == ["study@mima"]
+    assert (
+        plan["total_seconds"] == pytest.approx(merge["seconds"])
+        and plan["will_run"] == 2
+        and plan["not_estimated"] == ["study@mima"]
+    )
     everything = P.make_plan(p, _nodes(), {"merge@task_arithmetic"}, FAKE, include_all=True)
     assert all(r["estimated"] for r in everything["stages"][:3])
-    assert everything["total_seconds"] == pytest.approx(merge["seconds"])  # --all estimates, the total is still what runs
+    assert everything["total_seconds"] == pytest.approx(
+        merge["seconds"]
+    )  # --all estimates, the total is still what runs
     shape = json.loads(json.dumps(plan))
-    assert set(shape) == {"device", "throughput", "parameters", "stages", "total_seconds", "will_run", "not_estimated", "machine_memory_bytes", "machine_memory_of", "exceeds_memory"}
-    assert set(shape["stages"][0]) == {"stage", "will_run", "estimated", "seconds", "compute_seconds", "overhead_seconds", "peak_memory_bytes", "exceeds_memory", "work", "notes"}
+    assert set(shape) == {
+        "device",
+        "throughput",
+        "parameters",
+        "stages",
+        "total_seconds",
+        "will_run",
+        "not_estimated",
+        "machine_memory_bytes",
+        "machine_memory_of",
+        "exceeds_memory",
+    }
+    assert set(shape["stages"][0]) == {
+        "stage",
+        "will_run",
+        "estimated",
+        "seconds",
+        "compute_seconds",
+        "overhead_seconds",
+        "peak_memory_bytes",
+        "exceeds_memory",
+        "work",
+        "notes",
+    }
     P.plan_table(plan)  # renders
 
 
 def test_measured_throughput_on_a_tiny_backbone():
     tp = P.measure_throughput(small_params(), budget_s=0.02)
-    assert tp.device == "cpu" and min(tp.forward_img_s, tp.train_img_s, 1 / tp.example_grad_s, 1 / tp.param_pass_s, 1 / tp.svd_s) > 0
+    assert (
+        tp.device == "cpu"
+        and min(tp.forward_img_s, tp.train_img_s, 1 / tp.example_grad_s, 1 / tp.param_pass_s, 1 / tp.svd_s) > 0
+    )
     assert tp.train_peak_bytes > 0 and tp.forward_peak_bytes > 0 and tp.import_s > 0
     assert tp.batches == {"forward": 512, "train": 8} and tp.measured_at
 
@@ -151,27 +234,41 @@ def test_a_fine_tune_estimate_by_hand():
     plan = P.make_plan(p, _nodes(), {"finetune@a"}, FAKE)
     row = next(r for r in plan["stages"] if r["stage"] == "finetune@a")
     assert row["compute_seconds"] == pytest.approx(compute)
-    assert row["seconds"] == pytest.approx(compute + 1.0 + P.STAGE_GAP_S)  # + the stage server's imports (import_s: the run's first stage) + the gap
+    assert row["seconds"] == pytest.approx(
+        compute + 1.0 + P.STAGE_GAP_S
+    )  # + the stage server's imports (import_s: the run's first stage) + the gap
     assert plan["total_seconds"] == pytest.approx(row["seconds"])
     n = P.model_shape(p).parameters
     held = (100 + 10 + 20) * 32 * 32 * 3  # one task's images, uint8
-    assert row["peak_memory_bytes"] == 100 + 1000 + held  # base + a training step's peak (FAKE) + its task's images; no models held
+    assert (
+        row["peak_memory_bytes"] == 100 + 1000 + held
+    )  # base + a training step's peak (FAKE) + its task's images; no models held
     assert P.stage_work(p, "merge@task_arithmetic").held_models == 3 + 3 and n > 0
 
 
 def test_a_stage_over_the_machines_memory_is_flagged(capsys):
     p = small_params()
     nodes = _nodes()
-    peaks = {r["stage"]: r["peak_memory_bytes"] for r in P.make_plan(p, nodes, {"prepare", "finetune@a", "merge@task_arithmetic"}, FAKE)["stages"]}
+    peaks = {
+        r["stage"]: r["peak_memory_bytes"]
+        for r in P.make_plan(p, nodes, {"prepare", "finetune@a", "merge@task_arithmetic"}, FAKE)["stages"]
+    }
     assert peaks["merge@task_arithmetic"] > peaks["finetune@a"]  # six models' worth of task vectors held
     memory = (peaks["merge@task_arithmetic"] + peaks["finetune@a"]) // 2  # a machine between the two
-    plan = P.make_plan(p, nodes, {"prepare", "finetune@a", "merge@task_arithmetic"}, FAKE, memory_bytes=memory, memory_of="RAM")
+    plan = P.make_plan(
+        p, nodes, {"prepare", "finetune@a", "merge@task_arithmetic"}, FAKE, memory_bytes=memory, memory_of="RAM"
+    )
     rows = {r["stage"]: r for r in plan["stages"]}
     assert rows["merge@task_arithmetic"]["exceeds_memory"] is True and rows["finetune@a"]["exceeds_memory"] is False
     assert rows["study@mima"]["exceeds_memory"] is None  # not estimated: no verdict
     assert plan["exceeds_memory"] == ["merge@task_arithmetic"] and plan["machine_memory_bytes"] == memory
     warning = P.memory_warning(plan)
-    assert warning.startswith("warning: 1 stage needs more than") and "merge@task_arithmetic" in warning and "finetune@a" not in warning and "RAM" in warning
+    assert (
+        warning.startswith("warning: 1 stage needs more than")
+        and "merge@task_arithmetic" in warning
+        and "finetune@a" not in warning
+        and "RAM" in warning
+    )
     from rich.console import Console
 
     console = Console(width=140, record=True)
@@ -184,7 +281,10 @@ def test_a_stage_over_the_machines_memory_is_flagged(capsys):
 def test_machine_memory_is_the_gpus_on_cuda_else_the_ram():
     import dataclasses
 
-    assert P.machine_memory(dataclasses.replace(FAKE, device="cuda (H100)", device_memory_bytes=80 * 2**30)) == (80 * 2**30, "GPU memory")
+    assert P.machine_memory(dataclasses.replace(FAKE, device="cuda (H100)", device_memory_bytes=80 * 2**30)) == (
+        80 * 2**30,
+        "GPU memory",
+    )
     ram, what = P.machine_memory(FAKE)
     assert what == "RAM" and ram > 2**28
 
@@ -229,7 +329,10 @@ def test_a_long_call_is_timed_at_two_small_batches_and_extrapolated():
 
     # about 32.5 s at 128: extrapolated from batch 8's time per image (the lesser), the memory along its line
     seconds, peak, at = batch_cost(make_call(0.5, 0.25), 128, _ScriptedStopwatch(), meter)
-    assert (seconds, peak, at) == (pytest.approx(128 * (0.5 + 0.25 * 8) / 8), 1000 + 10 * 128, [4, 8]) and timed == [4, 8]
+    assert (seconds, peak, at) == (pytest.approx(128 * (0.5 + 0.25 * 8) / 8), 1000 + 10 * 128, [4, 8]) and timed == [
+        4,
+        8,
+    ]
     timed.clear()
     seconds, peak, at = batch_cost(make_call(0.001, 0.001), 64, _ScriptedStopwatch(), meter)  # 65 ms at 64: timed there
     assert (seconds, peak, at) == (pytest.approx(0.065), 1000 + 640, [64]) and timed == [4, 64]
@@ -330,4 +433,8 @@ def test_cli_plan_remeasure_reaches_the_cache_and_json_has_the_memory_fields(mon
     assert main(["plan", "--json", "--remeasure"]) == 0 and asked == [True]
     plan = json.loads(capsys.readouterr().out)
     assert plan["throughput_source"] == {"cached": False, "path": "/x/throughput.json"}
-    assert plan["machine_memory_of"] == "RAM" and plan["machine_memory_bytes"] > 0 and isinstance(plan["exceeds_memory"], list)
+    assert (
+        plan["machine_memory_of"] == "RAM"
+        and plan["machine_memory_bytes"] > 0
+        and isinstance(plan["exceeds_memory"], list)
+    )

@@ -30,11 +30,19 @@ def test_every_rate_comes_from_its_figure(ta8):
     tp = throughput_from_bench(H100, ta8)
     assert tp.device == "cuda (NVIDIA H100 80GB HBM3)" and tp.calibration == str(H100)
     assert tp.train_img_s == bench["finetune"]["images_per_s"] and tp.batches["train"] == 128
-    assert tp.forward_img_s == bench["forward"]["float32_images_per_s"] and tp.search_img_s == bench["forward"]["bf16_images_per_s"]
+    assert (
+        tp.forward_img_s == bench["forward"]["float32_images_per_s"]
+        and tp.search_img_s == bench["forward"]["bf16_images_per_s"]
+    )
     assert tp.example_grad_s == pytest.approx(1 / bench["statistics"]["fisher_examples_per_s"])
-    assert tp.adaptation_img_s == pytest.approx(bench["adamerging"]["steps_per_s"] * 8 * 16)  # 8 tasks x 16 inputs a step
+    assert tp.adaptation_img_s == pytest.approx(
+        bench["adamerging"]["steps_per_s"] * 8 * 16
+    )  # 8 tasks x 16 inputs a step
     assert tp.load_bytes_per_s == bench["merge_stage"]["read_bytes_per_s"] and tp.svd_s == bench["host"]["svd_s"]
-    assert tp.device_memory_bytes == bench["device_memory_bytes"] and tp.train_peak_bytes == bench["finetune"]["peak_bytes"]
+    assert (
+        tp.device_memory_bytes == bench["device_memory_bytes"]
+        and tp.train_peak_bytes == bench["finetune"]["peak_bytes"]
+    )
 
 
 def test_a_merge_estimate_by_hand_from_the_calibrated_rates(ta8):
@@ -48,7 +56,13 @@ def test_a_merge_estimate_by_hand_from_the_calibrated_rates(ta8):
     weights = 9 * P.model_shape(ta8).parameters * 4  # the pretrained weights and 8 task vectors
     assert work.load_bytes == data + weights
     passes = 2 * 4 * 8 + 2 * scored  # two merges of 4 passes a task, then one interpolation a candidate
-    by_hand = scored * 8000 / tp.search_img_s + 80000 / tp.forward_img_s + (data + weights) / tp.load_bytes_per_s + passes * tp.param_pass_s + 1.0
+    by_hand = (
+        scored * 8000 / tp.search_img_s
+        + 80000 / tp.forward_img_s
+        + (data + weights) / tp.load_bytes_per_s
+        + passes * tp.param_pass_s
+        + 1.0
+    )
     assert P.compute_seconds(work, tp) == pytest.approx(by_hand)
 
 
@@ -60,13 +74,18 @@ def test_adamerging_is_its_measured_loop_alone(ta8):
     assert work.adaptation_images == steps and work.adaptation_passes == 500 * 2 * 8
     uncalibrated = P.compute_seconds(work, tp.__class__(**{**tp.__dict__, "adaptation_img_s": 0.0}))
     calibrated = P.compute_seconds(work, tp)
-    assert uncalibrated - calibrated == pytest.approx(steps / tp.train_img_s + work.adaptation_passes * tp.param_pass_s - steps / tp.adaptation_img_s)
+    assert uncalibrated - calibrated == pytest.approx(
+        steps / tp.train_img_s + work.adaptation_passes * tp.param_pass_s - steps / tp.adaptation_img_s
+    )
 
 
 def test_a_benchmark_of_another_backbone_size_or_a_partial_one_is_one_line(ta8, tmp_path):
     bench = json.loads(H100.read_text())
     cases = {
-        "b16": ({**bench, "model": "vit_base_patch16_clip_quickgelu_224"}, "run bench/gpu.py --model vit_base_patch32_clip_quickgelu_224"),
+        "b16": (
+            {**bench, "model": "vit_base_patch16_clip_quickgelu_224"},
+            "run bench/gpu.py --model vit_base_patch32_clip_quickgelu_224",
+        ),
         "size": ({**bench, "image_size": 336}, "measured at 336 px, params.yaml's suite.image_size is 224"),
         "tiny": ({**bench, "tiny": True}, "measured with --tiny"),
         "partial": ({k: v for k, v in bench.items() if k != "adamerging"}, "no figures for adamerging"),
@@ -85,7 +104,11 @@ def test_a_benchmark_of_another_backbone_size_or_a_partial_one_is_one_line(ta8, 
 def test_cli_plan_with_a_calibration_names_it(repo_root, tmp_path, monkeypatch, capsys):
     """The repository's own project, with the H100's figures relabelled for its backbone (a plan reads only rates)."""
     params = load_params(repo_root / "params.yaml")
-    bench = json.loads(H100.read_text()) | {"model": params.backbone.model, "kwargs": params.backbone.kwargs, "image_size": params.suite.image_size}
+    bench = json.loads(H100.read_text()) | {
+        "model": params.backbone.model,
+        "kwargs": params.backbone.kwargs,
+        "image_size": params.suite.image_size,
+    }
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     monkeypatch.chdir(repo_root)

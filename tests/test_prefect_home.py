@@ -28,14 +28,24 @@ print("result", answer())
 def _env(tmp_path: Path, **extra) -> dict[str, str]:
     (tmp_path / "not-a-folder").write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MERGEFLOW_"))}
-    return env | {"HOME": str(tmp_path / "not-a-folder" / "home"), "PYTHONPATH": f"{REPO / 'src'}:{REPO}", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"} | extra
+    return (
+        env
+        | {
+            "HOME": str(tmp_path / "not-a-folder" / "home"),
+            "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        | extra
+    )
 
 
 def test_a_flow_runs_with_an_unwritable_home(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "dvc.yaml").write_text("stages: {}\n")
-    proc = subprocess.run([sys.executable, "-c", FLOW], cwd=project, env=_env(tmp_path), capture_output=True, text=True, timeout=600)  # a hang's limit
+    proc = subprocess.run(
+        [sys.executable, "-c", FLOW], cwd=project, env=_env(tmp_path), capture_output=True, text=True, timeout=600
+    )  # a hang's limit
     assert proc.returncode == 0, proc.stderr[-2000:]
     home, result = proc.stdout.splitlines()[:2]
     assert Path(home) == project / ".prefect" and result == "result 42"
@@ -46,9 +56,19 @@ def test_a_flow_runs_with_an_unwritable_home(tmp_path):
 
 def test_an_unwritable_prefect_home_that_was_set_is_one_line(tmp_path):
     env = _env(tmp_path, PREFECT_HOME=str(tmp_path / "not-a-folder" / "prefect"))
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [f"error: PREFECT_HOME={tmp_path / 'not-a-folder' / 'prefect'}: Prefect's home is not a folder this user can write; set PREFECT_HOME to one that is"]
+    assert proc.stderr.splitlines() == [
+        f"error: PREFECT_HOME={tmp_path / 'not-a-folder' / 'prefect'}: Prefect's home is not a folder this user can "
+        "write; set PREFECT_HOME to one that is"
+    ]
 
 
 def test_a_writable_home_is_left_to_prefect(tmp_path):

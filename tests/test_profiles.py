@@ -51,14 +51,31 @@ def test_profile_is_complete_and_in_step_with_params_yaml(repo_root, path):
         kwargs = params.backbone.kwargs
         if params.suite.source == "text2text":  # the classification tasks, written T5's way; pad is the decoder's start
             ids = special_ids(text2text=True)
-            assert params.suite.tasks == [t for t, spec in TASKS.items() if spec.kind == "classification"] and kwargs["vocab_size"] == ids["vocab_size"]
-            assert (kwargs["pad_token_id"], kwargs["decoder_start_token_id"], kwargs["eos_token_id"]) == (ids["<pad>"], ids["<pad>"], ids["</s>"])
+            assert (
+                params.suite.tasks == [t for t, spec in TASKS.items() if spec.kind == "classification"]
+                and kwargs["vocab_size"] == ids["vocab_size"]
+            )
+            assert (kwargs["pad_token_id"], kwargs["decoder_start_token_id"], kwargs["eos_token_id"]) == (
+                ids["<pad>"],
+                ids["<pad>"],
+                ids["</s>"],
+            )
             return
         ids = special_ids()
         assert params.suite.tasks == list(TASKS) and kwargs["vocab_size"] == ids["vocab_size"]
-        assert (kwargs["bos_token_id"], kwargs["pad_token_id"], kwargs["eos_token_id"]) == (ids["<s>"], ids["<pad>"], ids["</s>"])
-        assert kwargs["max_position_embeddings"] >= params.suite.seq_len + ids["<pad>"] + 1  # RoBERTa's positions start after the pad id
+        assert (kwargs["bos_token_id"], kwargs["pad_token_id"], kwargs["eos_token_id"]) == (
+            ids["<s>"],
+            ids["<pad>"],
+            ids["</s>"],
+        )
+        assert (
+            kwargs["max_position_embeddings"] >= params.suite.seq_len + ids["<pad>"] + 1
+        )  # RoBERTa's positions start after the pad id
         return
     assert raw["merge"]["methods"] == default["merge"]["methods"]
     suite = path.stem.split("_")[0]
-    assert params.suite.tasks == SUITES[suite] and params.finetune.head == "zeroshot" and params.backbone.embedding == "clip"
+    assert (
+        params.suite.tasks == SUITES[suite]
+        and params.finetune.head == "zeroshot"
+        and params.backbone.embedding == "clip"
+    )

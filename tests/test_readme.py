@@ -9,7 +9,10 @@ from mergeflow.core.errors import MergeflowError
 from mergeflow.readme import BEGIN, END, update
 
 SUMMARY = "| method | a | avg |\n|---|---|---|\n| task_arithmetic | 71.0 | **71.0** |\n"
-LOCK = "schema: '2.0'\nstages:\n  report:\n    cmd: mergeflow report\n    outs:\n    - path: results\n      hash: md5\n      md5: 0123456789abcdef0123456789abcdef.dir\n"
+LOCK = (
+    "schema: '2.0'\nstages:\n  report:\n    cmd: mergeflow report\n    outs:\n    - path: results\n      hash: md5\n   "
+    "   md5: 0123456789abcdef0123456789abcdef.dir\n"
+)
 
 
 def _project(tmp_path, summary=SUMMARY):

@@ -81,12 +81,15 @@ def test_resuming_from_the_loaded_checkpoint_repeats_an_uninterrupted_run(tmp_pa
     whole = REGISTRY["mima"](THETA0, TASKS, trainer(ADAMW), **HYPERPARAMETERS)
     path = tmp_path / "checkpoint.safetensors"
     with pytest.raises(Killed):
+
         def save_then_die(checkpoint):
             save_checkpoint(path, checkpoint, identity=IDENTITY)
             raise Killed
 
         REGISTRY["mima"](THETA0, TASKS, trainer(ADAMW), on_round_end=save_then_die, **HYPERPARAMETERS)
-    resumed = REGISTRY["mima"](THETA0, TASKS, trainer(ADAMW), resume=load_checkpoint(path, identity=IDENTITY), **HYPERPARAMETERS)
+    resumed = REGISTRY["mima"](
+        THETA0, TASKS, trainer(ADAMW), resume=load_checkpoint(path, identity=IDENTITY), **HYPERPARAMETERS
+    )
     same(resumed.task_states, whole.task_states)
     same(resumed.model, whole.model)
     assert [r.round for r in resumed.rounds] == [1, 2, 3]
@@ -108,7 +111,12 @@ def test_a_truncated_or_corrupt_file_is_one_line_naming_it(round_two, tmp_path):
     path = tmp_path / "ck.safetensors"
     save_checkpoint(path, round_two, identity=IDENTITY)
     data = path.read_bytes()
-    for name, damaged in [("truncated", data[: len(data) // 2]), ("header cut", data[:100]), ("garbage", b"\x00" * 7), ("flipped header", data[:8] + b"{" * 50 + data[58:])]:
+    for name, damaged in [
+        ("truncated", data[: len(data) // 2]),
+        ("header cut", data[:100]),
+        ("garbage", b"\x00" * 7),
+        ("flipped header", data[:8] + b"{" * 50 + data[58:]),
+    ]:
         bad = tmp_path / f"{name}.safetensors"
         bad.write_bytes(damaged)
         with pytest.raises(MergeflowError) as err:

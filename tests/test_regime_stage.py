@@ -35,7 +35,9 @@ def test_a_killed_regime_resumes_from_its_last_round(tiny_reference, tiny_env, t
     killed = copy_project(root, tmp_path / "killed")
     cmd = _mima_n4(killed)
     checkpoint = killed / "checkpoints/regime/mima/mima_n4.safetensors"
-    proc = subprocess.Popen(cmd, cwd=killed, env=tiny_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=killed, env=tiny_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -58,18 +60,37 @@ def test_a_killed_regime_resumes_from_its_last_round(tiny_reference, tiny_env, t
 
 
 def test_round_counts_must_split_the_budget():
-    raw = {"suite": {"tasks": ["digits"]}, "merge": {"methods": ["task_arithmetic"]}, "finetune": {"steps": 8}, "regimes": {"run": ["mima"], "mima": {"rounds": [2, 3]}}}
-    with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.mima.rounds: 3 rounds must divide finetune.steps = 8"):
+    raw = {
+        "suite": {"tasks": ["digits"]},
+        "merge": {"methods": ["task_arithmetic"]},
+        "finetune": {"steps": 8},
+        "regimes": {"run": ["mima"], "mima": {"rounds": [2, 3]}},
+    }
+    with pytest.raises(
+        MergeflowError, match=r"^params.yaml: regimes.mima.rounds: 3 rounds must divide finetune.steps = 8"
+    ):
         parse_params(raw)
     parse_params(raw | {"regimes": {"run": [], "mima": {"rounds": [3]}}})  # not run: not checked
-    with pytest.raises(MergeflowError, match=r"^params.yaml: regimes.methods.atm: unknown merge method .mima. \(`mergeflow methods` lists all 45\)$"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"^params.yaml: regimes.methods.atm: unknown merge method .mima. \(`mergeflow methods` lists all 45\)$",
+    ):
         parse_params(raw | {"regimes": {"run": ["atm"], "methods": {"atm": ["mima"]}}})
 
 
 def test_studies_are_checked_by_name_and_settings():
     raw = {"suite": {"tasks": ["digits"]}, "merge": {"methods": ["task_arithmetic"]}}
-    with pytest.raises(MergeflowError, match=r"^params.yaml: studies.run: unknown study 'nope' \(`mergeflow regimes` lists all \d+\)$"):
+    with pytest.raises(
+        MergeflowError, match=r"^params.yaml: studies.run: unknown study 'nope' \(`mergeflow regimes` lists all \d+\)$"
+    ):
         parse_params(raw | {"studies": {"run": ["nope"]}})
-    with pytest.raises(MergeflowError, match=r"^params.yaml: studies.mima.individual_tolerance: Input should be a valid number"):
+    with pytest.raises(
+        MergeflowError, match=r"^params.yaml: studies.mima.individual_tolerance: Input should be a valid number"
+    ):
         parse_params(raw | {"studies": {"run": ["mima"], "mima": {"individual_tolerance": "wide"}}})
-    assert parse_params(raw | {"studies": {"run": ["mima"], "mima": {"individual_tolerance": 0.05}}}).studies.settings("mima").individual_tolerance == 0.05
+    assert (
+        parse_params(raw | {"studies": {"run": ["mima"], "mima": {"individual_tolerance": 0.05}}})
+        .studies.settings("mima")
+        .individual_tolerance
+        == 0.05
+    )

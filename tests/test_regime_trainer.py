@@ -24,7 +24,9 @@ SGD = FinetuneConfig(optimizer="sgd", momentum=0.9, steps=6, batch_size=16, lr=3
 
 def _set(seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (64, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(0, 3, (64,), generator=g)
+    return torch.randint(0, 256, (64, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(
+        0, 3, (64,), generator=g
+    )
 
 
 TRAIN_SETS = {t: _set(i) for i, t in enumerate(TASKS)}
@@ -43,7 +45,10 @@ THETA0, HEADS = _theta0_and_heads()
 def _anchors():
     corpus, _ = _set(99)
     cfg = PreserveFeaturesConfig(weight=1.0, images=16, batch_size=8)
-    return {t: FeatureAnchor.build(build_backbone(TINY, THETA0), corpus, cfg, seed=SEEDS[t], device=CPU, eval_batch_size=16) for t in TASKS}
+    return {
+        t: FeatureAnchor.build(build_backbone(TINY, THETA0), corpus, cfg, seed=SEEDS[t], device=CPU, eval_batch_size=16)
+        for t in TASKS
+    }
 
 
 def trainer(cfg, anchors=None):
@@ -53,7 +58,9 @@ def trainer(cfg, anchors=None):
 def today(task, cfg, anchor=None):
     """training.finetune as the pipeline's finetune stage calls it."""
     backbone = build_backbone(TINY, THETA0)
-    curve = finetune(backbone, copy.deepcopy(HEADS[task]), *TRAIN_SETS[task], cfg, seed=SEEDS[task], device=CPU, anchor=anchor)
+    curve = finetune(
+        backbone, copy.deepcopy(HEADS[task]), *TRAIN_SETS[task], cfg, seed=SEEDS[task], device=CPU, anchor=anchor
+    )
     return backbone_state(backbone), curve
 
 
@@ -87,7 +94,9 @@ def test_mima_with_one_round_is_standard_bit_for_bit(cfg):
     standard = REGISTRY["standard"](THETA0, TASKS, trainer(cfg), steps=6)
     for schedule in ("one_schedule", "restart"):
         for optimizer_state in ("reset", "carry"):
-            mima = REGISTRY["mima"](THETA0, TASKS, trainer(cfg), rounds=1, total_steps=6, schedule=schedule, optimizer_state=optimizer_state)
+            mima = REGISTRY["mima"](
+                THETA0, TASKS, trainer(cfg), rounds=1, total_steps=6, schedule=schedule, optimizer_state=optimizer_state
+            )
             for t in TASKS:
                 equal(mima.task_states[t], standard.task_states[t])
 
@@ -99,7 +108,15 @@ def test_mima_on_one_task_with_one_schedule_and_carried_optimizer_is_one_finetun
     carried are one fine-tune of S steps, provided the schedule's offset, the optimiser state and the data order
     all continue exactly (S = 6 crosses an epoch boundary, so the reshuffle continues too)."""
     anchors = _anchors()
-    mima = REGISTRY["mima"](THETA0, ["digits"], trainer(cfg, anchors), rounds=rounds, total_steps=6, schedule="one_schedule", optimizer_state="carry")
+    mima = REGISTRY["mima"](
+        THETA0,
+        ["digits"],
+        trainer(cfg, anchors),
+        rounds=rounds,
+        total_steps=6,
+        schedule="one_schedule",
+        optimizer_state="carry",
+    )
     expected, _ = today("digits", cfg, anchors["digits"])
     equal(mima.task_states["digits"], expected)
     equal(mima.model, expected)
@@ -110,7 +127,9 @@ def test_one_schedule_learning_rates_continue_across_rounds():
     train, carry, rates = trainer(ADAMW), None, []
     state = dict(THETA0)
     for i in (1, 2, 3):
-        state, carry = train("digits", state, Budget.of_steps(2, round=i, schedule_start=(i - 1) * 2, schedule_length=6), carry)
+        state, carry = train(
+            "digits", state, Budget.of_steps(2, round=i, schedule_start=(i - 1) * 2, schedule_length=6), carry
+        )
         # the carry's lr is the one the scheduler set after the call's last step, i.e. the next step's
         rates.append(carry["param_groups"][0]["lr"])
     assert rates == [ADAMW.lr * warmup_cosine(s, 6, 2) for s in (2, 4, 6)]
@@ -121,7 +140,9 @@ def test_a_restart_draws_a_fresh_data_order_each_round():
     first, _ = train("digits", dict(THETA0), Budget.of_steps(3, round=1), None)
     second, _ = train("digits", dict(THETA0), Budget.of_steps(3, round=2), None)
     assert any(not torch.equal(first[k], second[k]) for k in first)
-    assert data_seed(SEEDS["digits"], 1) == SEEDS["digits"] and data_seed(SEEDS["digits"], 2) != data_seed(SEEDS["digits"], 3)
+    assert data_seed(SEEDS["digits"], 1) == SEEDS["digits"] and data_seed(SEEDS["digits"], 2) != data_seed(
+        SEEDS["digits"], 3
+    )
 
 
 class Killed(Exception):
@@ -169,7 +190,11 @@ def test_a_pool_runs_each_rounds_finetunes_at_once_with_the_same_results():
         assert list(pooled.task_states[t]) == list(THETA0)  # in the caller's key order
     equal(pooled.model, alone.model)
     for a, b in zip(pooled.rounds, alone.rounds):
-        assert (a.update_norms, a.update_cosines, a.task_vector_cosines) == (b.update_norms, b.update_cosines, b.task_vector_cosines)
+        assert (a.update_norms, a.update_cosines, a.task_vector_cosines) == (
+            b.update_norms,
+            b.update_cosines,
+            b.task_vector_cosines,
+        )
 
 
 def test_lazy_anchors_build_each_task_once_and_only_when_asked():

@@ -139,7 +139,15 @@ def test_mima_with_one_round_is_standard_bit_for_bit():
     standard = REGISTRY["standard"](base, TASKS, sgd_trainer(), steps=steps)
     for optimizer_state in ("reset", "carry"):
         for schedule in ("one_schedule", "restart"):
-            mima = REGISTRY["mima"](base, TASKS, sgd_trainer(), rounds=1, total_steps=steps, schedule=schedule, optimizer_state=optimizer_state)
+            mima = REGISTRY["mima"](
+                base,
+                TASKS,
+                sgd_trainer(),
+                rounds=1,
+                total_steps=steps,
+                schedule=schedule,
+                optimizer_state=optimizer_state,
+            )
             for t in TASKS:
                 equal(mima.task_states[t], standard.task_states[t])
 
@@ -173,8 +181,13 @@ def test_mima_hands_the_trainer_the_schedule_and_optimizer_state_it_was_asked_fo
         calls.append((task, budget, carry))
         return state, f"{task}{budget.round}"
 
-    REGISTRY["mima"](theta0(), ["a", "b"], spy, rounds=2, total_steps=10, schedule="one_schedule", optimizer_state="carry")
-    assert [(b.steps, b.schedule_start, b.schedule_length, b.round) for t, b, _ in calls if t == "a"] == [(5, 0, 10, 1), (5, 5, 10, 2)]
+    REGISTRY["mima"](
+        theta0(), ["a", "b"], spy, rounds=2, total_steps=10, schedule="one_schedule", optimizer_state="carry"
+    )
+    assert [(b.steps, b.schedule_start, b.schedule_length, b.round) for t, b, _ in calls if t == "a"] == [
+        (5, 0, 10, 1),
+        (5, 5, 10, 2),
+    ]
     assert [c for t, _, c in calls if t == "b"] == [None, "b1"]
     calls.clear()
     REGISTRY["mima"](theta0(), ["a", "b"], spy, rounds=2, total_steps=10, schedule="restart", optimizer_state="reset")
@@ -216,7 +229,14 @@ def test_a_run_killed_after_a_round_resumes_to_the_same_weights(name, hyperparam
         regime(theta0(), TASKS, sgd_trainer(), on_round_end=checkpoint_then_die, **hyperparameters)
     assert last["checkpoint"].round == kill_after
     rounds_run = []
-    resumed = regime(theta0(), TASKS, sgd_trainer(), resume=last["checkpoint"], on_round_end=lambda c: rounds_run.append(c.round), **hyperparameters)
+    resumed = regime(
+        theta0(),
+        TASKS,
+        sgd_trainer(),
+        resume=last["checkpoint"],
+        on_round_end=lambda c: rounds_run.append(c.round),
+        **hyperparameters,
+    )
     assert rounds_run == [3, 4]
     for t in TASKS:
         equal(resumed.task_states[t], uninterrupted.task_states[t])
@@ -225,7 +245,13 @@ def test_a_run_killed_after_a_round_resumes_to_the_same_weights(name, hyperparam
     assert [r.update_norms for r in resumed.rounds] == [r.update_norms for r in uninterrupted.rounds]
 
 
-EXAMPLE_HYPERPARAMETERS = {"standard": {"steps": 4}, "one_epoch": {}, "atm": {"rounds": 2, "steps": 2}, "mima": {"rounds": 2, "total_steps": 4}, "lora": {"rank": 1, "steps": 4}}
+EXAMPLE_HYPERPARAMETERS = {
+    "standard": {"steps": 4},
+    "one_epoch": {},
+    "atm": {"rounds": 2, "steps": 2},
+    "mima": {"rounds": 2, "total_steps": 4},
+    "lora": {"rank": 1, "steps": 4},
+}
 
 
 def test_every_regime_is_registered_with_its_formula_and_paper():

@@ -10,7 +10,9 @@ from mergeflow.ml.merging import REGISTRY, MergeData
 from mergeflow.ml.models import build_backbone
 from mergeflow.ml.statistics import input_grams
 
-VIT = BackboneConfig(model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 2, "num_heads": 2})
+VIT = BackboneConfig(
+    model="vit_tiny_patch16_224", kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 2, "num_heads": 2}
+)
 TASKS = ["a", "b", "c"]
 
 
@@ -30,7 +32,9 @@ def _setup(first_block_only: bool):
 
 
 def _plusplus(backbone, theta0, taus, images, alpha=0.9):
-    return REGISTRY["regmean_plusplus"].with_data(MergeData(backbone=backbone, train_inputs=images))(theta0, taus, alpha=alpha)
+    return REGISTRY["regmean_plusplus"].with_data(MergeData(backbone=backbone, train_inputs=images))(
+        theta0, taus, alpha=alpha
+    )
 
 
 def _regmean_on_own_grams(backbone, theta0, taus, images, alpha=0.9):
@@ -54,7 +58,9 @@ def test_with_only_the_first_block_fine_tuned_it_is_regmean():
 
 def test_one_task_gives_its_model_back_and_merged_embeddings_change_the_first_block():
     backbone, theta0, taus, images = _setup(first_block_only=False)
-    one = REGISTRY["regmean_plusplus"].with_data(MergeData(backbone=backbone, train_inputs={"a": images["a"]}))(theta0, {"a": taus["a"]}, alpha=0.9)
+    one = REGISTRY["regmean_plusplus"].with_data(MergeData(backbone=backbone, train_inputs={"a": images["a"]}))(
+        theta0, {"a": taus["a"]}, alpha=0.9
+    )
     for k in theta0:
         torch.testing.assert_close(one[k], theta0[k] + taus["a"][k], rtol=1e-5, atol=1e-6)
     plus, plain = _plusplus(backbone, theta0, taus, images), _regmean_on_own_grams(backbone, theta0, taus, images)

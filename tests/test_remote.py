@@ -89,7 +89,9 @@ def test_a_fresh_clone_shows_the_committed_headline(committed_run, tiny_env, tmp
     assert "metrics/headline/task_arithmetic.json" in table and str(json.loads(ta)["test_avg"]) in table
     for row in json.loads(_stdout(["dvc", "exp", "show", "--json"], clone, tiny_env)):  # the workspace and HEAD
         metrics = row["data"]["metrics"]
-        assert row["error"] is None and metrics["metrics/headline/task_arithmetic.json"]["data"] == json.loads(ta), row["rev"]
+        assert row["error"] is None and metrics["metrics/headline/task_arithmetic.json"]["data"] == json.loads(ta), row[
+            "rev"
+        ]
 
 
 @pytest.mark.parametrize("kind", ["folder", "s3"])
@@ -99,7 +101,11 @@ def test_push_then_pull_on_a_fresh_clone_restores_the_run(kind, committed_run, t
         url, extra = str(tmp_path / "store"), []
     else:
         endpoint = request.getfixturevalue("s3_server")
-        env |= {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+        env |= {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
         url, extra = "s3://mergeflow-results/runs", ["--endpoint-url", endpoint]
     project = copy_project(committed_run, tmp_path / "project")
     out = _stdout(["mergeflow", "remote", "add", url, *extra], project, env)
@@ -115,7 +121,11 @@ def test_push_then_pull_on_a_fresh_clone_restores_the_run(kind, committed_run, t
     start = time.perf_counter()
     run(["dvc", "pull"], clone, env)
     print(f"dvc pull of the tiny run from the {kind} remote: {time.perf_counter() - start:.1f} s")
-    expected = {p: h for p, h in _tree_md5s(project).items() if not p.startswith(("logs/timing", "metrics/tracking.json", "mlflow", "mlruns", "mlartifacts", "dvc_plots"))}
+    expected = {
+        p: h
+        for p, h in _tree_md5s(project).items()
+        if not p.startswith(("logs/timing", "metrics/tracking.json", "mlflow", "mlruns", "mlartifacts", "dvc_plots"))
+    }
     pulled = _tree_md5s(clone)
     assert {p: pulled.get(p) for p in expected} == expected
     assert "Data and pipelines are up to date." in _stdout(["dvc", "status"], clone, env)
@@ -131,7 +141,12 @@ def test_a_push_that_fills_the_remote_is_one_line_and_leaves_no_partial_file(tmp
     from mergeflow.core.errors import MergeflowError
     from mergeflow.runner.remote import push_outputs
 
-    run("git init -q && dvc init -q && for i in 1 2 3 4 5 6; do echo weights$i > model$i.bin; done && dvc add -q model*.bin", tmp_path, tiny_env)
+    run(
+        "git init -q && dvc init -q && for i in 1 2 3 4 5 6; do "
+        "echo weights$i > model$i.bin; done && dvc add -q model*.bin",
+        tmp_path,
+        tiny_env,
+    )
     store = tmp_path.parent / f"{tmp_path.name}-store"
     add_remote(str(store), root=tmp_path)
     written = []
@@ -146,7 +161,11 @@ def test_a_push_that_fills_the_remote_is_one_line_and_leaves_no_partial_file(tmp
     monkeypatch.setattr(dvc_local, "copyfile", copy_until_full)
     with pytest.raises(MergeflowError) as err:
         push_outputs(tmp_path, jobs=1)
-    assert str(err.value) == f"dvc push to storage ({store}): 4 files failed to upload (the first: [Errno 28] No space left on device); 4 partial files it left there removed"
+    assert (
+        str(err.value)
+        == f"dvc push to storage ({store}): 4 files failed to upload (the first: [Errno 28] No space left on device); "
+        "4 partial files it left there removed"
+    )
     assert not list(store.rglob("*.tmp")) and len([p for p in store.rglob("*") if p.is_file()]) == 2
 
 
@@ -160,7 +179,11 @@ def test_a_push_with_wrong_credentials_says_to_check_them(tmp_path, tiny_env, mo
     from moto import settings as moto_settings
 
     monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto: every request authenticated
-    for key, value in {"AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "wrong",
+        "AWS_SECRET_ACCESS_KEY": "wrong",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(key, value)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -172,7 +195,9 @@ def test_a_push_with_wrong_credentials_says_to_check_them(tmp_path, tiny_env, mo
             push_outputs(tmp_path)
     finally:
         server.stop()
-    assert str(err.value).startswith("dvc push to storage (s3://bucket/runs): PermissionError: ") and str(err.value).endswith("; check the remote's credentials (in the environment, or `dvc remote modify --local`)")
+    assert str(err.value).startswith("dvc push to storage (s3://bucket/runs): PermissionError: ") and str(
+        err.value
+    ).endswith("; check the remote's credentials (in the environment, or `dvc remote modify --local`)")
     assert "wrong" not in str(err.value)
 
 
@@ -186,7 +211,13 @@ def s3_server():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing-secret", region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+    )
     s3.create_bucket(Bucket="mergeflow-results")
     yield endpoint
     server.stop()
@@ -200,7 +231,10 @@ def test_worker_checkouts_need_a_remote_and_committed_code(committed_run, tiny_e
     with pytest.raises(MergeflowError, match=r"worker checkouts need a DVC remote .*`mergeflow remote add URL`"):
         check_source(project)
     add_remote(str(tmp_path / "store"), root=project)
-    with pytest.raises(MergeflowError, match=r"\.dvc/config differs from the last commit, which is what the workers check out: commit it first"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"\.dvc/config differs from the last commit, which is what the workers check out: commit it first",
+    ):
         check_source(project)
     run("git add .dvc/config && git commit -qm remote", project, tiny_env)
     assert check_source(project) == run(["git", "rev-parse", "HEAD"], project, tiny_env).strip()
@@ -210,7 +244,11 @@ def test_worker_checkouts_need_a_remote_and_committed_code(committed_run, tiny_e
         check_source(project)
     (project / "src" / "mergeflow" / "ml" / "merging" / "new_method.py").unlink()
     # a remote only in .dvc/config.local: the workers' clones would not know it
-    run("git rm -q --cached .dvc/config && git checkout -q HEAD~1 -- .dvc/config && git commit -qm 'no remote'", project, tiny_env)
+    run(
+        "git rm -q --cached .dvc/config && git checkout -q HEAD~1 -- .dvc/config && git commit -qm 'no remote'",
+        project,
+        tiny_env,
+    )
     run(["dvc", "remote", "add", "--local", "-d", "mine", str(tmp_path / "store")], project, tiny_env)
     assert default_remote(project).name == "mine"
     with pytest.raises(MergeflowError, match=r"need a DVC remote in \.dvc/config .*config\.local"):
@@ -221,7 +259,12 @@ def test_a_refused_flow_run_leaves_params_alone(committed_run, tiny_env, tmp_pat
     """Worker checkouts without Dask are refused before anything is written or Prefect starts."""
     project = copy_project(committed_run, tmp_path / "project")
     before = (project / "params.yaml").read_bytes()
-    proc = run([sys.executable, "-m", "flows.pipeline", "--worker-checkouts", "-S", "merge.ties.k=0.15"], project, tiny_env, check=False)
+    proc = run(
+        [sys.executable, "-m", "flows.pipeline", "--worker-checkouts", "-S", "merge.ties.k=0.15"],
+        project,
+        tiny_env,
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stderr == "error: worker checkouts need --runner dask\n", proc.stderr
     assert (project / "params.yaml").read_bytes() == before
 
@@ -242,13 +285,30 @@ def test_a_stage_a_worker_ran_is_recorded_whole(tmp_path):
 
     (tmp_path / "metrics" / "headline").mkdir(parents=True)
     (tmp_path / "metrics" / "headline" / "gone.json").write_text("{}")
-    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare"}}}))
+    (tmp_path / "dvc.lock").write_text(
+        yaml.safe_dump({"schema": "2.0", "stages": {"prepare": {"cmd": "mergeflow prepare"}}})
+    )
     entry = {"cmd": "mergeflow report", "outs": [{"path": "metrics/headline", "hash": "md5", "md5": "0" * 32 + ".dir"}]}
-    result = {"lock_entry": entry, "uncached_outs": ["metrics/headline", "metrics/verdicts/mima.json"], "uncached": {"metrics/headline/ties.json": '{"test_avg": 71.7}', "metrics/headline/mima_n4/ties.json": "{}", "metrics/verdicts/mima.json": '{"holds": 7}'}}
+    result = {
+        "lock_entry": entry,
+        "uncached_outs": ["metrics/headline", "metrics/verdicts/mima.json"],
+        "uncached": {
+            "metrics/headline/ties.json": '{"test_avg": 71.7}',
+            "metrics/headline/mima_n4/ties.json": "{}",
+            "metrics/verdicts/mima.json": '{"holds": 7}',
+        },
+    }
     record_stage(tmp_path, "report", result)
-    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "metrics").rglob("*.json")) == ["metrics/headline/mima_n4/ties.json", "metrics/headline/ties.json", "metrics/verdicts/mima.json"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "metrics").rglob("*.json")) == [
+        "metrics/headline/mima_n4/ties.json",
+        "metrics/headline/ties.json",
+        "metrics/verdicts/mima.json",
+    ]
     assert (tmp_path / "metrics" / "headline" / "ties.json").read_text() == '{"test_avg": 71.7}'
-    assert yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"] == {"prepare": {"cmd": "mergeflow prepare"}, "report": entry}
+    assert yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"] == {
+        "prepare": {"cmd": "mergeflow prepare"},
+        "report": entry,
+    }
 
 
 @pytest.mark.e2e
@@ -264,27 +324,79 @@ def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_e
 
     from .test_schedule import _api
 
-    env = tiny_env | {"PREFECT_API_URL": prefect_server, "CUDA_VISIBLE_DEVICES": "7,9"}  # no such devices: stages run on the CPU
+    env = tiny_env | {
+        "PREFECT_API_URL": prefect_server,
+        "CUDA_VISIBLE_DEVICES": "7,9",
+    }  # no such devices: stages run on the CPU
     project = copy_project(committed_run, tmp_path / "project")
     run(["mergeflow", "remote", "add", str(tmp_path / "store")], project, env)
     run("git add .dvc/config && git commit -qm remote && dvc push -q", project, env)
     # no regime and no study runs: their outputs go, as a clone has none of them (report and track read the folders)
-    run("git clean -qfdX metrics/regime metrics/regime_merge logs/regime_merge predictions/regime_merge regimes metrics/studies studies", project, env)
+    run(
+        "git clean -qfdX metrics/regime metrics/regime_merge logs/regime_merge "
+        "predictions/regime_merge regimes metrics/studies studies",
+        project,
+        env,
+    )
     start = time.perf_counter()
-    out = run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--workers", "2", "--worker-checkouts", "-S", "merge.ties.k=0.1", "-S", "regimes.run=[]", "-S", "studies.run=[]"], project, env, timeout=900)
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "flows.pipeline",
+            "--runner",
+            "dask",
+            "--workers",
+            "2",
+            "--worker-checkouts",
+            "-S",
+            "merge.ties.k=0.1",
+            "-S",
+            "regimes.run=[]",
+            "-S",
+            "studies.run=[]",
+        ],
+        project,
+        env,
+        timeout=900,
+    )
     print(f"flow run with worker checkouts (merge@ties, report, track): {time.perf_counter() - start:.1f} s")
     assert "3 of 19 stages to run: merge@ties, report, track" in out, out[-3000:]  # the standard stages alone
-    assert "runner: dask, 2 stages at once, GPUs 7, 9" in out and "Creating a new Dask cluster with `mergeflow.runner.arguments.local_cluster`" in out
+    assert (
+        "runner: dask, 2 stages at once, GPUs 7, 9" in out
+        and "Creating a new Dask cluster with `mergeflow.runner.arguments.local_cluster`" in out
+    )
     # the task runs, on the server: the three stages, completed, each on one of the pretend GPUs
-    flow_run = [r for r in _api(prefect_server, "flow_runs/filter", {"sort": "START_TIME_DESC"}) if r["parameters"].get("root") == "."][0]
-    assert flow_run["parameters"]["runner"] == "dask" and flow_run["parameters"]["worker_checkouts"] and flow_run["state_type"] == "COMPLETED"
+    flow_run = [
+        r
+        for r in _api(prefect_server, "flow_runs/filter", {"sort": "START_TIME_DESC"})
+        if r["parameters"].get("root") == "."
+    ][0]
+    assert (
+        flow_run["parameters"]["runner"] == "dask"
+        and flow_run["parameters"]["worker_checkouts"]
+        and flow_run["state_type"] == "COMPLETED"
+    )
     task_runs = _api(prefect_server, "task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
-    assert sorted((t["name"], t["state_type"]) for t in task_runs) == [("merge@ties", "COMPLETED"), ("report", "COMPLETED"), ("track", "COMPLETED")]
-    logs = [e["message"] for e in _api(prefect_server, "logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}})]
-    assert sorted(m for m in logs if " runs on GPU " in m) in ([f"merge@ties runs on GPU {a}", f"report runs on GPU {b}", f"track runs on GPU {c}"] for a in "79" for b in "79" for c in "79"), logs
+    assert sorted((t["name"], t["state_type"]) for t in task_runs) == [
+        ("merge@ties", "COMPLETED"),
+        ("report", "COMPLETED"),
+        ("track", "COMPLETED"),
+    ]
+    logs = [
+        e["message"] for e in _api(prefect_server, "logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    ]
+    assert sorted(m for m in logs if " runs on GPU " in m) in (
+        [f"merge@ties runs on GPU {a}", f"report runs on GPU {b}", f"track runs on GPU {c}"]
+        for a in "79"
+        for b in "79"
+        for c in "79"
+    ), logs
     # merge@ties and report on the workers, each in a clone in its Dask local directory; track here, where MLflow's
     # store is, on its inputs pulled
-    checkouts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"(merge@ties|report|track) ran in the checkout (\S+)", out)}
+    checkouts = {
+        m.group(1): Path(m.group(2)) for m in re.finditer(r"(merge@ties|report|track) ran in the checkout (\S+)", out)
+    }
     assert set(checkouts) == {"merge@ties", "report"}, out[-3000:]
     assert all(c.name == "mergeflow-checkout" and not c.is_relative_to(project) for c in checkouts.values()), checkouts
     assert "Task run 'track' - Finished in state Completed()" in out and "Pushed to the DVC remote **storage**" in out
@@ -292,12 +404,17 @@ def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_e
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["merge@ties"]["params"]["params.yaml"]["merge.ties"]["k"] == 0.1
     headline = json.loads((project / "metrics" / "headline" / "ties.json").read_text())
-    assert headline["test_avg"] == round(100 * json.loads((project / "metrics" / "evaluate" / "ties.json").read_text())["average"], 2)
+    assert headline["test_avg"] == round(
+        100 * json.loads((project / "metrics" / "evaluate" / "ties.json").read_text())["average"], 2
+    )
     # the run travels: a clone of the commit with this dvc.lock pulls the new merge
     run("git add dvc.lock params.yaml metrics && git commit -qm 'ties k=0.1'", project, env)
     clone = _clone(project, tmp_path / "clone", env)
     run(["dvc", "pull", "merged/ties.safetensors"], clone, env)
-    assert hashlib.md5((clone / "merged" / "ties.safetensors").read_bytes()).hexdigest() == hashlib.md5((project / "merged" / "ties.safetensors").read_bytes()).hexdigest()
+    assert (
+        hashlib.md5((clone / "merged" / "ties.safetensors").read_bytes()).hexdigest()
+        == hashlib.md5((project / "merged" / "ties.safetensors").read_bytes()).hexdigest()
+    )
 
 
 def test_a_flow_run_says_where_its_outputs_went(tmp_path, tiny_env):

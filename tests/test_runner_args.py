@@ -51,7 +51,11 @@ def test_workers_as_a_flow_parameter(capsys):
     """A deployment's run takes workers from its parameters (the UI, the API): the flow checks them itself."""
     check_workers(None)
     check_workers(1024, "workers")
-    for value, says in ((0, "0 stages at once: give 1 to 1,024"), (-1, "-1 stages at once: give 1 to 1,024"), (2.0, "2.0 is not a whole number of stages at once (1 to 1,024)")):
+    for value, says in (
+        (0, "0 stages at once: give 1 to 1,024"),
+        (-1, "-1 stages at once: give 1 to 1,024"),
+        (2.0, "2.0 is not a whole number of stages at once (1 to 1,024)"),
+    ):
         with pytest.raises(MergeflowError) as err:
             check_workers(value, "workers")
         assert str(err.value) == f"workers: {says}"
@@ -59,17 +63,32 @@ def test_workers_as_a_flow_parameter(capsys):
 
 def test_a_bad_runner_is_one_line(capsys):
     status, line = _one_line(capsys, lambda: pipeline.main(["--runner", "ray"]))
-    assert (status, line) == (2, "error: argument --runner: invalid choice: 'ray' (choose from 'thread', 'dask') (--help lists the options)")
+    assert (status, line) == (
+        2,
+        "error: argument --runner: invalid choice: 'ray' (choose from 'thread', 'dask') (--help lists the options)",
+    )
 
 
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--interval", "inf"], "--interval inf: give a finite number of seconds above 0, at most 31,622,400 (366 days)"),
-        (["--interval", "nan"], "--interval nan: give a finite number of seconds above 0, at most 31,622,400 (366 days)"),
+        (
+            ["--interval", "inf"],
+            "--interval inf: give a finite number of seconds above 0, at most 31,622,400 (366 days)",
+        ),
+        (
+            ["--interval", "nan"],
+            "--interval nan: give a finite number of seconds above 0, at most 31,622,400 (366 days)",
+        ),
         (["--interval", "0"], "--interval 0: give a finite number of seconds above 0, at most 31,622,400 (366 days)"),
-        (["--interval", "-60"], "--interval -60: give a finite number of seconds above 0, at most 31,622,400 (366 days)"),
-        (["--interval", "1e10"], "--interval 1e+10: give a finite number of seconds above 0, at most 31,622,400 (366 days)"),
+        (
+            ["--interval", "-60"],
+            "--interval -60: give a finite number of seconds above 0, at most 31,622,400 (366 days)",
+        ),
+        (
+            ["--interval", "1e10"],
+            "--interval 1e+10: give a finite number of seconds above 0, at most 31,622,400 (366 days)",
+        ),
         (["--cron", ""], "--cron '': give a cron expression, e.g. \"0 3 * * *\" (every day at 03:00)"),
         (["--cron", "   "], "--cron '   ': give a cron expression, e.g. \"0 3 * * *\" (every day at 03:00)"),
     ],
@@ -93,9 +112,18 @@ def test_an_interval_that_is_not_a_number_is_one_line(capsys):
 
 def test_workers_abc_through_the_command_line_is_one_line(repo_root):
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--workers", "abc"], cwd=repo_root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--workers", "abc"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == ["error: argument --workers: 'abc' is not a whole number of stages at once (1 to 1,024) (--help lists the options)"]
+    assert proc.stderr.splitlines() == [
+        "error: argument --workers: 'abc' is not a whole number "
+        "of stages at once (1 to 1,024) (--help lists the options)"
+    ]
     assert time.monotonic() - started < 120
 
 
@@ -108,16 +136,38 @@ def _closed_port() -> int:
 
 def test_an_unreachable_dask_scheduler_through_the_command_line(repo_root):
     port = _closed_port()
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--dask-address", f"tcp://127.0.0.1:{port}"], cwd=repo_root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--runner", "dask", "--dask-address", f"tcp://127.0.0.1:{port}"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"error: --dask-address tcp://127.0.0.1:{port}: no Dask scheduler there (Connection refused)"]
+    assert proc.stderr.splitlines() == [
+        f"error: --dask-address tcp://127.0.0.1:{port}: no Dask scheduler there (Connection refused)"
+    ]
 
 
 def test_a_dask_scheduler_started_outside_the_project_is_one_line(repo_root, tmp_path):
     """A scheduler that cannot import the project's tasks.stages would fail every stage with Dask's "Error during
     deserialization of the task graph" (ten lines each): the flow says so first, in one line."""
     port = _closed_port()
-    scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-dashboard",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         address = f"tcp://127.0.0.1:{port}"
         while True:  # no deadline: pytest-timeout ends a hang
@@ -128,7 +178,11 @@ def test_a_dask_scheduler_started_outside_the_project_is_one_line(repo_root, tmp
             time.sleep(0.3)
         with pytest.raises(MergeflowError) as err:
             check_dask_imports(address)
-        assert str(err.value) == f"--dask-address {address}: the scheduler cannot import tasks.stages (ModuleNotFoundError) (1 of 1 processes): start the scheduler and workers with the project's root on PYTHONPATH"
+        assert (
+            str(err.value)
+            == f"--dask-address {address}: the scheduler cannot import tasks.stages (ModuleNotFoundError) (1 of 1 "
+            "processes): start the scheduler and workers with the project's root on PYTHONPATH"
+        )
     finally:
         scheduler.terminate()
         scheduler.wait()
@@ -168,7 +222,10 @@ def test_a_scheduler_that_never_answers_is_one_line_after_the_timeout():
         with pytest.raises(MergeflowError) as err:
             probe_dask_scheduler(f"tcp://127.0.0.1:{port}", timeout=2.0)
         took = time.monotonic() - started
-    assert str(err.value) == f"--dask-address tcp://127.0.0.1:{port}: no Dask scheduler answers there (TimeoutError after 2 s)"
+    assert (
+        str(err.value)
+        == f"--dask-address tcp://127.0.0.1:{port}: no Dask scheduler answers there (TimeoutError after 2 s)"
+    )
     assert took > 1.5, took  # it waited for the handshake, not failed at once
 
 
@@ -186,7 +243,9 @@ def test_addresses_that_are_not_one(address, says):
     if says:
         assert str(err.value) == f"--dask-address {address}: {says}"
     else:
-        assert str(err.value).startswith(f"--dask-address {address}: no Dask scheduler there (") and "\n" not in str(err.value)
+        assert str(err.value).startswith(f"--dask-address {address}: no Dask scheduler there (") and "\n" not in str(
+            err.value
+        )
 
 
 def test_a_real_scheduler_passes_and_the_runner_bounds_its_connect_timeout(monkeypatch):
@@ -232,6 +291,10 @@ def test_a_scheduler_gone_since_the_check_is_one_line_when_the_runner_starts(mon
     monkeypatch.setattr(pipeline, "make_task_runner", lambda *args: Unreachable())
     with contextlib.ExitStack() as stack, pytest.raises(MergeflowError) as err:
         pipeline._enter_task_runner(stack, "dask", 2, "tcp://10.0.0.9:8786")
-    assert str(err.value) == "--dask-address tcp://10.0.0.9:8786: the Dask scheduler did not answer (Timed out trying to connect to tcp://10.0.0.9:8786 after 10 s)"
+    assert (
+        str(err.value)
+        == "--dask-address tcp://10.0.0.9:8786: the Dask scheduler did not answer (Timed out trying to connect to "
+        "tcp://10.0.0.9:8786 after 10 s)"
+    )
     with contextlib.ExitStack() as stack, pytest.raises(OSError):  # not a scheduler's: as it was
         pipeline._enter_task_runner(stack, "thread", 2, None)

@@ -25,7 +25,16 @@ from .conftest import copy_project, run as _run
 
 
 # ---------------------------------------------------------------- one stage per GPU (no GPU needed)
-@pytest.mark.parametrize(("value", "devices"), [("0,1,2", ["0", "1", "2"]), (" 3, 1 ", ["3", "1"]), ("", []), ("0,-1,2", ["0"]), ("GPU-5f1c,GPU-77aa", ["GPU-5f1c", "GPU-77aa"])])
+@pytest.mark.parametrize(
+    ("value", "devices"),
+    [
+        ("0,1,2", ["0", "1", "2"]),
+        (" 3, 1 ", ["3", "1"]),
+        ("", []),
+        ("0,-1,2", ["0"]),
+        ("GPU-5f1c,GPU-77aa", ["GPU-5f1c", "GPU-77aa"]),
+    ],
+)
 def test_visible_devices_are_read_as_cuda_reads_them(value, devices):
     assert parse_visible_devices(value) == devices
 
@@ -80,7 +89,9 @@ def test_concurrent_stages_never_share_a_device():
 
 
 def test_a_failed_stage_returns_its_device(tmp_path):
-    (tmp_path / "fail.py").write_text("import os, sys\nprint('error: on', os.environ['CUDA_VISIBLE_DEVICES'], file=sys.stderr)\nsys.exit(2)\n")
+    (tmp_path / "fail.py").write_text(
+        "import os, sys\nprint('error: on', os.environ['CUDA_VISIBLE_DEVICES'], file=sys.stderr)\nsys.exit(2)\n"
+    )
     pool = DevicePool(["4"])
     with pytest.raises(StageFailed, match="error: on 4"):
         with pool.lease() as env:
@@ -90,7 +101,10 @@ def test_a_failed_stage_returns_its_device(tmp_path):
 
 def test_local_cluster_workers_split_the_devices():
     """A Dask LocalCluster's workers are processes with a pool each: worker i of n hands out devices i, i+n, ..."""
-    assert worker_devices(["0", "1", "2", "3"], 0, 2) == ["0", "2"] and worker_devices(["0", "1", "2", "3"], 1, 2) == ["1", "3"]
+    assert worker_devices(["0", "1", "2", "3"], 0, 2) == ["0", "2"] and worker_devices(["0", "1", "2", "3"], 1, 2) == [
+        "1",
+        "3",
+    ]
     assert worker_devices(["0", "1"], 1, 2) == ["1"] and worker_devices(["0"], 1, 2) == []
     assert process_device_pool(["0", "1", "2", "3"], workers=2, worker=1).devices == ("1", "3")
     assert process_device_pool(["0", "1"]) is process_device_pool(("0", "1"))  # the thread runner: one pool per process
@@ -108,7 +122,10 @@ def test_local_cluster_workers_keep_the_thread_settings(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
-    with local_cluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+    with (
+        local_cluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         (worker,) = client.run(lambda: dict(__import__("os").environ)).values()  # by value: the worker imports no test
     assert "OMP_NUM_THREADS" not in worker and "OPENBLAS_NUM_THREADS" not in worker and worker["MKL_NUM_THREADS"] == "2"
     assert worker["PYTHONHASHSEED"] == "6640"  # Dask's own, which the server does not compare
@@ -127,7 +144,8 @@ def test_stage_tasks_on_a_thread_pool_get_a_gpu_each(tmp_path, prefect_server):
 
     (tmp_path / "stage.py").write_text(
         "import json, os, sys, time\nstart = time.time(); time.sleep(0.5)\n"
-        "json.dump([os.environ['DVC_STAGE'], os.environ['CUDA_VISIBLE_DEVICES'], start, time.time()], open(os.environ['DVC_STAGE'] + '.json', 'w'))\n"
+        "json.dump([os.environ['DVC_STAGE'], os.environ['CUDA_VISIBLE_DEVICES'], start, time.time()], "
+        "open(os.environ['DVC_STAGE'] + '.json', 'w'))\n"
     )
     nodes = [StageNode(f"merge@m{i}", (sys.executable, "stage.py"), ()) for i in range(4)]
 
@@ -138,17 +156,26 @@ def test_stage_tasks_on_a_thread_pool_get_a_gpu_each(tmp_path, prefect_server):
 
     with temporary_settings({PREFECT_API_URL: prefect_server}):
         stages()
-        APILogWorker.drain_all(timeout=10)  # now, while the server is up (not at exit, after the session server is gone)
+        APILogWorker.drain_all(
+            timeout=10
+        )  # now, while the server is up (not at exit, after the session server is gone)
     runs = [json.loads((tmp_path / f"{n.address}.json").read_text()) for n in nodes]
     assert {device for _, device, _, _ in runs} == {"6", "9"}
     for a in runs:
-        assert all(not (b[2] < a[3] and a[2] < b[3]) for b in runs if b is not a and b[1] == a[1]), runs  # one at a time per device
+        assert all(not (b[2] < a[3] and a[2] < b[3]) for b in runs if b is not a and b[1] == a[1]), (
+            runs
+        )  # one at a time per device
         assert sum(b[2] <= a[2] < b[3] for b in runs) <= 2, runs  # two at once at most, on four threads
 
 
 # ---------------------------------------------------------------- the Prefect server's records
 def _api(url: str, path: str, body: dict | None = None):
-    request = urllib.request.Request(f"{url}/{path}", data=None if body is None else json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    request = urllib.request.Request(
+        f"{url}/{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="GET" if body is None else "POST",
+    )
     return json.loads(urllib.request.urlopen(request, timeout=30).read())
 
 
@@ -158,7 +185,9 @@ def _deployment(url: str, name: str) -> dict | None:
 
 
 def _flow_runs(url: str, deployment_id: str) -> list[dict]:
-    return _api(url, "flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "sort": "START_TIME_ASC"})
+    return _api(
+        url, "flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "sort": "START_TIME_ASC"}
+    )
 
 
 def _wait_for(what, timeout: float, message: str, proc: subprocess.Popen | None = None, log: Path | None = None):
@@ -213,16 +242,34 @@ def test_served_deployment_runs_on_its_schedule(tmp_path, tiny_reference, tiny_e
     name = f"served-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mergeflow.cli", "serve", "--interval", "5", "--name", name, "--workers", "2"], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mergeflow.cli", "serve", "--interval", "5", "--name", name, "--workers", "2"],
+            cwd=root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deployment = None
     try:
         deployment = _wait_for(lambda: _deployment(prefect_server, name), 120, "no deployment registered", proc, log)
         _check_limit_of_one(deployment)
-        assert deployment["parameters"] == {"root": str(root), "workers": 2, "runner": "thread", "overrides": [], "dask_address": None, "worker_checkouts": False}
+        assert deployment["parameters"] == {
+            "root": str(root),
+            "workers": 2,
+            "runner": "thread",
+            "overrides": [],
+            "dask_address": None,
+            "worker_checkouts": False,
+        }
         assert deployment["schedules"][0]["schedule"]["interval"] == 5.0 and deployment["schedules"][0]["active"]
 
         def completed():
-            runs = [r for r in _flow_runs(prefect_server, deployment["id"]) if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
+            runs = [
+                r
+                for r in _flow_runs(prefect_server, deployment["id"])
+                if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")
+            ]
             return runs if len(runs) >= 2 else None
 
         runs = _wait_for(completed, 150, "fewer than two scheduled runs ended", proc, log)
@@ -232,14 +279,24 @@ def test_served_deployment_runs_on_its_schedule(tmp_path, tiny_reference, tiny_e
     finally:
         _stop_serving(proc)
         if deployment:
-            spans = sorted((r["start_time"], r["end_time"]) for r in _flow_runs(prefect_server, deployment["id"]) if r["start_time"] and r["end_time"])
+            spans = sorted(
+                (r["start_time"], r["end_time"])
+                for r in _flow_runs(prefect_server, deployment["id"])
+                if r["start_time"] and r["end_time"]
+            )
             _delete_deployment(prefect_server, deployment["id"])
     assert all(r["state_type"] == "COMPLETED" for r in runs), [(r["name"], r["state"]["message"]) for r in runs]
     for r in runs:
         assert r["auto_scheduled"] and r["total_run_time"] < 30, r
         assert _api(prefect_server, "task_runs/filter", {"flow_runs": {"id": {"any_": [r["id"]]}}}) == []  # no stage
-        messages = [entry["message"] for entry in _api(prefect_server, "logs/filter", {"logs": {"flow_run_id": {"any_": [r["id"]]}}})]
-        assert any(m.startswith("nothing to do") for m in messages) and f"0 of {len(stage_graph(root))} stages to run: none" in messages, messages
+        messages = [
+            entry["message"]
+            for entry in _api(prefect_server, "logs/filter", {"logs": {"flow_run_id": {"any_": [r["id"]]}}})
+        ]
+        assert (
+            any(m.startswith("nothing to do") for m in messages)
+            and f"0 of {len(stage_graph(root))} stages to run: none" in messages
+        ), messages
     # one at a time: every run of the deployment that ran started after the one before it had ended, though
     # runs came due every 5 s and the runner picks up every run that is due
     assert len(spans) >= 2 and all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
@@ -258,8 +315,16 @@ def test_prefect_yaml_registers_the_nightly_deployment(tmp_path, tiny_reference,
     _check_limit_of_one(deployment)
     assert deployment["entrypoint"] == "flows/pipeline.py:pipeline" and deployment["work_pool_name"] == "mergeflow"
     assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}]
-    assert deployment["parameters"] == {"root": ".", "workers": None, "runner": "thread", "dask_address": None, "overrides": []}
-    assert [s["schedule"] for s in deployment["schedules"]] == [{"cron": "0 3 * * *", "timezone": "UTC", "day_or": True}]
+    assert deployment["parameters"] == {
+        "root": ".",
+        "workers": None,
+        "runner": "thread",
+        "dask_address": None,
+        "overrides": [],
+    }
+    assert [s["schedule"] for s in deployment["schedules"]] == [
+        {"cron": "0 3 * * *", "timezone": "UTC", "day_or": True}
+    ]
 
 
 @pytest.mark.e2e
@@ -275,23 +340,38 @@ def test_a_failed_run_is_failed_with_the_stage_line(tmp_path, tiny_reference, pr
     root = copy_project(tiny_reference[0], tmp_path / "failing")
     fake = tmp_path / "bin" / "mergeflow"
     fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\necho "working on $DVC_STAGE"\necho "error: $DVC_STAGE: simulated failure" >&2\nexit 2\n')
+    fake.write_text(
+        '#!/bin/sh\necho "working on $DVC_STAGE"\necho "error: $DVC_STAGE: simulated failure" >&2\nexit 2\n'
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     before = (root / "dvc.lock").read_text()
     with temporary_settings({PREFECT_API_URL: prefect_server}):
-        state = pipeline(root=str(root), workers=2, overrides=["merge.ties.k=0.1", "regimes.run=[]", "studies.run=[]"], return_state=True)
+        state = pipeline(
+            root=str(root),
+            workers=2,
+            overrides=["merge.ties.k=0.1", "regimes.run=[]", "studies.run=[]"],
+            return_state=True,
+        )
         APILogWorker.drain_all(timeout=10)
     assert state.is_failed(), state
-    assert state.message.endswith("3 of 3 stages did not complete; first failure: stage merge@ties exited with status 2: error: merge@ties: simulated failure"), state.message
+    assert state.message.endswith(
+        "3 of 3 stages did not complete; first failure: stage merge@ties "
+        "exited with status 2: error: merge@ties: simulated failure"
+    ), state.message
     assert (root / "dvc.lock").read_text() == before
 
 
 def test_serve_refuses_bad_input_before_registering(tmp_path, repo_root):
     """A schedule that cannot work, or a directory that is no DVC project, is one line and status 2, before
     anything reaches Prefect."""
-    for args, says in [(["--cron", "0 3 * *"], 'error: Invalid cron string: "0 3 * *"'), (["--interval", "0", "--root", str(tmp_path)], "error: " + str(tmp_path))]:
-        proc = subprocess.run([sys.executable, "-m", "flows.serve", *args], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    for args, says in [
+        (["--cron", "0 3 * *"], 'error: Invalid cron string: "0 3 * *"'),
+        (["--interval", "0", "--root", str(tmp_path)], "error: " + str(tmp_path)),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.serve", *args], cwd=repo_root, capture_output=True, text=True, timeout=120
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(says), (args, proc.stderr)
 
@@ -303,8 +383,17 @@ def test_serve_refuses_bad_input_before_registering(tmp_path, repo_root):
 
 
 def test_a_dask_address_needs_the_dask_runner(tmp_path, repo_root):
-    proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--dask-address", "tcp://127.0.0.1:1"], cwd=repo_root, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: a Dask scheduler address (tcp://127.0.0.1:1) needs --runner dask"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--dask-address", "tcp://127.0.0.1:1"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == "error: a Dask scheduler address (tcp://127.0.0.1:1) needs --runner dask"
+    )
 
 
 def test_stage_failures_cross_process_boundaries():
@@ -312,5 +401,10 @@ def test_stage_failures_cross_process_boundaries():
     import pickle
 
     err = pickle.loads(pickle.dumps(StageFailed("merge@ties", 2, "error: merge.ties.k: must be in (0, 1]")))
-    assert (err.address, err.returncode, err.tail, err.bad_input) == ("merge@ties", 2, "error: merge.ties.k: must be in (0, 1]", True)
+    assert (err.address, err.returncode, err.tail, err.bad_input) == (
+        "merge@ties",
+        2,
+        "error: merge.ties.k: must be in (0, 1]",
+        True,
+    )
     assert str(err) == "stage merge@ties exited with status 2: error: merge.ties.k: must be in (0, 1]"

@@ -19,13 +19,20 @@ DVC = os.path.join(os.path.dirname(sys.executable), "dvc")
 
 
 def test_a_stage_starts_after_its_upstream_is_committed_and_never_downstream_of_a_failure():
-    nodes = [StageNode("a", ("a",), ()), *(StageNode(f"b@{i}", ("b",), ("a",)) for i in range(4)), StageNode("c", ("c",), ("b@0",)), StageNode("d", ("d",), ("b@1",))]
+    nodes = [
+        StageNode("a", ("a",), ()),
+        *(StageNode(f"b@{i}", ("b",), ("a",)) for i in range(4)),
+        StageNode("c", ("c",), ("b@0",)),
+        StageNode("d", ("d",), ("b@1",)),
+    ]
     committed, running, most = [], set(), [0]
     lock = threading.Lock()
 
     def work(node):
         with lock:
-            assert all(u in committed for u in node.upstream), f"{node.address} started before {node.upstream} was committed"
+            assert all(u in committed for u in node.upstream), (
+                f"{node.address} started before {node.upstream} was committed"
+            )
             running.add(node.address)
             most[0] = max(most[0], len(running))
         time.sleep(0.05)
@@ -38,8 +45,16 @@ def test_a_stage_starts_after_its_upstream_is_committed_and_never_downstream_of_
     with ThreadPoolExecutor(4) as pool:
         outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), committed.append, limit=2)
     assert most[0] == 2  # four b's were ready at once; two ran
-    assert committed[0] == "a" and set(committed) == {"a", "b@1", "b@2", "b@3", "d"} and committed.index("d") > committed.index("b@1")
-    assert list(outcome.failed) == ["b@0"] and outcome.error_line("b@0") == "error: bad input" and outcome.status("b@0") == "exit status 2 (bad input)"
+    assert (
+        committed[0] == "a"
+        and set(committed) == {"a", "b@1", "b@2", "b@3", "d"}
+        and committed.index("d") > committed.index("b@1")
+    )
+    assert (
+        list(outcome.failed) == ["b@0"]
+        and outcome.error_line("b@0") == "error: bad input"
+        and outcome.status("b@0") == "exit status 2 (bad input)"
+    )
     assert outcome.not_run == {"c": "needs b@0, which failed"}
 
 
@@ -47,7 +62,12 @@ def test_a_stage_downstream_of_a_change_runs_only_if_its_inputs_changed():
     """sources -> merge@ties, merge@emr -> report: sources changed, and of its outputs only emr's changed (as when one
     method's module was edited). merge@ties is up to date once sources ran, so report waits only for merge@emr; a
     stage asked is asked once its upstream stages are committed."""
-    nodes = [StageNode("sources", ("s",), ()), StageNode("merge@ties", ("m",), ("sources",)), StageNode("merge@emr", ("m",), ("sources",)), StageNode("report", ("r",), ("merge@ties", "merge@emr"))]
+    nodes = [
+        StageNode("sources", ("s",), ()),
+        StageNode("merge@ties", ("m",), ("sources",)),
+        StageNode("merge@emr", ("m",), ("sources",)),
+        StageNode("report", ("r",), ("merge@ties", "merge@emr")),
+    ]
     committed, asked = [], []
 
     def changed(node):
@@ -55,20 +75,42 @@ def test_a_stage_downstream_of_a_change_runs_only_if_its_inputs_changed():
         return node.address in ("sources", "merge@emr", "report")
 
     with ThreadPoolExecutor(2) as pool:
-        outcome = run_graph(nodes, lambda node, upstream: pool.submit(lambda: {"stage": node.address}), committed.append, limit=2, must_run=changed)
-    assert committed == ["sources", "merge@emr", "report"] and outcome.up_to_date == ["merge@ties"] and outcome.done == committed
+        outcome = run_graph(
+            nodes,
+            lambda node, upstream: pool.submit(lambda: {"stage": node.address}),
+            committed.append,
+            limit=2,
+            must_run=changed,
+        )
+    assert (
+        committed == ["sources", "merge@emr", "report"]
+        and outcome.up_to_date == ["merge@ties"]
+        and outcome.done == committed
+    )
     assert dict(asked)["merge@ties"] == ["sources"] and dict(asked)["report"] == ["sources", "merge@emr"]
     assert not outcome.failed and not outcome.not_run
 
 
-STAGE = "import json, os, sys, time; item = os.environ['DVC_STAGE'].split('@')[1]; start = time.time(); time.sleep(0.5); json.dump({'item': item, 'span': [start, time.time()]}, open(f'out/{item}.json', 'w')); print('made', item); sys.exit(3 if item == 'bad' else 0)"
-TOTAL = "import glob, json; open('total.txt', 'w').write(','.join(sorted(json.load(open(p))['item'] for p in glob.glob('out/*.json'))))"
+STAGE = (
+    "import json, os, sys, time; item = os.environ['DVC_STAGE'].split('@')[1]; start = time.time(); time.sleep(0.5); "
+    "json.dump({'item': item, 'span': [start, time.time()]}, open(f'out/{item}.json', 'w')); print('made', item); "
+    "sys.exit(3 if item == 'bad' else 0)"
+)
+TOTAL = (
+    "import glob, json; open('total.txt', "
+    "'w').write(','.join(sorted(json.load(open(p))['item'] for p in glob.glob('out/*.json'))))"
+)
 
 
 def _repro(root, workers=2, force=(), env=None) -> subprocess.CompletedProcess:
     """scheduler.repro in a process of its own (DVC's logger keeps the stream it first saw)."""
-    code = f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}, {workers}, {set(force)!r}))"
-    return subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    code = (
+        "import sys; from mergeflow.runner.scheduler import repro; "
+        f"sys.exit(repro({str(root)!r}, {workers}, {set(force)!r}))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env={**os.environ, **(env or {})}, capture_output=True, text=True
+    )
 
 
 def _project(root, items):
@@ -76,10 +118,26 @@ def _project(root, items):
     subprocess.run([DVC, "init", "-q"], cwd=root, check=True)
     (root / "params.yaml").write_text(json.dumps({"items": items}))
     (root / "out").mkdir()
-    (root / "dvc.yaml").write_text(json.dumps({"stages": {
-        "make": {"foreach": "${items}", "do": {"cmd": f"{sys.executable} -c \"{STAGE}\"", "outs": [{"out/${item}.json": {"persist": False}}]}},
-        "total": {"cmd": f"{sys.executable} -c \"{TOTAL}\"", "deps": [f"out/{i}.json" for i in items], "outs": ["total.txt"]},
-    }}))
+    (root / "dvc.yaml").write_text(
+        json.dumps(
+            {
+                "stages": {
+                    "make": {
+                        "foreach": "${items}",
+                        "do": {
+                            "cmd": f'{sys.executable} -c "{STAGE}"',
+                            "outs": [{"out/${item}.json": {"persist": False}}],
+                        },
+                    },
+                    "total": {
+                        "cmd": f'{sys.executable} -c "{TOTAL}"',
+                        "deps": [f"out/{i}.json" for i in items],
+                        "outs": ["total.txt"],
+                    },
+                }
+            }
+        )
+    )
     return root
 
 
@@ -88,7 +146,9 @@ def test_repro_runs_the_items_at_once_and_dvc_agrees(tmp_path):
     proc = _repro(root)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "4 of 4 stages to run, up to 2 at once" in out and "[make@y] made y" in out and "Running stage 'total':" in out
+    assert (
+        "4 of 4 stages to run, up to 2 at once" in out and "[make@y] made y" in out and "Running stage 'total':" in out
+    )
     assert (root / "total.txt").read_text() == "x,y,z"
     spans = sorted(json.loads((root / f"out/{i}.json").read_text())["span"] for i in "xyz")
     assert spans[1][0] < spans[0][1] and spans[2][0] >= min(spans[0][1], spans[1][1])  # two at once, never three
@@ -105,14 +165,21 @@ def test_a_failed_stage_is_named_and_the_others_are_recorded(tmp_path):
     assert proc.returncode == 1
     err = proc.stderr
     assert "failed: make@bad, exit status 3: made bad" in err and "not run: total (needs make@bad, which failed)" in err
-    status = json.loads(subprocess.run([DVC, "status", "--json"], cwd=root, capture_output=True, text=True, check=True).stdout)
+    status = json.loads(
+        subprocess.run([DVC, "status", "--json"], cwd=root, capture_output=True, text=True, check=True).stdout
+    )
     assert "make@good" not in status and "make@bad" in status  # the good item is in dvc.lock
 
 
 def test_of_the_ready_stages_the_one_more_stages_wait_on_starts_first():
     """A regime (two stages after it) and vectors (the merges after it) are ready together; one at a time, vectors
     starts first."""
-    nodes = [StageNode("regime@r", ("r",), ()), StageNode("vectors", ("v",), ()), *(StageNode(f"merge@{i}", ("m",), ("vectors",)) for i in range(3)), StageNode("regime_merge@r", ("rm",), ("regime@r",))]
+    nodes = [
+        StageNode("regime@r", ("r",), ()),
+        StageNode("vectors", ("v",), ()),
+        *(StageNode(f"merge@{i}", ("m",), ("vectors",)) for i in range(3)),
+        StageNode("regime_merge@r", ("rm",), ("regime@r",)),
+    ]
     started = []
 
     def work(node):
@@ -127,7 +194,11 @@ def test_of_the_ready_stages_the_one_more_stages_wait_on_starts_first():
 def test_a_stage_that_takes_every_core_runs_alone_and_items_pair_up():
     """On 2 cores: the fine-tunes (one core each) two at once, vectors (every core) alone, and nothing started
     beside it while it waits for a core."""
-    nodes = [*(StageNode(f"finetune@{t}", ("f",), ()) for t in "abc"), StageNode("vectors", ("v",), tuple(f"finetune@{t}" for t in "abc")), StageNode("regime@r", ("r",), ("finetune@a",))]
+    nodes = [
+        *(StageNode(f"finetune@{t}", ("f",), ()) for t in "abc"),
+        StageNode("vectors", ("v",), tuple(f"finetune@{t}" for t in "abc")),
+        StageNode("regime@r", ("r",), ("finetune@a",)),
+    ]
     together, running, lock = [], set(), threading.Lock()
 
     def work(node):
@@ -143,7 +214,14 @@ def test_a_stage_that_takes_every_core_runs_alone_and_items_pair_up():
         return 1 if "@" in node.address and not node.address.startswith("regime") else 2
 
     with ThreadPoolExecutor(4) as pool:
-        outcome = run_graph(nodes, lambda node, upstream: pool.submit(work, node), lambda address: None, limit=4, cores=cores, capacity=2)
+        outcome = run_graph(
+            nodes,
+            lambda node, upstream: pool.submit(work, node),
+            lambda address: None,
+            limit=4,
+            cores=cores,
+            capacity=2,
+        )
     assert len(outcome.done) == len(nodes)
     assert max(len(s) for s in together) == 2 and all(len(s) == 1 for s in together if {"vectors", "regime@r"} & s)
 
@@ -152,7 +230,11 @@ def test_a_stage_that_does_not_wait_for_the_finished_one_starts_during_its_commi
     """One stage at a time: while merge@0 is committed, merge@1 (which needs only vectors) is already running;
     report, which needs every merge, starts only after the last commit, and vectors' own commit comes before any
     merge (they wait for it)."""
-    nodes = [StageNode("vectors", ("v",), ()), *(StageNode(f"merge@{i}", ("m",), ("vectors",)) for i in range(3)), StageNode("report", ("r",), tuple(f"merge@{i}" for i in range(3)))]
+    nodes = [
+        StageNode("vectors", ("v",), ()),
+        *(StageNode(f"merge@{i}", ("m",), ("vectors",)) for i in range(3)),
+        StageNode("report", ("r",), tuple(f"merge@{i}" for i in range(3))),
+    ]
     events, lock = [], threading.Lock()
 
     def work(node):
@@ -182,7 +264,9 @@ GPU_STAGE = (
     "start = time.time(); time.sleep(0.5)\n"
     "env = {k: v for k, v in os.environ.items() if k not in ('DVC_STAGE', 'DVC_ROOT')}\n"
     "item = os.environ['DVC_STAGE'].split('@')[1]\n"
-    "json.dump({'item': item, 'device': os.environ['CUDA_VISIBLE_DEVICES'], 'span': [start, time.time()], 'server': os.environ.get(SERVER_ENV), 'listening': os.path.exists(os.environ.get(SERVER_ENV, '')), 'env': env}, open(f'out/{item}.json', 'w'))\n"
+    "json.dump({'item': item, 'device': os.environ['CUDA_VISIBLE_DEVICES'], 'span': [start, time.time()], 'server': "
+    "os.environ.get(SERVER_ENV), 'listening': os.path.exists(os.environ.get(SERVER_ENV, '')), 'env': env}, "
+    "open(f'out/{item}.json', 'w'))\n"
 )
 
 
@@ -199,13 +283,29 @@ def test_repro_gives_each_stage_a_gpu_to_itself_and_that_gpus_stage_server(tmp_p
     stages["stages"]["make"]["do"]["cmd"] = f"{sys.executable} stage.py"
     (root / "dvc.yaml").write_text(json.dumps(stages))
     env = {k: v for k, v in os.environ.items() if k != SERVER_ENV} | {"CUDA_VISIBLE_DEVICES": "6,9"}
-    proc = subprocess.run([sys.executable, "-c", f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}))"], cwd=root, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}))",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "4 of 4 stages to run, up to 2 at once on a GPU each (6, 9)" in proc.stdout and "Running stage 'make@x' on GPU " in proc.stdout
+    assert (
+        "4 of 4 stages to run, up to 2 at once on a GPU each (6, 9)" in proc.stdout
+        and "Running stage 'make@x' on GPU " in proc.stdout
+    )
     runs = [json.loads((root / f"out/{i}.json").read_text()) for i in "xyz"]
     assert {r["device"] for r in runs} == {"6", "9"}
     for a in runs:  # never two at once on one GPU
-        assert all(b is a or b["device"] != a["device"] or b["span"][0] >= a["span"][1] or a["span"][0] >= b["span"][1] for b in runs)
+        assert all(
+            b is a or b["device"] != a["device"] or b["span"][0] >= a["span"][1] or a["span"][0] >= b["span"][1]
+            for b in runs
+        )
     assert all(r["env"]["MERGEFLOW_RUN_GPUS"] == "2" for r in runs)  # their threads: the cores' share of one GPU
     servers = {r["device"]: r["server"] for r in runs}
     assert len(set(servers.values())) == 2 and all(r["listening"] for r in runs)
@@ -241,11 +341,22 @@ def test_a_stopped_gpu_run_records_the_stages_waiting_for_a_gpu_as_not_run(tmp_p
     root = _project(tmp_path, list("abcde"))
     (root / "stage.py").write_text("import os, time\nprint('start', flush=True)\ntime.sleep(60)\n")
     stages = json.loads((root / "dvc.yaml").read_text())
-    stages["stages"] = {"make": stages["stages"]["make"] | {"do": stages["stages"]["make"]["do"] | {"cmd": f"{sys.executable} stage.py"}}}
+    stages["stages"] = {
+        "make": stages["stages"]["make"]
+        | {"do": stages["stages"]["make"]["do"] | {"cmd": f"{sys.executable} stage.py"}}
+    }
     (root / "dvc.yaml").write_text(json.dumps(stages))
     env = {k: v for k, v in os.environ.items() if k != "MERGEFLOW_STAGE_SERVER"} | {"CUDA_VISIBLE_DEVICES": "7,9"}
     code = f"import sys; from mergeflow.runner.scheduler import repro; sys.exit(repro({str(root)!r}, 4))"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -268,11 +379,20 @@ def test_a_stage_given_a_gpu_forks_from_that_gpus_server_and_not_from_another(tm
     from mergeflow.runner.stage_server import SERVER_ENV, running_servers
 
     monkeypatch.delenv(SERVER_ENV, raising=False)
-    child = "import sys; from mergeflow.runner.stage_server import forward; sys.exit(100 if (r := forward(['report'])) is None else r)"
+    child = (
+        "import sys; from mergeflow.runner.stage_server import forward; "
+        "sys.exit(100 if (r := forward(['report'])) is None else r)"
+    )
     with running_servers(["7", "9"]) as servers:
         assert all(servers.values())
         for server, expected in ((servers["9"], 2), (servers["7"], 100)):
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "9", SERVER_ENV: server, "DVC_STAGE": "report", "DVC_ROOT": str(tmp_path)}
+            env = {
+                **os.environ,
+                "CUDA_VISIBLE_DEVICES": "9",
+                SERVER_ENV: server,
+                "DVC_STAGE": "report",
+                "DVC_ROOT": str(tmp_path),
+            }
             proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True)
             assert proc.returncode == expected, proc.stderr[-1000:]
 
@@ -282,6 +402,12 @@ def test_a_runners_own_failure_of_several_lines_is_its_first():
     from mergeflow.runner.scheduler import RunOutcome
 
     outcome = RunOutcome(["merge@ties"])
-    outcome.failed["merge@ties"] = RuntimeError("Error during deserialization of the task graph. This frequently\noccurs if the Scheduler and Client have different environments.")
-    assert outcome.error_line("merge@ties") == "RuntimeError: Error during deserialization of the task graph. This frequently"
+    outcome.failed["merge@ties"] = RuntimeError(
+        "Error during deserialization of the task graph. This frequently\n"
+        "occurs if the Scheduler and Client have different environments."
+    )
+    assert (
+        outcome.error_line("merge@ties")
+        == "RuntimeError: Error during deserialization of the task graph. This frequently"
+    )
     assert outcome.status("merge@ties") == "did not finish"

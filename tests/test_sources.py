@@ -1,4 +1,5 @@
-"""mergeflow.pipeline.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one method's
+"""mergeflow.pipeline.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one \
+method's
 module changes (only the merges whose modules import it)."""
 
 import hashlib
@@ -17,19 +18,29 @@ def _package(root, files: dict[str, str]):
 
 
 def test_imports_are_followed_at_the_top_inside_functions_and_relative(tmp_path):
-    pkg = _package(tmp_path, {
-        "__init__.py": "from pkg import shared\n",
-        "shared.py": "",
-        "a.py": "from pkg._helper import x\n\ndef f():\n    from . import b\n",
-        "b.py": "import os\nimport pkg.c\n",
-        "c.py": "from .. import elsewhere\n",
-        "d.py": "import numpy\n",
-        "_helper.py": "x = 1\n",
-    })
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "from pkg import shared\n",
+            "shared.py": "",
+            "a.py": "from pkg._helper import x\n\ndef f():\n    from . import b\n",
+            "b.py": "import os\nimport pkg.c\n",
+            "c.py": "from .. import elsewhere\n",
+            "d.py": "import numpy\n",
+            "_helper.py": "x = 1\n",
+        },
+    )
     assert imported_modules(pkg / "a.py", "pkg.a") == {"pkg._helper", "pkg._helper.x", "pkg", "pkg.b"}
     assert imported_modules(pkg / "__init__.py", "pkg") == {"pkg", "pkg.shared"}
     names = lambda roots: [p.name for p in closure(pkg, "pkg", roots)]  # noqa: E731
-    assert names(["pkg.a"]) == ["__init__.py", "_helper.py", "a.py", "b.py", "c.py", "shared.py"]  # pkg: a's `from . import b`
+    assert names(["pkg.a"]) == [
+        "__init__.py",
+        "_helper.py",
+        "a.py",
+        "b.py",
+        "c.py",
+        "shared.py",
+    ]  # pkg: a's `from . import b`
     # a submodule's package runs first (its __init__, and what that imports)
     assert names(["pkg.d"]) == ["__init__.py", "d.py", "shared.py"]
     assert names(["pkg.c"]) == ["__init__.py", "c.py", "shared.py"]
@@ -39,26 +50,42 @@ def test_a_method_follows_from_its_module_what_it_imports_and_the_shared_machine
     package_dir = merging_dir(repo_root)
     ties = {p.name for p in method_sources("ties", package_dir)}
     assert {"ties.py", "__init__.py", "search.py", "binding.py", "_tensors.py"} <= ties and "model_stock.py" not in ties
-    assert "breadcrumbs.py" in {p.name for p in method_sources("breadcrumbs_ties", package_dir)}  # it imports breadcrumbs' masks
+    assert "breadcrumbs.py" in {
+        p.name for p in method_sources("breadcrumbs_ties", package_dir)
+    }  # it imports breadcrumbs' masks
     assert {p.name for p in method_sources("iso_c", package_dir)} >= {"iso.py", "tsv_m.py"}
     files = method_sources("model_stock", package_dir)
     recorded = digest(files, package_dir)
-    assert set(recorded) == {f"mergeflow/ml/merging/{p.name}" for p in files if p.name != "binding.py"} | {"mergeflow/pipeline/binding.py"} and PACKAGE == "mergeflow.ml.merging"
+    assert (
+        set(recorded)
+        == {f"mergeflow/ml/merging/{p.name}" for p in files if p.name != "binding.py"}
+        | {"mergeflow/pipeline/binding.py"}
+        and PACKAGE == "mergeflow.ml.merging"
+    )
     import hashlib
 
-    assert recorded["mergeflow/ml/merging/model_stock.py"] == hashlib.md5((package_dir / "model_stock.py").read_bytes()).hexdigest()
+    assert (
+        recorded["mergeflow/ml/merging/model_stock.py"]
+        == hashlib.md5((package_dir / "model_stock.py").read_bytes()).hexdigest()
+    )
 
 
 def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tiny_reference, tiny_env):
     root = copy_project(tiny_reference[0], tmp_path / "project")
     before = json.loads((root / "sources" / "merge" / "ties.json").read_text())
-    with open(root / "src" / "mergeflow" / "ml" / "merging" / "model_stock.py", "a") as f:  # a method the tiny run does not merge with
+    with open(
+        root / "src" / "mergeflow" / "ml" / "merging" / "model_stock.py", "a"
+    ) as f:  # a method the tiny run does not merge with
         f.write("# touched\n")
     with open(root / "src" / "mergeflow" / "ml" / "merging" / "emr.py", "a") as f:
         f.write("# touched\n")
     run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
     assert json.loads((root / "sources" / "merge" / "ties.json").read_text()) == before
-    status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
+    status = json.loads(
+        subprocess.run(
+            ["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True
+        ).stdout
+    )
     merges = sorted(s for s in status if s.startswith(("merge@", "regime_merge@")))  # the regimes merge with neither
     assert merges == ["merge@emr"], status
     # a study that looks methods up by name (cart) follows every method; those that merge nothing do not
@@ -68,8 +95,15 @@ def test_changing_one_method_reruns_only_the_merges_that_import_it(tmp_path, tin
     with open(root / "src" / "mergeflow" / "ml" / "merging" / "ties.py", "a") as f:
         f.write("# touched\n")
     run(["dvc", "repro", "--single-item", "sources"], root, tiny_env)
-    status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True).stdout)
-    assert sorted(s for s in status if s.startswith("regime_merge@")) == ["regime_merge@mima", "regime_merge@one_epoch"], status
+    status = json.loads(
+        subprocess.run(
+            ["dvc", "status", "--json"], cwd=root, env=tiny_env, capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert sorted(s for s in status if s.startswith("regime_merge@")) == [
+        "regime_merge@mima",
+        "regime_merge@one_epoch",
+    ], status
 
 
 def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
@@ -83,16 +117,39 @@ def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
 
     src = source_dir(repo_root)
     cart = {p.relative_to(src).as_posix() for p in study_sources("cart", src)}
-    assert {"studies/__init__.py", "studies/cart/__init__.py", "studies/cart/report.py", "studies/cart/spectra.py"} <= cart
+    assert {
+        "studies/__init__.py",
+        "studies/cart/__init__.py",
+        "studies/cart/report.py",
+        "studies/cart/spectra.py",
+    } <= cart
     assert not [p for p in cart if p.startswith("studies/mima")]
     # cart merges by method name: the merging registry's every method; mima reads the pipeline's outputs: none
     assert {"ml/merging/__init__.py", "ml/merging/ties.py", "ml/merging/cart.py"} <= cart
-    assert not [p for p in (q.relative_to(src).as_posix() for q in study_sources("mima", src)) if p.startswith("ml/merging")]
+    assert not [
+        p for p in (q.relative_to(src).as_posix() for q in study_sources("mima", src)) if p.startswith("ml/merging")
+    ]
     mima = {p.relative_to(src).as_posix() for p in regime_sources("mima", src)}
-    assert {"ml/regimes/__init__.py", "ml/regimes/mima.py", "ml/regimes/_rounds.py", "ml/regimes/_finetune.py"} <= mima and "ml/regimes/atm.py" not in mima
+    assert {
+        "ml/regimes/__init__.py",
+        "ml/regimes/mima.py",
+        "ml/regimes/_rounds.py",
+        "ml/regimes/_finetune.py",
+    } <= mima and "ml/regimes/atm.py" not in mima
     recorded = digest(regime_sources("mima", src), src)
-    assert recorded["mergeflow/ml/regimes/mima.py"] == hashlib.md5((src / "ml" / "regimes" / "mima.py").read_bytes()).hexdigest()
+    assert (
+        recorded["mergeflow/ml/regimes/mima.py"]
+        == hashlib.md5((src / "ml" / "regimes" / "mima.py").read_bytes()).hexdigest()
+    )
     stages = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]
-    assert "sources/study/${item}.json" in stages["study"]["do"]["deps"] and "src/mergeflow/studies" not in stages["study"]["do"]["deps"]
-    assert "sources/regime/${item}.json" in stages["regime"]["do"]["deps"] and "src/mergeflow/ml/regimes" not in stages["regime"]["do"]["deps"]
-    assert "sources/regime_merge/${item}.json" in stages["regime_merge"]["do"]["deps"] and not [d for d in stages["regime_merge"]["do"]["deps"] if d.startswith("src/")]
+    assert (
+        "sources/study/${item}.json" in stages["study"]["do"]["deps"]
+        and "src/mergeflow/studies" not in stages["study"]["do"]["deps"]
+    )
+    assert (
+        "sources/regime/${item}.json" in stages["regime"]["do"]["deps"]
+        and "src/mergeflow/ml/regimes" not in stages["regime"]["do"]["deps"]
+    )
+    assert "sources/regime_merge/${item}.json" in stages["regime_merge"]["do"]["deps"] and not [
+        d for d in stages["regime_merge"]["do"]["deps"] if d.startswith("src/")
+    ]

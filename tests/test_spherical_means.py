@@ -68,7 +68,11 @@ def test_multislerp_of_opposite_directions():
 def _opposite(n: int, dtype, nearly: bool):
     """a and b = -2a (or -2a slightly turned, by 1e-9 of its norm): opposite task vectors of unequal norm."""
     g = torch.Generator().manual_seed(n)
-    a = (0.01 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype) if n > 1 else torch.tensor([0.01], dtype=dtype)
+    a = (
+        (0.01 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype)
+        if n > 1
+        else torch.tensor([0.01], dtype=dtype)
+    )
     b = -2 * a
     if nearly:
         b = b + (1e-9 * b.norm() * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype)
@@ -98,7 +102,9 @@ def test_nuslerp_by_columns_of_one_entry_each_half_of_them_opposite():
     g = torch.Generator().manual_seed(0)
     a = 1e-3 * torch.randn(1, 17, 8, generator=g)
     b = a * torch.where(torch.rand(1, 17, 8, generator=g) < 0.5, -2.0, 3.0)
-    merged = REGISTRY["nuslerp"](theta0, {"a": {"pos_embed": a}, "b": {"pos_embed": b}}, t=0.3, vectors="columns")["pos_embed"]
+    merged = REGISTRY["nuslerp"](theta0, {"a": {"pos_embed": a}, "b": {"pos_embed": b}}, t=0.3, vectors="columns")[
+        "pos_embed"
+    ]
     assert torch.allclose(merged, 0.7 * a + 0.3 * b, rtol=1e-5, atol=1e-12)
 
 

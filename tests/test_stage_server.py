@@ -1,4 +1,5 @@
-"""The stage server (mergeflow.runner.stage_server): a stage forked from it writes the same bytes as the stage run in its
+"""The stage server (mergeflow.runner.stage_server): a stage forked from it writes the same bytes as the stage run in \
+its
 own process, its exit status and error line come back unchanged, and it dies with its command."""
 
 import hashlib
@@ -40,11 +41,20 @@ def test_the_session_runs_its_stages_through_a_server(tiny_env):
     assert Path(tiny_env[SERVER_ENV]).exists()
 
 
-@pytest.mark.parametrize("stage, outputs", [
-    (["finetune", "--task", "digits"], ["models/finetuned/digits.safetensors", "models/heads/digits.safetensors", "metrics/finetune/digits.json"]),
-    (["vectors"], ["vectors"]),
-    (["merge", "--method", "ties"], ["merged/ties.safetensors", "metrics/merge/ties.json", "metrics/evaluate/ties.json"]),
-])
+@pytest.mark.parametrize(
+    "stage, outputs",
+    [
+        (
+            ["finetune", "--task", "digits"],
+            ["models/finetuned/digits.safetensors", "models/heads/digits.safetensors", "metrics/finetune/digits.json"],
+        ),
+        (["vectors"], ["vectors"]),
+        (
+            ["merge", "--method", "ties"],
+            ["merged/ties.safetensors", "metrics/merge/ties.json", "metrics/evaluate/ties.json"],
+        ),
+    ],
+)
 def test_a_stage_in_its_own_process_writes_what_the_server_wrote(project, tiny_reference, tiny_env, stage, outputs):
     """The reference run's stages forked from the session's server; here each runs again in a process of its own
     (no server): the same bytes. Fine-tuning shows that seeds, threads and the probe's solver start alike."""
@@ -58,7 +68,9 @@ def test_exit_status_and_error_line_come_back(project, tiny_env):
     (project / "bad.yaml").write_text("seed: [1\n")
     for env in (tiny_env, _own_process_env(tiny_env)):
         proc = run(["mergeflow", "--params", "bad.yaml", "vectors"], project, env, check=False)
-        assert proc.returncode == 2 and proc.stderr.startswith("error: bad.yaml") and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and proc.stderr.startswith("error: bad.yaml") and "Traceback" not in proc.stderr, (
+            proc.stderr
+        )
 
 
 def _wait(predicate, what: str, timeout: float = 120) -> None:
@@ -76,14 +88,24 @@ def test_a_stage_dies_with_its_command(project, tiny_env, how):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["pretrain"]["steps"] = 100000
     (project / "long.yaml").write_text(yaml.safe_dump(params))
-    command = subprocess.Popen(["mergeflow", "--params", "long.yaml", "pretrain"], cwd=project, env=tiny_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command = subprocess.Popen(
+        ["mergeflow", "--params", "long.yaml", "pretrain"],
+        cwd=project,
+        env=tiny_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait(lambda: len(_project_processes(project)) >= 2, "the forked stage did not start")  # the command and its stage
     stage = next(p for p in _project_processes(project) if p.pid != command.pid)
     assert stage.ppid() != command.pid  # forked by the server, not started by the command
     time.sleep(1.0)
     command.send_signal(how)
     command.wait()
-    _wait(lambda: not stage.is_running() or stage.status() == psutil.STATUS_ZOMBIE, f"the stage outlived its command ({how.name})")
+    _wait(
+        lambda: not stage.is_running() or stage.status() == psutil.STATUS_ZOMBIE,
+        f"the stage outlived its command ({how.name})",
+    )
     if how == signal.SIGTERM:
         assert command.returncode == 128 + signal.SIGTERM
 
@@ -96,7 +118,9 @@ def test_a_variable_the_servers_own_imports_set_does_not_send_a_command_away():
     server = {"HF_HUB_OFFLINE": "1"}
     set_by_imports = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}
     assert _same_imports({"HF_HUB_OFFLINE": "1"}, server, set_by_imports)
-    assert _same_imports({"HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}, server, set_by_imports)
+    assert _same_imports(
+        {"HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}, server, set_by_imports
+    )
     assert not _same_imports({"HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, server, set_by_imports)
     assert not _same_imports({"HF_HUB_OFFLINE": "0"}, server, set_by_imports)
     assert not _same_imports({}, server, set_by_imports)

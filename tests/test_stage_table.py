@@ -41,7 +41,9 @@ def test_plan_track_and_the_stage_server_cover_every_stage():
 def test_the_items_that_share_the_cores_are_the_tables(repo_root):
     from mergeflow.params import load_params
 
-    params = load_params(repo_root / "params.yaml").model_copy(update={"runtime": load_params(repo_root / "params.yaml").runtime.model_copy(update={"deterministic": False})})
+    params = load_params(repo_root / "params.yaml").model_copy(
+        update={"runtime": load_params(repo_root / "params.yaml").runtime.model_copy(update={"deterministic": False})}
+    )
     tasks = len(params.suite.tasks)
     # 8 fine-tunes on 32 cores: 4 threads each; a regime starts its own processes: every core (None)
     assert params.stage_share("finetune@digits", cores=32, gpus=0) == 32 // tasks

@@ -33,7 +33,16 @@ def test_registered_with_its_settings():
     assert REGISTRY["cart"].settings({}, where="studies.cart") == S
 
 
-@pytest.mark.parametrize("bad", [{"ratios": [0.1, 0.5, 1.0]}, {"ratios": [0.0, 1.0]}, {"subset_sizes": [1, 2]}, {"cart_lambdas": []}, {"unknown": 1}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ratios": [0.1, 0.5, 1.0]},
+        {"ratios": [0.0, 1.0]},
+        {"subset_sizes": [1, 2]},
+        {"cart_lambdas": []},
+        {"unknown": 1},
+    ],
+)
 def test_bad_settings_refused(bad):
     with pytest.raises(ValueError):
         REGISTRY["cart"].settings(bad, where="studies.cart")
@@ -49,12 +58,16 @@ def test_disjoint_row_spaces_have_no_interference():
         assert interference(s, vh, k) == pytest.approx(0.0, abs=1e-12)
         assert interference(s, vh, k, top_only=True) == pytest.approx(0.0, abs=1e-12)
     same, vh2 = svd_stack(torch.stack([a, a]))
-    assert interference(same, vh2, 1, top_only=True) == pytest.approx(2.0)  # two ordered pairs, unit-norm top-1 values, one vector
+    assert interference(same, vh2, 1, top_only=True) == pytest.approx(
+        2.0
+    )  # two ordered pairs, unit-norm top-1 values, one vector
     frac = float(same[0, 0] ** 2 / (same[0] ** 2).sum())
     assert interference(same, vh2, 1) == pytest.approx(2 * frac)  # top value over the whole spectrum's norm
     p = same[0] ** 2 / (same[0] ** 2).sum()
     full = 2 * float(p.pow(2).sum().sqrt())  # ||S~^2||_F for each ordered pair
-    assert interference(same, vh2, 4) == pytest.approx(full) and interference(same, vh2, 4, top_only=True) == pytest.approx(full)  # full rank: one reading
+    assert interference(same, vh2, 4) == pytest.approx(full) and interference(
+        same, vh2, 4, top_only=True
+    ) == pytest.approx(full)  # full rank: one reading
     assert interference(s, vh, 0) == 0.0
 
 
@@ -82,7 +95,17 @@ def test_centring_identical_vectors_gives_zero():
 
 
 def _spectra(i_centred, i_original, r_centred) -> LayerSpectra:
-    return LayerSpectra("blocks.0.mlp.fc1.weight", (512, 128), [0, 3, 6, 11, 21, 41, 82, 128], i_centred, i_original, r_centred, 0.5, 0.4, 0.1)
+    return LayerSpectra(
+        "blocks.0.mlp.fc1.weight",
+        (512, 128),
+        [0, 3, 6, 11, 21, 41, 82, 128],
+        i_centred,
+        i_original,
+        r_centred,
+        0.5,
+        0.4,
+        0.1,
+    )
 
 
 def test_rank_curve_verdicts():
@@ -93,7 +116,9 @@ def test_rank_curve_verdicts():
     assert c.holds and c.numbers["cart_peak_ratio"] == 0.08
     assert not claim_rank_curve(RATIOS, bell[:-1] + [0.73], rise, wa, S).holds  # does not return to WA
     assert not claim_rank_curve(RATIOS, [0.70, 0.70, 0.70, 0.701, 0.70, 0.70, 0.70, 0.70], rise, wa, S).holds  # no peak
-    assert not claim_rank_curve(RATIOS, [0.70, 0.70, 0.70, 0.71, 0.72, 0.78, 0.75, 0.70], rise, wa, S).holds  # peak at 32%: not low
+    assert not claim_rank_curve(
+        RATIOS, [0.70, 0.70, 0.70, 0.71, 0.72, 0.78, 0.75, 0.70], rise, wa, S
+    ).holds  # peak at 32%: not low
     peaked = [0.65, 0.70, 0.80, 0.78, 0.76, 0.75, 0.75, 0.75]
     c = claim_rank_curve(RATIOS, bell, peaked, wa, S)
     assert not c.holds and not c.numbers["lrta_rises_no_peak"]
@@ -129,7 +154,12 @@ def test_indexing_verdict():
 
 
 def test_scaling_verdict():
-    norm = {"weight_averaging": [0.95, 0.85], "task_arithmetic": [0.96, 0.87], "ties": [0.97, 0.88], "cart": [0.97, 0.93]}
+    norm = {
+        "weight_averaging": [0.95, 0.85],
+        "task_arithmetic": [0.96, 0.87],
+        "ties": [0.97, 0.88],
+        "cart": [0.97, 0.93],
+    }
     c = claim_scaling([2, 8], norm)
     assert c.holds and c.numbers["drop"]["cart"] == pytest.approx(0.04)
     assert not claim_scaling([2, 8], {**norm, "ties": [0.97, 0.94]}).holds
@@ -158,7 +188,13 @@ def test_ranking_verdict():
     assert c.numbers["orthogonal_norm_ratio"] == pytest.approx(math.sqrt(7 / 8), abs=1e-6)
     ours = {"cart": 0.731, "consensus_ta": 0.739, "ties": 0.726, "task_arithmetic": 0.743, "weight_averaging": 0.71}
     c = claim_ranking(ours, layers, S)
-    assert not c.holds and c.numbers["ranking"] == ["task_arithmetic", "consensus_ta", "cart", "ties", "weight_averaging"]
+    assert not c.holds and c.numbers["ranking"] == [
+        "task_arithmetic",
+        "consensus_ta",
+        "cart",
+        "ties",
+        "weight_averaging",
+    ]
     assert claim_ranking({"cart": 0.8}, layers, S).holds is None
 
 
@@ -175,7 +211,12 @@ def test_subsets_distinct_deterministic_and_capped():
 def test_table_2_claim_on_a_text_suite_by_hand():
     from mergeflow.studies.cart.claims import claim_glue
 
-    per_task = {"cart": {"a": 0.8, "b": 0.6}, "task_arithmetic": {"a": 0.7, "b": 0.65}, "ties": {"a": 0.5, "b": 0.5}, "weight_averaging": {"a": 0.4, "b": 0.7}}
+    per_task = {
+        "cart": {"a": 0.8, "b": 0.6},
+        "task_arithmetic": {"a": 0.7, "b": 0.65},
+        "ties": {"a": 0.5, "b": 0.5},
+        "weight_averaging": {"a": 0.4, "b": 0.7},
+    }
     acc = {m: sum(v.values()) / 2 for m, v in per_task.items()}  # CART 0.70, TA 0.675, TIES 0.50, WA 0.55
     claim = claim_glue(acc, per_task)
     assert claim.holds and claim.numbers["tasks_cart_above"] == {"task_arithmetic": 1, "ties": 2, "weight_averaging": 1}

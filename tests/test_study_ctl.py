@@ -29,7 +29,17 @@ def test_registered_with_its_settings():
     assert REGISTRY["ctl"].settings({}, where="studies.ctl") == S
 
 
-@pytest.mark.parametrize("bad", [{"alphas": [0.25, 0.75]}, {"alphas": [0.5, 1.0]}, {"average_sizes": [1, 3]}, {"scratch_pair": ["a", "a"]}, {"ctl_ratio": 0}, {"unknown": 1}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"alphas": [0.25, 0.75]},
+        {"alphas": [0.5, 1.0]},
+        {"average_sizes": [1, 3]},
+        {"scratch_pair": ["a", "a"]},
+        {"ctl_ratio": 0},
+        {"unknown": 1},
+    ],
+)
 def test_bad_settings_refused(bad):
     with pytest.raises(ValueError):
         REGISTRY["ctl"].settings(bad, where="studies.ctl")
@@ -40,10 +50,15 @@ def test_cosine_and_coefficient_on_known_features():
     g = torch.Generator().manual_seed(0)
     f = torch.randn(5, 3, 4, generator=g)
     d, coef = C.linearity(2.5 * f, f)  # proportional: d = 0, coef = the factor
-    assert torch.allclose(d, torch.zeros(5, dtype=torch.float64), atol=1e-12) and torch.allclose(coef, torch.full((5,), 2.5, dtype=torch.float64))
+    assert torch.allclose(d, torch.zeros(5, dtype=torch.float64), atol=1e-12) and torch.allclose(
+        coef, torch.full((5,), 2.5, dtype=torch.float64)
+    )
     a, b = torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([[0.0, 3.0], [0.0, 0.0]])
     d, coef = C.linearity(a, b)
-    assert d.tolist() == [1.0, 0.0] and coef.tolist() == [0.0, 1.0]  # orthogonal: d = 1, coef = 0; two zero rows: identical
+    assert d.tolist() == [1.0, 0.0] and coef.tolist() == [
+        0.0,
+        1.0,
+    ]  # orthogonal: d = 1, coef = 0; two zero rows: identical
     assert C.cosine_rows(-a, a)[0] == -1.0
 
 
@@ -136,14 +151,23 @@ def test_stitching_replaces_one_block_output():
     _, same = probe.run(theta0, x, replace=(1, f0), keep=[])
     assert torch.equal(same, out0)  # its own features back: the same output
     _, stitched = probe.run(theta0, x, replace=(1, f1), keep=[])
-    assert not torch.allclose(stitched, out0) and not torch.allclose(stitched, out1)  # theta1's features through theta0's last block
+    assert not torch.allclose(stitched, out0) and not torch.allclose(
+        stitched, out1
+    )  # theta1's features through theta0's last block
     (after,), _ = probe.run(theta0, x, replace=(1, f1), keep=[1])
     assert torch.equal(after, f1)
 
 
 # ---------------------------------------------------------------- rules and verdicts on hand-made numbers
 def layer(d, baseline, coef=1.0):
-    return {"d": d, "baseline": baseline, "coef_median": coef, "d_q": [d] * 3, "baseline_q": [baseline] * 3, "coef_q": [coef] * 3}
+    return {
+        "d": d,
+        "baseline": baseline,
+        "coef_median": coef,
+        "d_q": [d] * 3,
+        "baseline_q": [baseline] * 3,
+        "coef_q": [coef] * 3,
+    }
 
 
 def test_barrier_and_recovery():
@@ -161,7 +185,9 @@ def test_ctl_claims_follow_the_thresholds():
     assert C.claim_average({3: [layer(0.001, 0.1)], 4: [layer(0.001, 0.1)]}, S).holds
     assert not C.claim_average({3: [layer(0.001, 0.1)], 4: [layer(0.001, 0.1, coef=0.8)]}, S).holds
     assert C.claim_average({}, S).holds is None
-    assert C.claim_addition([layer(0.001, 0.1)], S, 0.3).holds and not C.claim_negation([layer(0.05, 0.1)], S, 0.3).holds
+    assert (
+        C.claim_addition([layer(0.001, 0.1)], S, 0.3).holds and not C.claim_negation([layer(0.05, 0.1)], S, 0.3).holds
+    )
 
 
 def test_barrier_claim_needs_a_barrier_and_ctl():
@@ -183,7 +209,11 @@ def test_pairs_subsets_and_lam(tmp_path):
     tasks = list("abcdef")
     assert C.choose_pairs(tasks, None, 0) == C.choose_pairs(tasks, 99, 0) and len(C.choose_pairs(tasks, None, 0)) == 15
     drawn = C.choose_pairs(tasks, 4, 0)
-    assert len(drawn) == 4 and drawn == C.choose_pairs(tasks, 4, 0) and drawn == sorted(drawn, key=C.choose_pairs(tasks, None, 0).index)
+    assert (
+        len(drawn) == 4
+        and drawn == C.choose_pairs(tasks, 4, 0)
+        and drawn == sorted(drawn, key=C.choose_pairs(tasks, None, 0).index)
+    )
     sub = C.choose_subset(tasks, 3, 0)
     assert len(set(sub)) == 3 and sub == sorted(sub, key=tasks.index)
     layout = Layout(tmp_path)
@@ -221,7 +251,9 @@ def tiny_pipeline(root: Path, repo_root: Path):
 
 def test_the_study_runs_on_tiny_inputs_and_is_reproducible(tmp_path, repo_root, capsys):
     params, layout = tiny_pipeline(tmp_path / "project", repo_root)
-    settings = REGISTRY["ctl"].settings({"examples": 8, "stitch_examples": 12, "scratch_steps": 3, "average_sizes": [3]}, where="studies.ctl")
+    settings = REGISTRY["ctl"].settings(
+        {"examples": 8, "stitch_examples": 12, "scratch_steps": 3, "average_sizes": [3]}, where="studies.ctl"
+    )
     results = []
     for run in ("a", "b"):
         out = tmp_path / run

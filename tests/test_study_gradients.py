@@ -29,7 +29,13 @@ def tiny():
     torch.manual_seed(0)
     backbone = build_backbone(CFG)
     gen = torch.Generator().manual_seed(1)
-    data = {t: (torch.randint(0, 256, (N, 32, 32, 3), generator=gen, dtype=torch.uint8), torch.randint(0, CLASSES, (N,), generator=gen)) for t in TASKS}
+    data = {
+        t: (
+            torch.randint(0, 256, (N, 32, 32, 3), generator=gen, dtype=torch.uint8),
+            torch.randint(0, CLASSES, (N,), generator=gen),
+        )
+        for t in TASKS
+    }
     heads = {}
     for i, t in enumerate(TASKS):
         torch.manual_seed(100 + i)
@@ -46,13 +52,17 @@ def mean_loss(tiny, task, state):
     x, y = tiny.data[task]
     params = {k: v.to(torch.float64) for k, v in state.items()}
     with torch.no_grad():
-        feats = torch.func.functional_call(tiny.backbone.net.eval(), params, (tiny.backbone.normalise(x).to(torch.float64),))
+        feats = torch.func.functional_call(
+            tiny.backbone.net.eval(), params, (tiny.backbone.normalise(x).to(torch.float64),)
+        )
         logits = feats @ tiny.heads[task].weight.double().T + tiny.heads[task].bias.double()
         return float(nn.functional.cross_entropy(logits, y))
 
 
 def trainer(tiny, **cfg):
-    config = FinetuneConfig(**{"optimizer": "gd", "lr": 0.05, "weight_decay": 0.0, "warmup_steps": 0, "epochs": 1, **cfg})
+    config = FinetuneConfig(
+        **{"optimizer": "gd", "lr": 0.05, "weight_decay": 0.0, "warmup_steps": 0, "epochs": 1, **cfg}
+    )
     return finetune_trainer(CFG, tiny.heads, tiny.data, config, seeds=SEEDS, device=CPU)
 
 
@@ -148,27 +158,61 @@ FINETUNE = {t: {"individual": {"val": 0.85, "test": 0.84}} for t in TASKS}
 
 
 def regime_metrics(individual_test):
-    return {"regime": "one_epoch", "variants": {"one_epoch": {"individual_average": {"val": 0.7, "test": individual_test}}}}
+    return {
+        "regime": "one_epoch",
+        "variants": {"one_epoch": {"individual_average": {"val": 0.7, "test": individual_test}}},
+    }
 
 
 def test_claim_one_epoch_merge():
     c = G.claim_one_epoch_merge(regime_metrics(0.75), evaluation(0.73), evaluation(0.743), FINETUNE, tolerance=0.03)
-    assert c.holds is True and c.numbers["ta_one_epoch"] == 0.73 and c.numbers["individual_converged"] == pytest.approx(0.84)
-    assert G.claim_one_epoch_merge(regime_metrics(0.75), evaluation(0.694), evaluation(0.743), FINETUNE, tolerance=0.03).holds is False
-    assert G.claim_one_epoch_merge(regime_metrics(0.75), evaluation(0.76), evaluation(0.743), FINETUNE, tolerance=0.03).holds is True  # better is fine
-    assert G.claim_one_epoch_merge(regime_metrics(0.86), evaluation(0.76), evaluation(0.743), FINETUNE, tolerance=0.03).holds is False  # not weaker alone
-    c = G.claim_one_epoch_merge(None, None, None, None, tolerance=0.03, missing=["regime one_epoch did not run (add one_epoch to regimes.run)"])
+    assert (
+        c.holds is True
+        and c.numbers["ta_one_epoch"] == 0.73
+        and c.numbers["individual_converged"] == pytest.approx(0.84)
+    )
+    assert (
+        G.claim_one_epoch_merge(
+            regime_metrics(0.75), evaluation(0.694), evaluation(0.743), FINETUNE, tolerance=0.03
+        ).holds
+        is False
+    )
+    assert (
+        G.claim_one_epoch_merge(
+            regime_metrics(0.75), evaluation(0.76), evaluation(0.743), FINETUNE, tolerance=0.03
+        ).holds
+        is True
+    )  # better is fine
+    assert (
+        G.claim_one_epoch_merge(
+            regime_metrics(0.86), evaluation(0.76), evaluation(0.743), FINETUNE, tolerance=0.03
+        ).holds
+        is False
+    )  # not weaker alone
+    c = G.claim_one_epoch_merge(
+        None, None, None, None, tolerance=0.03, missing=["regime one_epoch did not run (add one_epoch to regimes.run)"]
+    )
     assert c.holds is None and c.verdict == "not measured" and "regimes.run" in c.detail
-    c = G.claim_one_epoch_merge(regime_metrics(0.75), evaluation(0.73), evaluation(0.743), FINETUNE, tolerance=0.03, missing=["x.json missing"])
+    c = G.claim_one_epoch_merge(
+        regime_metrics(0.75), evaluation(0.73), evaluation(0.743), FINETUNE, tolerance=0.03, missing=["x.json missing"]
+    )
     assert c.holds is None
 
 
-BASE = {"task_arithmetic": evaluation(0.743), "ties": evaluation(0.726), "breadcrumbs": {"average": {"val": 0.9, "test": 0.725}}}
+BASE = {
+    "task_arithmetic": evaluation(0.743),
+    "ties": evaluation(0.726),
+    "breadcrumbs": {"average": {"val": 0.9, "test": 0.725}},
+}
 
 
 def test_claim_atm_budget():
     c = G.claim_atm_budget({2: evaluation(0.75), 4: evaluation(0.77)}, BASE)
-    assert c.holds is True and c.numbers["atm"] == {"2": 0.75, "4": 0.77} and c.numbers["baselines"]["breadcrumbs"] == 0.725
+    assert (
+        c.holds is True
+        and c.numbers["atm"] == {"2": 0.75, "4": 0.77}
+        and c.numbers["baselines"]["breadcrumbs"] == 0.725
+    )
     assert G.claim_atm_budget({2: evaluation(0.75), 4: evaluation(0.735)}, BASE).holds is False  # below task arithmetic
     assert G.claim_atm_budget({2: evaluation(0.78), 4: evaluation(0.77)}, BASE).holds is False  # falls with R
     one = G.claim_atm_budget({4: evaluation(0.77)}, BASE)
@@ -178,14 +222,28 @@ def test_claim_atm_budget():
     assert G.claim_atm_budget({}, BASE, missing=["regime atm did not run (add atm to regimes.run)"]).holds is None
 
 
-def fake_params(run, one_epoch_methods=("task_arithmetic",), atm_methods=("atm", "task_arithmetic"), merge_methods=("task_arithmetic", "ties", "breadcrumbs"), atm_rounds=(2, 4)):
+def fake_params(
+    run,
+    one_epoch_methods=("task_arithmetic",),
+    atm_methods=("atm", "task_arithmetic"),
+    merge_methods=("task_arithmetic", "ties", "breadcrumbs"),
+    atm_rounds=(2, 4),
+):
     """Real, validated Params with these regimes and methods (finetune.steps 200)."""
     from mergeflow.params import parse_params
 
-    return parse_params({
-        "suite": {"tasks": TASKS}, "finetune": {"steps": 200}, "merge": {"methods": list(merge_methods)},
-        "regimes": {"run": list(run), "methods": {"one_epoch": list(one_epoch_methods), "atm": list(atm_methods)}, "atm": {"rounds": list(atm_rounds)}},
-    })
+    return parse_params(
+        {
+            "suite": {"tasks": TASKS},
+            "finetune": {"steps": 200},
+            "merge": {"methods": list(merge_methods)},
+            "regimes": {
+                "run": list(run),
+                "methods": {"one_epoch": list(one_epoch_methods), "atm": list(atm_methods)},
+                "atm": {"rounds": list(atm_rounds)},
+            },
+        }
+    )
 
 
 def write(path, obj):
@@ -196,7 +254,10 @@ def write(path, obj):
 def test_pipeline_claims_read_the_layout_and_say_what_to_run(tmp_path):
     layout = Layout(tmp_path)
     assert "add one_epoch to regimes.run" in G._pipeline_claim_6(fake_params([]), layout, 0.03).detail
-    assert "regimes.methods.one_epoch" in G._pipeline_claim_6(fake_params(["one_epoch"], one_epoch_methods=("ties",)), layout, 0.03).detail
+    assert (
+        "regimes.methods.one_epoch"
+        in G._pipeline_claim_6(fake_params(["one_epoch"], one_epoch_methods=("ties",)), layout, 0.03).detail
+    )
     missing = G._pipeline_claim_6(fake_params(["one_epoch"]), layout, 0.03)
     assert missing.holds is None and "one_epoch.json missing" in missing.detail
     write(layout.metrics("regime", "one_epoch"), regime_metrics(0.75))
@@ -209,7 +270,10 @@ def test_pipeline_claims_read_the_layout_and_say_what_to_run(tmp_path):
     assert G.one_epoch_rows(fake_params([]), layout) == []
 
     assert "add atm to regimes.run" in G._pipeline_claim_7(fake_params(["one_epoch"]), layout).detail
-    assert "add to merge.methods" in G._pipeline_claim_7(fake_params(["atm"], merge_methods=("task_arithmetic",)), layout).detail
+    assert (
+        "add to merge.methods"
+        in G._pipeline_claim_7(fake_params(["atm"], merge_methods=("task_arithmetic",)), layout).detail
+    )
     write(layout.merge_run("ties").evaluation, BASE["ties"])
     write(layout.merge_run("breadcrumbs").evaluation, BASE["breadcrumbs"])
     write(layout.merge_run("atm", "atm", "atm_r2").evaluation, evaluation(0.75))

@@ -40,9 +40,13 @@ def test_with_nothing_learned_it_is_its_base_merge():
 
 
 def test_the_correction_by_hand():
-    store = {"surgery/a/down": torch.tensor([[1.0, -1.0], [0.0, 2.0]]), "surgery/a/up": torch.tensor([[1.0, 0.0], [3.0, 1.0]])}
+    store = {
+        "surgery/a/down": torch.tensor([[1.0, -1.0], [0.0, 2.0]]),
+        "surgery/a/up": torch.tensor([[1.0, 0.0], [3.0, 1.0]]),
+    }
     z = torch.tensor([[2.0, 1.0], [1.0, -1.0]])
-    # row 1: down z = (1, 2), relu (1, 2), up (1, 5): (2, 1) - (1, 5) = (1, -4); row 2: down z = (2, -2) -> (2, 0) -> (2, 6)
+    # row 1: down z = (1, 2), relu (1, 2), up (1, 5): (2, 1) -
+    # (1, 5) = (1, -4); row 2: down z = (2, -2) -> (2, 0) -> (2, 6)
     torch.testing.assert_close(REGISTRY["surgery"].features(store, "a")(z), torch.tensor([[1.0, -4.0], [-1.0, -7.0]]))
 
 
@@ -60,7 +64,9 @@ def test_adams_first_step_is_minus_lr_times_the_sign_of_the_l1_gradient():
         hidden = torch.relu(z @ down.T)
         gradient = -(torch.sign(z - y).T @ hidden) / z.numel()  # d mean|z - W_up h - y| / d W_up at W_up = 0
         # Adam's first step: -lr m/(sqrt(v) + eps) with m = g, v = g^2 after bias correction
-        torch.testing.assert_close(store[f"surgery/{t}/up"], -lr * gradient / (gradient.abs() + 1e-8), rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(
+            store[f"surgery/{t}/up"], -lr * gradient / (gradient.abs() + 1e-8), rtol=1e-6, atol=1e-12
+        )
         torch.testing.assert_close(store[f"surgery/{t}/down"], down)
 
 
@@ -106,20 +112,35 @@ def test_the_evaluation_applies_each_tasks_correction_and_a_routed_network():
     tasks = {}
     for t, head in objective.heads.items():
         images = objective.inputs["test"][t]
-        tasks[t] = TaskData(t, [str(i) for i in range(head.out_features)], None, None, Split(images, torch.randint(0, head.out_features, (len(images),), generator=g)))
+        tasks[t] = TaskData(
+            t,
+            [str(i) for i in range(head.out_features)],
+            None,
+            None,
+            Split(images, torch.randint(0, head.out_features, (len(images),), generator=g)),
+        )
     evaluator = MultiTaskEvaluator(TINY_VIT, tasks, objective.heads, "test", torch.device("cpu"))
 
     def by_hand(features_of):
-        return {t: float((objective.heads[t](features_of(t)).argmax(1) == d.test.labels).float().mean()) for t, d in tasks.items()}
+        return {
+            t: float((objective.heads[t](features_of(t)).argmax(1) == d.test.labels).float().mean())
+            for t, d in tasks.items()
+        }
 
     store, _ = _run(theta0, taus, objective, steps=40, lr=5e-2, rank=8)
     surgery = REGISTRY["surgery"]
     acc = evaluator.per_task(lambda t: surgery.reconstruct(store, theta0, t), surgery.feature_maps(store))
     with torch.no_grad():
-        expected = by_hand(lambda t: surgery.features(store, t)(_own_features(objective, surgery.reconstruct(store, theta0, t), tasks[t].test.inputs).float()))
+        expected = by_hand(
+            lambda t: surgery.features(store, t)(
+                _own_features(objective, surgery.reconstruct(store, theta0, t), tasks[t].test.inputs).float()
+            )
+        )
     assert acc == pytest.approx(expected)
 
-    routed = REGISTRY["wemoe"].with_data(MergeData(objective=copy.copy(objective)))(theta0, taus, steps=3, batch_size=8, lr=0.05)
+    routed = REGISTRY["wemoe"].with_data(MergeData(objective=copy.copy(objective)))(
+        theta0, taus, steps=3, batch_size=8, lr=0.05
+    )
     acc = evaluator.network(lambda backbone: network(routed, backbone))
     model = network(routed, objective.backbone)
     with torch.no_grad():

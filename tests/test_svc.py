@@ -45,7 +45,10 @@ def test_equals_the_papers_loop_on_random_matrices():
 
 def test_the_method_calibrates_matrices_and_keeps_the_rest_of_its_base():
     g = torch.Generator().manual_seed(1)
-    theta0 = {"blocks.0.mlp.fc1.weight": torch.randn(6, 4, generator=g), "blocks.0.mlp.fc1.bias": torch.randn(6, generator=g)}
+    theta0 = {
+        "blocks.0.mlp.fc1.weight": torch.randn(6, 4, generator=g),
+        "blocks.0.mlp.fc1.bias": torch.randn(6, generator=g),
+    }
     taus = {t: {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in theta0.items()} for t in ("a", "b")}
     out = REGISTRY["svc"](theta0, taus, lam=0.3, alpha=0.1)
     ta = REGISTRY["task_arithmetic"](theta0, taus, lam=0.3)

@@ -22,11 +22,27 @@ from mergeflow.ml.training import fit_probe
 
 IDS = special_ids()
 TINY_TEXT = BackboneConfig(
-    library="transformers", model="roberta", global_pool="token",
-    kwargs={"vocab_size": IDS["vocab_size"], "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
-            "max_position_embeddings": 40, "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "type_vocab_size": 1, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    library="transformers",
+    model="roberta",
+    global_pool="token",
+    kwargs={
+        "vocab_size": IDS["vocab_size"],
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "max_position_embeddings": 40,
+        "bos_token_id": 0,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+        "type_vocab_size": 1,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
 )
-SUITE = SuiteConfig(source="text", tasks=list(text_suite.TASKS), seq_len=32, n_train=16, n_val=8, n_test=8, pretrain_images=64)
+SUITE = SuiteConfig(
+    source="text", tasks=list(text_suite.TASKS), seq_len=32, n_train=16, n_val=8, n_test=8, pretrain_images=64
+)
 
 
 def _ids(*rows: list[int], length: int = 12) -> torch.Tensor:
@@ -43,7 +59,9 @@ def test_a_text_task_file_round_trips_and_decodes_to_its_words(tmp_path):
     assert task.metric == "pearson_spearman" and task.classes == ["score"] and task.train.labels.dtype == torch.float32
     assert task.train.inputs.shape == (len(task.train.labels), 32)
     raw = text_suite.make_task("similarity", 16, 8, 8, 3)
-    decoded = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).decode(task.test.inputs[0].tolist(), skip_special_tokens=True)
+    decoded = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).decode(
+        task.test.inputs[0].tolist(), skip_special_tokens=True
+    )
     assert decoded.split() == raw["test_a"][0] + raw["test_b"][0]  # the pair, in order, nothing lost
     torch.testing.assert_close(task.test.labels, torch.as_tensor(raw["test_y"], dtype=torch.float32))
     corpus = load_state_dict(tmp_path / "pretrain.safetensors")["tokens"]
@@ -55,8 +73,16 @@ def test_a_text_task_file_round_trips_and_decodes_to_its_words(tmp_path):
 @pytest.mark.parametrize(
     ("array", "value", "message"),
     [
-        ("train_x", torch.full((4, 32), 99999, dtype=torch.int32), "array 'train_x' has token id 99999, outside the vocabulary"),
-        ("train_x", torch.zeros(4, 32), "array 'train_x' has dtype float32 and shape \\(4, 32\\), expected integer token ids"),
+        (
+            "train_x",
+            torch.full((4, 32), 99999, dtype=torch.int32),
+            "array 'train_x' has token id 99999, outside the vocabulary",
+        ),
+        (
+            "train_x",
+            torch.zeros(4, 32),
+            "array 'train_x' has dtype float32 and shape \\(4, 32\\), expected integer token ids",
+        ),
         ("val_y", torch.zeros(8, dtype=torch.int64), "array 'val_y' has dtype int64, expected finite float scores"),
     ],
 )
@@ -94,7 +120,9 @@ def test_mean_pooling_is_the_mean_of_the_real_tokens():
     backbone = new_backbone(TINY_TEXT.model_copy(update={"global_pool": "avg"})).eval()
     ids = _ids([10, 11, 12], length=9)
     with torch.no_grad():
-        hidden = backbone.net.base_model.__class__.__mro__[1].forward(backbone.net, input_ids=ids[:, :5]).last_hidden_state
+        hidden = (
+            backbone.net.base_model.__class__.__mro__[1].forward(backbone.net, input_ids=ids[:, :5]).last_hidden_state
+        )
         torch.testing.assert_close(backbone(ids), hidden.mean(1), rtol=1e-5, atol=1e-5)
 
 
@@ -105,13 +133,19 @@ def test_seed_003s_encoder_features_are_each_layers_real_tokens_mean():
     backbone = new_backbone(TINY_TEXT.model_copy(update={"kwargs": TINY_TEXT.kwargs | {"num_hidden_layers": 2}})).eval()
     layers = backbone.feature_layers()
     feats = [None] * len(layers)
-    hooks = [m.register_forward_hook(lambda _m, _i, out, k=k, pool=pool: feats.__setitem__(k, pool(out))) for k, (m, pool) in enumerate(layers)]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out, k=k, pool=pool: feats.__setitem__(k, pool(out)))
+        for k, (m, pool) in enumerate(layers)
+    ]
     with torch.no_grad():
         backbone(_ids([10, 11, 12], [20, 21, 22, 23, 24, 25], length=11))
         for h in hooks:
             h.remove()
         base = backbone.net.__class__.__mro__[1].forward
-        alone = [base(backbone.net, input_ids=_ids(words, length=len(words) + 2), output_hidden_states=True).hidden_states for words in ([10, 11, 12], [20, 21, 22, 23, 24, 25])]
+        alone = [
+            base(backbone.net, input_ids=_ids(words, length=len(words) + 2), output_hidden_states=True).hidden_states
+            for words in ([10, 11, 12], [20, 21, 22, 23, 24, 25])
+        ]
     assert len(layers) == 2
     for layer in range(2):
         torch.testing.assert_close(feats[layer], torch.cat([h[layer + 1].mean(1) for h in alone]), rtol=1e-5, atol=1e-5)
@@ -160,7 +194,14 @@ def test_masked_lm_pretraining_lowers_the_loss_and_fills_the_backbone(tmp_path):
     backbone = build_backbone(TINY_TEXT, state)  # the base model's tensors, every one, by name
     assert set(state) == set(backbone.net.state_dict())
     with pytest.raises(MergeflowError, match="backbone.kwargs.vocab_size: 7, but the tokenizer"):
-        pretrain_masked_lm(TINY_TEXT.model_copy(update={"kwargs": TINY_TEXT.kwargs | {"vocab_size": 7}}), tokens, schedule, special=IDS, seed=0, device=torch.device("cpu"))
+        pretrain_masked_lm(
+            TINY_TEXT.model_copy(update={"kwargs": TINY_TEXT.kwargs | {"vocab_size": 7}}),
+            tokens,
+            schedule,
+            special=IDS,
+            seed=0,
+            device=torch.device("cpu"),
+        )
 
 
 # ---------------------------------------------------------------- heads and statistics
@@ -197,7 +238,9 @@ def test_regression_fisher_is_the_squared_residual_times_the_input_squared():
     with torch.no_grad():
         head.weight.fill_(1.0), head.bias.zero_()
     x, y = torch.tensor([[1.0, 0.0, 2.0], [0.0, 1.0, 1.0]]), torch.tensor([3.0, -1.0])
-    fisher = fisher_diagonal(_Linear(net), head, x, y, generator=torch.Generator(), device=torch.device("cpu"), regression=True)
+    fisher = fisher_diagonal(
+        _Linear(net), head, x, y, generator=torch.Generator(), device=torch.device("cpu"), regression=True
+    )
     residual = y - x @ net.weight[0].detach()
     torch.testing.assert_close(fisher["weight"][0], (residual[:, None] ** 2 * x**2).mean(0))
 
@@ -221,7 +264,11 @@ def test_cart_averages_the_embedding_tables_and_low_ranks_the_attention_and_mlp_
     taus = {t: {k: 0.01 * torch.randn(v.shape) for k, v in theta0.items()} for t in "abc"}
     merged = REGISTRY["cart"](theta0, taus, rank_ratio=0.25, lam=2.0)
     average = REGISTRY["weight_averaging"](theta0, taus)
-    for key in ("embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight", "encoder.layer.0.attention.output.LayerNorm.weight"):
+    for key in (
+        "embeddings.word_embeddings.weight",
+        "embeddings.position_embeddings.weight",
+        "encoder.layer.0.attention.output.LayerNorm.weight",
+    ):
         torch.testing.assert_close(merged[key], average[key])
     query = "encoder.layer.0.attention.self.query.weight"
     assert not torch.allclose(merged[query], average[query])

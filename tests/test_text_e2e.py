@@ -19,7 +19,9 @@ from .conftest import REPO
 
 TINY_TEXT = {
     "suite": {"n_train": 48, "n_val": 16, "n_test": 16, "pretrain_images": 256},
-    "backbone": {"kwargs": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}},
+    "backbone": {
+        "kwargs": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+    },
     "pretrain": {"steps": 6, "batch_size": 32, "warmup_steps": 1},
     "probe": {"c_grid": [1.0]},
     "finetune": {"steps": 4, "batch_size": 16, "warmup_steps": 1},
@@ -98,12 +100,23 @@ def test_every_method_merges_text_models(text_run, name):
 
 # ---------------------------------------------------------------- the text-to-text suite (T5-style)
 TINY_T2T = {
-    "suite": {"tasks": ["sentiment", "inference", "entailment"], "n_train": 48, "n_val": 16, "n_test": 16, "pretrain_images": 256},
-    "backbone": {"kwargs": {"d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 2, "num_decoder_layers": 1, "num_heads": 2}},
+    "suite": {
+        "tasks": ["sentiment", "inference", "entailment"],
+        "n_train": 48,
+        "n_val": 16,
+        "n_test": 16,
+        "pretrain_images": 256,
+    },
+    "backbone": {
+        "kwargs": {"d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 2, "num_decoder_layers": 1, "num_heads": 2}
+    },
     "pretrain": {"steps": 6, "batch_size": 32, "warmup_steps": 1},
     "finetune": {"steps": 4, "batch_size": 16, "warmup_steps": 1},
     "statistics": {"examples": 8},
-    "studies": {"run": ["ctl"], "ctl": {"examples": 8, "pairs": 2, "average_sizes": [3], "scratch_steps": 2, "stitch_examples": 8}},
+    "studies": {
+        "run": ["ctl"],
+        "ctl": {"examples": 8, "pairs": 2, "average_sizes": [3], "scratch_steps": 2, "stitch_examples": 8},
+    },
     "runtime": {"threads": 1},
 }
 T2T_METHODS = ["task_arithmetic", "ties", "cart", "fisher", "regmean", "adamerging"]
@@ -135,7 +148,11 @@ def test_a_text_to_text_model_is_scored_by_its_answer_words(t2t_run):
     data = load_task(layout.task_data("sentiment"))
     ids = data.test.inputs.long()
     with torch.no_grad():
-        logits = ref(input_ids=ids, attention_mask=(ids != config.pad_token_id).long(), decoder_input_ids=torch.full((len(ids), 1), config.decoder_start_token_id)).logits[:, 0]
+        logits = ref(
+            input_ids=ids,
+            attention_mask=(ids != config.pad_token_id).long(),
+            decoder_input_ids=torch.full((len(ids), 1), config.decoder_start_token_id),
+        ).logits[:, 0]
     expected = float((logits[:, data.answers].argmax(1) == data.test.labels).float().mean())
     record = json.loads(layout.metrics("finetune", "sentiment").read_text())
     assert record["probe"]["head"] == "verbalizer" and record["probe"]["test"] == pytest.approx(expected, abs=1e-6)
@@ -153,8 +170,15 @@ def test_study_ctl_reads_the_encoders_and_decoders_features(t2t_run):
     from mergeflow.pipeline.merge import study
 
     params, layout = t2t_run
-    merge(params.model_copy(update={"merge": params.merge.model_copy(update={"methods": ["task_arithmetic"]})}), "task_arithmetic", layout)
+    merge(
+        params.model_copy(update={"merge": params.merge.model_copy(update={"methods": ["task_arithmetic"]})}),
+        "task_arithmetic",
+        layout,
+    )
     result = study(params, "ctl", layout)
     assert len(result["claims"]) == 8
     report = (layout.root / "studies" / "ctl" / "report.md").read_text()
-    assert "blocks 0–1 the encoder's, the mean of the real tokens; blocks 2–2 the decoder's, at the first generated token" in report
+    assert (
+        "blocks 0–1 the encoder's, the mean of the real tokens; blocks 2–2 the decoder's, at the first generated token"
+        in report
+    )

@@ -147,14 +147,14 @@ def test_sentiment_is_the_polarity_word_xor_negation_of_the_deciding_clause():
     for s, y in zip(d["train_a"], d["train_y"]):
         s = s[:-1]
         if "but" in s:
-            last = s[s.index("but") + 1:]
+            last = s[s.index("but") + 1 :]
         elif s[0] == "although":
-            last = s[s.index(",") + 1:]
+            last = s[s.index(",") + 1 :]
         else:
             last = s  # one clause, or two of one polarity joined by and/because
             for j in ("and", "because"):
                 if j in s:
-                    first, last = s[:s.index(j)], s[s.index(j) + 1:]
+                    first, last = s[: s.index(j)], s[s.index(j) + 1 :]
                     assert polarity(first) == polarity(last)
         assert polarity(last) == y, s
         flipped[("not" in last or "never" in last, int(y))] += 1
@@ -217,7 +217,7 @@ def test_inference_monotonicity_by_hand():
 
 
 def test_duplicate_comparisons_follow_more_and_less():
-    """"is A more P than B" = "is B less P than A": re-derived from the words of the comparison questions."""
+    """ "is A more P than B" = "is B less P than A": re-derived from the words of the comparison questions."""
     d = ts.make_task("duplicates", 3000, 0, 0, seed=6)
     seen = collections.Counter()
     for a, b, y in zip(d["train_a"], d["train_b"], d["train_y"]):
@@ -233,7 +233,8 @@ def test_entailment_hypotheses_are_premise_facts():
     for a, b, y in zip(d["train_a"], d["train_b"], d["train_y"]):
         if y == 1:  # an entailed hypothesis's nouns and verb all occur in the premise
             assert {w for w in b if w not in lx.FUNCTION} <= set(a) | {w[:-2] for w in a if w.endswith("ed")} | {
-                w + "ed" for w in a}, (a, b)
+                w + "ed" for w in a
+            }, (a, b)
 
 
 def test_no_single_word_gives_the_label_away():

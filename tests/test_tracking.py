@@ -34,7 +34,10 @@ def _rebase_store(db: Path, old: Path, new: Path) -> None:
         for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
             for _, column, kind, *_ in con.execute(f"PRAGMA table_info('{table}')").fetchall():
                 if kind.upper() in ("TEXT", "VARCHAR") or kind.upper().startswith("VARCHAR"):
-                    con.execute(f"UPDATE '{table}' SET \"{column}\" = replace(\"{column}\", ?, ?) WHERE \"{column}\" LIKE ?", (str(old), str(new), f"%{old}%"))
+                    con.execute(
+                        f'UPDATE \'{table}\' SET "{column}" = replace("{column}", ?, ?) WHERE "{column}" LIKE ?',
+                        (str(old), str(new), f"%{old}%"),
+                    )
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +46,17 @@ def tracked(tiny_reference, tiny_env, tmp_path_factory):
     ref, _ = tiny_reference
     root = copy_project(ref, tmp_path_factory.mktemp("tracking") / "project")
     _rebase_store(root / "mlflow.db", ref.resolve(), root.resolve())
-    run("mergeflow track", root, tiny_env)  # what ran after the reference's track (a study, when track does not depend on it)
+    run(
+        "mergeflow track", root, tiny_env
+    )  # what ran after the reference's track (a study, when track does not depend on it)
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     return root, tiny_env, client, client.get_experiment_by_name("mergeflow/embedded").experiment_id
 
 
 def _runs(client, exp_id, stage=None):
-    runs = client.search_runs([exp_id], filter_string=f"tags.`mergeflow.stage` = '{stage}'" if stage else "", max_results=1000)
+    runs = client.search_runs(
+        [exp_id], filter_string=f"tags.`mergeflow.stage` = '{stage}'" if stage else "", max_results=1000
+    )
     return {r.info.run_id: r for r in runs}
 
 
@@ -68,45 +75,89 @@ def test_merge_runs_share_one_metric_convention(tracked):
     names = set(MERGE_METRICS) | {f"test_acc.{t}" for t in TASKS}
     for method, r in merges.items():
         # every model's test_avg has the leaderboard's interval (negation: its negated tasks')
-        extra = {f"control_acc.{t}" for t in TASKS} | {"control_avg"} if method == "task_negation" else {"test_avg_ci_low", "test_avg_ci_high"}
+        extra = (
+            {f"control_acc.{t}" for t in TASKS} | {"control_avg"}
+            if method == "task_negation"
+            else {"test_avg_ci_low", "test_avg_ci_high"}
+        )
         assert set(r.data.metrics) == names | extra, method
         ev = _read(root, f"metrics/evaluate/{method}.json")
         average = ev["average"]["target"] if method == "task_negation" else ev["average"]
         assert r.data.metrics["test_avg"] == pytest.approx(100 * average, abs=0.006), method
         assert r.data.params["method"] == method and r.data.params["kind"] == ev["kind"]
-        assert r.data.tags["mergeflow.fingerprint"] and (r.data.tags["regime"], r.data.tags["variant"]) == ("standard", "standard")
+        assert r.data.tags["mergeflow.fingerprint"] and (r.data.tags["regime"], r.data.tags["variant"]) == (
+            "standard",
+            "standard",
+        )
     assert merges["ties"].data.params["k"] == "0.2" and merges["ties"].data.params["grid.lam"] == "0.8, 1.0"
     assert merges["consensus_ta"].data.params.keys() >= {f"tall_lambda.{t}" for t in TASKS}
     assert merges["task_negation"].data.params.keys() >= {f"lam.{t}" for t in TASKS}
-    summary = {r["method"]: r for r in _read(root, "results/summary.json")["rows"] if r["regime"] == "standard"}  # the regimes' rows follow
-    assert merges["ties"].data.metrics["gap_recovered"] == pytest.approx(100 * summary["ties"]["gap_recovered"], abs=0.006)
+    summary = {
+        r["method"]: r for r in _read(root, "results/summary.json")["rows"] if r["regime"] == "standard"
+    }  # the regimes' rows follow
+    assert merges["ties"].data.metrics["gap_recovered"] == pytest.approx(
+        100 * summary["ties"]["gap_recovered"], abs=0.006
+    )
     curve = json.loads(Path(client.download_artifacts(merges["ties"].info.run_id, "curves/val_curve.json")).read_text())
     assert curve["x"] == ["lam"] and sorted(r["lam"] for r in curve["rows"]) == [0.8, 1.0]
     assert "plots/search.png" in {a.path for a in client.list_artifacts(merges["ties"].info.run_id, "plots")}
     # and as the image "search", which the runs page's chart view shows for every selected run side by side
-    assert any(a.path.startswith("images/search+step+0+") for a in client.list_artifacts(merges["ties"].info.run_id, "images"))
+    assert any(
+        a.path.startswith("images/search+step+0+") for a in client.list_artifacts(merges["ties"].info.run_id, "images")
+    )
     board = {e["method"]: e for e in _read(root, "results/leaderboard.json")["boards"]["standard"]}
-    assert (merges["ties"].data.metrics["test_avg_ci_low"], merges["ties"].data.metrics["test_avg_ci_high"]) == (board["ties"]["low"], board["ties"]["high"])
+    assert (merges["ties"].data.metrics["test_avg_ci_low"], merges["ties"].data.metrics["test_avg_ci_high"]) == (
+        board["ties"]["low"],
+        board["ties"]["high"],
+    )
     experiment = client.get_experiment(exp_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.methods"])["state"])
-    assert view["orderByKey"] == "metrics.`test_avg`" and view["selectedColumns"][:3] == ["params.`method`", "tags.`variant`", "metrics.`test_avg`"]
+    assert view["orderByKey"] == "metrics.`test_avg`" and view["selectedColumns"][:3] == [
+        "params.`method`",
+        "tags.`variant`",
+        "metrics.`test_avg`",
+    ]
     # the standard fine-tune's own view: its runs only, and only the hyperparameters they have (none of negation's)
     standard = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.methods.standard"])["state"])
     shown = client.search_runs([exp_id], filter_string=standard["searchFilter"], max_results=1000)
-    assert sorted(r.data.tags["mergeflow.item"] for r in shown) == sorted([m for m in merges if m != "task_negation"] + ["individual", "probe"])
+    assert sorted(r.data.tags["mergeflow.item"] for r in shown) == sorted(
+        [m for m in merges if m != "task_negation"] + ["individual", "probe"]
+    )
     # the baselines' runs: their test averages and intervals are the leaderboard's
     for r in (r for r in shown if r.data.tags["mergeflow.stage"] == "baseline"):
         e = board[r.data.params["method"]]
-        assert (r.data.metrics["test_avg"], r.data.metrics["test_avg_ci_low"], r.data.metrics["test_avg_ci_high"]) == (e["score"], e["low"], e["high"])
-    hyperparameters = {c for c in standard["selectedColumns"] if c.startswith("params.") and c not in ("params.`method`", "params.`data`")}
-    assert hyperparameters == {f"params.`{k}`" for r in shown for k in r.data.params if k not in ("method", "kind", "paper", "data") and not k.startswith("grid.")}
+        assert (r.data.metrics["test_avg"], r.data.metrics["test_avg_ci_low"], r.data.metrics["test_avg_ci_high"]) == (
+            e["score"],
+            e["low"],
+            e["high"],
+        )
+    hyperparameters = {
+        c
+        for c in standard["selectedColumns"]
+        if c.startswith("params.") and c not in ("params.`method`", "params.`data`")
+    }
+    assert hyperparameters == {
+        f"params.`{k}`"
+        for r in shown
+        for k in r.data.params
+        if k not in ("method", "kind", "paper", "data") and not k.startswith("grid.")
+    }
     # the pipeline run's description is the leaderboard, each method linked to its run
-    pipeline = client.search_runs([exp_id], filter_string="tags.`mergeflow.stage` = 'pipeline'", max_results=5)[0]  # the newest
+    pipeline = client.search_runs([exp_id], filter_string="tags.`mergeflow.stage` = 'pipeline'", max_results=5)[
+        0
+    ]  # the newest
     note = pipeline.data.tags["mlflow.note.content"]
     individual = next(r for r in _runs(client, exp_id, "baseline").values() if r.data.params["method"] == "Individual")
-    assert f"[ties](#/experiments/{exp_id}/runs/{merges['ties'].info.run_id})" in note and f"[Individual](#/experiments/{exp_id}/runs/{individual.info.run_id})" in note and "95% bootstrap interval" in note
-    assert _read(root, "metrics/tracking.json")["ui_path"] == f"/#/experiments/{exp_id}/runs?viewStateShareKey=methods&workflowType=machine_learning"
+    assert (
+        f"[ties](#/experiments/{exp_id}/runs/{merges['ties'].info.run_id})" in note
+        and f"[Individual](#/experiments/{exp_id}/runs/{individual.info.run_id})" in note
+        and "95% bootstrap interval" in note
+    )
+    assert (
+        _read(root, "metrics/tracking.json")["ui_path"]
+        == f"/#/experiments/{exp_id}/runs?viewStateShareKey=methods&workflowType=machine_learning"
+    )
 
 
 def _params(root: Path):
@@ -132,34 +183,58 @@ def test_regime_runs_record_each_variant(tracked):
     expected = [(r, v) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps)]
     assert expected and sorted((r.data.tags["regime"], r.data.tags["variant"]) for r in runs) == sorted(expected)
     ft = {t: _read(root, f"metrics/finetune/{t}.json") for t in TASKS}
-    probe, individual = sum(ft[t]["probe"]["test"] for t in TASKS) / 3, sum(ft[t]["individual"]["test"] for t in TASKS) / 3
+    probe, individual = (
+        sum(ft[t]["probe"]["test"] for t in TASKS) / 3,
+        sum(ft[t]["individual"]["test"] for t in TASKS) / 3,
+    )
     for regime, variant in expected:
         record = _read(root, f"metrics/regime/{regime}.json")["variants"][variant]
         r = _one(runs, regime=regime, variant=variant)
         assert r.info.run_name == f"regime@{variant}" and r.data.tags["mergeflow.item"] == regime
-        assert {k: v for k, v in r.data.params.items() if k not in ("regime", "variant", "paper")} == {k: str(v) for k, v in record["hyperparameters"].items()}
+        assert {k: v for k, v in r.data.params.items() if k not in ("regime", "variant", "paper")} == {
+            k: str(v) for k, v in record["hyperparameters"].items()
+        }
         assert r.data.params["paper"] == _read(root, f"metrics/regime/{regime}.json")["paper"]
         m = r.data.metrics
-        assert m["individual_avg"] == pytest.approx(_pct(sum(record["individual"][t]["test"] for t in TASKS) / 3), abs=0.006)
-        assert m["individual_val_avg"] == pytest.approx(_pct(sum(record["individual"][t]["val"] for t in TASKS) / 3), abs=0.006)
+        assert m["individual_avg"] == pytest.approx(
+            _pct(sum(record["individual"][t]["test"] for t in TASKS) / 3), abs=0.006
+        )
+        assert m["individual_val_avg"] == pytest.approx(
+            _pct(sum(record["individual"][t]["val"] for t in TASKS) / 3), abs=0.006
+        )
         assert {t: m[f"individual_acc.{t}"] for t in TASKS} == {t: _pct(record["individual"][t]["test"]) for t in TASKS}
-        assert m["wall_time_s"] == pytest.approx(_read(root, f"logs/timing/regime/{regime}.json")["variants"][variant]["wall_time_s"], abs=0.001)
+        assert m["wall_time_s"] == pytest.approx(
+            _read(root, f"logs/timing/regime/{regime}.json")["variants"][variant]["wall_time_s"], abs=0.001
+        )
         if record["model"] is None:
             assert not any(k.startswith("model_") for k in m) and "mergeflow.model_uri" not in r.data.tags
         else:
             own = record["model"]["accuracy"]
             assert m["model_test_avg"] == pytest.approx(_pct(sum(own["test"].values()) / 3), abs=0.006)
             assert m["model_val_avg"] == pytest.approx(_pct(sum(own["val"].values()) / 3), abs=0.006)
-            assert m["model_gap_recovered"] == pytest.approx(100 * (sum(own["test"].values()) / 3 - probe) / (individual - probe), abs=0.006)
+            assert m["model_gap_recovered"] == pytest.approx(
+                100 * (sum(own["test"].values()) / 3 - probe) / (individual - probe), abs=0.006
+            )
             state = load_model(f"runs:/{r.info.run_id}/model", f"sqlite:///{root / 'mlflow.db'}").net.state_dict()
             expected_state = load_state_dict(root / f"regimes/{regime}/{variant}/model.safetensors")
-            assert state.keys() == expected_state.keys() and all(torch.equal(state[k], t) for k, t in expected_state.items())
+            assert state.keys() == expected_state.keys() and all(
+                torch.equal(state[k], t) for k, t in expected_state.items()
+            )
         # per round: the median and max over the task pairs, at step = round
-        for metric, key, summary in [("task_vector_cosine_median", "task_vector_cosines", statistics.median), ("update_cosine_max", "update_cosines", max)]:
+        for metric, key, summary in [
+            ("task_vector_cosine_median", "task_vector_cosines", statistics.median),
+            ("update_cosine_max", "update_cosines", max),
+        ]:
             history = sorted((h.step, h.value) for h in client.get_metric_history(r.info.run_id, metric))
-            assert history == [(rd["round"], pytest.approx(summary(list(rd[key].values())), abs=6e-5)) for rd in record["rounds"]], metric
-        assert m["task_vector_cosine_median"] == pytest.approx(statistics.median(record["rounds"][-1]["task_vector_cosines"].values()), abs=6e-5)  # the table shows the last round
-        artifacts = {a.path for a in client.list_artifacts(r.info.run_id)} | {a.path for a in client.list_artifacts(r.info.run_id, "vectors")}
+            assert history == [
+                (rd["round"], pytest.approx(summary(list(rd[key].values())), abs=6e-5)) for rd in record["rounds"]
+            ], metric
+        assert m["task_vector_cosine_median"] == pytest.approx(
+            statistics.median(record["rounds"][-1]["task_vector_cosines"].values()), abs=6e-5
+        )  # the table shows the last round
+        artifacts = {a.path for a in client.list_artifacts(r.info.run_id)} | {
+            a.path for a in client.list_artifacts(r.info.run_id, "vectors")
+        }
         assert {"regime", "vectors/stats.json"} <= artifacts
 
 
@@ -167,8 +242,15 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
     root, _, client, exp_id = tracked
     p = _params(root)
     runs = list(_runs(client, exp_id, "regime_merge").values())
-    expected = [(r, v, m) for r in p.regimes.run for v in p.regimes.config(r).variants(r, p.finetune.steps) for m in p.regimes.methods_of(r)]
-    assert expected and sorted((r.data.tags["regime"], r.data.tags["variant"], r.data.params["method"]) for r in runs) == sorted(expected)
+    expected = [
+        (r, v, m)
+        for r in p.regimes.run
+        for v in p.regimes.config(r).variants(r, p.finetune.steps)
+        for m in p.regimes.methods_of(r)
+    ]
+    assert expected and sorted(
+        (r.data.tags["regime"], r.data.tags["variant"], r.data.params["method"]) for r in runs
+    ) == sorted(expected)
     summary = {(row["regime"], row["method"]): row for row in _read(root, "results/summary.json")["rows"]}
     ft = {t: _read(root, f"metrics/finetune/{t}.json") for t in TASKS}
     names = (set(MERGE_METRICS) - {"wall_time_s"}) | {f"test_acc.{t}" for t in TASKS}
@@ -178,12 +260,18 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
         ev = _read(root, f"{folder}/evaluate/{method}.json")
         assert r.info.run_name == f"{variant}/{method}" and r.data.tags["mergeflow.item"] == regime
         # a merge's interval from its predictions; the regime's own model (evaluated by its stage) kept none
-        assert set(r.data.metrics) == names | ({"test_avg_ci_low", "test_avg_ci_high"} if method != regime else set()), (variant, method)
+        assert set(r.data.metrics) == names | (
+            {"test_avg_ci_low", "test_avg_ci_high"} if method != regime else set()
+        ), (variant, method)
         m = r.data.metrics
         assert m["test_avg"] == pytest.approx(_pct(sum(ev["accuracy"][t] for t in TASKS) / 3), abs=0.006)
         assert {t: m[f"test_acc.{t}"] for t in TASKS} == {t: _pct(ev["accuracy"][t]) for t in TASKS}
-        assert m["normalized_avg"] == pytest.approx(100 * sum(ev["accuracy"][t] / ft[t]["individual"]["test"] for t in TASKS) / 3, abs=0.006)
-        assert m["gap_recovered"] == pytest.approx(100 * summary[(variant, method)]["gap_recovered"], abs=0.006)  # the standard fine-tune's scale
+        assert m["normalized_avg"] == pytest.approx(
+            100 * sum(ev["accuracy"][t] / ft[t]["individual"]["test"] for t in TASKS) / 3, abs=0.006
+        )
+        assert m["gap_recovered"] == pytest.approx(
+            100 * summary[(variant, method)]["gap_recovered"], abs=0.006
+        )  # the standard fine-tune's scale
         assert m["storage_models"] == pytest.approx(ev["storage_models"], abs=0.006)
         assert r.data.params["kind"] == ev["kind"]
         if method == regime:  # the regime's own model: evaluated, not merged
@@ -192,25 +280,40 @@ def test_regime_merge_runs_follow_the_merge_convention(tracked):
         else:
             mm = _read(root, f"{folder}/merge/{method}.json")
             assert m["val_avg"] == pytest.approx(_pct(mm["val_average"]), abs=0.006)
-            assert {k: v for k, v in r.data.params.items() if k.startswith("grid.")} == {f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()}
+            assert {k: v for k, v in r.data.params.items() if k.startswith("grid.")} == {
+                f"grid.{k}": ", ".join(map(str, v)) for k, v in mm["grid"].items()
+            }
             assert "plots/search.png" in {a.path for a in client.list_artifacts(r.info.run_id, "plots")}
             weights = root / f"merged/regime/{regime}/{variant}/{method}.safetensors"
         chosen = {k: str(v) for k, v in ev["hyperparameters"].items() if not isinstance(v, dict)}
         assert {k: r.data.params[k] for k in chosen} == chosen
-        if ev["kind"] in ("model", "regime_model"):  # the run's model, or the one already stored with these weights (the regime's own)
+        if ev["kind"] in (
+            "model",
+            "regime_model",
+        ):  # the run's model, or the one already stored with these weights (the regime's own)
             state = load_model(r.data.tags["mergeflow.model_uri"], f"sqlite:///{root / 'mlflow.db'}").net.state_dict()
             assert all(torch.equal(state[k], t) for k, t in load_state_dict(weights).items()), (variant, method)
     # the saved view ranks the merge runs of every regime, negation aside, and shows the regime
     view = json.loads(json.loads(client.get_experiment(exp_id).tags["mlflow.sharedViewState.methods"])["state"])
     assert "tags.`variant`" in view["selectedColumns"]
-    ranked = client.search_runs([exp_id], filter_string=view["searchFilter"], order_by=["metrics.test_avg DESC"], max_results=1000)
-    standard = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"] + list(_runs(client, exp_id, "baseline").values())
-    assert sorted(r.info.run_id for r in ranked) == sorted([r.info.run_id for r in standard] + [r.info.run_id for r in runs])
+    ranked = client.search_runs(
+        [exp_id], filter_string=view["searchFilter"], order_by=["metrics.test_avg DESC"], max_results=1000
+    )
+    standard = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"] + list(
+        _runs(client, exp_id, "baseline").values()
+    )
+    assert sorted(r.info.run_id for r in ranked) == sorted(
+        [r.info.run_id for r in standard] + [r.info.run_id for r in runs]
+    )
     # and each variant has a view of its own, which shows its runs
     for _, variant, _ in expected:
-        own = json.loads(json.loads(client.get_experiment(exp_id).tags[f"mlflow.sharedViewState.methods.{variant}"])["state"])
+        own = json.loads(
+            json.loads(client.get_experiment(exp_id).tags[f"mlflow.sharedViewState.methods.{variant}"])["state"]
+        )
         shown = client.search_runs([exp_id], filter_string=own["searchFilter"], max_results=1000)
-        assert sorted(r.info.run_id for r in shown) == sorted(r.info.run_id for r in runs if r.data.tags["variant"] == variant)
+        assert sorted(r.info.run_id for r in shown) == sorted(
+            r.info.run_id for r in runs if r.data.tags["variant"] == variant
+        )
     # the registry stays the standard regime's
     latest = max(client.search_model_versions("name = 'mergeflow-embedded'"), key=lambda v: int(v.version))
     assert client.get_run(latest.run_id).data.tags["regime"] == "standard"
@@ -225,8 +328,14 @@ def test_study_runs_record_verdicts(tracked):
         study = _read(root, f"metrics/studies/{name}.json")
         r = _one(runs, study=name)
         verdicts = [c["verdict"] for c in study["claims"]]
-        assert r.data.metrics["holds"] == verdicts.count("holds") and r.data.metrics["fails"] == verdicts.count("fails") and r.data.metrics["not_measured"] == verdicts.count("not measured")
-        assert {k: v for k, v in r.data.params.items() if k.startswith("verdict.")} == {f"verdict.{c['id']}": c["verdict"] for c in study["claims"]}
+        assert (
+            r.data.metrics["holds"] == verdicts.count("holds")
+            and r.data.metrics["fails"] == verdicts.count("fails")
+            and r.data.metrics["not_measured"] == verdicts.count("not measured")
+        )
+        assert {k: v for k, v in r.data.params.items() if k.startswith("verdict.")} == {
+            f"verdict.{c['id']}": c["verdict"] for c in study["claims"]
+        }
         files = {f.name for f in (root / "studies" / name).iterdir() if f.is_file()}
         assert "report.md" in files and files <= {a.path for a in client.list_artifacts(r.info.run_id)}
         assert all(c["id"] in r.data.tags["mlflow.note.content"] for c in study["claims"])
@@ -238,9 +347,14 @@ def test_runs_start_and_end_at_the_stages_times(tracked):
         stage, item = r.data.tags["mergeflow.stage"], r.data.tags.get("mergeflow.item")
         if stage == "pipeline":
             continue
-        if stage == "baseline":  # the fine-tunes measured the baselines: from the first one's start to the last one's end
+        if (
+            stage == "baseline"
+        ):  # the fine-tunes measured the baselines: from the first one's start to the last one's end
             spans = [stage_times(root / "logs/timing/finetune" / f"{t}.json") for t in TASKS]
-            assert (r.info.start_time, r.info.end_time) == (int(min(a for a, _ in spans) * 1000), int(max(b for _, b in spans) * 1000))
+            assert (r.info.start_time, r.info.end_time) == (
+                int(min(a for a, _ in spans) * 1000),
+                int(max(b for _, b in spans) * 1000),
+            )
             continue
         timing = root / "logs/timing" / (f"{stage}/{item}.json" if item else f"{stage}.json")
         started, ended = stage_times(timing, ("evaluate_wall_time_s",) if stage == "merge" else ())
@@ -275,7 +389,9 @@ def test_a_merged_model_says_what_it_takes(tracked):
     mlflow.set_tracking_uri(store)
     width = TINY["backbone"]["kwargs"]["embed_dim"]
     sig = mlflow.models.get_model_info(uri).signature.to_dict()
-    assert json.loads(sig["inputs"]) == [{"type": "tensor", "tensor-spec": {"dtype": "uint8", "shape": [-1, -1, -1, 3]}}]
+    assert json.loads(sig["inputs"]) == [
+        {"type": "tensor", "tensor-spec": {"dtype": "uint8", "shape": [-1, -1, -1, 3]}}
+    ]
     assert json.loads(sig["outputs"]) == [{"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, width]}}]
     images = torch.randint(0, 256, (3, 32, 32, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     module = load_model(uri, store)
@@ -284,10 +400,13 @@ def test_a_merged_model_says_what_it_takes(tracked):
         expected = module(images)
         assert expected.shape == (3, width) and torch.allclose(net(preprocess(images)), expected)
         assert preprocess(images).shape == (3, 3, 32, 32) and preprocess(images).dtype == torch.float32
-        # the preprocessing by hand (backbone.input_norm: center): NCHW in [0, 1], each channel centred, one scale an image
+        # the preprocessing by hand (backbone.input_norm: center):
+        # NCHW in [0, 1], each channel centred, one scale an image
         x = images.permute(0, 3, 1, 2).double() / 255
         by_hand = (x - x.mean(dim=(2, 3), keepdim=True)) / (x.std(dim=(1, 2, 3), keepdim=True) + 0.05)
-        assert torch.allclose(preprocess(images).double(), by_hand, atol=1e-5) and torch.allclose(net(by_hand.float()), expected, atol=1e-5)
+        assert torch.allclose(preprocess(images).double(), by_hand, atol=1e-5) and torch.allclose(
+            net(by_hand.float()), expected, atol=1e-5
+        )
     pyfunc = mlflow.pyfunc.load_model(uri)
     assert np.allclose(pyfunc.predict(images.numpy()), expected.numpy(), atol=1e-6)
     with pytest.raises(Exception, match="uint8"):
@@ -302,8 +421,15 @@ def test_registry_holds_the_best_merged_model_on_validation(tracked):
     latest = max(versions, key=lambda v: int(v.version))
     best = next(r for r in singles if r.info.run_id == latest.run_id)  # a tie goes to the method listed first
     assert best.data.metrics["val_avg"] == top and latest.tags["method"] == best.data.params["method"]
-    assert latest.tags["val_avg"] == f"{top:.2f}" and "(its version number" not in client.get_registered_model("mergeflow-embedded").description
-    assert {k: latest.tags[k] for k in best.data.params if k not in ("method", "kind", "paper") and not k.startswith("grid.")} == {
+    assert (
+        latest.tags["val_avg"] == f"{top:.2f}"
+        and "(its version number" not in client.get_registered_model("mergeflow-embedded").description
+    )
+    assert {
+        k: latest.tags[k]
+        for k in best.data.params
+        if k not in ("method", "kind", "paper") and not k.startswith("grid.")
+    } == {
         k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")
     }
 
@@ -332,7 +458,11 @@ def test_track_logs_only_what_changed(tracked):
     assert _runs(client, exp_id).keys() == before.keys() and _store_files(root) == files
 
     # one merge hyperparameter changes; its stage re-runs and DVC records it, as dvc repro would
-    old_md5 = next(o["md5"] for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["merge@ties"]["outs"] if o["path"] == "merged/ties.safetensors")
+    old_md5 = next(
+        o["md5"]
+        for o in yaml.safe_load((root / "dvc.lock").read_text())["stages"]["merge@ties"]["outs"]
+        if o["path"] == "merged/ties.safetensors"
+    )
     apply_overrides(root / "params.yaml", ["merge.ties.k=0.1"])
     run("mergeflow merge", root, env | {"DVC_STAGE": "merge@ties"})
     run("mergeflow report", root, env)
@@ -341,16 +471,23 @@ def test_track_logs_only_what_changed(tracked):
 
     after = _runs(client, exp_id)
     new = [after[r] for r in after.keys() - before.keys()]
-    assert sorted((r.data.tags["mergeflow.stage"], r.data.tags.get("mergeflow.item")) for r in new) == [("merge", "ties"), ("pipeline", None)]
+    assert sorted((r.data.tags["mergeflow.stage"], r.data.tags.get("mergeflow.item")) for r in new) == [
+        ("merge", "ties"),
+        ("pipeline", None),
+    ]
     ties = next(r for r in new if r.data.tags["mergeflow.stage"] == "merge")
     assert ties.data.params["k"] == "0.1"
     added = {f: n for f, n in _store_files(root).items() if f not in files}
     weights = [f for f in added if f.endswith(".safetensors")]
     changed = hashlib.md5((root / "merged/ties.safetensors").read_bytes()).hexdigest() != old_md5
-    assert [Path(f).name for f in weights] == (["ties.safetensors"] if changed else []), weights  # the changed model only
+    assert [Path(f).name for f in weights] == (["ties.safetensors"] if changed else []), (
+        weights
+    )  # the changed model only
     pipeline = next(r for r in new if r.data.tags["mergeflow.stage"] == "pipeline")
     assert pipeline.data.tags["stage_run.merge.ties"] == ties.info.run_id
-    assert pipeline.data.tags["stage_run.merge.emr"] == next(r.info.run_id for r in before.values() if r.data.tags.get("mergeflow.item") == "emr")
+    assert pipeline.data.tags["stage_run.merge.emr"] == next(
+        r.info.run_id for r in before.values() if r.data.tags.get("mergeflow.item") == "emr"
+    )
     assert _read(root, "metrics/tracking.json")["run_id"] == pipeline.info.run_id
 
 
@@ -364,7 +501,9 @@ def test_regimes_and_studies_that_did_not_run_are_left_out(tiny_reference, tiny_
     apply_overrides(root / "params.yaml", ["tracking.log_checkpoints=false"])
     out = run("mergeflow track", root, tiny_env)
     p = _params(root)
-    assert all(f"study {s} not tracked" in out for s in p.studies.run) and all(f"regime {r}'s merges not tracked" in out for r in p.regimes.run)
+    assert all(f"study {s} not tracked" in out for s in p.studies.run) and all(
+        f"regime {r}'s merges not tracked" in out for r in p.regimes.run
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     exp_id = client.get_experiment_by_name("mergeflow/embedded").experiment_id
     stages = [r.data.tags["mergeflow.stage"] for r in _runs(client, exp_id).values()]
@@ -391,32 +530,64 @@ def test_ui_serves_the_views_and_stops_with_its_server(tracked, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "mergeflow.cli", "ui", "--port", str(port)], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mergeflow.cli", "ui", "--port", str(port)],
+        cwd=root,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         for line in server.stderr:  # until it says it answers (or exits)
             lines.append(line)
             if "ready in" in line:
                 break
-        assert f"sqlite:///{root / 'mlflow.db'}" in lines[0] and "ready in" in lines[-1] and f"http://127.0.0.1:{port}" in lines[-1], lines
+        assert (
+            f"sqlite:///{root / 'mlflow.db'}" in lines[0]
+            and "ready in" in lines[-1]
+            and f"http://127.0.0.1:{port}" in lines[-1]
+        ), lines
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).status == 200
         if CHROMIUM is None:
             warnings.warn("no Chromium: the MLflow pages were not rendered (Debian: apt-get install chromium)")
             return
-        chromium = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                    "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--dump-dom",
-                    "--window-size=4000,1200"]  # wide: the grid renders only the columns in view
+        chromium = [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            "--window-size=4000,1200",
+        ]  # wide: the grid renders only the columns in view
 
         def page(path: str) -> str:
-            dom = subprocess.run([*chromium, f"http://127.0.0.1:{port}/{path}"], capture_output=True, text=True, timeout=600).stdout
+            dom = subprocess.run(
+                [*chromium, f"http://127.0.0.1:{port}/{path}"], capture_output=True, text=True, timeout=600
+            ).stdout
             return re.sub(r"<[^>]+>", "\n", dom)  # the text of the cells, one per line
 
-        cells = {c.strip() for c in page(f"#/experiments/{exp_id}/runs?viewStateShareKey=methods.standard&workflowType=machine_learning").splitlines() if c.strip()}
+        cells = {
+            c.strip()
+            for c in page(
+                f"#/experiments/{exp_id}/runs?viewStateShareKey=methods.standard&workflowType=machine_learning"
+            ).splitlines()
+            if c.strip()
+        }
         merges = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"]
         for r in merges:  # each method's row: its name and its test_avg as the table prints it
             assert r.data.params["method"] in cells, r.data.params["method"]
             assert f"{r.data.metrics['test_avg']:g}" in cells, (r.data.params["method"], r.data.metrics["test_avg"])
-        assert "test_avg_ci_low" in cells and "task_negation" not in cells and "Individual" in cells  # a baseline's run among them
+        assert (
+            "test_avg_ci_low" in cells and "task_negation" not in cells and "Individual" in cells
+        )  # a baseline's run among them
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0  # the server, stopped, exited cleanly, and the command with it

@@ -60,7 +60,15 @@ def test_head_is_frozen_during_finetuning():
     backbone = build_backbone(TINY)
     head = make_head(backbone.num_features, 3)
     before = head.weight.detach().clone()
-    finetune(backbone, head, images, labels, FinetuneConfig(steps=3, batch_size=8, lr=1e-2), seed=0, device=torch.device("cpu"))
+    finetune(
+        backbone,
+        head,
+        images,
+        labels,
+        FinetuneConfig(steps=3, batch_size=8, lr=1e-2),
+        seed=0,
+        device=torch.device("cpu"),
+    )
     assert torch.equal(head.weight, before)
 
 
@@ -92,7 +100,15 @@ def test_finetuning_is_seeded_and_deterministic_on_cpu():
         torch.manual_seed(0)
         backbone = build_backbone(TINY)
         head = make_head(backbone.num_features, 3)
-        finetune(backbone, head, images, labels, FinetuneConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1), seed=5, device=torch.device("cpu"))
+        finetune(
+            backbone,
+            head,
+            images,
+            labels,
+            FinetuneConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1),
+            seed=5,
+            device=torch.device("cpu"),
+        )
         results.append(backbone_state(backbone))
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
@@ -101,7 +117,15 @@ def test_sgd_and_epochs_schedule():
     images, labels = _images(20)
     backbone = build_backbone(TINY)
     head = make_head(backbone.num_features, 3)
-    curve = finetune(backbone, head, images, labels, FinetuneConfig(optimizer="sgd", momentum=0.9, epochs=3, batch_size=8, lr=1e-2), seed=0, device=torch.device("cpu"))
+    curve = finetune(
+        backbone,
+        head,
+        images,
+        labels,
+        FinetuneConfig(optimizer="sgd", momentum=0.9, epochs=3, batch_size=8, lr=1e-2),
+        seed=0,
+        device=torch.device("cpu"),
+    )
     assert len(curve.step) == 3 * 2  # 20 // 8 = 2 full batches an epoch; the partial one is dropped
 
 
@@ -116,7 +140,9 @@ def test_feature_anchor_penalty_by_hand():
     backbone = build_backbone(TINY)
     anchor = _anchor(backbone, weight=3.0)
     idx = torch.arange(len(anchor.images))
-    assert anchor.penalty(backbone, idx, torch.device("cpu")).item() == pytest.approx(0.0, abs=1e-12)  # theta0: no change
+    assert anchor.penalty(backbone, idx, torch.device("cpu")).item() == pytest.approx(
+        0.0, abs=1e-12
+    )  # theta0: no change
     with torch.no_grad():
         backbone.net.patch_embed.proj.bias.add_(0.5)
     f0, f1 = anchor.features, extract_features(backbone, anchor.images, batch_size=5, device=torch.device("cpu"))
@@ -134,7 +160,9 @@ def test_feature_anchor_leaves_the_first_gd_step_unchanged():
         torch.manual_seed(0)
         backbone = build_backbone(TINY)
         head = make_head(backbone.num_features, 3)
-        finetune(backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"), anchor=_anchor(backbone, weight))
+        finetune(
+            backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"), anchor=_anchor(backbone, weight)
+        )
         states.append(backbone_state(backbone))
     assert all(torch.allclose(states[0][k], states[1][k], atol=1e-7) for k in states[0])
 
@@ -149,7 +177,12 @@ def test_feature_anchor_keeps_features_on_its_images():
         head = make_head(backbone.num_features, 3)
         anchor = _anchor(backbone, weight)
         finetune(backbone, head, images, labels, cfg, seed=0, device=torch.device("cpu"), anchor=anchor)
-        change[weight] = (extract_features(backbone, anchor.images, batch_size=5, device=torch.device("cpu")) - anchor.features).pow(2).mean().item()
+        change[weight] = (
+            (extract_features(backbone, anchor.images, batch_size=5, device=torch.device("cpu")) - anchor.features)
+            .pow(2)
+            .mean()
+            .item()
+        )
     assert change[30.0] < 0.5 * change[0.0]
 
 
@@ -166,11 +199,16 @@ def test_the_probe_reaches_the_optimum_so_last_bits_barely_move_it():
     x = centres[y] + torch.randn(400, 16, generator=g)
     xp = x * (1 + 1e-6 * torch.randn(x.shape, generator=g))
     cfg = ProbeConfig(c_grid=[10.0], max_iter=100)
-    head, moved = fit_probe(x[:300], y[:300], x[300:], y[300:], cfg, seed=0).head, fit_probe(xp[:300], y[:300], xp[300:], y[300:], cfg, seed=0).head
+    head, moved = (
+        fit_probe(x[:300], y[:300], x[300:], y[300:], cfg, seed=0).head,
+        fit_probe(xp[:300], y[:300], xp[300:], y[300:], cfg, seed=0).head,
+    )
     mu, sd = x[:300].mean(0).double(), x[:300].std(0).double() + 1e-6
     xs = (x[:300].double() - mu) / sd
     coef, bias = head.weight.detach().double() * sd, head.bias.detach().double() + head.weight.detach().double() @ mu
     residual = torch.softmax(xs @ coef.T + bias, 1) - torch.nn.functional.one_hot(y[:300], 4).double()
     grad_w, grad_b = 10.0 * residual.T @ xs + coef, 10.0 * residual.sum(0)
-    assert grad_w.abs().max() / coef.abs().max() < 1e-2 and grad_b.abs().max() < 1e-2  # the solver's tolerance, float32 heads
+    assert (
+        grad_w.abs().max() / coef.abs().max() < 1e-2 and grad_b.abs().max() < 1e-2
+    )  # the solver's tolerance, float32 heads
     assert ((head.weight - moved.weight).abs().max() / head.weight.abs().max()).item() < 1e-3

@@ -32,7 +32,10 @@ def project(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     subprocess.run([DVC, "init", "-q"], cwd=root, check=True)
     (root / "make.py").write_text(MAKE)
-    (root / "dvc.yaml").write_text(f"stages:\n  make:\n    cmd: {sys.executable} make.py\n    deps: [make.py]\n    outs: [model.bin, folder]\n    metrics:\n      - metric.json:\n          cache: false\n")
+    (root / "dvc.yaml").write_text(
+        f"stages:\n  make:\n    cmd: {sys.executable} make.py\n    deps: [make.py]\n    outs: [model.bin, folder]\n    "
+        "metrics:\n      - metric.json:\n          cache: false\n"
+    )
     proc = subprocess.run([DVC, "repro"], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return root
@@ -63,9 +66,16 @@ def test_a_flipped_byte_with_size_and_mtime_kept_is_named(project):
     _flip_keeping_size_and_mtime(project / "folder" / "sub" / "1.bin", 7)
     assert _dvc_status_clean(project)  # what DVC sees: nothing changed
     found, _ = check_outputs(project)
-    assert [(c.path, c.why, c.stage) for c in found] == [("folder/sub/1.bin", "changed", "make"), ("model.bin", "changed", "make")]
+    assert [(c.path, c.why, c.stage) for c in found] == [
+        ("folder/sub/1.bin", "changed", "make"),
+        ("model.bin", "changed", "make"),
+    ]
     lines = []
-    with pytest.raises(MergeflowError, match=r"^2 files differ from dvc.lock \(2 changed; each named above\): `dvc repro --force --single-item make` \(or the Prefect flow\) makes them again$"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"^2 files differ from dvc.lock \(2 changed; each named above\): `dvc repro --force --single-item make` "
+        r"\(or the Prefect flow\) makes them again$",
+    ):
         verify(project, lines.append)
     assert lines == ["changed: folder/sub/1.bin (stage make)", "changed: model.bin (stage make)"]
 
@@ -78,8 +88,14 @@ def test_many_missing_files_are_one_short_line_and_the_command_goes_with_the_rep
     lines = []
     with pytest.raises(MergeflowError) as err:
         verify(project, lines.append)
-    assert str(err.value) == "400 files differ from dvc.lock (400 missing; each named above): the command above (their 400 stages, or the Prefect flow) makes them again"
-    assert len(lines) == 401 and lines[-1] == "to make them again: dvc repro --force --single-item " + " ".join(sorted(f"merge@m{i}" for i in range(400)))
+    assert (
+        str(err.value)
+        == "400 files differ from dvc.lock (400 missing; each named above): the command above (their 400 stages, or "
+        "the Prefect flow) makes them again"
+    )
+    assert len(lines) == 401 and lines[-1] == "to make them again: dvc repro --force --single-item " + " ".join(
+        sorted(f"merge@m{i}" for i in range(400))
+    )
 
 
 def test_a_changed_stage_is_named_beside_the_machine_that_wrote_it(project):
@@ -94,13 +110,19 @@ def test_a_changed_stage_is_named_beside_the_machine_that_wrote_it(project):
     lines = []
     with pytest.raises(MergeflowError):
         verify(project, lines.append)
-    assert lines == ["changed: model.bin (stage make)", "make: provenance.json has no record of the machine that wrote it"]
+    assert lines == [
+        "changed: model.bin (stage make)",
+        "make: provenance.json has no record of the machine that wrote it",
+    ]
     (project / "provenance.json").write_text(json.dumps({"make": written}))
     lines.clear()
     with pytest.raises(MergeflowError):
         verify(project, lines.append)
     assert lines[1].startswith("make: written on Intel(R) Xeon(R) Processor (GenuineIntel;")
-    assert "differs in cpu.model: Intel(R) Xeon(R) Processor -> " in lines[2] and "cpu.vendor: GenuineIntel -> " in lines[2]
+    assert (
+        "differs in cpu.model: Intel(R) Xeon(R) Processor -> " in lines[2]
+        and "cpu.vendor: GenuineIntel -> " in lines[2]
+    )
 
 
 def test_missing_and_added_files_and_the_commands_exit_status(project):
@@ -108,9 +130,15 @@ def test_missing_and_added_files_and_the_commands_exit_status(project):
     (project / "folder" / "stray.txt").write_text("x")
     (project / "metric.json").unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "verify"], cwd=project, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergeflow.cli", "verify"], cwd=project, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 2
-    assert proc.stdout.splitlines() == ["added: folder/stray.txt (stage make)", "missing: folder/top.txt (stage make)", "missing: metric.json (stage make)"]
+    assert proc.stdout.splitlines() == [
+        "added: folder/stray.txt (stage make)",
+        "missing: folder/top.txt (stage make)",
+        "missing: metric.json (stage make)",
+    ]
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: 3 files differ from dvc.lock")
 
 

@@ -30,7 +30,9 @@ def _features(backbone, state, images):
 
 def test_with_constant_routing_it_is_task_arithmetic_at_init():
     theta0, taus, objective, store, _ = _store(init=0.3)
-    flat = {k: (torch.zeros_like(v) if k.startswith("router/") and k.endswith("weight") else v) for k, v in store.items()}  # w(x) = b2 = 0.3
+    flat = {
+        k: (torch.zeros_like(v) if k.startswith("router/") and k.endswith("weight") else v) for k, v in store.items()
+    }  # w(x) = b2 = 0.3
     images = objective.inputs["test"]["a"][:6]
     with torch.no_grad():
         routed = network(flat, objective.backbone)(images)
@@ -55,7 +57,9 @@ def test_one_sample_is_the_backbone_with_its_own_mix_of_the_mlp_task_vectors():
     with torch.no_grad():
         routed = network(store, objective.backbone)(image)
     plain = copy.deepcopy(objective.backbone)
-    plain.net.load_state_dict({k: theta0[k] if MLP.match(k) else theta0[k] + 0.3 * sum(taus[t][k] for t in tasks) for k in theta0})
+    plain.net.load_state_dict(
+        {k: theta0[k] if MLP.match(k) else theta0[k] + 0.3 * sum(taus[t][k] for t in tasks) for k in theta0}
+    )
     weights_seen = []
 
     def set_weights(block_index):
@@ -67,7 +71,9 @@ def test_one_sample_is_the_backbone_with_its_own_mix_of_the_mlp_task_vectors():
             for name in ("fc1", "fc2"):
                 for p in ("weight", "bias"):
                     key = f"blocks.{block_index}.mlp.{name}.{p}"
-                    getattr(getattr(mlp, name), p).data = theta0[key] + sum(w[i] * taus[t][key] for i, t in enumerate(tasks))
+                    getattr(getattr(mlp, name), p).data = theta0[key] + sum(
+                        w[i] * taus[t][key] for i, t in enumerate(tasks)
+                    )
 
         return hook
 
@@ -76,7 +82,9 @@ def test_one_sample_is_the_backbone_with_its_own_mix_of_the_mlp_task_vectors():
     with torch.no_grad():
         expected = plain.embed(plain.net(plain.normalise(image).double()))
     torch.testing.assert_close(routed, expected)
-    assert len(weights_seen) == len(plain.net.blocks) and not torch.allclose(weights_seen[0], torch.full((3,), 0.3, dtype=torch.float64))
+    assert len(weights_seen) == len(plain.net.blocks) and not torch.allclose(
+        weights_seen[0], torch.full((3,), 0.3, dtype=torch.float64)
+    )
 
 
 def test_learning_the_routers_lowers_the_entropy_and_keeps_the_experts():
@@ -96,4 +104,6 @@ def test_a_backbone_without_vit_mlps_is_refused():
     theta0, taus, objective = _tiny_setup()
     renamed = {k.replace("mlp", "ffn"): v for k, v in theta0.items()}
     with pytest.raises(ValueError, match="wemoe: the backbone has no blocks"):
-        REGISTRY["wemoe"].with_data(MergeData(objective=objective))(renamed, {t: {k.replace("mlp", "ffn"): v for k, v in tv.items()} for t, tv in taus.items()}, steps=0)
+        REGISTRY["wemoe"].with_data(MergeData(objective=objective))(
+            renamed, {t: {k.replace("mlp", "ffn"): v for k, v in tv.items()} for t, tv in taus.items()}, steps=0
+        )

@@ -12,9 +12,19 @@ from mergeflow.ml.zeroshot import open_clip_architecture, text_model, zeroshot_h
 
 open_clip = pytest.importorskip("open_clip")
 
-CLIP_B32 = BackboneConfig(model="vit_base_patch32_clip_quickgelu_224.openai", global_pool="token", input_norm="pretrained_cfg", embedding="clip", text="random")
+CLIP_B32 = BackboneConfig(
+    model="vit_base_patch32_clip_quickgelu_224.openai",
+    global_pool="token",
+    input_norm="pretrained_cfg",
+    embedding="clip",
+    text="random",
+)
 CLASSES = ["annual crop land", "forest", "highway or road"]
-TEMPLATES = ["a centered satellite photo of {}.", "a centered satellite photo of a {}.", "a centered satellite photo of the {}."]
+TEMPLATES = [
+    "a centered satellite photo of {}.",
+    "a centered satellite photo of a {}.",
+    "a centered satellite photo of the {}.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +37,17 @@ def test_the_head_is_open_clips_zero_shot_classifier_times_the_logit_scale(clip)
     from open_clip.zero_shot_classifier import build_zero_shot_classifier
 
     with torch.no_grad():
-        reference = build_zero_shot_classifier(clip, open_clip.get_tokenizer("ViT-B-32"), CLASSES, TEMPLATES)  # [E, C], unit columns
+        reference = build_zero_shot_classifier(
+            clip, open_clip.get_tokenizer("ViT-B-32"), CLASSES, TEMPLATES
+        )  # [E, C], unit columns
     scale = clip.logit_scale.exp().item()
     assert head.weight.shape == (3, 512) and not head.weight.requires_grad
     torch.testing.assert_close(head.weight / scale, reference.T, atol=1e-5, rtol=1e-5)
     assert torch.equal(head.bias, torch.zeros(3))
     # seeded: the same random text tower twice
-    torch.testing.assert_close(zeroshot_head(text_model(CLIP_B32, seed=0), "ViT-B-32", CLASSES, TEMPLATES).weight, head.weight)
+    torch.testing.assert_close(
+        zeroshot_head(text_model(CLIP_B32, seed=0), "ViT-B-32", CLASSES, TEMPLATES).weight, head.weight
+    )
 
 
 def test_backbone_embedding_and_head_give_clips_own_logits(clip):
@@ -53,7 +67,10 @@ def test_backbone_embedding_and_head_give_clips_own_logits(clip):
 
 
 def test_clip_settings_fail_in_one_line(monkeypatch):
-    with pytest.raises(MergeflowError, match="backbone.embedding: clip needs a timm CLIP model .* 'vit_tiny_patch16_224' has no CLIP projection"):
+    with pytest.raises(
+        MergeflowError,
+        match="backbone.embedding: clip needs a timm CLIP model .* 'vit_tiny_patch16_224' has no CLIP projection",
+    ):
         Backbone(BackboneConfig(model="vit_tiny_patch16_224", embedding="clip"))
     with pytest.raises(MergeflowError, match="backbone.text: no open_clip text tower is known for 'resnet50'"):
         open_clip_architecture("resnet50")
@@ -66,7 +83,11 @@ def test_clip_settings_fail_in_one_line(monkeypatch):
 
     monkeypatch.setattr(open_clip, "create_model", not_cached)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(MergeflowError, match=r"^backbone.text: hub: CLIP's text tower \(timm/vit_base_patch32_clip_224.openai on the Hugging Face hub\) is not in the local cache.*--download"):
+    with pytest.raises(
+        MergeflowError,
+        match=r"^backbone.text: hub: CLIP's text tower \(timm/vit_base_patch32_clip_224.openai on the Hugging Face "
+        r"hub\) is not in the local cache.*--download",
+    ):
         text_model(CLIP_B32.model_copy(update={"text": "hub"}))
 
 

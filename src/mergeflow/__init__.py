@@ -14,6 +14,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # The deterministic mode's CPU kernels (mergeflow.core.reproducibility), pinned before torch or numpy can load: whatever
 # launched this process, a stage runs the same kernels on every x86-64 machine. The mergeflow command takes them
 # back when params.yaml sets runtime.deterministic: false.
-from mergeflow.core.reproducibility import pin_environment  # noqa: E402 - after the spin setting, which it does not read
+# after the spin setting, which it does not read
+from mergeflow.core.reproducibility import pin_environment  # noqa: E402
 
 pin_environment()

@@ -31,7 +31,10 @@ LISTED_BY = {"merge method": "mergeflow methods", "regime": "mergeflow regimes",
 def unknown_name(where: str, what: str, name: Any, registered: list[str]) -> str:
     """One short line for a name not registered: the key, the closest registered names and the command that lists
     them all (45 methods in one line would bury the answer)."""
-    return f"{where}: unknown {what} {_shown(name)} ({did_you_mean(name, registered)}`{LISTED_BY[what]}` lists all {len(registered)})"
+    return (
+        f"{where}: unknown {what} {_shown(name)} "
+        f"({did_you_mean(name, registered)}`{LISTED_BY[what]}` lists all {len(registered)})"
+    )
 
 
 def _known(named: list[tuple[str, str]], registered: list[str], what: str) -> None:
@@ -44,7 +47,9 @@ def _known(named: list[tuple[str, str]], registered: list[str], what: str) -> No
 def _mapping(overrides: Any, where: str, whose: str) -> dict:
     """A registered item's settings in params.yaml: a mapping, or empty (its defaults)."""
     if overrides is not None and not isinstance(overrides, dict):
-        raise ValueError(f"{where}: expected a mapping of the {whose} settings (key: value lines), got {_shown(overrides)}")
+        raise ValueError(
+            f"{where}: expected a mapping of the {whose} settings (key: value lines), got {_shown(overrides)}"
+        )
     return overrides or {}
 
 
@@ -52,12 +57,19 @@ def _check_merge(params: Params) -> None:
     from mergeflow.ml.merging import REGISTRY, validate_overrides
 
     merge = params.merge
-    _known([("merge.methods", n) for n in merge.methods] + [(f"merge.{n}", n) for n in merge.model_extra or {}], sorted(REGISTRY), "merge method")
+    _known(
+        [("merge.methods", n) for n in merge.methods] + [(f"merge.{n}", n) for n in merge.model_extra or {}],
+        sorted(REGISTRY),
+        "merge method",
+    )
     for name, overrides in (merge.model_extra or {}).items():
         validate_overrides(REGISTRY[name], overrides, where=f"merge.{name}")
     for name in merge.methods:  # a method that merges only so many task vectors (SLERP: two)
         if REGISTRY[name].tasks not in (None, len(params.suite.tasks)):
-            raise ValueError(f"merge.methods: {name} merges exactly {REGISTRY[name].tasks} task models, and suite.tasks has {len(params.suite.tasks)}")
+            raise ValueError(
+                f"merge.methods: {name} merges exactly {REGISTRY[name].tasks} task models, and suite.tasks has "
+                f"{len(params.suite.tasks)}"
+            )
 
 
 def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
@@ -66,10 +78,15 @@ def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
     where = f"regimes.methods.{regime}"
     for method in methods:
         if method not in REGISTRY and not (own_model and method == regime):
-            allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + ([regime] if own_model else [])
+            allowed = sorted(m for m, spec in REGISTRY.items() if spec.kind != "negation") + (
+                [regime] if own_model else []
+            )
             raise ValueError(unknown_name(where, "merge method", method, allowed))
         if method in REGISTRY and REGISTRY[method].reads == "train_statistics":
-            raise ValueError(f"{where}: {method!r} reads the standard fine-tunes' statistics (stage statistics), which a regime's task models do not have")
+            raise ValueError(
+                f"{where}: {method!r} reads the standard fine-tunes' statistics "
+                "(stage statistics), which a regime's task models do not have"
+            )
         if method in REGISTRY and REGISTRY[method].kind == "negation":
             raise ValueError(f"{where}: {method!r} is task negation, which does not merge a multi-task model")
 
@@ -79,12 +96,18 @@ def _resolve_regimes(params: Params) -> None:
 
     regimes = params.regimes
     runnable = sorted(n for n, r in REGISTRY.items() if r.settings_model is not None)
-    named = [("regimes.run", n) for n in regimes.run] + [("regimes.methods", n) for n in regimes.methods] + [(f"regimes.{n}", n) for n in regimes.model_extra or {}]
+    named = (
+        [("regimes.run", n) for n in regimes.run]
+        + [("regimes.methods", n) for n in regimes.methods]
+        + [(f"regimes.{n}", n) for n in regimes.model_extra or {}]
+    )
     _known(named, runnable, "regime")
     resolved = {}
     for name in runnable:
         regime = REGISTRY[name]
-        settings = regime.settings(_mapping(regimes.overrides(name), f"regimes.{name}", "regime's"), where=f"regimes.{name}")
+        settings = regime.settings(
+            _mapping(regimes.overrides(name), f"regimes.{name}", "regime's"), where=f"regimes.{name}"
+        )
         methods = list(regimes.methods.get(name, regime.methods))
         _regime_methods(name, methods, regime.own_model)
         settings.check_backbone(name, params.backbone, selected=name in regimes.run)
@@ -98,9 +121,17 @@ def _resolve_studies(params: Params) -> None:
     from mergeflow.studies import REGISTRY
 
     studies = params.studies
-    _known([("studies.run", n) for n in studies.run] + [(f"studies.{n}", n) for n in studies.model_extra or {}], sorted(REGISTRY), "study")
-    overrides = {name: _mapping(studies.overrides(name), f"studies.{name}", "study's") for name in studies.model_extra or {}}
-    studies.attach({name: REGISTRY[name].settings(overrides.get(name, {}), where=f"studies.{name}") for name in REGISTRY})
+    _known(
+        [("studies.run", n) for n in studies.run] + [(f"studies.{n}", n) for n in studies.model_extra or {}],
+        sorted(REGISTRY),
+        "study",
+    )
+    overrides = {
+        name: _mapping(studies.overrides(name), f"studies.{name}", "study's") for name in studies.model_extra or {}
+    }
+    studies.attach(
+        {name: REGISTRY[name].settings(overrides.get(name, {}), where=f"studies.{name}") for name in REGISTRY}
+    )
 
 
 def resolve(params: Params, source: str = DEFAULT_PARAMS) -> Params:
@@ -144,7 +175,9 @@ def apply_overrides(path: str | os.PathLike, overrides: list[str], *, write: boo
             why = duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
         except yaml.YAMLError:
             why = None
-        why = why or next((line for line in lines if line.startswith("found")), lines[0] if lines else type(err).__name__)
+        why = why or next(
+            (line for line in lines if line.startswith("found")), lines[0] if lines else type(err).__name__
+        )
         raise MergeflowError(f"{path}: the round-trip YAML reader refuses it: {why}") from None
     for override in overrides:
         key, sep, text = override.partition("=")

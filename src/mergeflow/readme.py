@@ -44,10 +44,16 @@ def render(readme_text: str, summary: Path, lock: Path) -> str:
     if manifest is not None and manifest.is_file():  # DVC's list of the files in that `results` output
         files = {entry["relpath"]: entry["md5"] for entry in json.loads(manifest.read_text())}
         if files.get(summary.name) != md5:
-            raise MergeflowError(f"{summary}: not the summary dvc.lock records (results {recorded}): run `dvc status`, then `dvc checkout results`")
+            raise MergeflowError(
+                f"{summary}: not the summary dvc.lock records (results "
+                f"{recorded}): run `dvc status`, then `dvc checkout results`"
+            )
     dated = datetime.datetime.fromtimestamp(summary.stat().st_mtime, datetime.timezone.utc).date().isoformat()
     source = f"dvc.lock records `results` as `{recorded}`" if recorded else "dvc.lock records no `results` output"
-    note = f"<sub>`{summary.parent.name}/{summary.name}` of {dated} (md5 `{md5}`; {source}), inserted by `python -m mergeflow.readme`.</sub>\n"
+    note = (
+        f"<sub>`{summary.parent.name}/{summary.name}` of {dated} (md5 `{md5}`; "
+        f"{source}), inserted by `python -m mergeflow.readme`.</sub>\n"
+    )
     return f"{head}{begin}\n{data.decode().strip()}\n\n{note}{end}{tail}"
 
 

@@ -16,18 +16,74 @@ from mergeflow.core.errors import did_you_mean
 # timm's VisionTransformer.__init__ arguments a params.yaml may set (num_classes and global_pool are mergeflow's;
 # the layer classes, device and dtype are not settings). A transformers configuration keeps any key as an
 # attribute its model may read (T5 reads decoder_start_token_id, which no T5Config field declares): not checked by name
-VIT_KWARGS = frozenset({
-    "img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "qk_norm",
-    "scale_attn_norm", "scale_mlp_norm", "proj_bias", "init_values", "class_token", "pos_embed", "no_embed_class",
-    "reg_tokens", "pre_norm", "final_norm", "fc_norm", "pool_include_prefix", "dynamic_img_size", "dynamic_img_pad",
-    "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate",
-    "weight_init", "fix_init",
-})
+VIT_KWARGS = frozenset(
+    {
+        "img_size",
+        "patch_size",
+        "in_chans",
+        "embed_dim",
+        "depth",
+        "num_heads",
+        "mlp_ratio",
+        "qkv_bias",
+        "qk_norm",
+        "scale_attn_norm",
+        "scale_mlp_norm",
+        "proj_bias",
+        "init_values",
+        "class_token",
+        "pos_embed",
+        "no_embed_class",
+        "reg_tokens",
+        "pre_norm",
+        "final_norm",
+        "fc_norm",
+        "pool_include_prefix",
+        "dynamic_img_size",
+        "dynamic_img_pad",
+        "drop_rate",
+        "pos_drop_rate",
+        "patch_drop_rate",
+        "proj_drop_rate",
+        "attn_drop_rate",
+        "drop_path_rate",
+        "weight_init",
+        "fix_init",
+    }
+)
 # set by mergeflow from other keys: a features-only backbone, backbone.global_pool, backbone.pretrained
 RESERVED_KWARGS = ("num_classes", "global_pool", "pretrained_cfg_overlay")
 # sizes that are counts (a ViT's, and any timm or transformers model's of these names)
-POSITIVE_INTS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "vocab_size", "max_position_embeddings")
-RATES = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dropout_rate", "hidden_dropout_prob", "attention_probs_dropout_prob")
+POSITIVE_INTS = (
+    "img_size",
+    "patch_size",
+    "in_chans",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "d_model",
+    "d_kv",
+    "d_ff",
+    "num_layers",
+    "num_decoder_layers",
+    "vocab_size",
+    "max_position_embeddings",
+)
+RATES = (
+    "drop_rate",
+    "pos_drop_rate",
+    "patch_drop_rate",
+    "proj_drop_rate",
+    "attn_drop_rate",
+    "drop_path_rate",
+    "dropout_rate",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+)
 
 # the pooled features a head reads: a ViT's (timm's '' keeps every token, which no head here reads), any timm
 # model's adaptive pooling, a text encoder's first token or mean
@@ -48,7 +104,14 @@ LINEAR_LAYERS = {
 
 def linear_layers(library: str, model: str) -> tuple[str, ...] | None:
     """The linear layers' last names of a backbone, or None for a family not listed (checked when it is built)."""
-    return next((names for (lib, prefix), names in LINEAR_LAYERS.items() if lib == library and (model.startswith(prefix) if lib == "timm" else model == prefix)), None)
+    return next(
+        (
+            names
+            for (lib, prefix), names in LINEAR_LAYERS.items()
+            if lib == library and (model.startswith(prefix) if lib == "timm" else model == prefix)
+        ),
+        None,
+    )
 
 
 MAX_IMG_SIZE = 4096  # pixels a side: a ViT's position table at 16-pixel patches is then 65k rows
@@ -74,11 +137,17 @@ def check_backbone(library: str, model: str, kwargs: dict[str, Any], global_pool
     vit = library == "timm" and model.startswith("vit_")
     for key in RESERVED_KWARGS:
         if key in kwargs:
-            return f"backbone.kwargs.{key}: mergeflow sets it (a features-only backbone, backbone.global_pool, backbone.pretrained); remove it"
+            return (
+                f"backbone.kwargs.{key}: mergeflow sets it (a features-only backbone, backbone.global_pool, "
+                "backbone.pretrained); remove it"
+            )
     if vit:
         for key in kwargs:
             if key not in VIT_KWARGS:
-                return f"backbone.kwargs.{key}: not an argument of timm's VisionTransformer ({did_you_mean(key, sorted(VIT_KWARGS))}it takes {len(VIT_KWARGS)})"
+                return (
+                    f"backbone.kwargs.{key}: not an argument of timm's VisionTransformer "
+                    f"({did_you_mean(key, sorted(VIT_KWARGS))}it takes {len(VIT_KWARGS)})"
+                )
     for key, value in kwargs.items():
         if key in POSITIVE_INTS and (why := _positive(key, value, MAX_IMG_SIZE if key == "img_size" else MAX_WIDTH)):
             return why

@@ -11,6 +11,7 @@ DOWNLOAD_ENV = "MERGEFLOW_DOWNLOAD"  # set by --download
 MLFLOW_UI_ENV = "MERGEFLOW_MLFLOW_UI"
 DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
 
+
 def mlflow_ui_base() -> str:
     """The MLflow UI's address, without a trailing slash: MERGEFLOW_MLFLOW_UI, else ``mergeflow ui``'s default."""
     return (os.environ.get(MLFLOW_UI_ENV) or DEFAULT_MLFLOW_UI).rstrip("/")

@@ -19,7 +19,9 @@ _NAME = re.compile(NAME_PATTERN)
 def check_name(value: str, where: str) -> str:
     """``value`` if it is a plain name (NAME_PATTERN), else ValueError naming ``where``."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{where}: {value!r} is not a plain name (letters, digits, '_', '.', '-'; first a letter or digit)")
+        raise ValueError(
+            f"{where}: {value!r} is not a plain name (letters, digits, '_', '.', '-'; first a letter or digit)"
+        )
     return value
 
 
@@ -88,7 +90,9 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     key = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None or first["type"] == "extra_forbidden" else f" (got {got!r})"
+    shown = (
+        "" if isinstance(got, (dict, list)) or got is None or first["type"] == "extra_forbidden" else f" (got {got!r})"
+    )
     return key, msg + shown
 
 

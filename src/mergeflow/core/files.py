@@ -53,7 +53,9 @@ class NoSpaceError(MergeflowError):
     """An output that did not fit on its file system; ``path`` is the output being written."""
 
     def __init__(self, path: Path, lacking: str, kind: str):
-        super().__init__(f"{path}: could not be written: {lacking} (the partial {kind} was removed; free space and run again)")
+        super().__init__(
+            f"{path}: could not be written: {lacking} (the partial {kind} was removed; free space and run again)"
+        )
         self.path, self.lacking, self.kind = path, lacking, kind
 
 

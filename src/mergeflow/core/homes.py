@@ -36,7 +36,10 @@ def ensure_prefect_home(root: str | Path) -> str | None:
     when it chose ``root/.prefect``; raises MergeflowError when no choice can be written."""
     if explicit := os.environ.get(PREFECT_HOME_ENV):
         if not writable(Path(explicit).expanduser()):
-            raise MergeflowError(f"{PREFECT_HOME_ENV}={explicit}: Prefect's home is not a folder this user can write; set {PREFECT_HOME_ENV} to one that is")
+            raise MergeflowError(
+                f"{PREFECT_HOME_ENV}={explicit}: Prefect's home is not a folder this user can write; set "
+                f"{PREFECT_HOME_ENV} to one that is"
+            )
         return None
     try:
         default = Path.home() / ".prefect"
@@ -46,6 +49,12 @@ def ensure_prefect_home(root: str | Path) -> str | None:
         return None
     fallback = Path(root).resolve() / ".prefect"
     if not writable(fallback):
-        raise MergeflowError(f"{default}: Prefect's home cannot be written (HOME={os.environ.get('HOME', 'unset')}), nor {fallback}; set {PREFECT_HOME_ENV} to a folder this user can write")
+        raise MergeflowError(
+            f"{default}: Prefect's home cannot be written (HOME={os.environ.get('HOME', 'unset')}), nor {fallback}; "
+            f"set {PREFECT_HOME_ENV} to a folder this user can write"
+        )
     os.environ[PREFECT_HOME_ENV] = str(fallback)
-    return f"{default} cannot be written (HOME={os.environ.get('HOME', 'unset')}): Prefect's home for this run is {fallback}"
+    return (
+        f"{default} cannot be written (HOME={os.environ.get('HOME', 'unset')}): "
+        f"Prefect's home for this run is {fallback}"
+    )

@@ -27,7 +27,11 @@ def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
     for key, tensor in tensors.items():
         # one reduction: the sum is finite unless an entry is not (or it overflows: then check exactly). In
         # float32, not float64: 10x faster, and overflow only costs the exact check.
-        if tensor.is_floating_point() and not torch.isfinite(tensor.sum(dtype=torch.float32 if tensor.element_size() < 4 else None)) and not torch.isfinite(tensor).all():
+        if (
+            tensor.is_floating_point()
+            and not torch.isfinite(tensor.sum(dtype=torch.float32 if tensor.element_size() < 4 else None))
+            and not torch.isfinite(tensor).all()
+        ):
             raise MergeflowError(f"{source}: tensor '{key}' contains NaN or Inf")
 
 
@@ -37,7 +41,9 @@ def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
 METADATA_KEY = "mergeflow"
 
 
-def save_state_dict(path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+def save_state_dict(
+    path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
     """Save tensors as safetensors, atomically and byte-for-byte reproducibly; refuses non-finite weights."""
     check_finite(state, str(path))
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
@@ -61,8 +67,16 @@ def load_state_dict(path: str | os.PathLike, *, check: bool = True) -> StateDict
 
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -97,11 +111,17 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
             header = json.loads(os.pread(self._fd, n, 8))
             header.pop("__metadata__", None)
             self._base = 8 + n
-            self._entries = {k: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in header.items()}
+            self._entries = {
+                k: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]), tuple(v["data_offsets"]))
+                for k, v in header.items()
+            }
             if any(self._base + end > size for _, _, (_, end) in self._entries.values()):
                 raise ValueError("tensor data runs past the end of the file")
         except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
-            raise MergeflowError(f"{self.path}: not a readable safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+            raise MergeflowError(
+                f"{self.path}: not a readable safetensors file "
+                f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+            ) from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         dtype, shape, _ = self._entries[key]
@@ -122,12 +142,21 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         _, _, (begin, end) = self._entries[key]
         view = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
         if len(view) != end - begin:
-            raise MergeflowError(f"{self.path}: tensor '{key}' holds {end - begin} bytes, not the {len(view)} its shape and dtype need")
+            raise MergeflowError(
+                f"{self.path}: tensor '{key}' holds {end - begin} bytes, not the {len(view)} its shape and dtype need"
+            )
         starts = range(0, len(view), READ_CHUNK_BYTES)
         threads = min(len(starts), stage_threads(), MAX_READ_THREADS)
         if threads > 1:  # a split's images, gigabytes at 224 px: pread releases the GIL, and copying is per core
             with ThreadPoolExecutor(threads, thread_name_prefix="read") as pool:
-                list(pool.map(lambda start: self._read_range(key, view, start, min(start + READ_CHUNK_BYTES, len(view)), begin), starts))
+                list(
+                    pool.map(
+                        lambda start: self._read_range(
+                            key, view, start, min(start + READ_CHUNK_BYTES, len(view)), begin
+                        ),
+                        starts,
+                    )
+                )
         else:
             self._read_range(key, view, 0, len(view), begin)
         if self._check:
@@ -165,23 +194,40 @@ def load_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 
 def tensor_specs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    if isinstance(state, LazyStateDict) or hasattr(state, "specs"):  # a lazy file, or a LoRA task vector (mergeflow.ml.lora)
+    if isinstance(state, LazyStateDict) or hasattr(
+        state, "specs"
+    ):  # a lazy file, or a LoRA task vector (mergeflow.ml.lora)
         return state.specs()
     return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
 
 
-def check_compatible(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], *, reference_name: str, other_name: str, dtypes: bool = True) -> None:
+def check_compatible(
+    reference: Mapping[str, torch.Tensor],
+    other: Mapping[str, torch.Tensor],
+    *,
+    reference_name: str,
+    other_name: str,
+    dtypes: bool = True,
+) -> None:
     """Same keys, shapes and dtypes (lazy files: from their headers, reading no tensor), or one line saying which
     tensor differs and how."""
     ref, got = tensor_specs(reference), tensor_specs(other)
     missing = sorted(set(ref) - set(got))
     extra = sorted(set(got) - set(ref))
     if missing:
-        raise MergeflowError(f"{other_name}: missing tensor '{missing[0]}' present in {reference_name} ({len(missing)} missing)")
+        raise MergeflowError(
+            f"{other_name}: missing tensor '{missing[0]}' present in {reference_name} ({len(missing)} missing)"
+        )
     if extra:
-        raise MergeflowError(f"{other_name}: unexpected tensor '{extra[0]}' absent from {reference_name} ({len(extra)} extra)")
+        raise MergeflowError(
+            f"{other_name}: unexpected tensor '{extra[0]}' absent from {reference_name} ({len(extra)} extra)"
+        )
     for key, (shape, dtype) in ref.items():
         if got[key][0] != shape:
-            raise MergeflowError(f"{other_name}: tensor '{key}' has shape {got[key][0]}, expected {shape} as in {reference_name}")
+            raise MergeflowError(
+                f"{other_name}: tensor '{key}' has shape {got[key][0]}, expected {shape} as in {reference_name}"
+            )
         if dtypes and got[key][1] != dtype:
-            raise MergeflowError(f"{other_name}: tensor '{key}' has dtype {got[key][1]}, expected {dtype} as in {reference_name}")
+            raise MergeflowError(
+                f"{other_name}: tensor '{key}' has dtype {got[key][1]}, expected {dtype} as in {reference_name}"
+            )

@@ -36,7 +36,25 @@ class Layout:
     @property
     def output_roots(self) -> list[Path]:
         """Every folder a stage writes under (each stage sweeps their leftover temporaries when it starts)."""
-        return [self._p(d) for d in ("data", "models", "vectors", "statistics", "merged", "metrics", "results", "logs", "regimes", "studies", "checkpoints", "replicates", "sources", "predictions")]
+        return [
+            self._p(d)
+            for d in (
+                "data",
+                "models",
+                "vectors",
+                "statistics",
+                "merged",
+                "metrics",
+                "results",
+                "logs",
+                "regimes",
+                "studies",
+                "checkpoints",
+                "replicates",
+                "sources",
+                "predictions",
+            )
+        ]
 
     @property
     def pretrain_corpus(self) -> Path:
@@ -122,7 +140,8 @@ class Layout:
     def regime(self, regime: str) -> Path:
         """regimes/<regime>/<variant>/: vectors/<task>.safetensors (tau_t = theta_t - theta0) and stats.json,
         model.safetensors (the regime's own model, when it has one), updates/round<i>/<task>.safetensors (ATM's
-        per-round task vectors). Its measurements (accuracies, per-round norms and cosines) are in metrics/regime/<regime>.json."""
+        per-round task vectors). Its measurements (accuracies, per-round norms and cosines) are in
+        metrics/regime/<regime>.json."""
         return self._p("regimes", regime)
 
     def regime_vectors(self, regime: str, variant: str) -> Path:
@@ -143,9 +162,19 @@ class Layout:
         """Where one merge reads and writes: the standard regime's at merge@<method>'s paths, a regime's
         variant's under regime_merge@<regime>'s folders."""
         if regime is None:
-            return MergeRun(method, self.vectors, self.merged(method), self.metrics("merge", method), self.metrics("evaluate", method), self.log("merge", method, ".png"), self.log("merge", method), self.predictions("merge", method))
+            return MergeRun(
+                method,
+                self.vectors,
+                self.merged(method),
+                self.metrics("merge", method),
+                self.metrics("evaluate", method),
+                self.log("merge", method, ".png"),
+                self.log("merge", method),
+                self.predictions("merge", method),
+            )
         return MergeRun(
-            method, self.regime_vectors(regime, variant),
+            method,
+            self.regime_vectors(regime, variant),
             self._p("merged", "regime", regime, variant, f"{method}.safetensors"),
             self._p("metrics", "regime_merge", regime, variant, "merge", f"{method}.json"),
             self._p("metrics", "regime_merge", regime, variant, "evaluate", f"{method}.json"),

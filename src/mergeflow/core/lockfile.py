@@ -108,7 +108,11 @@ def _entry_problem(entry: object) -> str | None:
             if not isinstance(item, dict) or not any(k in item for k in _HASHES):
                 return f"{kind} entry {item.get('path') if isinstance(item, dict) else repr(item)} has no hash"
             md5 = item.get("md5")
-            if md5 is not None and (not _MD5.fullmatch(str(md5)) or "size" not in item or (str(md5).endswith(".dir") and "nfiles" not in item)):
+            if md5 is not None and (
+                not _MD5.fullmatch(str(md5))
+                or "size" not in item
+                or (str(md5).endswith(".dir") and "nfiles" not in item)
+            ):
                 return f"{kind} entry {item.get('path')} is incomplete"
     return None
 
@@ -158,13 +162,20 @@ def cut_short(text: str, root: str | Path = ".", good: str | None = None) -> str
     if stages and good_stages:
         last = list(stages)[-1]
         body = _definition(dvc_yaml, last)
-        if body is not None and stages[last] != good_stages.get(last) and (problem := _count_problem(stages[last], body)):
+        if (
+            body is not None
+            and stages[last] != good_stages.get(last)
+            and (problem := _count_problem(stages[last], body))
+        ):
             return f"stage {last}: {problem}"
     if good_stages and dvc_yaml:
         names = [n for n in stages if n in good_stages]
         missing = [n for n in good_stages if n not in stages and _definition(dvc_yaml, n) is not None]
         if missing and names == list(good_stages)[: len(names)]:
-            return f"{len(missing)} stage{'s' if len(missing) > 1 else ''} of the last whole copy missing from its end ({missing[0]}, ...)"
+            return (
+                f"{len(missing)} stage{'s' if len(missing) > 1 else ''} of "
+                f"the last whole copy missing from its end ({missing[0]}, ...)"
+            )
     return None
 
 
@@ -175,7 +186,9 @@ def salvage(text: str, good: str) -> str:
     from dvc.utils.serialize import dumps_yaml
 
     stages = (parse(text) or {}).get("stages") or {}
-    whole = {a: e for a, e in list(stages.items())[:-1] if _entry_problem(e) is None}  # the last: maybe cut after a line
+    whole = {
+        a: e for a, e in list(stages.items())[:-1] if _entry_problem(e) is None
+    }  # the last: maybe cut after a line
     base = parse(good) or {}
     merged = {**(base.get("stages") or {})}
     for address, entry in whole.items():
@@ -227,19 +240,33 @@ def recover(root: str | Path = ".") -> str | None:
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 write_atomically(copy, text)
             return None
-        base, source = (good, str(copy)) if good is not None and cut_short(good, root) is None else (_git_head_lock(root), "git HEAD")
+        base, source = (
+            (good, str(copy))
+            if good is not None and cut_short(good, root) is None
+            else (_git_head_lock(root), "git HEAD")
+        )
         if base is None:
-            raise MergeflowError(f"{lock}: cut short ({why}) and no good copy to mend it from: check it out again from git")
+            raise MergeflowError(
+                f"{lock}: cut short ({why}) and no good copy to mend it from: check it out again from git"
+            )
         restored = salvage(text, base)
         what = f"was cut short ({why}); its whole entries kept, the rest restored from {source}"
     elif good is not None:
         source, restored = str(copy), good
-        what = f"was unreadable ({len(text)} bytes, probably cut short by a killed DVC command or a full disk); restored from {source}"
+        what = (
+            f"was unreadable ({len(text)} bytes, probably cut short by a "
+            f"killed DVC command or a full disk); restored from {source}"
+        )
     elif (head := _git_head_lock(root)) is not None:
         source, restored = "git HEAD", head
-        what = f"was unreadable ({len(text)} bytes, probably cut short by a killed DVC command or a full disk); restored from {source}"
+        what = (
+            f"was unreadable ({len(text)} bytes, probably cut short by a "
+            f"killed DVC command or a full disk); restored from {source}"
+        )
     else:
-        raise MergeflowError(f"{lock}: unreadable ({len(text)} bytes) and no good copy to restore it from: check it out again from git")
+        raise MergeflowError(
+            f"{lock}: unreadable ({len(text)} bytes) and no good copy to restore it from: check it out again from git"
+        )
     broken = lock.with_name(f".{LOCKFILE}.broken")
     shutil.copyfile(lock, broken)
     write_atomically(lock, restored)
@@ -274,7 +301,9 @@ def _same_string(value: str) -> bool:
         return False
     yaml11, yaml12, ruamel_scalar = _resolvers()
     tag = "tag:yaml.org,2002:str"
-    return (yaml11.resolve(yaml.ScalarNode, value, (True, False)) == tag) == (yaml12.resolve(ruamel_scalar, value, (True, False)) == tag)
+    return (yaml11.resolve(yaml.ScalarNode, value, (True, False)) == tag) == (
+        yaml12.resolve(ruamel_scalar, value, (True, False)) == tag
+    )
 
 
 def _plain(data, in_list: bool = False) -> bool:
@@ -315,8 +344,8 @@ def _modify_lock(path):
     """DVC's ``modify_yaml`` for dvc.lock, without DVC's round-trip YAML read (0.8 s of each stage's 1.7 s commit
     on the default run's 127 kB lock) when the file still holds what this process last wrote: libyaml's reading of
     that text, taken when it was written and kept only if it gave back exactly the data dumped (so YAML 1.1 against
-    1.2 readings cannot differ), stands in. libyaml writes it when the data holds only what it writes as DVC's dumper does
-    (``_libyaml_dump``), DVC's dumper otherwise: the bytes are DVC's either way."""
+    1.2 readings cannot differ), stands in. libyaml writes it when the data holds only what it writes as DVC's dumper
+    does (``_libyaml_dump``), DVC's dumper otherwise: the bytes are DVC's either way."""
     from dvc.utils.serialize._yaml import _dump, parse_yaml_for_update
 
     key = os.path.abspath(os.fspath(path))
@@ -325,7 +354,9 @@ def _modify_lock(path):
     except FileNotFoundError:
         text = None
     last = _written.pop(key, None)
-    data = {} if text is None else last[1] if last is not None and text == last[0] else parse_yaml_for_update(text, path)
+    data = (
+        {} if text is None else last[1] if last is not None and text == last[0] else parse_yaml_for_update(text, path)
+    )
     yield data
     text = _libyaml_dump(data)
     if text is None:
@@ -360,7 +391,9 @@ def atomic_dvc_writes() -> Iterator[None]:
                     dumper(data, stream, **dumper_args)
 
             def modify_yaml(path, fs=None):
-                if os.path.basename(os.fspath(path)) != LOCKFILE or (fs is not None and getattr(fs, "protocol", "local") != "local"):
+                if os.path.basename(os.fspath(path)) != LOCKFILE or (
+                    fs is not None and getattr(fs, "protocol", "local") != "local"
+                ):
                     return original_modify(path, fs=fs)
                 return _modify_lock(path)
 

@@ -1,5 +1,6 @@
 """Where MLflow's store is, and whether it still holds what `track` logged: read by `mergeflow repro` before any
-stage runs, so without mergeflow.report.tracking's imports (torch and timm, through the evaluation it records: seconds)."""
+stage runs, so without mergeflow.report.tracking's imports (torch and timm, through the evaluation it records:
+seconds)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def tracked_runs_lost(root: Path) -> str | None:
         run_id = json.loads((root / "metrics" / "tracking.json").read_text())["run_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return "metrics/tracking.json names no run"
-    if not re.fullmatch(r"[0-9a-f]{32}", str(run_id)) or read_one(store, f"SELECT 1 FROM runs WHERE run_uuid = '{run_id}'") is None:
+    if (
+        not re.fullmatch(r"[0-9a-f]{32}", str(run_id))
+        or read_one(store, f"SELECT 1 FROM runs WHERE run_uuid = '{run_id}'") is None
+    ):
         return f"{store} does not hold run {run_id} (metrics/tracking.json)"
     return None

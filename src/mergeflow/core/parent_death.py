@@ -39,8 +39,14 @@ def _worker_start(parent: int, initializer: Callable[..., Any] | None, initargs:
         initializer(*initargs)
 
 
-def process_pool(workers: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> ProcessPoolExecutor:
+def process_pool(
+    workers: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()
+) -> ProcessPoolExecutor:
     """A ProcessPoolExecutor of ``workers`` spawned processes that die with this process; submit from a thread
     that outlives the pool (workers are started on submit, and die when the thread that started them exits)."""
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start, initargs=(os.getpid(), initializer, tuple(initargs)))
-
+    return ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_start,
+        initargs=(os.getpid(), initializer, tuple(initargs)),
+    )

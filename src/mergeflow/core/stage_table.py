@@ -41,41 +41,98 @@ SEED = Item("seed", "seeds", "the seed")
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("prepare", "stage: generate or convert every task's data and the pretraining corpus",
-              "Generate or convert every task's data (data/tasks) and the pretraining corpus."),
-        Stage("pretrain", "stage: pretrain the backbone on the corpus, or load real pretrained weights",
-              "Pretrain the backbone on the corpus, or load the weights backbone.pretrained names."),
-        Stage("finetune", "stage: a frozen head (linear probe or CLIP zero-shot), then fine-tune the backbone on one task (or import a published fine-tune)",
-              "The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head: finetune.head), then fine-tune the backbone on "
-              "one task under it, or import the fine-tune finetune.checkpoints names.", TASK, shares_cores=True),
-        Stage("vectors", "stage: task vectors (fine-tuned minus pretrained) and their statistics",
-              "Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities."),
-        Stage("statistics", "stage: per-task Fisher diagonals and layer-input Grams, for data-aware merging (fisher, regmean)",
-              "Per task, the diagonal Fisher of the fine-tuned model with its head and the Gram of every linear layer's inputs, on "
-              "statistics.examples training examples."),
-        Stage("sources", "stage: the source files each merge follows from (its method's module and what it imports)",
-              "For every registered method, sources/merge/<method>.json: the md5 of each file its merge runs (the method's module, the merging "
-              "modules it imports, the registry, the search and the stage's binding of data). A merge stage depends on its own file, so that "
-              "changing one method re-runs only its merges."),
-        Stage("merge", "stage: merge with one method (hyperparameters chosen on validation), then test on every task",
-              "Merge the task vectors with one method, its hyperparameters chosen on the validation splits, then test it on every task.",
-              METHOD, shares_cores=True),
-        Stage("regime", "stage: a training-time regime's task vectors (regimes.run in params.yaml; `mergeflow regimes` lists them)",
-              "Make the task vectors of one training-time regime (every variant: MIMA and ATM one per round count), checkpointed after every round.",
-              REGIME),
-        Stage("regime_merge", "stage: merge a regime's task vectors with its methods, then test them",
-              "Merge each variant of one regime with the methods regimes.methods.<regime> lists (chosen on validation), then test them.",
-              REGIME, shares_cores=True),
-        Stage("replicate", "stage: the fine-tunes and merges again with another seed (seeds in params.yaml), for the spread over seeds",
-              "Fine-tune every task and merge with every method of merge.methods again with SEED (one of seeds in params.yaml), on the run's data "
-              "and pretrained backbone, under replicates/<seed>/; the report gives each method's mean and spread over the seeds.", SEED),
-        Stage("report", "stage: the summary table (results/summary.md) and plots",
-              "The summary table of every method (results/summary.md, .csv, .json) and its plots."),
-        Stage("study", "stage: one of the papers' studies, a report with a verdict per claim (studies/<name>/report.md)",
-              "Run one study (studies.run in params.yaml): studies/<name>/report.md with a verdict per claim, computed from the measurements.",
-              STUDY, shares_cores=True),
-        Stage("track", "stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)",
-              "Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run."),
+        Stage(
+            "prepare",
+            "stage: generate or convert every task's data and the pretraining corpus",
+            "Generate or convert every task's data (data/tasks) and the pretraining corpus.",
+        ),
+        Stage(
+            "pretrain",
+            "stage: pretrain the backbone on the corpus, or load real pretrained weights",
+            "Pretrain the backbone on the corpus, or load the weights backbone.pretrained names.",
+        ),
+        Stage(
+            "finetune",
+            "stage: a frozen head (linear probe or CLIP zero-shot), then "
+            "fine-tune the backbone on one task (or import a published fine-tune)",
+            "The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head: finetune.head), "
+            "then fine-tune the backbone on "
+            "one task under it, or import the fine-tune finetune.checkpoints names.",
+            TASK,
+            shares_cores=True,
+        ),
+        Stage(
+            "vectors",
+            "stage: task vectors (fine-tuned minus pretrained) and their statistics",
+            "Task vectors (fine-tuned minus pretrained weights), their norms and cosine similarities.",
+        ),
+        Stage(
+            "statistics",
+            "stage: per-task Fisher diagonals and layer-input Grams, for data-aware merging (fisher, regmean)",
+            "Per task, the diagonal Fisher of the fine-tuned model with "
+            "its head and the Gram of every linear layer's inputs, on "
+            "statistics.examples training examples.",
+        ),
+        Stage(
+            "sources",
+            "stage: the source files each merge follows from (its method's module and what it imports)",
+            "For every registered method, sources/merge/<method>.json: the md5 of each file its merge runs (the "
+            "method's module, the merging "
+            "modules it imports, the registry, the search and the stage's "
+            "binding of data). A merge stage depends on its own file, so that "
+            "changing one method re-runs only its merges.",
+        ),
+        Stage(
+            "merge",
+            "stage: merge with one method (hyperparameters chosen on validation), then test on every task",
+            "Merge the task vectors with one method, its hyperparameters "
+            "chosen on the validation splits, then test it on every task.",
+            METHOD,
+            shares_cores=True,
+        ),
+        Stage(
+            "regime",
+            "stage: a training-time regime's task vectors (regimes.run in params.yaml; `mergeflow regimes` lists them)",
+            "Make the task vectors of one training-time regime (every variant: MIMA and ATM one per round count), "
+            "checkpointed after every round.",
+            REGIME,
+        ),
+        Stage(
+            "regime_merge",
+            "stage: merge a regime's task vectors with its methods, then test them",
+            "Merge each variant of one regime with the methods "
+            "regimes.methods.<regime> lists (chosen on validation), then test them.",
+            REGIME,
+            shares_cores=True,
+        ),
+        Stage(
+            "replicate",
+            "stage: the fine-tunes and merges again with another "
+            "seed (seeds in params.yaml), for the spread over seeds",
+            "Fine-tune every task and merge with every method of merge.methods again with SEED (one of seeds in "
+            "params.yaml), on the run's data "
+            "and pretrained backbone, under replicates/<seed>/; the "
+            "report gives each method's mean and spread over the seeds.",
+            SEED,
+        ),
+        Stage(
+            "report",
+            "stage: the summary table (results/summary.md) and plots",
+            "The summary table of every method (results/summary.md, .csv, .json) and its plots.",
+        ),
+        Stage(
+            "study",
+            "stage: one of the papers' studies, a report with a verdict per claim (studies/<name>/report.md)",
+            "Run one study (studies.run in params.yaml): studies/<name>/report.md "
+            "with a verdict per claim, computed from the measurements.",
+            STUDY,
+            shares_cores=True,
+        ),
+        Stage(
+            "track",
+            "stage: record the pipeline's outputs in MLflow (see `mergeflow ui`)",
+            "Record the pipeline's parameters, metrics and models in MLflow; metrics/tracking.json names the run.",
+        ),
     )
 }
 

@@ -16,6 +16,7 @@ from mergeflow.core.errors import MergeflowError
 def _key_at(node: Any, pos: tuple[int, int], path: str = "") -> str:
     """The key path (``finetune.lr``, ``suite.tasks.2``) of the deepest entry of the composed YAML ``node`` that
     spans ``pos`` (0-based line and column), or whose key is on that line (a comment after its value); '' if none."""
+
     def at(mark) -> tuple[int, int]:
         return (mark.line, mark.column)
 
@@ -24,7 +25,9 @@ def _key_at(node: Any, pos: tuple[int, int], path: str = "") -> str:
             name = f"{path}.{key.value}" if path else str(key.value)
             if at(key.start_mark) <= pos < at(value.end_mark):
                 return _key_at(value, pos, name)
-        return next((f"{path}.{k.value}" if path else str(k.value) for k, _ in node.value if k.start_mark.line == pos[0]), path)
+        return next(
+            (f"{path}.{k.value}" if path else str(k.value) for k, _ in node.value if k.start_mark.line == pos[0]), path
+        )
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             if at(item.start_mark) <= pos < at(item.end_mark):
@@ -37,13 +40,16 @@ def _not_utf8(data: bytes, err: UnicodeDecodeError, source: str) -> str:
     bytes replaced, when that still parses)."""
     line = data.count(b"\n", 0, err.start)
     line_start = data.rfind(b"\n", 0, err.start) + 1
-    column = len(data[line_start:err.start].decode("utf-8", errors="replace"))
+    column = len(data[line_start : err.start].decode("utf-8", errors="replace"))
     try:
         key = _key_at(yaml.compose(data.decode("utf-8", errors="replace"), Loader=yaml.SafeLoader), (line, column))
     except yaml.YAMLError:
         key = ""
     where = f"key '{key}', " if key else ""
-    return f"{source}: {where}line {line + 1}, column {column + 1}: byte 0x{data[err.start]:02x} is not UTF-8 (save the file as UTF-8)"
+    return (
+        f"{source}: {where}line {line + 1}, column {column + 1}: byte "
+        f"0x{data[err.start]:02x} is not UTF-8 (save the file as UTF-8)"
+    )
 
 
 def duplicate_key(node: Any, path: str = "", seen_nodes: set[int] | None = None) -> str | None:
@@ -88,7 +94,13 @@ def _alias_bomb(root: Any, source: str) -> str | None:
         if id(node) in sizes:
             return sizes[id(node)]
         sizes[id(node)] = 1  # a recursive alias: counted once (the loader refuses to build it anyway)
-        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else node.value if isinstance(node, yaml.SequenceNode) else []
+        children = (
+            [c for pair in node.value for c in pair]
+            if isinstance(node, yaml.MappingNode)
+            else node.value
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
         total = 1 + sum(size(c, depth + 1) for c in children)
         if total > MAX_EXPANDED_NODES and not any(sizes.get(id(c), 0) > MAX_EXPANDED_NODES for c in children):
             over.append(node)
@@ -101,7 +113,10 @@ def _alias_bomb(root: Any, source: str) -> str | None:
     line = node.start_mark.line
     key = _key_at(root, (line, node.start_mark.column))
     where = f"key '{key}', " if key else ""
-    return f"{source}: {where}line {line + 1}: its aliases expand to {sizes[id(node)]:,} values (at most {MAX_EXPANDED_NODES:,}): an alias bomb, not a configuration (DVC's own reader would expand it too)"
+    return (
+        f"{source}: {where}line {line + 1}: its aliases expand to {sizes[id(node)]:,} values (at most "
+        f"{MAX_EXPANDED_NODES:,}): an alias bomb, not a configuration (DVC's own reader would expand it too)"
+    )
 
 
 def parse_yaml(data: bytes | str, source: str) -> Any:

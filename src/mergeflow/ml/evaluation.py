@@ -54,7 +54,9 @@ class MultiTaskEvaluator:
     def __call__(self, state: StateDict) -> dict[str, float]:
         """Every task, one model."""
         self._model.net.load_state_dict(state)
-        feats = extract_features(self._model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
+        feats = extract_features(
+            self._model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16
+        )
         return {t: self._score(t, f) for t, f in zip(self.tasks, feats.split(self._sizes))}
 
     def _score(self, task: str, features: torch.Tensor) -> float:
@@ -62,10 +64,18 @@ class MultiTaskEvaluator:
             self.predictions[task] = head_predictions(self.heads[task], features, self._metrics[task])
         return head_score(self.heads[task], features, self._task_labels[task], self._metrics[task])
 
-    def task(self, task: str, state: StateDict, feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    def task(
+        self, task: str, state: StateDict, feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> float:
         """One task, on its own split only; ``feature_map``: applied to the features before the head (Surgery)."""
         self._model.net.load_state_dict(state)
-        feats = extract_features(self._model, self._images[self._slices[task]], batch_size=self.batch_size, device=self.device, bf16=self.bf16)
+        feats = extract_features(
+            self._model,
+            self._images[self._slices[task]],
+            batch_size=self.batch_size,
+            device=self.device,
+            bf16=self.bf16,
+        )
         if feature_map is not None:
             with torch.no_grad():
                 feats = feature_map(feats)
@@ -77,7 +87,9 @@ class MultiTaskEvaluator:
         feats = extract_features(model, self._images, batch_size=self.batch_size, device=self.device, bf16=self.bf16)
         return {t: self._score(t, f) for t, f in zip(self.tasks, feats.split(self._sizes))}
 
-    def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]:
+    def per_task(
+        self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None
+    ) -> dict[str, float]:
         """Each task with its own model (per-task methods), and its own map on the features where the method has one."""
         return {t: self.task(t, model_of(t), feature_maps(t) if feature_maps else None) for t in self.tasks}
 

@@ -62,7 +62,11 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(spec.rank, base.out_features, bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             bound = 1.0 / math.sqrt(base.in_features)  # nn.Linear's (and peft's) Kaiming-uniform with a = sqrt(5)
-            self.lora_A.weight.copy_(torch.rand(self.lora_A.weight.shape, generator=generator, dtype=torch.float64).mul_(2 * bound).sub_(bound))
+            self.lora_A.weight.copy_(
+                torch.rand(self.lora_A.weight.shape, generator=generator, dtype=torch.float64)
+                .mul_(2 * bound)
+                .sub_(bound)
+            )
             self.lora_B.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +74,11 @@ class LoraLinear(nn.Module):
 
 
 def _modules(net: nn.Module, targets: Sequence[str]) -> list[str]:
-    return [name for name, module in net.named_modules() if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    return [
+        name
+        for name, module in net.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
 
 
 def attach(net: nn.Module, spec: AdapterSpec, *, seed: int) -> list[str]:
@@ -81,7 +89,10 @@ def attach(net: nn.Module, spec: AdapterSpec, *, seed: int) -> list[str]:
     names = _modules(net, spec.targets)
     if not names:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
-        raise MergeflowError(f"LoRA targets {list(spec.targets)} match no linear layer of the backbone (its linear layers end in: {', '.join(linear)})")
+        raise MergeflowError(
+            f"LoRA targets {list(spec.targets)} match no linear layer of "
+            f"the backbone (its linear layers end in: {', '.join(linear)})"
+        )
     net._lora_requires_grad = {n: p.requires_grad for n, p in net.named_parameters()}  # merge_in restores them
     net.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
@@ -90,14 +101,17 @@ def attach(net: nn.Module, spec: AdapterSpec, *, seed: int) -> list[str]:
         owner = net.get_submodule(parent) if parent else net
         base = getattr(owner, leaf)
         if spec.rank > min(base.in_features, base.out_features):
-            raise MergeflowError(f"LoRA rank {spec.rank} exceeds {name}'s dimensions ({base.out_features} x {base.in_features})")
+            raise MergeflowError(
+                f"LoRA rank {spec.rank} exceeds {name}'s dimensions ({base.out_features} x {base.in_features})"
+            )
         setattr(owner, leaf, LoraLinear(base, spec, generator))
     return names
 
 
 def merge_in(net: nn.Module) -> StateDict:
     """Undo ``attach``: each LoraLinear becomes its base layer with W0 + s B A, every parameter as trainable as it
-    was before. Returns the factors, keyed as peft keys them (``<module>.lora_A.weight``, ``<module>.lora_B.weight``)."""
+    was before. Returns the factors, keyed as peft keys them (``<module>.lora_A.weight``,
+    ``<module>.lora_B.weight``)."""
     factors: StateDict = {}
     for name, module in list(net.named_modules()):
         if not isinstance(module, LoraLinear):
@@ -149,23 +163,43 @@ class LoraTaskVector(Mapping[str, torch.Tensor]):
     """A task vector over the model's keys whose adapted weights are s B A and every other tensor zero, each formed
     only when read: a merge reads it as it reads a dense task vector, one tensor at a time."""
 
-    def __init__(self, factors: Mapping[str, torch.Tensor], scale: float, model_specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *, source: str):
+    def __init__(
+        self,
+        factors: Mapping[str, torch.Tensor],
+        scale: float,
+        model_specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        source: str,
+    ):
         self.factors, self.scale, self.source = dict(factors), scale, source
         self._weights = adapted_weights(self.factors)
         # a dense task vector's dtypes: float64 where the model (or, for an adapted weight, a factor) is, else float32
-        wide = {k for k, (a, b) in self._weights.items() if torch.float64 in (self.factors[a].dtype, self.factors[b].dtype)}
-        self._specs = {k: (tuple(shape), torch.float64 if dtype == torch.float64 or k in wide else torch.float32) for k, (shape, dtype) in model_specs.items()}
+        wide = {
+            k for k, (a, b) in self._weights.items() if torch.float64 in (self.factors[a].dtype, self.factors[b].dtype)
+        }
+        self._specs = {
+            k: (tuple(shape), torch.float64 if dtype == torch.float64 or k in wide else torch.float32)
+            for k, (shape, dtype) in model_specs.items()
+        }
         for key, (a_key, b_key) in self._weights.items():
             if key not in self._specs:
                 raise MergeflowError(f"{source}: adapts '{key}', which the model does not have")
             a, b = self.factors[a_key], self.factors[b_key]
             if not (a.is_floating_point() and b.is_floating_point()) or a.dim() != 2 or b.dim() != 2:
-                raise MergeflowError(f"{source}: factors of '{key}' must be floating-point matrices (A {a.dtype} {tuple(a.shape)}, B {b.dtype} {tuple(b.shape)})")
+                raise MergeflowError(
+                    f"{source}: factors of '{key}' must be floating-point matrices (A {a.dtype} {tuple(a.shape)}, B "
+                    f"{b.dtype} {tuple(b.shape)})"
+                )
             if a.shape[0] != b.shape[1]:
-                raise MergeflowError(f"{source}: factors of '{key}' disagree on the rank: A has {a.shape[0]} rows, B {b.shape[1]} columns")
+                raise MergeflowError(
+                    f"{source}: factors of '{key}' disagree on the rank: "
+                    f"A has {a.shape[0]} rows, B {b.shape[1]} columns"
+                )
             want, got = self._specs[key][0], (b.shape[0], a.shape[1])
             if len(want) != 2 or tuple(got) != tuple(want):
-                raise MergeflowError(f"{source}: factors of '{key}' give shape {tuple(got)} (rank {a.shape[0]}), expected {tuple(want)}")
+                raise MergeflowError(
+                    f"{source}: factors of '{key}' give shape {tuple(got)} (rank {a.shape[0]}), expected {tuple(want)}"
+                )
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._specs)
@@ -192,9 +226,17 @@ def factor_bytes(factors: Mapping[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in factors.values())
 
 
-def save_adapter(path: str | Path, factors: Mapping[str, torch.Tensor], spec: AdapterSpec, metadata: Mapping[str, str] | None = None) -> None:
+def save_adapter(
+    path: str | Path, factors: Mapping[str, torch.Tensor], spec: AdapterSpec, metadata: Mapping[str, str] | None = None
+) -> None:
     """The factors as one safetensors file (atomically), the scale, rank and alpha in its metadata."""
-    meta = dict(metadata or {}) | {"format": FORMAT, "rank": str(spec.rank), "alpha": repr(float(spec.alpha)), "scale": repr(spec.scale), "targets": json.dumps(list(spec.targets))}
+    meta = dict(metadata or {}) | {
+        "format": FORMAT,
+        "rank": str(spec.rank),
+        "alpha": repr(float(spec.alpha)),
+        "scale": repr(spec.scale),
+        "targets": json.dumps(list(spec.targets)),
+    }
     save_state_dict(path, factors, meta)
 
 
@@ -235,13 +277,16 @@ def _peft_config(path: Path) -> dict:
     """adapter_config.json read and checked: a regular file of at most MAX_CONFIG_BYTES holding a JSON object, a LORA
     adapter (not DoRA, whose magnitudes a LoRA reader would drop), r a whole number from 1, lora_alpha finite, the
     patterns module names to numbers of the same kinds. One line naming the file and the key otherwise."""
+
     def refuse(why: str) -> MergeflowError:
         return MergeflowError(f"{path}: {why}")
 
     if not path.is_file():
         raise refuse("not a regular file")
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise refuse(f"{path.stat().st_size:,} bytes, more than an adapter configuration holds (at most {MAX_CONFIG_BYTES:,})")
+        raise refuse(
+            f"{path.stat().st_size:,} bytes, more than an adapter configuration holds (at most {MAX_CONFIG_BYTES:,})"
+        )
     try:
         config = json.loads(path.read_text(encoding="utf-8"), parse_constant=lambda name: float("nan"))
     except (ValueError, RecursionError, UnicodeDecodeError) as err:
@@ -263,7 +308,11 @@ def _peft_config(path: Path) -> dict:
             raise refuse(f"{key}: expected a finite number, got {str(value)[:40]}")
         return float(value)
 
-    checked = {"r": rank(config.get("r"), "r"), "lora_alpha": alpha(config.get("lora_alpha"), "lora_alpha"), "use_rslora": bool(config.get("use_rslora"))}
+    checked = {
+        "r": rank(config.get("r"), "r"),
+        "lora_alpha": alpha(config.get("lora_alpha"), "lora_alpha"),
+        "use_rslora": bool(config.get("use_rslora")),
+    }
     for key, kind in (("rank_pattern", rank), ("alpha_pattern", alpha)):
         pattern = config.get(key) or {}
         if not isinstance(pattern, dict):
@@ -280,7 +329,10 @@ def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
     A must have that module's rank."""
     path = Path(path)
     directory = path if path.is_dir() else path.parent
-    config_path, weights_path = directory / "adapter_config.json", path if path.is_file() else directory / "adapter_model.safetensors"
+    config_path, weights_path = (
+        directory / "adapter_config.json",
+        path if path.is_file() else directory / "adapter_model.safetensors",
+    )
     for needed in (config_path, weights_path):
         if not needed.exists():
             raise MergeflowError(f"{directory}: not a peft adapter folder (no {needed.name})")
@@ -301,26 +353,38 @@ def read_peft_adapter(path: str | Path) -> tuple[StateDict, float]:
         r = int(_pattern_value(config["rank_pattern"], module, rank))
         a = float(_pattern_value(config["alpha_pattern"], module, alpha))
         if factors[a_key].shape[0] != r:
-            raise MergeflowError(f"{weights_path}: '{a_key}' has rank {factors[a_key].shape[0]}, adapter_config.json gives {module} rank {r}")
+            raise MergeflowError(
+                f"{weights_path}: '{a_key}' has rank {factors[a_key].shape[0]}, "
+                f"adapter_config.json gives {module} rank {r}"
+            )
         factors[b_key] = factors[b_key] * (a / math.sqrt(r) if config.get("use_rslora") else a / r)
     return factors, 1.0
 
 
-def apply_adapter(pretrained: Mapping[str, torch.Tensor], factors: Mapping[str, torch.Tensor], scale: float, *, source: str) -> StateDict:
+def apply_adapter(
+    pretrained: Mapping[str, torch.Tensor], factors: Mapping[str, torch.Tensor], scale: float, *, source: str
+) -> StateDict:
     """theta0 + s B A on the adapted weights, theta0 elsewhere: an adapter made a fine-tuned model (each module name
     must be the model's own; one line names the first that is not)."""
     tv = LoraTaskVector(factors, scale, tensor_specs(pretrained), source=source)
     for key, (a_key, _) in adapted_weights(factors).items():  # one adapter's rank (concatenated ones may exceed it)
         if not 1 <= factors[a_key].shape[0] <= min(pretrained[key].shape):
-            raise MergeflowError(f"{source}: factors of '{key}' have rank {factors[a_key].shape[0]}, expected 1 to {min(pretrained[key].shape)} (the weight's smaller side)")
+            raise MergeflowError(
+                f"{source}: factors of '{key}' have rank {factors[a_key].shape[0]}, expected 1 to "
+                f"{min(pretrained[key].shape)} (the weight's smaller side)"
+            )
     adapted = set(tv.adapted)
-    wide = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in pretrained.items()}  # the compute dtype
-    return {k: (v.to(wide[k]) + tv[k].to(wide[k])).to(v.dtype) if k in adapted else v.clone() for k, v in pretrained.items()}
+    wide = {
+        k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in pretrained.items()
+    }  # the compute dtype
+    return {
+        k: (v.to(wide[k]) + tv[k].to(wide[k])).to(v.dtype) if k in adapted else v.clone() for k, v in pretrained.items()
+    }
 
 
 def concatenate(adapters: Sequence[tuple[Mapping[str, torch.Tensor], float]], weights: Sequence[float]) -> StateDict:
-    """Task arithmetic on the factors, exactly: sum_t w_t s_t B_t A_t = [w_1 s_1 B_1 | ... | w_T s_T B_T] [A_1; ...; A_T],
-    one adapter of rank sum_t r_t and scale 1 (every adapter must adapt the same weights)."""
+    """Task arithmetic on the factors, exactly: sum_t w_t s_t B_t A_t = [w_1 s_1 B_1 | ... | w_T s_T B_T] [A_1; ...;
+    A_T], one adapter of rank sum_t r_t and scale 1 (every adapter must adapt the same weights)."""
     keys = [adapted_weights(f) for f, _ in adapters]
     if any(set(k) != set(keys[0]) for k in keys):
         raise MergeflowError("LoRA task arithmetic on the factors: the adapters adapt different weights")
@@ -328,5 +392,7 @@ def concatenate(adapters: Sequence[tuple[Mapping[str, torch.Tensor], float]], we
     for weight, (a_key, b_key) in keys[0].items():
         module = weight[: -len(".weight")]
         out[f"{module}.{A_KEY}"] = torch.cat([f[keys[i][weight][0]] for i, (f, _) in enumerate(adapters)], 0)
-        out[f"{module}.{B_KEY}"] = torch.cat([f[keys[i][weight][1]] * (w * s) for i, ((f, s), w) in enumerate(zip(adapters, weights))], 1)
+        out[f"{module}.{B_KEY}"] = torch.cat(
+            [f[keys[i][weight][1]] * (w * s) for i, ((f, s), w) in enumerate(zip(adapters, weights))], 1
+        )
     return out

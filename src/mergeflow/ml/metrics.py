@@ -44,7 +44,9 @@ def task_loss(outputs: torch.Tensor, labels: torch.Tensor, reduction: str = "mea
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
     denominator = float(x.norm() * y.norm())
-    return float((x * y).sum()) / denominator if denominator > 0 else 0.0  # a constant prediction correlates with nothing
+    return (
+        float((x * y).sum()) / denominator if denominator > 0 else 0.0
+    )  # a constant prediction correlates with nothing
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +65,9 @@ def _matthews(predicted: torch.Tensor, labels: torch.Tensor) -> float:
 
     classes = int(max(predicted.max(), labels.max())) + 1
     confusion = torch.zeros(classes, classes, dtype=torch.float64)
-    confusion.index_put_((labels.long(), predicted.long()), torch.ones(len(labels), dtype=torch.float64), accumulate=True)
+    confusion.index_put_(
+        (labels.long(), predicted.long()), torch.ones(len(labels), dtype=torch.float64), accumulate=True
+    )
     t, p = confusion.sum(1), confusion.sum(0)  # true and predicted counts per class
     n, correct = confusion.sum(), confusion.trace()
     denominator = float(((n * n - (p * p).sum()) * (n * n - (t * t).sum())).sqrt())

@@ -6,7 +6,8 @@ file, the weights as safetensors (``weights.safetensors``) and the backbone's co
 ``backbone`` section of params.yaml). Nothing is pickled. Two ways back:
 
     from mergeflow.ml.mlflow_model import load_model, load_timm
-    net = load_model("runs:/<run_id>/model", "sqlite:///mlflow.db")   # torch.nn.Module: uint8 images [N, H, W, 3] -> features [N, D]
+    net = load_model("runs:/<run_id>/model", "sqlite:///mlflow.db")
+    # torch.nn.Module: uint8 images [N, H, W, 3] -> features [N, D]
     timm_net, preprocess = load_timm("runs:/<run_id>/model", "sqlite:///mlflow.db")
     features = timm_net(preprocess(images))   # the timm model takes float [N, 3, H, W], as timm's models do
 
@@ -51,7 +52,9 @@ def signature(num_features: int):
 
     # unnamed: a named tensor would reach predict as {name: array}
     images = TensorSpec(np.dtype(np.uint8), (-1, -1, -1, 3))
-    return ModelSignature(inputs=Schema([images]), outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_features))]))
+    return ModelSignature(
+        inputs=Schema([images]), outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, num_features))])
+    )
 
 
 def load_model(model_uri: str, tracking_uri: str | None = None) -> torch.nn.Module:
@@ -63,7 +66,9 @@ def load_model(model_uri: str, tracking_uri: str | None = None) -> torch.nn.Modu
     import yaml
 
     previous = mlflow.get_tracking_uri()
-    if tracking_uri:  # set for the call: MLflow resolves runs:/<id>/model through the current store, whatever it is passed
+    if (
+        tracking_uri
+    ):  # set for the call: MLflow resolves runs:/<id>/model through the current store, whatever it is passed
         mlflow.set_tracking_uri(tracking_uri)
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, tracking_uri=tracking_uri))
@@ -72,7 +77,10 @@ def load_model(model_uri: str, tracking_uri: str | None = None) -> torch.nn.Modu
     spec = yaml.safe_load((local / "MLmodel").read_text())
     files = spec.get("flavors", {}).get("python_function", {}).get("artifacts", {})
     if set(files) != {"weights", "backbone"}:
-        raise ValueError(f"{model_uri}: not a mergeflow merged model (its MLmodel names artifacts {sorted(files)}, expected 'weights' and 'backbone')")
+        raise ValueError(
+            f"{model_uri}: not a mergeflow merged model (its MLmodel names "
+            f"artifacts {sorted(files)}, expected 'weights' and 'backbone')"
+        )
     return _build(local / files["weights"]["path"], local / files["backbone"]["path"])
 
 

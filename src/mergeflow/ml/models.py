@@ -86,7 +86,10 @@ def embedding_dim(cfg: BackboneConfig) -> int:
     clip = "clip" in cfg.model and timm.models.is_model(cfg.model)
     dim = getattr(timm.models.get_pretrained_cfg(cfg.model), "num_classes", None) if clip else None
     if not dim:
-        raise MergeflowError(f"backbone.embedding: clip needs a timm CLIP model (e.g. vit_base_patch32_clip_quickgelu_224.openai); '{cfg.model}' has no CLIP projection")
+        raise MergeflowError(
+            "backbone.embedding: clip needs a timm CLIP model (e.g. vit_base_patch32_clip_quickgelu_224.openai); "
+            f"'{cfg.model}' has no CLIP projection"
+        )
     return int(dim)
 
 
@@ -121,13 +124,21 @@ def read_weights(path: Path) -> StateDict:
         pickled = re.search(r"GLOBAL ([\w.]+)", str(err))
         if pickled:  # a class or function in the pickle: a whole model, an optimizer, or code to run
             raise MergeflowError(
-                f"{where}: holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to unpickle {pickled.group(1)}); "
-                "save the model's state_dict() with safetensors.torch.save_file and point backbone.pretrained at that file"
+                f"{where}: holds pickled Python objects, not only tensors (torch.load(weights_only=True) refuses to "
+                f"unpickle {pickled.group(1)}); "
+                "save the model's state_dict() with safetensors.torch.save_file "
+                "and point backbone.pretrained at that file"
             ) from None
         found = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
-        raise MergeflowError(f"{where}: not a readable PyTorch checkpoint (torch.load(weights_only=True) refused it: {found.group(1).strip() if found else _first_line(err)})") from None
-    except Exception as err:  # noqa: BLE001  torch.load raises whatever its unpickler or zip reader hit: every one is a bad file
-        raise MergeflowError(f"{where}: not a readable PyTorch checkpoint ({type(err).__name__}: {_first_line(err)})") from None
+        raise MergeflowError(
+            f"{where}: not a readable PyTorch checkpoint (torch.load(weights_only=True) refused it: "
+            f"{found.group(1).strip() if found else _first_line(err)})"
+        ) from None
+    # torch.load raises whatever its unpickler or zip reader hit: every one is a bad file
+    except Exception as err:  # noqa: BLE001
+        raise MergeflowError(
+            f"{where}: not a readable PyTorch checkpoint ({type(err).__name__}: {_first_line(err)})"
+        ) from None
     if isinstance(checkpoint, dict):
         # the wrappers timm's own loader unwraps (training checkpoints), then its 'module.' prefix clean-up
         for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
@@ -135,20 +146,37 @@ def read_weights(path: Path) -> StateDict:
                 checkpoint = checkpoint[key]
                 break
     if not isinstance(checkpoint, dict):
-        raise MergeflowError(f"{where}: holds {type(checkpoint).__name__}, expected a state dict (tensor name -> tensor)")
+        raise MergeflowError(
+            f"{where}: holds {type(checkpoint).__name__}, expected a state dict (tensor name -> tensor)"
+        )
     state = timm.models.clean_state_dict(checkpoint)
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
-            raise MergeflowError(f"{where}: entry '{key}' is not a tensor ({type(value).__name__}), expected a state dict holding only tensors")
+            raise MergeflowError(
+                f"{where}: entry '{key}' is not a tensor ({type(value).__name__}), "
+                "expected a state dict holding only tensors"
+            )
     check_finite(state, where)
     return state
 
 
 _LOAD_ERRORS = (
     # torch's load_state_dict(strict=True) report, one clause per line: the first key of each kind is named
-    (re.compile(r'Missing key\(s\) in state_dict: "([^"]+)"'), "missing tensor '{0}' that the model expects ({1} missing)"),
-    (re.compile(r'Unexpected key\(s\) in state_dict: "([^"]+)"'), "unexpected tensor '{0}' that the model does not have ({1} unexpected)"),
-    (re.compile(r"size mismatch for ([^:]+): copying a param with shape torch.Size\(\[([^\]]*)\]\) from checkpoint, the shape in current model is torch.Size\(\[([^\]]*)\]\)"), "tensor '{0}' has shape {1}, the model expects {2}"),
+    (
+        re.compile(r'Missing key\(s\) in state_dict: "([^"]+)"'),
+        "missing tensor '{0}' that the model expects ({1} missing)",
+    ),
+    (
+        re.compile(r'Unexpected key\(s\) in state_dict: "([^"]+)"'),
+        "unexpected tensor '{0}' that the model does not have ({1} unexpected)",
+    ),
+    (
+        re.compile(
+            r"size mismatch for ([^:]+): copying a param with shape torch.Size\(\[([^\]]*)\]\) from checkpoint, the "
+            r"shape in current model is torch.Size\(\[([^\]]*)\]\)"
+        ),
+        "tensor '{0}' has shape {1}, the model expects {2}",
+    ),
 )
 
 
@@ -172,10 +200,15 @@ def _describe_load_error(err: BaseException) -> str | None:
 def _load_failure(cfg: BackboneConfig, source: str, err: Exception, create_kwargs: dict) -> MergeflowError:
     """The one line for timm failing to build ``cfg.model`` with ``source``'s weights."""
     _create(cfg, pretrained=False, **create_kwargs)  # the architecture itself failing: that line, not the weights'
-    described = _describe_load_error(err) or f"timm could not load them into '{cfg.model}' ({type(err).__name__}: {_first_line(err)})"
+    described = (
+        _describe_load_error(err)
+        or f"timm could not load them into '{cfg.model}' ({type(err).__name__}: {_first_line(err)})"
+    )
     if described.startswith("missing tensor 'fc_norm."):
         # timm ViTs: average pooling normalises after pooling (fc_norm), class-token pooling before it (norm)
-        described += f"; weights trained with class-token pooling need backbone.global_pool: token (not '{cfg.global_pool}')"
+        described += (
+            f"; weights trained with class-token pooling need backbone.global_pool: token (not '{cfg.global_pool}')"
+        )
     return MergeflowError(f"backbone.pretrained: {source}: {described}")
 
 
@@ -203,7 +236,12 @@ def _from_file(cfg: BackboneConfig, path: Path, create_kwargs: dict) -> nn.Modul
             state.pop(f"{name}.bias", None)
     try:
         # the model's own num_classes in the overlay: timm then sees no classifier to adapt and keeps its load strict
-        net = timm.create_model(cfg.model, pretrained=True, pretrained_cfg_overlay=dict(state_dict=state, num_classes=create_kwargs["num_classes"]), **create_kwargs)
+        net = timm.create_model(
+            cfg.model,
+            pretrained=True,
+            pretrained_cfg_overlay=dict(state_dict=state, num_classes=create_kwargs["num_classes"]),
+            **create_kwargs,
+        )
     except Exception as err:  # noqa: BLE001  timm's checkpoint filters raise anything on a foreign file
         raise _load_failure(cfg, str(path), err, create_kwargs) from None
     net.pretrained_cfg.pop("state_dict", None)  # the overlay would keep a second copy of the weights alive
@@ -221,11 +259,16 @@ def _from_hub(cfg: BackboneConfig, create_kwargs: dict) -> nn.Module:
         hub_id = getattr(timm.models.get_pretrained_cfg(cfg.model), "hf_hub_id", None) or cfg.model
         if isinstance(err, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
             raise MergeflowError(
-                f"backbone.pretrained: hub: the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub) are not in the local cache, "
+                f"backbone.pretrained: hub: the weights of '{cfg.model}' "
+                f"({hub_id} on the Hugging Face hub) are not in the local cache, "
                 f"and downloads are off; download them once with network access "
-                f"(`mergeflow pretrain --download`, or `hf download {hub_id}`), or set backbone.pretrained to a local weights file"
+                f"(`mergeflow pretrain --download`, or `hf download {hub_id}`), "
+                "or set backbone.pretrained to a local weights file"
             ) from None
-        raise MergeflowError(f"backbone.pretrained: hub: could not get the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub): {type(err).__name__}: {_first_line(err)}") from None
+        raise MergeflowError(
+            f"backbone.pretrained: hub: could not get the weights of '{cfg.model}' ({hub_id} on the Hugging Face hub): "
+            f"{type(err).__name__}: {_first_line(err)}"
+        ) from None
     except Exception as err:  # noqa: BLE001  as for a file: the hub's weights do not fit backbone.kwargs' model
         raise _load_failure(cfg, "hub", err, create_kwargs) from None
 
@@ -265,34 +308,62 @@ def backbone_state(model: Backbone) -> StateDict:
 
 def backbone_metadata(cfg: BackboneConfig) -> dict[str, str]:
     if cfg.library == "transformers":
-        return {"library": cfg.library, "model": cfg.model, "kwargs": json.dumps(cfg.kwargs, sort_keys=True), "global_pool": cfg.global_pool}
-    return {"model": cfg.model, "kwargs": json.dumps(cfg.kwargs, sort_keys=True), "global_pool": cfg.global_pool, "input_norm": cfg.input_norm}
+        return {
+            "library": cfg.library,
+            "model": cfg.model,
+            "kwargs": json.dumps(cfg.kwargs, sort_keys=True),
+            "global_pool": cfg.global_pool,
+        }
+    return {
+        "model": cfg.model,
+        "kwargs": json.dumps(cfg.kwargs, sort_keys=True),
+        "global_pool": cfg.global_pool,
+        "input_norm": cfg.input_norm,
+    }
 
 
 def make_head(num_features: int, num_classes: int) -> nn.Linear:
     return nn.Linear(num_features, num_classes)
 
 
-def load_head(path: str | Path, num_features: int, num_classes: int | None = None, classes_source: str = "its task") -> nn.Linear:
+def load_head(
+    path: str | Path, num_features: int, num_classes: int | None = None, classes_source: str = "its task"
+) -> nn.Linear:
     """A task's linear head, checked against the backbone's features and (when given) the number of classes
     that ``classes_source``, the task's data file, declares."""
     state = load_state_dict(path)
-    if set(state) != {"weight", "bias"} or state["weight"].ndim != 2 or state["bias"].shape != state["weight"].shape[:1]:
+    if (
+        set(state) != {"weight", "bias"}
+        or state["weight"].ndim != 2
+        or state["bias"].shape != state["weight"].shape[:1]
+    ):
         found = ", ".join(f"'{k}' {tuple(v.shape)}" for k, v in sorted(state.items()))
         raise MergeflowError(f"{path}: a head holds exactly 'weight' [C, D] and 'bias' [C], found {found}")
     if state["weight"].shape[1] != num_features:
-        raise MergeflowError(f"{path}: tensor 'weight' has {state['weight'].shape[1]} input features, the backbone gives {num_features}")
+        raise MergeflowError(
+            f"{path}: tensor 'weight' has {state['weight'].shape[1]} input features, the backbone gives {num_features}"
+        )
     if num_classes is not None and state["weight"].shape[0] != num_classes:
-        raise MergeflowError(f"{path}: tensor 'weight' has {state['weight'].shape[0]} rows, but {classes_source} declares {num_classes} classes")
+        raise MergeflowError(
+            f"{path}: tensor 'weight' has {state['weight'].shape[0]} "
+            f"rows, but {classes_source} declares {num_classes} classes"
+        )
     head = make_head(num_features, state["weight"].shape[0])
     head.load_state_dict(state)
     return head
 
 
-def load_heads(params: Params, layout: Layout, num_features: int, tasks: Mapping[str, TaskData]) -> dict[str, nn.Linear]:
+def load_heads(
+    params: Params, layout: Layout, num_features: int, tasks: Mapping[str, TaskData]
+) -> dict[str, nn.Linear]:
     """Each task's head (the finetune stages' outputs), checked against the backbone's features and the task file's
     declared classes."""
-    return {t: load_head(layout.head(t), num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in params.suite.tasks}
+    return {
+        t: load_head(
+            layout.head(t), num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))
+        )
+        for t in params.suite.tasks
+    }
 
 
 def select_device(name: str) -> torch.device:

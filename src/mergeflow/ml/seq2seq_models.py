@@ -76,7 +76,9 @@ def _lm_class(config) -> type:
     try:
         return _answering_class(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)])
     except KeyError:
-        raise MergeflowError(f"backbone.model: transformers has no sequence-to-sequence LM for model type '{config.model_type}'") from None
+        raise MergeflowError(
+            f"backbone.model: transformers has no sequence-to-sequence LM for model type '{config.model_type}'"
+        ) from None
 
 
 def build_seq2seq(cfg: BackboneConfig, config, *, pretrained: bool = False) -> nn.Module:
@@ -111,11 +113,16 @@ class Seq2SeqBackbone(nn.Module):
     @property
     def feature_reading(self) -> str:
         e, d = len(self.net.encoder.block), len(self.net.decoder.block)
-        return f"block l's output as seed 003 reads T5: blocks 0–{e - 1} the encoder's, the mean of the real tokens; blocks {e}–{e + d - 1} the decoder's, at the first generated token"
+        return (
+            f"block l's output as seed 003 reads T5: blocks 0–{e - 1} the encoder's, the mean of the real tokens; "
+            f"blocks {e}–{e + d - 1} the decoder's, at the first generated token"
+        )
 
     @property
     def feature_names(self) -> list[str]:
-        return [f"encoder {b}" for b in range(len(self.net.encoder.block))] + [f"decoder {b}" for b in range(len(self.net.decoder.block))]
+        return [f"encoder {b}" for b in range(len(self.net.encoder.block))] + [
+            f"decoder {b}" for b in range(len(self.net.decoder.block))
+        ]
 
     def feature_layers(self) -> list[tuple[nn.Module, Callable[[object], torch.Tensor]]]:
         """(block, its output -> [N, D] feature) for each encoder then decoder block, as seed 003 reads T5: the
@@ -131,7 +138,10 @@ def _first_token(output) -> torch.Tensor:
 def verbalizer_head(vocab_size: int, answers: list[int]) -> nn.Linear:
     """The linear head [C, V] that reads the logit of each class's answer word (a one-hot row each, no bias)."""
     if not answers or max(answers) >= vocab_size:
-        raise MergeflowError(f"finetune.head: verbalizer: the task's answer token ids {answers} are not all within the model's vocabulary of {vocab_size}")
+        raise MergeflowError(
+            f"finetune.head: verbalizer: the task's answer token ids {answers} are not all within the model's "
+            f"vocabulary of {vocab_size}"
+        )
     head = nn.Linear(vocab_size, len(answers))
     with torch.no_grad():
         head.weight.zero_()

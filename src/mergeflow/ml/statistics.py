@@ -20,7 +20,9 @@ from mergeflow.ml.text_models import trim_padding
 KINDS = ("fisher_sampled", "fisher_empirical", "gram")
 
 
-def _log_likelihood(outputs: torch.Tensor, label: torch.Tensor | None, regression: bool, generator: torch.Generator) -> torch.Tensor:
+def _log_likelihood(
+    outputs: torch.Tensor, label: torch.Tensor | None, regression: bool, generator: torch.Generator
+) -> torch.Tensor:
     """log p(y|x) of one example: a classifier's softmax, or for a regression head a unit-variance Gaussian around its
     output (its Fisher is the squared gradient of the output). ``label`` None: y drawn from the model."""
     if regression:
@@ -32,7 +34,16 @@ def _log_likelihood(outputs: torch.Tensor, label: torch.Tensor | None, regressio
     return log_probs[y]
 
 
-def fisher_diagonal(backbone: Backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor | None, *, generator: torch.Generator, device: torch.device, regression: bool = False) -> StateDict:
+def fisher_diagonal(
+    backbone: Backbone,
+    head: nn.Linear,
+    images: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    generator: torch.Generator,
+    device: torch.device,
+    regression: bool = False,
+) -> StateDict:
     """Mean squared per-example gradient of log p(y|x) for every tensor of the backbone (the head is not merged).
     ``labels`` None: y ~ p(.|x), drawn with ``generator``; ``regression``: a one-output head's Gaussian likelihood."""
     backbone.eval().to(device)
@@ -43,7 +54,9 @@ def fisher_diagonal(backbone: Backbone, head: nn.Linear, images: torch.Tensor, l
     total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     for i in range(len(images)):
         outputs = head(backbone(images[i : i + 1].to(device)))
-        grads = torch.autograd.grad(_log_likelihood(outputs, None if labels is None else labels[i], regression, generator), params)
+        grads = torch.autograd.grad(
+            _log_likelihood(outputs, None if labels is None else labels[i], regression, generator), params
+        )
         for acc, g in zip(total, grads):
             acc += g.float().square()
     state = {k: (acc / max(len(images), 1)).cpu() for k, acc in zip(names, total)}
@@ -93,4 +106,9 @@ def input_grams(backbone: Backbone, images: torch.Tensor, *, batch_size: int, de
             current[:] = [trim_padding(batch, pad)[1]] if pad is not None else []  # the rows the encoder sees
             backbone(batch)
 
-    return {k: v.float().cpu() for k, v in linear_input_grams(backbone.net, run, rows=(lambda: current[0]) if pad is not None else None).items()}
+    return {
+        k: v.float().cpu()
+        for k, v in linear_input_grams(
+            backbone.net, run, rows=(lambda: current[0]) if pad is not None else None
+        ).items()
+    }

@@ -12,7 +12,15 @@ import torch
 from mergeflow.config import Params
 from mergeflow.core.io import LazyStateDict, StateDict, check_compatible, save_state_dict, tensor_specs
 from mergeflow.core.layout import Layout
-from mergeflow.ml.lora import AdapterSpec, LoraTaskVector, factor_bytes, is_adapter, load_adapter, save_adapter, split_factors
+from mergeflow.ml.lora import (
+    AdapterSpec,
+    LoraTaskVector,
+    factor_bytes,
+    is_adapter,
+    load_adapter,
+    save_adapter,
+    split_factors,
+)
 
 # Inputs up to this size are read (and checked) once and held in memory: a search reads every tensor once per
 # candidate, and re-reading a small model costs more than holding it. Larger inputs are read tensor by tensor.
@@ -64,7 +72,9 @@ def materialise(state) -> dict:
 
 def state_bytes(state) -> int:
     """Size from shapes and dtypes (a lazy file's header): no tensor is read."""
-    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values())
+    return sum(
+        math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in tensor_specs(state).values()
+    )
 
 
 def read_task_vector(path: Path, pretrained) -> Mapping[str, torch.Tensor]:
@@ -91,12 +101,22 @@ def load_task_vectors(params: Params, layout: Layout, directory: Path | None = N
     return pretrained, vectors
 
 
-def save_task_vectors(directory: Path, pretrained: StateDict, states: Mapping[str, StateDict], *, adapter: AdapterSpec | None, meta: Mapping[str, str], pretrained_name: str) -> tuple[dict[str, StateDict], dict[str, float]]:
+def save_task_vectors(
+    directory: Path,
+    pretrained: StateDict,
+    states: Mapping[str, StateDict],
+    *,
+    adapter: AdapterSpec | None,
+    meta: Mapping[str, str],
+    pretrained_name: str,
+) -> tuple[dict[str, StateDict], dict[str, float]]:
     """Write each task model's vector into ``directory`` as ``<task>.safetensors``: theta_t - theta0, or, for a LoRA
     trainer's states (factors beside the weights), the factors themselves (lora.save_adapter, with ``adapter``'s
     scale). Returns the dense vectors (for the statistics) and the bytes a task vector takes on disk, with a full
     one's beside it."""
-    dense_bytes = sum(v.numel() * (8 if v.dtype == torch.float64 else 4) for v in pretrained.values())  # task_vector's dtypes
+    dense_bytes = sum(
+        v.numel() * (8 if v.dtype == torch.float64 else 4) for v in pretrained.values()
+    )  # task_vector's dtypes
     vectors, stored = {}, []
     for task, state in states.items():
         weights, factors = split_factors(state)
@@ -104,10 +124,19 @@ def save_task_vectors(directory: Path, pretrained: StateDict, states: Mapping[st
             if adapter is None:
                 raise ValueError(f"task {task}: LoRA factors without their adapter's scale")
             save_adapter(directory / f"{task}.safetensors", factors, adapter, dict(meta) | {"task": task})
-            vectors[task] = materialise(LoraTaskVector(factors, adapter.scale, tensor_specs(pretrained), source=f"{dict(meta).get('variant', '')} {task}"))
+            vectors[task] = materialise(
+                LoraTaskVector(
+                    factors, adapter.scale, tensor_specs(pretrained), source=f"{dict(meta).get('variant', '')} {task}"
+                )
+            )
             stored.append(factor_bytes(factors))
         else:
-            vectors[task] = task_vector(pretrained, weights, pretrained_name=pretrained_name, finetuned_name=f"{dict(meta).get('variant', '')} {task}")
+            vectors[task] = task_vector(
+                pretrained,
+                weights,
+                pretrained_name=pretrained_name,
+                finetuned_name=f"{dict(meta).get('variant', '')} {task}",
+            )
             save_state_dict(directory / f"{task}.safetensors", vectors[task], dict(meta) | {"task": task})
             stored.append(state_bytes(vectors[task]))
     return vectors, {"task_vector": sum(stored) / len(stored), "full_task_vector": dense_bytes}

@@ -31,11 +31,21 @@ def model_config(cfg: BackboneConfig):
         if source is None:
             return AutoConfig.for_model(cfg.model, **cfg.kwargs)
         if cfg.pretrained != "hub" and not (Path(source) / "config.json").is_file():
-            raise MergeflowError(f"backbone.pretrained: '{source}' is not a transformers model folder (no config.json; save one with save_pretrained)")
+            raise MergeflowError(
+                f"backbone.pretrained: '{source}' is not a transformers model "
+                "folder (no config.json; save one with save_pretrained)"
+            )
         return AutoConfig.from_pretrained(source, **cfg.kwargs)
     except (ValueError, TypeError, KeyError, OSError) as err:
-        what = f"model type '{cfg.model}' with backbone.kwargs" if source is None else f"'{source}'" + (" (hub: download it once with --download)" if cfg.pretrained == "hub" else "")
-        raise MergeflowError(f"backbone: transformers could not configure {what} ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        what = (
+            f"model type '{cfg.model}' with backbone.kwargs"
+            if source is None
+            else f"'{source}'" + (" (hub: download it once with --download)" if cfg.pretrained == "hub" else "")
+        )
+        raise MergeflowError(
+            f"backbone: transformers could not configure {what} "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        ) from None
 
 
 def trim_padding(ids: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +79,9 @@ def _base_class(config) -> type:
     try:
         return MODEL_MAPPING[type(config)]
     except KeyError:
-        raise MergeflowError(f"backbone.model: transformers has no base model for model type '{config.model_type}'") from None
+        raise MergeflowError(
+            f"backbone.model: transformers has no base model for model type '{config.model_type}'"
+        ) from None
 
 
 def _no_pooler(config) -> dict:
@@ -85,14 +97,24 @@ def load_pretrained(cls: type, cfg: BackboneConfig, config, **kwargs) -> nn.Modu
     try:
         return cls.from_pretrained(source, config=config, **kwargs)
     except (OSError, ValueError, RuntimeError) as err:
-        where = f"hub: '{source}' (download it once with --download, or save it with save_pretrained and point backbone.pretrained at the folder)" if cfg.pretrained == "hub" else source
-        raise MergeflowError(f"backbone.pretrained: {where}: transformers could not load it ({str(err).splitlines()[0]})") from None
+        where = (
+            f"hub: '{source}' (download it once with --download, or save it with save_pretrained and point "
+            "backbone.pretrained at the folder)"
+            if cfg.pretrained == "hub"
+            else source
+        )
+        raise MergeflowError(
+            f"backbone.pretrained: {where}: transformers could not load it ({str(err).splitlines()[0]})"
+        ) from None
 
 
 def build_encoder(cfg: BackboneConfig, *, pretrained: bool = False) -> nn.Module:
     """The encoder with random init, or with the weights of ``backbone.pretrained``'s ``save_pretrained`` folder."""
     if cfg.global_pool not in ("token", "avg"):
-        raise MergeflowError(f"backbone.global_pool: a text backbone pools the first token ('token') or the mean of the tokens ('avg'), not '{cfg.global_pool}'")
+        raise MergeflowError(
+            "backbone.global_pool: a text backbone pools the first token "
+            f"('token') or the mean of the tokens ('avg'), not '{cfg.global_pool}'"
+        )
     config = model_config(cfg)
     if pretrained and cfg.pretrained is not None:
         # a save_pretrained folder, or with "hub" backbone.model as a hub id (roberta-base), read from the local cache

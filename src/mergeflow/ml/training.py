@@ -28,7 +28,8 @@ from mergeflow.ml.models import Backbone, make_head
 
 @dataclass
 class Curve:
-    """Per-step training record, written as one record per step (the form `dvc plots` reads), logged to MLflow by step."""
+    """Per-step training record, written as one record per step (the form `dvc plots` reads), logged to MLflow by
+    step."""
 
     step: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
@@ -77,7 +78,9 @@ def batches(n: int, batch_size: int, steps: int, generator: torch.Generator):
             done += 1
 
 
-def _optimizer(kind: str, params, cfg: ScheduleConfig, momentum: float = 0.0, device: torch.device | None = None) -> torch.optim.Optimizer:
+def _optimizer(
+    kind: str, params, cfg: ScheduleConfig, momentum: float = 0.0, device: torch.device | None = None
+) -> torch.optim.Optimizer:
     # on CUDA one fused kernel for every tensor's update (a ViT-B's ~150 tensors: ~150 launches a step otherwise);
     # the CPU keeps the default implementation, so CPU runs give the bytes they always gave
     fused = {"fused": True} if device is not None and device.type == "cuda" else {}
@@ -96,11 +99,23 @@ def non_finite_loss(desc: str, value: float, step: int, cfg: ScheduleConfig) -> 
     """The line for a loss that became NaN or infinite at ``step`` of the schedule, naming the keys of params.yaml
     that likely caused it: after updates, a learning rate (or weight decay) too high for the data; before any
     update, not those but the starting weights or the inputs."""
-    section = "finetune" if isinstance(cfg, FinetuneConfig) else "pretrain" if type(cfg).__name__ == "PretrainConfig" else None
+    section = (
+        "finetune"
+        if isinstance(cfg, FinetuneConfig)
+        else "pretrain"
+        if type(cfg).__name__ == "PretrainConfig"
+        else None
+    )
     lr, wd = (f"{section}.lr", f"{section}.weight_decay") if section else ("lr", "weight_decay")
     if step == 0:
-        return f"{desc}: loss became {value} at step 0, before any update (so not {lr} or {wd}): the starting weights or the inputs hold NaN or infinity"
-    return f"{desc}: loss became {value} at step {step}: likely {lr} = {cfg.lr:g} is too high (or {wd} = {cfg.weight_decay:g}); lower it"
+        return (
+            f"{desc}: loss became {value} at step 0, before any update (so not {lr} or {wd}): the starting weights or "
+            "the inputs hold NaN or infinity"
+        )
+    return (
+        f"{desc}: loss became {value} at step {step}: likely {lr} = {cfg.lr:g} is too high (or {wd} = "
+        f"{cfg.weight_decay:g}); lower it"
+    )
 
 
 def train_loop(
@@ -139,7 +154,9 @@ def train_loop(
     per_epoch = max(1, n_examples // min(batch_size, n_examples))
     curve = Curve()
     model.train()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
     # the first ``start`` batches of the data order belong to earlier parts of the schedule
     order = itertools.islice(batches(n_examples, batch_size, start + steps, gen), start, None)
     pending: list[torch.Tensor] = []  # this stretch's losses, still on the device
@@ -207,7 +224,9 @@ def pretrain(
 
 
 @torch.no_grad()
-def extract_features(backbone: Backbone, images: torch.Tensor, *, batch_size: int, device: torch.device, bf16: bool = False) -> torch.Tensor:
+def extract_features(
+    backbone: Backbone, images: torch.Tensor, *, batch_size: int, device: torch.device, bf16: bool = False
+) -> torch.Tensor:
     """Features of ``images`` in batches, float32 on the CPU. ``bf16``: under bfloat16 autocast on CUDA (the merge
     search's candidates); float32 everywhere else. Images already on the device are sliced there."""
     backbone.eval().to(device)
@@ -222,7 +241,9 @@ class ProbeResult:
     c: float
     val_accuracy: float
     val_curve: dict[str, float]
-    iterations: dict[str, int] = field(default_factory=dict)  # the solver's iterations per C; max_iter: stopped unconverged
+    iterations: dict[str, int] = field(
+        default_factory=dict
+    )  # the solver's iterations per C; max_iter: stopped unconverged
     max_iter: int = 0
     solver: str = "newton-cholesky"
 
@@ -231,11 +252,27 @@ class ProbeResult:
         used = self.iterations.get(str(self.c), 0)
         name = "Newton" if self.solver == "newton-cholesky" else "L-BFGS"
         if used < self.max_iter:
-            return f"{where}: probe C={self.c:g} converged in {used} {name} iterations (val {100 * self.val_accuracy:.1f}%)"
-        return f"{where}: probe C={self.c:g} stopped at probe.max_iter={self.max_iter} {name} iterations before converging (val {100 * self.val_accuracy:.1f}%)"
+            return (
+                f"{where}: probe C={self.c:g} converged in {used} {name} iterations (val "
+                f"{100 * self.val_accuracy:.1f}%)"
+            )
+        return (
+            f"{where}: probe C={self.c:g} stopped at probe.max_iter={self.max_iter} {name} iterations before "
+            f"converging (val {100 * self.val_accuracy:.1f}%)"
+        )
 
 
-def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, *, seed: int, num_classes: int | None = None, metric: str = "accuracy") -> ProbeResult:
+def fit_probe(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    val_x: torch.Tensor,
+    val_y: torch.Tensor,
+    cfg: ProbeConfig,
+    *,
+    seed: int,
+    num_classes: int | None = None,
+    metric: str = "accuracy",
+) -> ProbeResult:
     """Multinomial logistic regression on standardised features; C chosen on validation.
 
     The solver is Newton's method (``probe.solver: newton-cholesky``), which reaches the L2-regularised optimum in
@@ -297,10 +334,19 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
     with torch.no_grad():
         head.weight.copy_(coef / sd)
         head.bias.copy_(bias - (coef / sd) @ mu)
-    return ProbeResult(head=head, c=c, val_accuracy=acc, val_curve=curve, iterations=iterations, max_iter=cfg.max_iter, solver=solver)
+    return ProbeResult(
+        head=head, c=c, val_accuracy=acc, val_curve=curve, iterations=iterations, max_iter=cfg.max_iter, solver=solver
+    )
 
 
-def _ridge_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, cfg: ProbeConfig, metric: str) -> ProbeResult:
+def _ridge_probe(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    val_x: torch.Tensor,
+    val_y: torch.Tensor,
+    cfg: ProbeConfig,
+    metric: str,
+) -> ProbeResult:
     """A regression task's probe: ridge regression on standardised features (L2 strength 1 / C, C from
     ``probe.c_grid`` chosen by the metric on val), solved exactly (Cholesky): a one-output head."""
     mu, sd = train_x.mean(0), train_x.std(0) + 1e-6
@@ -320,7 +366,15 @@ def _ridge_probe(train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tens
     with torch.no_grad():
         head.weight.copy_((weights.float() / sd).unsqueeze(0))
         head.bias.copy_((offset - (weights / sd.double()) @ mu.double()).float().reshape(1))
-    return ProbeResult(head=head, c=c, val_accuracy=value, val_curve=curve, iterations={str(k): 1 for k in cfg.c_grid}, max_iter=cfg.max_iter, solver="cholesky")
+    return ProbeResult(
+        head=head,
+        c=c,
+        val_accuracy=value,
+        val_curve=curve,
+        iterations={str(k): 1 for k in cfg.c_grid},
+        max_iter=cfg.max_iter,
+        solver="cholesky",
+    )
 
 
 @dataclass
@@ -344,10 +398,24 @@ class FeatureAnchor:
         self.feature_variance = self.features.var(0).mean()  # the penalty's normaliser, fixed for the whole run
 
     @classmethod
-    def build(cls, backbone: Backbone, corpus: torch.Tensor, cfg: PreserveFeaturesConfig, *, seed: int, device: torch.device, eval_batch_size: int) -> FeatureAnchor:
+    def build(
+        cls,
+        backbone: Backbone,
+        corpus: torch.Tensor,
+        cfg: PreserveFeaturesConfig,
+        *,
+        seed: int,
+        device: torch.device,
+        eval_batch_size: int,
+    ) -> FeatureAnchor:
         pick = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed))[: cfg.images].sort().values
         images = corpus[pick]
-        return cls(images, extract_features(backbone, images, batch_size=eval_batch_size, device=device), cfg.weight, cfg.batch_size)
+        return cls(
+            images,
+            extract_features(backbone, images, batch_size=eval_batch_size, device=device),
+            cfg.weight,
+            cfg.batch_size,
+        )
 
     def penalty(self, backbone: Backbone, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
         target = self.features[idx].to(device)
@@ -388,18 +456,40 @@ def finetune(
     def loss_fn(idx: torch.Tensor) -> torch.Tensor:
         loss = task_loss(head(backbone(_batch(images, idx, device))), y[idx.to(device)])
         if anchor is not None and anchor.weight > 0:
-            loss = loss + anchor.penalty(backbone, torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws), device)
+            loss = loss + anchor.penalty(
+                backbone, torch.randint(len(anchor.images), (anchor.batch_size,), generator=anchor_draws), device
+            )
         return loss
 
     trained = nn.ModuleDict({"backbone": backbone, "head": head}) if train_head else backbone
     return train_loop(
-        trained, loss_fn, len(images), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed, device=device, desc=desc, on_epoch_end=on_epoch_end,
-        start=start, schedule_length=schedule_length, optimizer_state=optimizer_state,
+        trained,
+        loss_fn,
+        len(images),
+        cfg,
+        optimizer=cfg.optimizer,
+        momentum=cfg.momentum,
+        seed=seed,
+        device=device,
+        desc=desc,
+        on_epoch_end=on_epoch_end,
+        start=start,
+        schedule_length=schedule_length,
+        optimizer_state=optimizer_state,
     )
 
 
 @torch.no_grad()
-def score(backbone: Backbone, head: nn.Linear, inputs: torch.Tensor, labels: torch.Tensor, *, batch_size: int, device: torch.device, metric: str = "accuracy") -> float:
+def score(
+    backbone: Backbone,
+    head: nn.Linear,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    batch_size: int,
+    device: torch.device,
+    metric: str = "accuracy",
+) -> float:
     feats = extract_features(backbone, inputs, batch_size=batch_size, device=device)
     return head_score(head, feats, labels, metric)
 

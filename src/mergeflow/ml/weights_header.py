@@ -72,7 +72,13 @@ _TENSORS = {
     "hugging_face": ("embeddings.patch_embedding.weight", "encoder.layers.{}.", "embeddings.position_embedding.weight"),
     "timm": ("patch_embed.proj.weight", "blocks.{}.", "pos_embed"),
 }
-LABELS = {"width": "width", "channels": "input channels", "patch": "patch size", "depth": "depth", "tokens": "token count"}
+LABELS = {
+    "width": "width",
+    "channels": "input channels",
+    "patch": "patch size",
+    "depth": "depth",
+    "tokens": "token count",
+}
 
 
 def architecture(shapes: Shapes) -> dict[str, Fact] | None:
@@ -88,7 +94,11 @@ def architecture(shapes: Shapes) -> dict[str, Fact] | None:
     patch = shapes.get(prefix + patch_name)
     if patch is not None and len(patch) == 4:
         said = f"tensor '{prefix + patch_name}' {list(patch)}"
-        facts |= {"width": (patch[0], said), "channels": (patch[1], said), "patch": (patch[2] if patch[2] == patch[3] else tuple(patch[2:]), said)}
+        facts |= {
+            "width": (patch[0], said),
+            "channels": (patch[1], said),
+            "patch": (patch[2] if patch[2] == patch[3] else tuple(patch[2:]), said),
+        }
     pattern = re.compile(re.escape(prefix + block).replace(re.escape("{}"), r"(\d+)"))
     blocks = {int(m.group(1)) for name in shapes if (m := pattern.match(name))}
     if blocks:
@@ -101,7 +111,14 @@ def architecture(shapes: Shapes) -> dict[str, Fact] | None:
 
 # timm's plain ViTs by name: vit_<size>_patch<P>[_clip[_quickgelu]]_<image size>[.<weights tag>], each size's
 # (width, depth) as timm builds it (tests/test_check_sources.py builds every such timm model to compare)
-VIT_SIZES = {"tiny": (192, 12), "small": (384, 12), "medium": (512, 12), "base": (768, 12), "large": (1024, 24), "huge": (1280, 32)}
+VIT_SIZES = {
+    "tiny": (192, 12),
+    "small": (384, 12),
+    "medium": (512, 12),
+    "base": (768, 12),
+    "large": (1024, 24),
+    "huge": (1280, 32),
+}
 _VIT_NAME = re.compile(r"vit_(tiny|small|medium|base|large|huge)_patch(\d+)_(?:clip_(?:quickgelu_)?)?\d+")
 
 
@@ -113,7 +130,12 @@ def expected_architecture(model: str, kwargs: Mapping[str, object]) -> dict[str,
         return None
     width, depth = VIT_SIZES[m.group(1)]
     facts: dict[str, Fact] = {}
-    for field, key, default in (("width", "embed_dim", width), ("patch", "patch_size", int(m.group(2))), ("depth", "depth", depth), ("channels", "in_chans", 3)):
+    for field, key, default in (
+        ("width", "embed_dim", width),
+        ("patch", "patch_size", int(m.group(2))),
+        ("depth", "depth", depth),
+        ("channels", "in_chans", 3),
+    ):
         value = kwargs.get(key, default)
         if isinstance(value, int) and not isinstance(value, bool):
             facts[field] = (value, f"backbone.kwargs.{key} = {value}" if key in kwargs else f"backbone.model {model}")
@@ -125,5 +147,8 @@ def mismatch(facts: Mapping[str, Fact], reference: Mapping[str, Fact]) -> str | 
     (tensor ...), the backbone's 32 (...)'; None when they agree wherever both say."""
     for field, label in LABELS.items():
         if field in facts and field in reference and facts[field][0] != reference[field][0]:
-            return f"its {label} is {facts[field][0]} ({facts[field][1]}), not {reference[field][0]} ({reference[field][1]})"
+            return (
+                f"its {label} is {facts[field][0]} ({facts[field][1]}), "
+                f"not {reference[field][0]} ({reference[field][1]})"
+            )
     return None

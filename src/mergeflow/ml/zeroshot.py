@@ -33,7 +33,10 @@ OPEN_CLIP_ARCHITECTURES = {
 def open_clip_architecture(model: str) -> str:
     base = model.split(".")[0]
     if base not in OPEN_CLIP_ARCHITECTURES:
-        raise MergeflowError(f"backbone.text: no open_clip text tower is known for '{model}' (known: {', '.join(sorted(OPEN_CLIP_ARCHITECTURES))})")
+        raise MergeflowError(
+            f"backbone.text: no open_clip text tower is known for '{model}' (known: "
+            f"{', '.join(sorted(OPEN_CLIP_ARCHITECTURES))})"
+        )
     return OPEN_CLIP_ARCHITECTURES[base]
 
 
@@ -53,19 +56,32 @@ def text_model(cfg: BackboneConfig, *, seed: int = 0) -> nn.Module:
 
         hub_id = getattr(timm.models.get_pretrained_cfg(cfg.model), "hf_hub_id", None)
         if not hub_id:
-            raise MergeflowError(f"backbone.text: hub: '{cfg.model}' names no hub weights (give a tag, e.g. '{cfg.model.split('.')[0]}.openai')")
+            raise MergeflowError(
+                f"backbone.text: hub: '{cfg.model}' names no hub weights (give a tag, e.g. "
+                f"'{cfg.model.split('.')[0]}.openai')"
+            )
         from huggingface_hub import constants
 
         tag = cfg.model.partition(".")[2]
         # open_clip's own configuration and weights for a tag it knows (openai: the same hub repository as
         # timm's image tower); else the repository's open_clip_config.json
-        source = dict(model_name=arch, pretrained=tag) if tag in open_clip.list_pretrained_tags_by_model(arch) else dict(model_name=f"hf-hub:{hub_id}")
+        source = (
+            dict(model_name=arch, pretrained=tag)
+            if tag in open_clip.list_pretrained_tags_by_model(arch)
+            else dict(model_name=f"hf-hub:{hub_id}")
+        )
         try:
             return open_clip.create_model(**source, force_quick_gelu=quick_gelu).eval()
         except Exception as err:  # noqa: BLE001  the hub's errors, and open_clip's on a repository without its model
             if constants.HF_HUB_OFFLINE:
-                raise MergeflowError(f"backbone.text: hub: CLIP's text tower ({hub_id} on the Hugging Face hub) is not in the local cache and downloads are off; run with --download once, or `hf download {hub_id}`") from None
-            raise MergeflowError(f"backbone.text: hub: could not get CLIP's text tower from {hub_id}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+                raise MergeflowError(
+                    f"backbone.text: hub: CLIP's text tower ({hub_id} on the Hugging Face hub) is not in the local "
+                    f"cache and downloads are off; run with --download once, or `hf download {hub_id}`"
+                ) from None
+            raise MergeflowError(
+                f"backbone.text: hub: could not get CLIP's text tower from {hub_id}: {type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}"
+            ) from None
     from mergeflow.ml.checkpoints import read_tensors
     from mergeflow.core.io import load_state_dict
 
@@ -74,21 +90,31 @@ def text_model(cfg: BackboneConfig, *, seed: int = 0) -> nn.Module:
         raise MergeflowError(f"backbone.text: '{path}' is neither hub, random nor a weights file")
     # open_clip's checkpoint, or task arithmetic's pickled ImageEncoder (read without unpickling it)
     state = load_state_dict(path) if path.suffix == ".safetensors" else read_tensors(path)
-    state = {re.sub(r"^(module\.|model\.)+", "", k): v for k, v in state.items()}  # task_vectors' ImageEncoder keeps CLIP as .model
+    state = {
+        re.sub(r"^(module\.|model\.)+", "", k): v for k, v in state.items()
+    }  # task_vectors' ImageEncoder keeps CLIP as .model
     model = open_clip.create_model(arch, pretrained=None, force_quick_gelu=quick_gelu)
     text_keys = {k for k in model.state_dict() if not k.startswith("visual.")}
     missing = sorted(text_keys - set(state))
     if missing:
-        raise MergeflowError(f"backbone.text: {path}: tensor '{missing[0]}' of open_clip's {arch} text tower is missing ({len(missing)} missing)")
+        raise MergeflowError(
+            f"backbone.text: {path}: tensor '{missing[0]}' of open_clip's "
+            f"{arch} text tower is missing ({len(missing)} missing)"
+        )
     for key in sorted(text_keys):
         if state[key].shape != model.state_dict()[key].shape:
-            raise MergeflowError(f"backbone.text: {path}: tensor '{key}' has shape {tuple(state[key].shape)}, open_clip's {arch} expects {tuple(model.state_dict()[key].shape)}")
+            raise MergeflowError(
+                f"backbone.text: {path}: tensor '{key}' has shape {tuple(state[key].shape)}, open_clip's {arch} "
+                f"expects {tuple(model.state_dict()[key].shape)}"
+            )
     model.load_state_dict({k: state[k] for k in text_keys}, strict=False)
     return model.eval()
 
 
 @torch.no_grad()
-def zeroshot_head(model: nn.Module, arch: str, classes: list[str], templates: list[str], *, device: torch.device | str = "cpu") -> nn.Linear:
+def zeroshot_head(
+    model: nn.Module, arch: str, classes: list[str], templates: list[str], *, device: torch.device | str = "cpu"
+) -> nn.Linear:
     """The frozen head [C, E]: per class, logit_scale x normalise(mean over templates of normalise(text
     embedding)); zero bias."""
     import open_clip

@@ -32,7 +32,10 @@ def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> Mer
             if not path.is_file():
                 raise MergeflowError(f"{path}: no statistics for task '{t}' (run the stage statistics)")
             state = load_state_dict(path)
-            stats[t] = {kind: {k.removeprefix(f"{kind}/"): v for k, v in state.items() if k.startswith(f"{kind}/")} for kind in KINDS}
+            stats[t] = {
+                kind: {k.removeprefix(f"{kind}/"): v for k, v in state.items() if k.startswith(f"{kind}/")}
+                for kind in KINDS
+            }
         return MergeData(statistics=stats)
     if spec.reads == "train_inputs":
         from mergeflow.ml.data import load_tasks
@@ -44,8 +47,15 @@ def bind_data(params: Params, spec, layout: Layout, tasks, heads, device) -> Mer
         from mergeflow.ml.data import load_tasks
 
         train = {t: d.split("train") for t, d in load_tasks(params, layout, ("train",)).items()}
-        objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, {"train": {t: s.inputs for t, s in train.items()}}, device)
+        objective = EntropyObjective(
+            build_backbone(params.backbone),
+            {t: copy.deepcopy(h) for t, h in heads.items()},
+            {"train": {t: s.inputs for t, s in train.items()}},
+            device,
+        )
         return MergeData(objective=objective, train_labels={t: s.labels for t, s in train.items()})
     inputs = {s: {t: d.split(s).inputs for t, d in tasks.items()} for s in ("val", "test")}
-    objective = EntropyObjective(build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device)
+    objective = EntropyObjective(
+        build_backbone(params.backbone), {t: copy.deepcopy(h) for t, h in heads.items()}, inputs, device
+    )
     return MergeData(objective=objective)

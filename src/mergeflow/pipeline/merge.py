@@ -28,12 +28,32 @@ from mergeflow.report.plots import is_reference, plot_accuracy_heatmap, plot_ave
 from mergeflow.report.leaderboard import board, board_markdown, board_text
 from mergeflow.report.search_plots import plot_merge_search
 from mergeflow.report.uncertainty import LEVEL, RESAMPLES, resample_indices
-from mergeflow.report.summary import SPREAD_SDS, headline_metrics, headline_name, merge_line, negation_markdown, over_seeds, pooled_sd, regime_headline, seeds_markdown, summary_csv, summary_legend, summary_markdown, summary_rows, validation_records
-from mergeflow.ml.task_vectors import load_task_vectors as _load_task_vectors, materialise as _materialise, state_bytes as _bytes
+from mergeflow.report.summary import (
+    SPREAD_SDS,
+    headline_metrics,
+    headline_name,
+    merge_line,
+    negation_markdown,
+    over_seeds,
+    pooled_sd,
+    regime_headline,
+    seeds_markdown,
+    summary_csv,
+    summary_legend,
+    summary_markdown,
+    summary_rows,
+    validation_records,
+)
+from mergeflow.ml.task_vectors import (
+    load_task_vectors as _load_task_vectors,
+    materialise as _materialise,
+    state_bytes as _bytes,
+)
 from mergeflow.ml.training import Timer
 
 
 from mergeflow.pipeline.train import EVALUATED, _setup, finetune, statistics, vectors
+
 
 def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
     """Stage regime_merge@<name>: each variant of regime <name> merged with each of its methods, the
@@ -50,19 +70,29 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
         ft = {t: read_json(layout.metrics("finetune", t)) for t in params.suite.tasks}
         for variant in cfg.variants(name, params.finetune.steps):
             if variant not in regime_metrics["variants"]:
-                raise MergeflowError(f"{layout.metrics('regime', name)}: no variant '{variant}' (run regime@{name} again)")
+                raise MergeflowError(
+                    f"{layout.metrics('regime', name)}: no variant '{variant}' (run regime@{name} again)"
+                )
             for method in params.regimes.methods_of(name):
                 run = layout.merge_run(method, name, variant)
                 if method == name:
                     own = regime_metrics["variants"][variant]["model"]
                     if own is None:
-                        raise MergeflowError(f"regimes.{name}.methods: regime {name} has no model of its own to evaluate")
+                        raise MergeflowError(
+                            f"regimes.{name}.methods: regime {name} has no model of its own to evaluate"
+                        )
                     acc = own["accuracy"]["test"]
                     individual = {t: ft[t]["individual"]["test"] for t in params.suite.tasks}
                     evaluation = {
-                        "method": method, "kind": "regime_model", "hyperparameters": regime_metrics["variants"][variant]["hyperparameters"], "searched": {},
-                        "accuracy": acc, "average": mean(acc.values()), "normalized": normalized(acc, individual),
-                        "normalized_average": normalized_average(acc, individual), "storage_models": 1.0,
+                        "method": method,
+                        "kind": "regime_model",
+                        "hyperparameters": regime_metrics["variants"][variant]["hyperparameters"],
+                        "searched": {},
+                        "accuracy": acc,
+                        "average": mean(acc.values()),
+                        "normalized": normalized(acc, individual),
+                        "normalized_average": normalized_average(acc, individual),
+                        "storage_models": 1.0,
                     }
                     write_json(run.evaluation, evaluation)
                 else:
@@ -84,7 +114,10 @@ def merge(params: Params, method: str, layout: Layout = Layout()) -> dict:
         metrics, evaluated = merge_and_evaluate(params, layout.merge_run(method), layout, tasks, heads, device)
         print(merge_line(method, metrics, evaluated), flush=True)
     learning = {"learning": evaluated["learning"]} if "learning" in evaluated else {}
-    write_json(layout.timing("merge", method), timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()} | learning)
+    write_json(
+        layout.timing("merge", method),
+        timer.record() | {"evaluate_wall_time_s": evaluated["wall_time_s"], "ended": time.time()} | learning,
+    )
     return metrics
 
 
@@ -118,7 +151,12 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
     metrics = {"method": method, "kind": spec.kind, "paper": spec.paper, "grid": grid}
     if spec.kind == "negation":
         output = {f"lam/{t}": torch.tensor(float(r["chosen"]["lam"])) for t, r in negation.items()}
-        metrics |= {"hyperparameters": fixed, "searched": {}, "pretrained_val_accuracy": pretrained_acc, "per_task": negation}
+        metrics |= {
+            "hyperparameters": fixed,
+            "searched": {},
+            "pretrained_val_accuracy": pretrained_acc,
+            "per_task": negation,
+        }
     else:
         metrics |= {
             "hyperparameters": best["hyperparameters"] | per_task["chosen"],
@@ -131,12 +169,19 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
         if spec.kind in ("per_task", "routed"):
             uses_theta0 = not any(k.startswith(BASE_PREFIX) for k in output)
             model_bytes = _bytes(pretrained)
-            metrics |= {"storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0), "model_bytes": model_bytes}
+            metrics |= {
+                "storage_bytes": store_bytes(output) + (model_bytes if uses_theta0 else 0),
+                "model_bytes": model_bytes,
+            }
     if data is not None:
         metrics["reads"] = spec.reads
     if data is not None and data.learned:  # the chosen candidate's coefficients (one record per candidate, in order)
         metrics["learned"] = data.learned[curve.index(best)]
-    save_state_dict(run.merged, output, {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])})
+    save_state_dict(
+        run.merged,
+        output,
+        {"method": method, "kind": spec.kind, "hyperparameters": json.dumps(metrics["hyperparameters"])},
+    )
     with atomic_path(run.search_plot) as tmp:
         (plot_learned_coefficients if "learned" in metrics else plot_merge_search)(metrics, tmp)
     write_json(run.choice, metrics)
@@ -148,7 +193,9 @@ def merge_and_evaluate(params: Params, run: MergeRun, layout: Layout, tasks, hea
 
 
 # ---------------------------------------------------------------- evaluate
-def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=None, heads=None, run: MergeRun | None = None) -> dict:
+def evaluate(
+    params: Params, method: str, layout: Layout = Layout(), *, tasks=None, heads=None, run: MergeRun | None = None
+) -> dict:
     """Test accuracy on every task, absolute and normalized by the (standard regime's) individual model
     (per-task methods: each task with its own rebuilt model; task negation: the negated task's accuracy against
     the others'). ``run``: a regime's merge (default: the standard regime's, merge@<method>)."""
@@ -163,7 +210,9 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
         heads = heads or _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
         # the test predictions of the model(s) tested, for the leaderboard's bootstrap (negation: each task's under
         # its own negation)
-        evaluator = MultiTaskEvaluator(params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size, keep_predictions=True)
+        evaluator = MultiTaskEvaluator(
+            params.backbone, tasks, heads, "test", device, params.runtime.eval_batch_size, keep_predictions=True
+        )
         predictions = evaluator.predictions
         if spec.kind == "negation":
             pretrained, tvs = _load_task_vectors(params, layout, run.vectors)
@@ -187,9 +236,20 @@ def evaluate(params: Params, method: str, layout: Layout = Layout(), *, tasks=No
             acc = evaluator.network(lambda backbone: spec.network(output, backbone))
         else:
             acc = evaluator(output)
-    metrics = {"method": method, "kind": spec.kind, "hyperparameters": chosen["hyperparameters"], "searched": chosen["searched"]}
+    metrics = {
+        "method": method,
+        "kind": spec.kind,
+        "hyperparameters": chosen["hyperparameters"],
+        "searched": chosen["searched"],
+    }
     if spec.kind == "negation":
-        metrics |= {"per_task": per_task, "average": {k: mean(r[k] for r in per_task.values()) for k in ("target", "control", "pretrained_target", "pretrained_control")}}
+        metrics |= {
+            "per_task": per_task,
+            "average": {
+                k: mean(r[k] for r in per_task.values())
+                for k in ("target", "control", "pretrained_target", "pretrained_control")
+            },
+        }
     else:
         individual = {t: ft[t]["individual"]["test"] for t in params.suite.tasks}
         metrics |= {
@@ -217,8 +277,13 @@ def regime_evaluations(params: Params, layout: Layout) -> dict[str, dict]:
             out[variant] = {
                 "regime": name,
                 "individual": {t: measured[variant]["individual"][t]["test"] for t in params.suite.tasks},
-                "evaluations": {m: read_json(layout.merge_run(m, name, variant).evaluation) for m in params.regimes.methods_of(name)},
-                "val_averages": {m: read_json(layout.merge_run(m, name, variant).choice).get("val_average") for m in params.regimes.methods_of(name)},
+                "evaluations": {
+                    m: read_json(layout.merge_run(m, name, variant).evaluation) for m in params.regimes.methods_of(name)
+                },
+                "val_averages": {
+                    m: read_json(layout.merge_run(m, name, variant).choice).get("val_average")
+                    for m in params.regimes.methods_of(name)
+                },
             }
     return out
 
@@ -241,12 +306,14 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     headline = headline_metrics(rows, ev, {m: read_json(layout.metrics("merge", m)).get("val_average") for m in ev})
     regimes = regime_evaluations(params, layout)
     for variant, r in regimes.items():
-        variant_rows = summary_rows(tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"], data=data_labels())
+        variant_rows = summary_rows(
+            tasks, ft, r["evaluations"], regime=variant, individual_models=r["individual"], data=data_labels()
+        )
         rows += variant_rows
         headline |= regime_headline(variant, variant_rows, r["evaluations"], r["val_averages"])
     measure = "accuracy" if params.suite.modality == "image" else "score"  # text: each task's GLUE metric
     spread = seed_spread(params, layout)
-    boards, sizes = leaderboards(params, layout, rows, {v: r['regime'] for v, r in regimes.items()}, spread)
+    boards, sizes = leaderboards(params, layout, rows, {v: r["regime"] for v, r in regimes.items()}, spread)
     print(board_text(boards, sizes, measure, shutil.get_terminal_size((160, 24)).columns), flush=True)
     labelled = [r if r["regime"] == "standard" else r | {"method": f"{r['method']} ({r['regime']})"} for r in rows]
     for name, entry in spread.items():  # with more seeds: each name's mean and spread beside the run's own
@@ -255,17 +322,35 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
         seeds_section = seeds_markdown(spread, [params.seed, *params.seeds]) if spread else ""
         # the environments of the stages so far (provenance.json, not a declared dependency: each stage's end,
         # this one's included, rewrites it)
-        environments = environment_markdown({a: r for a, r in recorded(layout.root).items() if a not in ("report", "track")})
+        environments = environment_markdown(
+            {a: r for a, r in recorded(layout.root).items() if a not in ("report", "track")}
+        )
         board = board_markdown(boards, sizes, measure)
         (tmp / "leaderboard.md").write_text(board)
-        write_json(tmp / "leaderboard.json", {"measure": measure, "resamples": RESAMPLES, "level": LEVEL, "test_examples": sizes, "boards": boards})
+        write_json(
+            tmp / "leaderboard.json",
+            {"measure": measure, "resamples": RESAMPLES, "level": LEVEL, "test_examples": sizes, "boards": boards},
+        )
         (tmp / "summary.md").write_text(
-            f"# {params.suite.name}: merging {len(tasks)} tasks\n\n{board}\n{summary_legend(measure, sizes)}{summary_markdown(rows, tasks)}"
-            + seeds_section + "".join(negation_markdown(m, e, tasks) for m, e in negations.items()) + environments
+            f"# {params.suite.name}: merging {len(tasks)} tasks\n\n{board}\n"
+            f"{summary_legend(measure, sizes)}{summary_markdown(rows, tasks)}"
+            + seeds_section
+            + "".join(negation_markdown(m, e, tasks) for m, e in negations.items())
+            + environments
         )
         (tmp / "summary.csv").write_text(summary_csv(rows, tasks))
-        write_json(tmp / "summary.json", {"rows": rows, "negation": negations} | ({"seeds": spread, "pooled_sd": pooled_sd(spread)} if spread else {}))
-        write_json(tmp / "averages.json", [{"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)} for r in labelled])
+        write_json(
+            tmp / "summary.json",
+            {"rows": rows, "negation": negations}
+            | ({"seeds": spread, "pooled_sd": pooled_sd(spread)} if spread else {}),
+        )
+        write_json(
+            tmp / "averages.json",
+            [
+                {"method": r["method"], "regime": r["regime"], "test_avg": round(100 * r["average"], 2)}
+                for r in labelled
+            ],
+        )
         plot_accuracy_heatmap(labelled, tasks, tmp / "accuracy.png", measure)
         plot_averages(labelled, tmp / "averages.png", measure)
     with atomic_path(layout.headline, directory=True) as tmp:
@@ -275,7 +360,9 @@ def report(params: Params, layout: Layout = Layout()) -> dict:
     return {"rows": rows, "negation": negations, "headline": headline}
 
 
-def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Mapping[str, str], spread: Mapping[str, dict] = {}) -> tuple[dict[str, list[dict]], dict[str, int]]:
+def leaderboards(
+    params: Params, layout: Layout, rows: list[dict], regime_of: Mapping[str, str], spread: Mapping[str, dict] = {}
+) -> tuple[dict[str, list[dict]], dict[str, int]]:
     """Each regime's leaderboard (report.leaderboard.board) from the summary's ``rows`` (``regime_of``: a regime
     variant's regime), the spread over seeds by headline name (seed_spread; {} with one seed) and the test predictions
     the fine-tunes and merges kept, every model on the same resamples of each task's test examples; and each
@@ -290,12 +377,30 @@ def leaderboards(params: Params, layout: Layout, rows: list[dict], regime_of: Ma
         regime_rows = [r for r in rows if r["regime"] == regime]
         predictions = {}
         if regime == "standard":
-            predictions = {regime_rows[0]["method"]: {t: kept[t]["probe"] for t in tasks}, "Individual": {t: kept[t]["individual"] for t in tasks}}
+            predictions = {
+                regime_rows[0]["method"]: {t: kept[t]["probe"] for t in tasks},
+                "Individual": {t: kept[t]["individual"] for t in tasks},
+            }
         for r in regime_rows:
-            run = layout.merge_run(r["method"]) if regime == "standard" else layout.merge_run(r["method"], regime_of[regime], regime)
+            run = (
+                layout.merge_run(r["method"])
+                if regime == "standard"
+                else layout.merge_run(r["method"], regime_of[regime], regime)
+            )
             if not is_reference(r["method"]) and run.predictions.is_file():
                 predictions[r["method"]] = load_state_dict(run.predictions)
-        boards[regime] = board(regime_rows, predictions, labels, metrics, indices, {r["method"]: spread[name] for r in regime_rows if (name := headline_name(r["regime"], r["method"])) in spread})
+        boards[regime] = board(
+            regime_rows,
+            predictions,
+            labels,
+            metrics,
+            indices,
+            {
+                r["method"]: spread[name]
+                for r in regime_rows
+                if (name := headline_name(r["regime"], r["method"])) in spread
+            },
+        )
     return boards, {t: len(y) for t, y in labels.items()}
 
 
@@ -338,7 +443,9 @@ def seed_spread(params: Params, layout: Layout) -> dict[str, dict]:
     """Each headline name's test average over seed and params.seeds (summary.over_seeds); {} with one seed."""
     if not params.seeds:
         return {}
-    per_seed = {params.seed: _headline(params, layout)} | {s: read_json(layout.replicate_summary(s))["headline"] for s in params.seeds}
+    per_seed = {params.seed: _headline(params, layout)} | {
+        s: read_json(layout.replicate_summary(s))["headline"] for s in params.seeds
+    }
     return over_seeds(per_seed)
 
 
@@ -356,9 +463,15 @@ def study(params: Params, name: str, layout: Layout = Layout()) -> dict:
     with Timer() as timer, atomic_path(layout.study(name), directory=True) as tmp:
         result = spec.fn(StudyContext(params, layout, params.studies.settings(name), tmp, device))
         result.claims = [against_spread(c, pooled_sd(spread), 1 + len(params.seeds), SPREAD_SDS) for c in result.claims]
-        (tmp / "report.md").write_text(f"# {spec.title}\n\n{spec.paper}\n\n## Verdicts\n\n{verdict_table(result.claims)}\n{result.body}")
+        (tmp / "report.md").write_text(
+            f"# {spec.title}\n\n{spec.paper}\n\n## Verdicts\n\n{verdict_table(result.claims)}\n{result.body}"
+        )
     verdicts = [c.verdict for c in result.claims]
-    counts = {"holds": verdicts.count("holds"), "fails": verdicts.count("fails"), "not_measured": verdicts.count("not measured")}
+    counts = {
+        "holds": verdicts.count("holds"),
+        "fails": verdicts.count("fails"),
+        "not_measured": verdicts.count("not measured"),
+    }
     metrics = {"study": name, "paper": spec.paper} | counts | {"claims": [c.record() for c in result.claims]}
     write_json(layout.metrics("studies", name), metrics)
     write_json(layout.verdicts(name), counts)

@@ -2,7 +2,8 @@
 
 A merge runs its method's module, the merging modules that module imports (at its top or inside a function, read
 from the code with ``ast``, transitively), and what every merge runs: the registry (``mergeflow.ml.merging``), the
-validation search, and the stage side's binding of data and models (mergeflow.pipeline.binding). The stage ``sources`` writes, for every registered method,
+validation search, and the stage side's binding of data and models (mergeflow.pipeline.binding). The stage ``sources``
+writes, for every registered method,
 ``sources/merge/<method>.json`` ({file: md5} of those files). ``merge@<method>`` depends on its own file, not on
 the whole of src/mergeflow/ml/merging: the stage re-runs on any change there (a second), and DVC re-runs only the
 merges whose file changed. Modules outside ``mergeflow.ml.merging`` are not followed, as before (the stage code is
@@ -68,7 +69,11 @@ def closure(package_dir: Path, package: str, roots: list[str], registries: froze
             continue
         seen[name] = path
         parents = [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)]  # a submodule's packages run first
-        discovered = [f"{name}.{p.stem}" for p in sorted(path.parent.iterdir()) if name in registries and not p.name.startswith("_") and p.suffix == ".py"]
+        discovered = [
+            f"{name}.{p.stem}"
+            for p in sorted(path.parent.iterdir())
+            if name in registries and not p.name.startswith("_") and p.suffix == ".py"
+        ]
         pending += [m for m in [*imported_modules(path, name), *parents, *discovered] if m not in seen]
     return sorted(set(seen.values()))
 
@@ -83,7 +88,11 @@ def method_sources(method: str, package_dir: Path) -> list[Path]:
     from mergeflow.ml.merging import REGISTRY
 
     binding = package_dir.parents[1] / "pipeline" / "binding.py"
-    roots = [*SHARED, REGISTRY[method].fn.__module__, *sorted(m for m in imported_modules(binding, BINDING) if m.startswith(PACKAGE))]
+    roots = [
+        *SHARED,
+        REGISTRY[method].fn.__module__,
+        *sorted(m for m in imported_modules(binding, BINDING) if m.startswith(PACKAGE)),
+    ]
     return sorted({*closure(package_dir, PACKAGE, roots), binding})
 
 
@@ -113,7 +122,9 @@ def regime_sources(regime: str, src: Path) -> list[Path]:
 
     package_dir = src / "ml" / "regimes"
     private = [f"mergeflow.ml.regimes.{p.stem}" for p in sorted(package_dir.glob("_*.py")) if p.stem != "__init__"]
-    return closure(package_dir, "mergeflow.ml.regimes", ["mergeflow.ml.regimes", REGISTRY[regime].fn.__module__, *private])
+    return closure(
+        package_dir, "mergeflow.ml.regimes", ["mergeflow.ml.regimes", REGISTRY[regime].fn.__module__, *private]
+    )
 
 
 def digest(files: list[Path], package_dir: Path) -> dict[str, str]:

@@ -6,4 +6,19 @@ from mergeflow.core.layout import Layout
 from mergeflow.pipeline.merge import merge, regime_merge, replicate, report, study
 from mergeflow.pipeline.train import _feature_anchor, finetune, prepare, pretrain, regime, sources, statistics, vectors
 
-__all__ = ["Layout", "_feature_anchor", "finetune", "merge", "prepare", "pretrain", "regime", "regime_merge", "replicate", "report", "sources", "statistics", "study", "vectors"]
+__all__ = [
+    "Layout",
+    "_feature_anchor",
+    "finetune",
+    "merge",
+    "prepare",
+    "pretrain",
+    "regime",
+    "regime_merge",
+    "replicate",
+    "report",
+    "sources",
+    "statistics",
+    "study",
+    "vectors",
+]

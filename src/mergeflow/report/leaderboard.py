@@ -27,14 +27,22 @@ def column_align(table: list[list[str]]) -> str:
     return ALIGN if len(table[0]) == len(ALIGN) else ALIGN[:3] + "r" + ALIGN[3:]
 
 
-def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]], labels: Mapping[str, torch.Tensor], metrics: Mapping[str, str], indices: Mapping[str, torch.Tensor],
-          over_seeds: Mapping[str, Mapping] = {}) -> list[dict]:
+def board(
+    rows: list[dict],
+    predictions: Mapping[str, Mapping[str, torch.Tensor]],
+    labels: Mapping[str, torch.Tensor],
+    metrics: Mapping[str, str],
+    indices: Mapping[str, torch.Tensor],
+    over_seeds: Mapping[str, Mapping] = {},
+) -> list[dict]:
     """One regime's entries, best test average first. ``rows``: summary_rows of the regime (fractions);
     ``predictions``: row name -> task -> test predictions, for the rows that kept them (the others get no
     interval); ``indices``: the resamples (uncertainty.resample_indices), shared by every row and regime;
     ``over_seeds``: row name -> its test average over the run's seeds (summary.over_seeds' entry), where the run
     has more than one."""
-    samples = resampled_averages({r["method"]: predictions[r["method"]] for r in rows if r["method"] in predictions}, labels, metrics, indices)
+    samples = resampled_averages(
+        {r["method"]: predictions[r["method"]] for r in rows if r["method"] in predictions}, labels, metrics, indices
+    )
     ranked = sorted(rows, key=lambda r: -r["average"])
     methods = [r for r in ranked if not is_reference(r["method"])]
     best = methods[0]["method"] if methods else None
@@ -56,13 +64,26 @@ def board(rows: list[dict], predictions: Mapping[str, Mapping[str, torch.Tensor]
         name = r["method"]
         rank += 0 if is_reference(name) else 1
         low, high = interval(samples[name]) if name in samples else (None, None)
-        entries.append({
-            "regime": r["regime"], "method": name, "baseline": is_reference(name), "rank": None if is_reference(name) else rank,
-            "score": percent(r["average"]), "average": r["average"], "low": percent(low), "high": percent(high),
-            "vs_best": difference(name, best), "vs_reference": difference(name, reference), "best": best, "reference": reference,
-            "chosen": r["chosen"], "storage_models": r["storage_models"], "data": r["data"],
-            "seeds": {k: over_seeds[name][k] for k in ("seeds", "mean", "sd")} if name in over_seeds else None,
-        })
+        entries.append(
+            {
+                "regime": r["regime"],
+                "method": name,
+                "baseline": is_reference(name),
+                "rank": None if is_reference(name) else rank,
+                "score": percent(r["average"]),
+                "average": r["average"],
+                "low": percent(low),
+                "high": percent(high),
+                "vs_best": difference(name, best),
+                "vs_reference": difference(name, reference),
+                "best": best,
+                "reference": reference,
+                "chosen": r["chosen"],
+                "storage_models": r["storage_models"],
+                "data": r["data"],
+                "seeds": {k: over_seeds[name][k] for k in ("seeds", "mean", "sd")} if name in over_seeds else None,
+            }
+        )
     return entries
 
 
@@ -78,7 +99,9 @@ def score_cell(e: Mapping | None) -> str:
     summary's table prints it (83.749.. is 83.7 in both)."""
     if e is None:
         return "-"
-    return f"{100 * e['average'] if 'average' in e else e['score']:.1f}" + (f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else "")
+    return f"{100 * e['average'] if 'average' in e else e['score']:.1f}" + (
+        f" [{e['low']:.1f}, {e['high']:.1f}]" if e["low"] is not None else ""
+    )
 
 
 def _cut(text: str, width: int) -> str:
@@ -89,25 +112,56 @@ def board_table(entries: list[dict], chosen_width: int = 40) -> list[list[str]]:
     """The entries as table rows, a header first: rank, method, score [interval], the two differences, choice,
     storage, what the method reads."""
     seeds = next((e["seeds"]["seeds"] for e in entries if e.get("seeds")), None)
-    head = ["#", "method", f"test avg [{LEVEL:.0%} CI]", *([f"{seeds} seeds: mean ± sd"] if seeds else []), "Δ best", "Δ TA", "chosen on val", "storage", "reads"]
+    head = [
+        "#",
+        "method",
+        f"test avg [{LEVEL:.0%} CI]",
+        *([f"{seeds} seeds: mean ± sd"] if seeds else []),
+        "Δ best",
+        "Δ TA",
+        "chosen on val",
+        "storage",
+        "reads",
+    ]
     table = [head]
     for e in entries:
         spread = [] if not seeds else [f"{e['seeds']['mean']:.1f} ± {e['seeds']['sd']:.1f}" if e.get("seeds") else ""]
         score = score_cell(e)
-        table.append(["-" if e["rank"] is None else str(e["rank"]), e["method"], score, *spread, _difference_cell(e["vs_best"]), _difference_cell(e["vs_reference"]),
-                      _cut(e["chosen"], chosen_width), f"{e['storage_models']:.2f}", "" if e["data"] in ("none", "") else e["data"]])
+        table.append(
+            [
+                "-" if e["rank"] is None else str(e["rank"]),
+                e["method"],
+                score,
+                *spread,
+                _difference_cell(e["vs_best"]),
+                _difference_cell(e["vs_reference"]),
+                _cut(e["chosen"], chosen_width),
+                f"{e['storage_models']:.2f}",
+                "" if e["data"] in ("none", "") else e["data"],
+            ]
+        )
     return table
 
 
 def legend(sizes: Mapping[str, int], measure: str) -> str:
     """What the columns mean, and the test sets' sizes the intervals come from."""
     counts = sorted(set(sizes.values()))
-    examples = f"{counts[0]} test examples per task" if len(counts) == 1 else f"{min(counts)}–{max(counts)} test examples per task"
-    return (f"Test {measure} averaged over {len(sizes)} task{'s' if len(sizes) > 1 else ''}, %, best first; the baselines (the pretrained model under the tasks' heads, "
-            f"the individual fine-tunes) unranked (-). [CI]: {LEVEL:.0%} bootstrap interval over the test examples ({examples}). "
-            f"Δ best, Δ TA: the difference to the best method and to task arithmetic "
-            f"in points; {TIE} marks a tie, a difference whose paired {LEVEL:.0%} interval contains 0. chosen on val: the hyperparameters "
-            "the validation search chose. storage: in models (1.00 = one merged model). reads: what the method uses besides the weights.")
+    examples = (
+        f"{counts[0]} test examples per task"
+        if len(counts) == 1
+        else f"{min(counts)}–{max(counts)} test examples per task"
+    )
+    return (
+        f"Test {measure} averaged over {len(sizes)} task{'s' if len(sizes) > 1 else ''}, %, best first; the baselines "
+        "(the pretrained model under the tasks' heads, "
+        f"the individual fine-tunes) unranked (-). [CI]: {LEVEL:.0%} "
+        f"bootstrap interval over the test examples ({examples}). "
+        f"Δ best, Δ TA: the difference to the best method and to task arithmetic "
+        f"in points; {TIE} marks a tie, a difference whose paired {LEVEL:.0%} "
+        "interval contains 0. chosen on val: the hyperparameters "
+        "the validation search chose. storage: in models (1.00 = one "
+        "merged model). reads: what the method uses besides the weights."
+    )
 
 
 def title(regime: str, entries: list[dict]) -> str:
@@ -121,7 +175,10 @@ def board_markdown(boards: Mapping[str, list[dict]], sizes: Mapping[str, int], m
     """Every regime's leaderboard, under one legend."""
     parts = ["## Leaderboard\n\n", legend(sizes, measure) + "\n"]
     for regime, entries in boards.items():
-        parts.append(f"\n### {title(regime, entries)}\n\n{render(table := board_table(entries), markdown=True, align=column_align(table))}\n")
+        parts.append(
+            f"\n### {title(regime, entries)}\n\n"
+            f"{render(table := board_table(entries), markdown=True, align=column_align(table))}\n"
+        )
     return "".join(parts)
 
 
@@ -149,7 +206,9 @@ def versus_table(before: list[dict], after: list[dict], labels: tuple[str, str])
     combined as independent (sqrt(a² + b²)), which is conservative for models that mostly agree."""
     old = {e["method"]: e for e in before}
     table = [["#", "method", labels[0], labels[1], "change"]]
-    names = [e["method"] for e in after] + [e["method"] for e in before if e["method"] not in {a["method"] for a in after}]
+    names = [e["method"] for e in after] + [
+        e["method"] for e in before if e["method"] not in {a["method"] for a in after}
+    ]
     new = {e["method"]: e for e in after}
 
     for name in names:
@@ -159,7 +218,9 @@ def versus_table(before: list[dict], after: list[dict], labels: tuple[str, str])
             delta = b["score"] - a["score"]
             widths = [_half_width(a), _half_width(b)]
             noise = None if None in widths else (widths[0] ** 2 + widths[1] ** 2) ** 0.5
-            change = (f"{delta:+.1f}" if round(delta, 1) != 0 else "0.0") + (f" {TIE}" if noise is not None and abs(delta) < noise else "")
+            change = (f"{delta:+.1f}" if round(delta, 1) != 0 else "0.0") + (
+                f" {TIE}" if noise is not None and abs(delta) < noise else ""
+            )
         rank = b["rank"] if b is not None else None
         table.append(["-" if rank is None else str(rank), name, score_cell(a), score_cell(b), change])
     return table
@@ -172,8 +233,14 @@ def versus_text(before: Mapping, after: Mapping, labels: tuple[str, str], width:
     parts = []
     for regime in dict.fromkeys([*after["boards"], *before["boards"]]):
         entries = after["boards"].get(regime, [])
-        parts.append(f"{'Standard fine-tune' if regime == 'standard' else regime}: {labels[1]} against {labels[0]}, ranked by {labels[1]}\n"
-                     + render(versus_table(before["boards"].get(regime, []), entries, labels), align="rlrrr"))
-    note = (f"Test {after.get('measure', 'accuracy')} averaged over the tasks, %, with {LEVEL:.0%} bootstrap intervals over the test examples; "
-            f"{TIE}: a change within the two runs' noise (their half-widths combined as independent).")
+        parts.append(
+            f"{'Standard fine-tune' if regime == 'standard' else regime}"
+            f": {labels[1]} against {labels[0]}, ranked by {labels[1]}\n"
+            + render(versus_table(before["boards"].get(regime, []), entries, labels), align="rlrrr")
+        )
+    note = (
+        f"Test {after.get('measure', 'accuracy')} averaged over the tasks, "
+        f"%, with {LEVEL:.0%} bootstrap intervals over the test examples; "
+        f"{TIE}: a change within the two runs' noise (their half-widths combined as independent)."
+    )
     return "\n\n".join(parts) + "\n\n" + textwrap.fill(note, width) + "\n"

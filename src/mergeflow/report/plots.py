@@ -23,6 +23,7 @@ def is_reference(name: str) -> bool:
 def is_pretrained(name: str) -> bool:
     return name.startswith("Pretrained (")
 
+
 DPI = 130
 FONT_SIZE = 10  # matplotlib's default; annotations use 9, nothing is under 8
 CHOSEN_COLOR = "#d62728"
@@ -103,7 +104,9 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
             # white text on the saturated ends, black near the centre
             text_colour = "white" if abs(colour[i][j]) > 0.6 * span else "black"
             weight = "bold" if c == "average" else "normal"
-            ax.text(j, i, f"{pct(r[c]):.1f}", ha="center", va="center", color=text_colour, fontsize=9, fontweight=weight)
+            ax.text(
+                j, i, f"{pct(r[c]):.1f}", ha="center", va="center", color=text_colour, fontsize=9, fontweight=weight
+            )
     # task names above the columns, where the eye starts; slanted so long names do not collide
     ax.xaxis.tick_top()
     ax.set_xticks(range(n_cols), columns, rotation=30, ha="left", rotation_mode="anchor")
@@ -124,7 +127,10 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
         spine.set_visible(False)
     bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     bar.set_label("points above the pretrained model (0: at it)")
-    ax.set_xlabel(f"numbers: test {measure} {_unit(measure)}, each task with its own head\ncolour: points above (blue) or below (red) the pretrained model on that task")
+    ax.set_xlabel(
+        f"numbers: test {measure} {_unit(measure)}, each task with its own head\ncolour: points above (blue) or below "
+        "(red) the pretrained model on that task"
+    )
     ax.set_title(f"Test {measure} {_unit(measure)} per method and task, sorted by average", loc="left")
     save(fig, path)
     return order
@@ -150,7 +156,9 @@ def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str
     if any(adapted):
         from matplotlib.patches import Patch
 
-        ax.legend(handles=[Patch(color="#dd8452", label=f"reads {DATA['test_inputs']}")], loc="lower center", frameon=False)
+        ax.legend(
+            handles=[Patch(color="#dd8452", label=f"reads {DATA['test_inputs']}")], loc="lower center", frameon=False
+        )
     # values inside the bars' ends, where no reference line crosses them
     for y, v in zip(positions, values):
         ax.text(v - 0.2, y, f"{v:.1f}", ha="right", va="center", color="white", fontsize=9, fontweight="bold")
@@ -166,7 +174,17 @@ def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str
     for name, v in references.items():
         colour, style, side = ("#2ca02c", "--", "left") if name == INDIVIDUAL else ("#7f7f7f", ":", "right")
         ax.axvline(v, color=colour, ls=style, lw=2)
-        ax.text(v, 1.0, f" {name}: {v:.1f} ", transform=ax.get_xaxis_transform(), ha=side, va="bottom", color=colour, fontsize=9, fontweight="bold")
+        ax.text(
+            v,
+            1.0,
+            f" {name}: {v:.1f} ",
+            transform=ax.get_xaxis_transform(),
+            ha=side,
+            va="bottom",
+            color=colour,
+            fontsize=9,
+            fontweight="bold",
+        )
     ax.set_xlabel(f"average test {measure} {_unit(measure)} over tasks (axis starts at {left:g})")
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
@@ -195,7 +213,9 @@ def plot_cosine_heatmap(stats: dict, path) -> None:
     for i in range(n):
         for j in range(n):
             strong = i != j and abs(cos[i][j]) > 0.6 * vmax
-            ax.text(j, i, f"{cos[i][j]:.2f}", ha="center", va="center", fontsize=9, color="white" if strong else "black")
+            ax.text(
+                j, i, f"{cos[i][j]:.2f}", ha="center", va="center", fontsize=9, color="white" if strong else "black"
+            )
     ax.set_xticks(range(n), tasks, rotation=45, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(n), tasks)
     ax.set_title("Task-vector cosine similarity (whole vectors)")
@@ -229,7 +249,9 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
     names = list(coefficients[tasks[0]])
     values = np.array([[coefficients[t][n] for n in names] for t in tasks])
     if "kept" in learned:
-        fig, (left, middle, right) = plt.subplots(1, 3, figsize=(19, 4.8), layout="constrained", width_ratios=[2.2, 1.6, 1])
+        fig, (left, middle, right) = plt.subplots(
+            1, 3, figsize=(19, 4.8), layout="constrained", width_ratios=[2.2, 1.6, 1]
+        )
         _plot_kept(fig, middle, learned["kept"])
     else:
         fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.8), layout="constrained", width_ratios=[2.2, 1])
@@ -258,7 +280,9 @@ def plot_learned_coefficients(merge_metrics: dict, path) -> None:
     save(fig, path)
 
 
-def _by_tensor(fig, ax, values, rows: list[str], names: list[str], what: str, label: str, *, cmap: str, fraction: float, norm=None) -> None:
+def _by_tensor(
+    fig, ax, values, rows: list[str], names: list[str], what: str, label: str, *, cmap: str, fraction: float, norm=None
+) -> None:
     """A heatmap of ``values`` [rows, names], the names ticked by block (``_block_ticks``), with its colour bar."""
     image = ax.imshow(values, aspect="auto", cmap=cmap, interpolation="nearest", norm=norm)
     ticks, labels = _block_ticks(names)
@@ -278,5 +302,7 @@ def _plot_kept(fig, ax, kept: dict) -> None:
     counts = np.array([[kept[r][m] for m in matrices] for r in rows])
     # log-like: a common subspace keeps ~30x a task's columns; 0 (a matrix a task dropped whole) stays readable
     norm = SymLogNorm(linthresh=1, vmin=0, vmax=max(1, int(counts.max())), base=10)
-    _by_tensor(fig, ax, counts, rows, matrices, "matrix", "singular components kept", cmap="magma", fraction=0.05, norm=norm)
+    _by_tensor(
+        fig, ax, counts, rows, matrices, "matrix", "singular components kept", cmap="magma", fraction=0.05, norm=norm
+    )
     ax.set_title(f"singular components kept per matrix ({int(counts.sum()):,} in all)")

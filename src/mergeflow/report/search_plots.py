@@ -105,7 +105,13 @@ def _grid_panel(merge_metrics: Mapping, searched_keys: list[str]) -> GridCurve |
     grid = merge_metrics["grid"]
     if len(searched_keys) == 1:
         key = searched_keys[0]
-        return GridCurve(key, [r["hyperparameters"][key] for r in curve], [pct(r["average"]) for r in curve], searched[key], pct(merge_metrics["val_average"]))
+        return GridCurve(
+            key,
+            [r["hyperparameters"][key] for r in curve],
+            [pct(r["average"]) for r in curve],
+            searched[key],
+            pct(merge_metrics["val_average"]),
+        )
     # the two with the most values span the heatmap (the first-listed on ties); the rest are folded in
     by_size = sorted(searched_keys, key=lambda k: -len(grid[k]))
     x_key, y_key = by_size[0], by_size[1]
@@ -172,8 +178,29 @@ def _draw_curve(ax, panel: GridCurve) -> None:
     xs = [_x(panel.values, v) for v in panel.values]
     chosen_x = _x(panel.values, panel.chosen)
     ax.plot(xs, panel.averages, marker="o", color="#4c72b0", lw=2)
-    ax.plot([chosen_x], [panel.chosen_average], marker="*", ms=18, color=CHOSEN_COLOR, mec="black", ls="none", zorder=5, label="chosen")
-    ax.annotate(f"{panel.key} = {shown(panel.chosen)}\n{panel.chosen_average:.1f}%", (chosen_x, panel.chosen_average), xytext=(0, -18), textcoords="offset points", ha="center", va="top", fontsize=9, color=CHOSEN_COLOR, fontweight="bold", bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85})
+    ax.plot(
+        [chosen_x],
+        [panel.chosen_average],
+        marker="*",
+        ms=18,
+        color=CHOSEN_COLOR,
+        mec="black",
+        ls="none",
+        zorder=5,
+        label="chosen",
+    )
+    ax.annotate(
+        f"{panel.key} = {shown(panel.chosen)}\n{panel.chosen_average:.1f}%",
+        (chosen_x, panel.chosen_average),
+        xytext=(0, -18),
+        textcoords="offset points",
+        ha="center",
+        va="top",
+        fontsize=9,
+        color=CHOSEN_COLOR,
+        fontweight="bold",
+        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
+    )
     _set_hyperparameter_axis(ax, panel.values, panel.key)
     # room under the chosen point for its label
     low, high = min(panel.averages), max(panel.averages)
@@ -193,7 +220,9 @@ def _draw_heatmap(fig, ax, panel: GridHeatmap) -> None:
     for i, row in enumerate(panel.averages):
         for j, v in enumerate(row):
             if not math.isnan(v):
-                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=9, color="black" if v > middle else "white")
+                ax.text(
+                    j, i, f"{v:.1f}", ha="center", va="center", fontsize=9, color="black" if v > middle else "white"
+                )
     i, j = panel.chosen
     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec=CHOSEN_COLOR, lw=3.5))
     ax.set_xticks(range(len(panel.x_values)), [shown(v) for v in panel.x_values])
@@ -214,8 +243,25 @@ def _draw_per_task(plt, ax, panel: PerTaskCurves) -> None:
     colours = _task_colours(plt, panel.accuracies)
     xs = [_x(panel.values, v) for v in panel.values]
     for task, accs in panel.accuracies.items():
-        ax.plot(xs, accs, marker="o", ms=4, color=colours[task], lw=1.8, label=f"{task} ({panel.key} = {shown(panel.chosen[task])})")
-        ax.plot([_x(panel.values, panel.chosen[task])], [panel.chosen_accuracy[task]], marker="*", ms=15, color=colours[task], mec="black", ls="none", zorder=5)
+        ax.plot(
+            xs,
+            accs,
+            marker="o",
+            ms=4,
+            color=colours[task],
+            lw=1.8,
+            label=f"{task} ({panel.key} = {shown(panel.chosen[task])})",
+        )
+        ax.plot(
+            [_x(panel.values, panel.chosen[task])],
+            [panel.chosen_accuracy[task]],
+            marker="*",
+            ms=15,
+            color=colours[task],
+            mec="black",
+            ls="none",
+            zorder=5,
+        )
     _set_hyperparameter_axis(ax, panel.values, panel.key)
     ax.set_ylabel("validation accuracy of the task (%)")
     ax.grid(alpha=0.3)
@@ -242,13 +288,32 @@ def _plot_negation(plt, method: str, floor_fraction: float, panels: list[Negatio
     n = len(panels)
     cols = min(4, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 2.8, 2.7 * rows + 1.1), sharex=True, sharey=True, layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(3.2 * cols + 2.8, 2.7 * rows + 1.1),
+        sharex=True,
+        sharey=True,
+        layout="constrained",
+        squeeze=False,
+    )
     for ax, p in zip(axes.flat, panels):
         ax.plot(p.lams, p.target, marker="o", ms=4, color="#4c72b0", lw=2, label="target (negated task)")
         ax.plot(p.lams, p.control, marker="s", ms=4, color="#dd8452", lw=2, ls="--", label="control (other tasks)")
-        ax.axhline(p.control_floor, color="#7f7f7f", ls=":", lw=2, label=f"control floor ({floor_fraction:g} x pretrained)")
+        ax.axhline(
+            p.control_floor, color="#7f7f7f", ls=":", lw=2, label=f"control floor ({floor_fraction:g} x pretrained)"
+        )
         ax.axvline(p.chosen_lam, color=CHOSEN_COLOR, lw=1.5, alpha=0.6, label="chosen lam")
-        ax.plot([p.chosen_lam, p.chosen_lam], [p.chosen_target, p.chosen_control], marker="*", ms=13, color=CHOSEN_COLOR, mec="black", ls="none", zorder=5)
+        ax.plot(
+            [p.chosen_lam, p.chosen_lam],
+            [p.chosen_target, p.chosen_control],
+            marker="*",
+            ms=13,
+            color=CHOSEN_COLOR,
+            mec="black",
+            ls="none",
+            zorder=5,
+        )
         ax.set_title(f"{p.task}: lam = {shown(p.chosen_lam)}", fontsize=FONT_SIZE)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[n:]:
@@ -271,7 +336,9 @@ def plot_merge_search(merge_metrics: dict, path) -> None:
         _plot_negation(plt, method, merge_metrics["hyperparameters"].get("control_floor", 0.95), panels, path)
         return
     widths = [7.2 if isinstance(p, PerTaskCurves) else 6.2 for p in panels]
-    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths), 4.6), layout="constrained", squeeze=False, width_ratios=widths)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(sum(widths), 4.6), layout="constrained", squeeze=False, width_ratios=widths
+    )
     for ax, panel in zip(axes[0], panels):
         if isinstance(panel, GridCurve):
             _draw_curve(ax, panel)

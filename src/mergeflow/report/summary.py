@@ -50,19 +50,32 @@ def merge_line(label: str, choice: Mapping, evaluation: Mapping) -> str:
         flags = [f"{t}: {f}" for t, r in choice["per_task"].items() for f in _edges(choice["grid"], r["chosen"])]
         lams = " ".join(f"{t}={r['chosen']['lam']:g}" for t, r in choice["per_task"].items())
         average = evaluation["average"]
-        line = f"{label}: lam per negated task {lams}; test: negated tasks {percent(average['target'])}%, the others {percent(average['control'])}%"
+        line = (
+            f"{label}: lam per negated task {lams}; test: negated tasks {percent(average['target'])}%, the others "
+            f"{percent(average['control'])}%"
+        )
     else:
         flags = _edges(choice["grid"], choice["searched"])
-        line = f"{label}: chose {choice_label(choice['searched']) or 'its one setting'}; validation {percent(choice['val_average'])}%, test {percent(evaluation['average'])}%"
+        line = (
+            f"{label}: chose {choice_label(choice['searched']) or 'its one setting'}; validation "
+            f"{percent(choice['val_average'])}%, test {percent(evaluation['average'])}%"
+        )
     return line + ("  [check: " + "; ".join(flags) + "]" if flags else "")
 
 
 def _entry(test_avg: float, gap: float | None, searched: Mapping, val_avg: float | None = None) -> dict:
-    entry = {"test_avg": percent(test_avg), "val_avg": percent(val_avg), "gap": percent(gap), "choice": choice_label(searched)}
+    entry = {
+        "test_avg": percent(test_avg),
+        "val_avg": percent(val_avg),
+        "gap": percent(gap),
+        "choice": choice_label(searched),
+    }
     return {k: v for k, v in entry.items() if v is not None or k == "gap"}
 
 
-def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}) -> dict[str, dict]:
+def headline_metrics(
+    rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}
+) -> dict[str, dict]:
     """The headline, one small entry per name (metrics/headline/<name>.json, a row each in `dvc metrics show`):
     "probe" and "individual" with their test average; per method its test average, the validation average of
     its choice (``val_averages``, fractions), the share of the probe-to-individual gap recovered ("gap") and the
@@ -76,7 +89,9 @@ def headline_metrics(rows: list[dict], evaluations: Mapping[str, dict], val_aver
     for method, ev in evaluations.items():
         if ev["kind"] == "negation":
             target = ev["average"]["target"]
-            headline[method] = _entry(target, gap_recovered(target, probe, individual), ev["searched"]) | {"control_avg": percent(ev["average"]["control"])}
+            headline[method] = _entry(target, gap_recovered(target, probe, individual), ev["searched"]) | {
+                "control_avg": percent(ev["average"]["control"])
+            }
         else:
             row = by_method[method]
             headline[method] = _entry(row["average"], row["gap_recovered"], ev["searched"], val_averages.get(method))
@@ -90,7 +105,9 @@ def headline_name(regime: str, method: str) -> str:
     return name if regime == "standard" else f"{regime}/{name}"
 
 
-def regime_headline(variant: str, rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}) -> dict[str, dict]:
+def regime_headline(
+    variant: str, rows: list[dict], evaluations: Mapping[str, dict], val_averages: Mapping[str, float] = {}
+) -> dict[str, dict]:
     """One regime variant's headline entries, named "<variant>/<name>": its individual models' test average, then
     per method as in headline_metrics (the gap is of the standard fine-tune's probe-to-individual gap).
     ``rows``: evaluation.summary_rows of the variant (Individual, then one per method)."""
@@ -98,7 +115,9 @@ def regime_headline(variant: str, rows: list[dict], evaluations: Mapping[str, di
     headline = {f"{variant}/individual": {"test_avg": percent(rows[0]["average"])}}
     for method, ev in evaluations.items():
         row = by_method[method]
-        headline[f"{variant}/{method}"] = _entry(row["average"], row["gap_recovered"], ev["searched"], val_averages.get(method))
+        headline[f"{variant}/{method}"] = _entry(
+            row["average"], row["gap_recovered"], ev["searched"], val_averages.get(method)
+        )
     return headline
 
 
@@ -110,12 +129,14 @@ def validation_records(merge_metrics: Mapping, coefficient: str | None) -> list[
         per_task = list(merge_metrics["per_task"].values())
         records = []
         for i, point in enumerate(per_task[0]["curve"]):
-            records.append({
-                "hyperparameter": "lam",
-                "value": point["lam"],
-                "val_avg": percent(mean(r["curve"][i]["target"] for r in per_task)),
-                "control_avg": percent(mean(r["curve"][i]["control"] for r in per_task)),
-            })
+            records.append(
+                {
+                    "hyperparameter": "lam",
+                    "value": point["lam"],
+                    "val_avg": percent(mean(r["curve"][i]["target"] for r in per_task)),
+                    "control_avg": percent(mean(r["curve"][i]["control"] for r in per_task)),
+                }
+            )
         return records
     grid = list(merge_metrics["grid"])
     x = coefficient if coefficient in grid else (grid[-1] if grid else None)
@@ -125,12 +146,14 @@ def validation_records(merge_metrics: Mapping, coefficient: str | None) -> list[
         hp = row["hyperparameters"]
         if any(hp[k] != chosen[k] for k in grid if k != x):
             continue
-        records.append({
-            "hyperparameter": x or "(one setting)",
-            "value": hp[x] if x else 0,
-            "val_avg": percent(row["average"]),
-            "chosen": all(hp[k] == chosen[k] for k in grid),
-        })
+        records.append(
+            {
+                "hyperparameter": x or "(one setting)",
+                "value": hp[x] if x else 0,
+                "val_avg": percent(row["average"]),
+                "chosen": all(hp[k] == chosen[k] for k in grid),
+            }
+        )
     return records
 
 
@@ -141,20 +164,33 @@ SPREAD_SDS = 2.0
 
 def over_seeds(per_seed: Mapping[int, Mapping[str, dict]]) -> dict[str, dict]:
     """Each headline name's test average over the seeds (``per_seed``: seed -> its headline entries), for the names
-    every seed has: {name: {"seeds": n, "mean", "sd" (sample; None for one seed), "min", "max", "values": {seed: v}}}, %."""
+    every seed has: {name: {"seeds": n, "mean", "sd" (sample; None for one seed), "min", "max", "values": {seed: v}}},
+    %."""
     import statistics
 
-    names = [n for n in next(iter(per_seed.values()), {}) if all(n in h and h[n].get("test_avg") is not None for h in per_seed.values())]
+    names = [
+        n
+        for n in next(iter(per_seed.values()), {})
+        if all(n in h and h[n].get("test_avg") is not None for h in per_seed.values())
+    ]
     table = {}
     for name in names:
         values = {seed: float(h[name]["test_avg"]) for seed, h in per_seed.items()}
         v = list(values.values())
-        table[name] = {"seeds": len(v), "mean": round(statistics.fmean(v), 2), "sd": round(statistics.stdev(v), 2) if len(v) > 1 else None,
-                       "min": min(v), "max": max(v), "values": {str(s): x for s, x in values.items()}}
+        table[name] = {
+            "seeds": len(v),
+            "mean": round(statistics.fmean(v), 2),
+            "sd": round(statistics.stdev(v), 2) if len(v) > 1 else None,
+            "min": min(v),
+            "max": max(v),
+            "values": {str(s): x for s, x in values.items()},
+        }
     return table
 
 
-def pooled_sd(table: Mapping[str, dict], exclude: tuple[str, ...] = ("probe", "individual", "task_negation")) -> float | None:
+def pooled_sd(
+    table: Mapping[str, dict], exclude: tuple[str, ...] = ("probe", "individual", "task_negation")
+) -> float | None:
     """The merge methods' pooled standard deviation over seeds (root mean variance), %; None without two seeds."""
     sds = [e["sd"] for name, e in table.items() if e.get("sd") is not None and name not in exclude]
     return round(mean([s * s for s in sds]) ** 0.5, 2) if sds else None
@@ -163,14 +199,22 @@ def pooled_sd(table: Mapping[str, dict], exclude: tuple[str, ...] = ("probe", "i
 def seeds_markdown(table: Mapping[str, dict], seeds: list[int]) -> str:
     """The summary's section over seeds: each method's test average, mean ± sd, range and per-seed values."""
     sd = pooled_sd(table)
-    lines = [f"\n### Over {len(seeds)} seeds ({', '.join(map(str, seeds))}): test accuracy, %\n",
-             f"Pooled standard deviation of a method's test average: **{sd if sd is not None else 'n/a'}** points; a difference between two methods smaller than "
-             f"{SPREAD_SDS:g} x that ({'n/a' if sd is None else f'{SPREAD_SDS * sd:.2f}'}) is inside the spread.\n",
-             "| method | mean ± sd | min | max | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|---|---|---|" + "---|" * len(seeds)]
+    lines = [
+        f"\n### Over {len(seeds)} seeds ({', '.join(map(str, seeds))}): test accuracy, %\n",
+        f"Pooled standard deviation of a method's test average: **{sd if sd is not None else 'n/a'}** points; a "
+        "difference between two methods smaller than "
+        f"{SPREAD_SDS:g} x that ({'n/a' if sd is None else f'{SPREAD_SDS * sd:.2f}'}) is inside the spread.\n",
+        "| method | mean ± sd | min | max | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+        "|---|---|---|---|" + "---|" * len(seeds),
+    ]
     for name, e in sorted(table.items(), key=lambda kv: -kv[1]["mean"]):
         spread = f"{e['mean']:.2f} ± {e['sd']:.2f}" if e["sd"] is not None else f"{e['mean']:.2f}"
         name = f"{name} (negated tasks' accuracy)" if name == "task_negation" else name
-        lines.append(f"| {name} | **{spread}** | {e['min']:.1f} | {e['max']:.1f} | " + " | ".join(f"{e['values'][str(s)]:.1f}" for s in seeds) + " |")
+        lines.append(
+            f"| {name} | **{spread}** | {e['min']:.1f} | {e['max']:.1f} | "
+            + " | ".join(f"{e['values'][str(s)]:.1f}" for s in seeds)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -179,7 +223,11 @@ def gap_cell(value: float | None) -> str:
 
 
 # the Pretrained row's name by the head that reads theta0 (finetune.head)
-PRETRAINED_BY_HEAD = {"probe": "Pretrained (linear probe)", "zeroshot": "Pretrained (zero-shot)", "verbalizer": "Pretrained (answer words)"}
+PRETRAINED_BY_HEAD = {
+    "probe": "Pretrained (linear probe)",
+    "zeroshot": "Pretrained (zero-shot)",
+    "verbalizer": "Pretrained (answer words)",
+}
 
 
 def pretrained_name(finetune: Mapping[str, dict]) -> str:
@@ -188,8 +236,17 @@ def pretrained_name(finetune: Mapping[str, dict]) -> str:
     return PRETRAINED_BY_HEAD.get(head, PRETRAINED_BY_HEAD["probe"])
 
 
-def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Mapping[str, dict], *, regime: str = "standard", individual_models: Mapping[str, float] | None = None, data: Mapping[str, str] | None = None) -> list[dict]:
-    """Rows Pretrained (read by the tasks' heads: PRETRAINED_BY_HEAD), Individual and one per method: accuracy per task, average, normalized
+def summary_rows(
+    tasks: list[str],
+    finetune: Mapping[str, dict],
+    evaluations: Mapping[str, dict],
+    *,
+    regime: str = "standard",
+    individual_models: Mapping[str, float] | None = None,
+    data: Mapping[str, str] | None = None,
+) -> list[dict]:
+    """Rows Pretrained (read by the tasks' heads: PRETRAINED_BY_HEAD), Individual and one per method: accuracy per task,
+    average, normalized
     accuracy (merged / individual, averaged) and the fraction of the probe-to-individual gap recovered.
 
     ``data``: per method, what it reads besides the weights (merging.DATA's labels: "none", train statistics, or
@@ -231,26 +288,56 @@ def summary_rows(tasks: list[str], finetune: Mapping[str, dict], evaluations: Ma
 def summary_legend(measure: str, sizes: Mapping[str, int]) -> str:
     """What the full table's columns mean, and each task's number of test examples."""
     counts = ", ".join(f"{t} {n}" for t, n in sizes.items())
-    return (f"\n## Every score\n\nTest {measure} per task and averaged, %. Test examples per task: {counts}. regime: the fine-tune the task "
-            "vectors come from (standard, or a training-time regime's variant). data: what the method reads besides the weights. norm.: "
-            f"the average of each task's {measure} divided by its individual model's. gap rec.: the share of the gap from the pretrained model "
-            "to the individual models that the method recovers (0% at the pretrained model, 100% at the individual models; n/a where the "
-            "individual models do not beat the pretrained one). storage: in models. chosen (val): the hyperparameters the validation "
-            "search chose (per task: one value per task).\n\n")
+    return (
+        f"\n## Every score\n\nTest {measure} per task and averaged, %. "
+        f"Test examples per task: {counts}. regime: the fine-tune the task "
+        "vectors come from (standard, or a training-time regime's "
+        "variant). data: what the method reads besides the weights. norm.: "
+        f"the average of each task's {measure} divided by its individual "
+        "model's. gap rec.: the share of the gap from the pretrained model "
+        "to the individual models that the method recovers (0% at the "
+        "pretrained model, 100% at the individual models; n/a where the "
+        "individual models do not beat the pretrained one). storage: "
+        "in models. chosen (val): the hyperparameters the validation "
+        "search chose (per task: one value per task).\n\n"
+    )
 
 
 def summary_markdown(rows: list[dict], tasks: list[str]) -> str:
     head = ["regime", "method", "data", *tasks, "avg", "norm.", "gap rec.", "storage (models)", "chosen (val)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["regime"], r["method"], r["data"], *(f"{100 * r[t]:.1f}" for t in tasks), f"**{100 * r['average']:.1f}**", "n/a" if r["normalized"] is None else f"{100 * r['normalized']:.1f}", gap_cell(r["gap_recovered"]), f"{r['storage_models']:.2f}", r["chosen"]]
+        cells = [
+            r["regime"],
+            r["method"],
+            r["data"],
+            *(f"{100 * r[t]:.1f}" for t in tasks),
+            f"**{100 * r['average']:.1f}**",
+            "n/a" if r["normalized"] is None else f"{100 * r['normalized']:.1f}",
+            gap_cell(r["gap_recovered"]),
+            f"{r['storage_models']:.2f}",
+            r["chosen"],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def summary_csv(rows: list[dict], tasks: list[str]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["regime", "method", "data", *tasks, "average", "normalized", "gap_recovered", "storage_models", "chosen"])
+    writer = csv.DictWriter(
+        buf,
+        fieldnames=[
+            "regime",
+            "method",
+            "data",
+            *tasks,
+            "average",
+            "normalized",
+            "gap_recovered",
+            "storage_models",
+            "chosen",
+        ],
+    )
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -258,10 +345,20 @@ def summary_csv(rows: list[dict], tasks: list[str]) -> str:
 
 def negation_markdown(method: str, ev: dict, tasks: list[str]) -> str:
     """Forgetting (accuracy on the negated task) against control (the other tasks), pretrained beside negated."""
-    lines = [f"\n### {method}: forgetting vs control (test accuracy, %)\n", "| negated task | lam | target: pretrained → negated | control: pretrained → negated |", "|---|---|---|---|"]
+    lines = [
+        f"\n### {method}: forgetting vs control (test accuracy, %)\n",
+        "| negated task | lam | target: pretrained → negated | control: pretrained → negated |",
+        "|---|---|---|---|",
+    ]
     for t in tasks:
         r = ev["per_task"][t]
-        lines.append(f"| {t} | {r['lam']:g} | {100 * r['pretrained_target']:.1f} → {100 * r['target']:.1f} | {100 * r['pretrained_control']:.1f} → {100 * r['control']:.1f} |")
+        lines.append(
+            f"| {t} | {r['lam']:g} | {100 * r['pretrained_target']:.1f} → {100 * r['target']:.1f} | "
+            f"{100 * r['pretrained_control']:.1f} → {100 * r['control']:.1f} |"
+        )
     a = ev["average"]
-    lines.append(f"| **average** | | {100 * a['pretrained_target']:.1f} → **{100 * a['target']:.1f}** | {100 * a['pretrained_control']:.1f} → **{100 * a['control']:.1f}** |")
+    lines.append(
+        f"| **average** | | {100 * a['pretrained_target']:.1f} → **{100 * a['target']:.1f}** | "
+        f"{100 * a['pretrained_control']:.1f} → **{100 * a['control']:.1f}** |"
+    )
     return "\n".join(lines) + "\n"

@@ -36,15 +36,25 @@ def resampled_scores(metric: str, predicted: torch.Tensor, labels: torch.Tensor,
         return (predicted == labels)[indices].double().mean(1)
     resamples = len(indices)
     classes = int(max(predicted.max(), labels.max())) + 1
-    cell = labels.long()[indices] * classes + predicted.long()[indices] + (torch.arange(resamples) * classes * classes)[:, None]
-    confusion = torch.bincount(cell.flatten(), minlength=resamples * classes * classes).view(resamples, classes, classes).double()
+    cell = (
+        labels.long()[indices] * classes
+        + predicted.long()[indices]
+        + (torch.arange(resamples) * classes * classes)[:, None]
+    )
+    confusion = (
+        torch.bincount(cell.flatten(), minlength=resamples * classes * classes)
+        .view(resamples, classes, classes)
+        .double()
+    )
     n = confusion.sum((1, 2))
     correct = confusion.diagonal(dim1=1, dim2=2).sum(1)
     accuracy = correct / n
     if metric == "matthews":  # Gorodkin's form, as mergeflow.ml.metrics: 0 when either side is constant
         t, p = confusion.sum(2), confusion.sum(1)  # true and predicted counts per class
         denominator = ((n * n - (p * p).sum(1)) * (n * n - (t * t).sum(1))).sqrt()
-        return torch.where(denominator > 0, (correct * n - (t * p).sum(1)) / denominator.clamp_min(1e-300), torch.zeros_like(n))
+        return torch.where(
+            denominator > 0, (correct * n - (t * p).sum(1)) / denominator.clamp_min(1e-300), torch.zeros_like(n)
+        )
     if metric == "accuracy_f1":
         true_positive = confusion[:, 1, 1] if classes > 1 else torch.zeros_like(n)
         both = (confusion[:, :, 1].sum(1) + confusion[:, 1, :].sum(1)) if classes > 1 else torch.zeros_like(n)
@@ -53,7 +63,12 @@ def resampled_scores(metric: str, predicted: torch.Tensor, labels: torch.Tensor,
     raise ValueError(f"metric '{metric}' has no bootstrap")
 
 
-def resampled_averages(predictions: Mapping[str, Mapping[str, torch.Tensor]], labels: Mapping[str, torch.Tensor], metrics: Mapping[str, str], indices: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def resampled_averages(
+    predictions: Mapping[str, Mapping[str, torch.Tensor]],
+    labels: Mapping[str, torch.Tensor],
+    metrics: Mapping[str, str],
+    indices: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """Per model (``predictions``: model -> task -> its test predictions), its average over the tasks on each
     resample ([resamples] float64), every model on the same resamples."""
     out = {}
@@ -61,7 +76,9 @@ def resampled_averages(predictions: Mapping[str, Mapping[str, torch.Tensor]], la
         missing = [t for t in labels if t not in by_task]
         if missing:
             raise ValueError(f"{name}: no test predictions for task {missing[0]}")
-        out[name] = torch.stack([resampled_scores(metrics[t], by_task[t], labels[t], indices[t]) for t in labels]).mean(0)
+        out[name] = torch.stack([resampled_scores(metrics[t], by_task[t], labels[t], indices[t]) for t in labels]).mean(
+            0
+        )
     return out
 
 

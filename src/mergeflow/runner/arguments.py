@@ -51,10 +51,17 @@ def check_schedule(cron: str | None, interval: float | None) -> None:
     """A cron expression that is not blank, an interval that is a finite number of seconds in (0, a year]; the
     schedule's own parser checks the expression's syntax."""
     if cron is not None and not cron.strip():
-        raise MergeflowError(f"--cron {cron!r}: give a cron expression, e.g. \"0 3 * * *\" (every day at 03:00)")
-    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or not math.isfinite(interval) or not 0 < interval <= MAX_INTERVAL_S):
+        raise MergeflowError(f'--cron {cron!r}: give a cron expression, e.g. "0 3 * * *" (every day at 03:00)')
+    if interval is not None and (
+        isinstance(interval, bool)
+        or not isinstance(interval, (int, float))
+        or not math.isfinite(interval)
+        or not 0 < interval <= MAX_INTERVAL_S
+    ):
         shown = f"{interval:g}" if isinstance(interval, (int, float)) else repr(interval)
-        raise MergeflowError(f"--interval {shown}: give a finite number of seconds above 0, at most {MAX_INTERVAL_S:,} (366 days)")
+        raise MergeflowError(
+            f"--interval {shown}: give a finite number of seconds above 0, at most {MAX_INTERVAL_S:,} (366 days)"
+        )
 
 
 def probe_dask_scheduler(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, key: str = "--dask-address") -> None:
@@ -82,7 +89,9 @@ def probe_dask_scheduler(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, 
     except TimeoutError:
         raise MergeflowError(f"{key} {address}: no Dask scheduler answered within {timeout:g} s") from None
     except OSError as err:
-        raise MergeflowError(f"{key} {address}: no Dask scheduler there ({err.strerror or type(err).__name__})") from None
+        raise MergeflowError(
+            f"{key} {address}: no Dask scheduler there ({err.strerror or type(err).__name__})"
+        ) from None
     try:
         import asyncio
         from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +112,10 @@ def probe_dask_scheduler(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, 
         pool.submit(asyncio.run, handshake()).result(left + 2)
     except Exception as err:  # noqa: BLE001 - any failure to shake hands (a timeout, garbage read as a frame)
         why = (str(err).strip().splitlines() or [""])[0][:120]
-        raise MergeflowError(f"{key} {address}: no Dask scheduler answers there ({type(err).__name__}{': ' + why if why else f' after {timeout:g} s'})") from None
+        raise MergeflowError(
+            f"{key} {address}: no Dask scheduler answers there "
+            f"({type(err).__name__}{': ' + why if why else f' after {timeout:g} s'})"
+        ) from None
     finally:
         pool.shutdown(wait=False)
 
@@ -126,11 +138,16 @@ def check_dask_imports(address: str, timeout: float = DASK_CONNECT_TIMEOUT_S, ke
         return missing
 
     with Client(address, timeout=timeout) as client:
-        found = {"the scheduler": client.run_on_scheduler(missing_imports)} | {f"worker {w}": m for w, m in client.run(missing_imports).items()}
+        found = {"the scheduler": client.run_on_scheduler(missing_imports)} | {
+            f"worker {w}": m for w, m in client.run(missing_imports).items()
+        }
     bad = [(who, names) for who, names in found.items() if names]
     if bad:
         who, names = bad[0]
-        raise MergeflowError(f"{key} {address}: {who} cannot import {names[0]} ({len(bad)} of {len(found)} processes): start the scheduler and workers with the project's root on PYTHONPATH")
+        raise MergeflowError(
+            f"{key} {address}: {who} cannot import {names[0]} ({len(bad)} of {len(found)} processes): start the "
+            "scheduler and workers with the project's root on PYTHONPATH"
+        )
 
 
 def local_cluster(**kwargs):
@@ -141,6 +158,10 @@ def local_cluster(**kwargs):
     import dask
     from distributed import LocalCluster
 
-    keep = {k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items() if not k.endswith("_NUM_THREADS")}
+    keep = {
+        k: v
+        for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()
+        if not k.endswith("_NUM_THREADS")
+    }
     with dask.config.set({"distributed.nanny.pre-spawn-environ": keep}):
         return LocalCluster(**kwargs)

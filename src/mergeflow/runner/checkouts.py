@@ -41,7 +41,9 @@ def _git(args: list[str], cwd: str | Path, check: bool = True) -> str | None:
     if proc.returncode != 0:
         if not check:
             return None
-        raise MergeflowError(f"git {' '.join(args)} in {cwd}: {((proc.stderr or proc.stdout).strip().splitlines() or ['failed'])[-1]}")
+        raise MergeflowError(
+            f"git {' '.join(args)} in {cwd}: {((proc.stderr or proc.stdout).strip().splitlines() or ['failed'])[-1]}"
+        )
     return proc.stdout.strip()
 
 
@@ -53,12 +55,24 @@ def check_source(root: str | Path) -> str:
 
     root = Path(root)
     if default_remote(root, committed_only=True) is None:
-        where = " (this one is set in .dvc/config.local or the user's config, which the workers' clones lack)" if default_remote(root) else ""
-        raise MergeflowError(f"worker checkouts need a DVC remote in .dvc/config to carry outputs between machines{where}: set one with `mergeflow remote add URL`")
-    changed = _git(["status", "--porcelain", "--untracked-files=all", "--", "dvc.yaml", "src", "flows", "tasks", ".dvc/config"], root)
+        where = (
+            " (this one is set in .dvc/config.local or the user's config, which the workers' clones lack)"
+            if default_remote(root)
+            else ""
+        )
+        raise MergeflowError(
+            f"worker checkouts need a DVC remote in .dvc/config to carry outputs between machines{where}: set one with "
+            "`mergeflow remote add URL`"
+        )
+    changed = _git(
+        ["status", "--porcelain", "--untracked-files=all", "--", "dvc.yaml", "src", "flows", "tasks", ".dvc/config"],
+        root,
+    )
     if changed:
         path = changed.splitlines()[0].split(maxsplit=1)[1]  # "XY path" (stripped: " M" loses its space)
-        raise MergeflowError(f"{root}: {path} differs from the last commit, which is what the workers check out: commit it first")
+        raise MergeflowError(
+            f"{root}: {path} differs from the last commit, which is what the workers check out: commit it first"
+        )
     return _git(["rev-parse", "HEAD"], root)
 
 
@@ -149,7 +163,12 @@ def run_in_checkout(node: StageNode, src: Source, env: dict[str, str] | None = N
     # the stage's wall time (logs/timing: no output, `track` reads it), with its outputs kept in git
     uncached |= {str(f.relative_to(where)): f.read_text() for f in timings}
     entry = parse_yaml((where / "dvc.lock").read_text(), str(where / "dvc.lock"))["stages"][node.address]
-    return result | {"checkout": str(where), "lock_entry": entry, "uncached": uncached, "uncached_outs": [str(o.def_path) for o in stage.outs if not o.use_cache]}
+    return result | {
+        "checkout": str(where),
+        "lock_entry": entry,
+        "uncached": uncached,
+        "uncached_outs": [str(o.def_path) for o in stage.outs if not o.use_cache],
+    }
 
 
 def record_stage(root: str | Path, address: str, result: dict) -> None:
@@ -163,8 +182,8 @@ def record_stage(root: str | Path, address: str, result: dict) -> None:
         with atomic_path(root / folder, directory=True) as tmp:
             for rel, text in result["uncached"].items():
                 if rel.startswith(folder.rstrip("/") + "/"):
-                    (tmp / rel[len(folder) + 1:]).parent.mkdir(parents=True, exist_ok=True)
-                    (tmp / rel[len(folder) + 1:]).write_text(text)
+                    (tmp / rel[len(folder) + 1 :]).parent.mkdir(parents=True, exist_ok=True)
+                    (tmp / rel[len(folder) + 1 :]).write_text(text)
     for rel, text in result["uncached"].items():
         if not any(rel.startswith(f.rstrip("/") + "/") for f in folders):
             with atomic_path(root / rel) as tmp:

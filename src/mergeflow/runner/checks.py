@@ -67,7 +67,10 @@ def check_interpolations(dvc_yaml: dict, raw_params: dict, params_source: str = 
             for expr in _INTERPOLATION.findall(cmd):
                 if expr.split(".")[0] in ("item", "key"):
                     continue  # a foreach item: checked above
-                _plain(_lookup(raw_params, expr, params_source), f"{params_source}: {expr} (pasted into the command of stage '{stage}')")
+                _plain(
+                    _lookup(raw_params, expr, params_source),
+                    f"{params_source}: {expr} (pasted into the command of stage '{stage}')",
+                )
 
 
 def check_project(root: str | Path = ".", params_path: str | Path | None = None) -> tuple[Params, list[str]]:
@@ -134,8 +137,15 @@ def check_local_files(params: Params, root: Path, source: str) -> None:
     after the data is prepared."""
     if params.backbone.library == "transformers":
         _check_transformers_source(params, root, source)
-    named = [("backbone.pretrained", params.backbone.pretrained if params.backbone.library == "timm" else None), ("backbone.text", params.backbone.text)]
-    named += [(f"finetune.checkpoints.{task}", spec) for task, spec in params.finetune.checkpoints.items() if not spec.startswith("hf:")]
+    named = [
+        ("backbone.pretrained", params.backbone.pretrained if params.backbone.library == "timm" else None),
+        ("backbone.text", params.backbone.text),
+    ]
+    named += [
+        (f"finetune.checkpoints.{task}", spec)
+        for task, spec in params.finetune.checkpoints.items()
+        if not spec.startswith("hf:")
+    ]
     for key, value in named:
         if value not in (None, "hub", "random") and not (root / value).is_file():
             raise MergeflowError(f"{source}: {key}: weights file '{value}' not found")
@@ -147,12 +157,18 @@ def _check_transformers_source(params: Params, root: Path, source: str) -> None:
     cache (unless downloads are on)."""
     pretrained, model = params.backbone.pretrained, params.backbone.model
     if pretrained not in (None, "hub") and not (root / pretrained / "config.json").is_file():
-        raise MergeflowError(f"{source}: backbone.pretrained: '{pretrained}' is not a transformers model folder (no config.json; save one with save_pretrained)")
+        raise MergeflowError(
+            f"{source}: backbone.pretrained: '{pretrained}' is not a transformers "
+            "model folder (no config.json; save one with save_pretrained)"
+        )
     if pretrained == "hub" and not params.downloads():
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-            raise MergeflowError(f"{source}: backbone.pretrained: hub: '{model}' is not in the local Hugging Face cache, and downloads are off; run with --download once (or save it with save_pretrained and name the folder)")
+            raise MergeflowError(
+                f"{source}: backbone.pretrained: hub: '{model}' is not in the local Hugging Face cache, and downloads "
+                "are off; run with --download once (or save it with save_pretrained and name the folder)"
+            )
 
 
 def _shapes(path: Path, key: str, value: str, source: str) -> dict[str, tuple[int, ...]] | None:
@@ -162,7 +178,10 @@ def _shapes(path: Path, key: str, value: str, source: str) -> dict[str, tuple[in
 
     if path.suffix != ".safetensors":  # the stage reads any other file as a PyTorch checkpoint (read_checkpoint)
         if problem := weights_header.pytorch_file_problem(path):
-            raise MergeflowError(f"{source}: {key}: '{value}' is not a PyTorch checkpoint ({problem}); name a .safetensors file or a torch.save checkpoint")
+            raise MergeflowError(
+                f"{source}: {key}: '{value}' is not a PyTorch checkpoint "
+                f"({problem}); name a .safetensors file or a torch.save checkpoint"
+            )
         return None
     try:
         return weights_header.safetensors_shapes(path)
@@ -195,7 +214,9 @@ def check_checkpoint_headers(params: Params, root: Path, source: str) -> None:
     first = None
     for task, spec in local.items():
         key = f"finetune.checkpoints.{task}"
-        if (root / spec).with_name("adapter_config.json").is_file():  # a peft LoRA adapter: its modules are checked when applied
+        if (
+            (root / spec).with_name("adapter_config.json").is_file()
+        ):  # a peft LoRA adapter: its modules are checked when applied
             continue
         shapes = _shapes(root / spec, key, spec, source)
         if shapes is None:
@@ -203,8 +224,15 @@ def check_checkpoint_headers(params: Params, root: Path, source: str) -> None:
         facts = weights_header.architecture(shapes)
         if facts is None:
             names = ", ".join(f"'{k}'" for k in list(shapes)[:3]) or "none"
-            raise MergeflowError(f"{source}: {key}: '{spec}' is not a CLIP or ViT image tower: found neither open_clip's 'visual.class_embedding', Hugging Face's '[vision_model.]embeddings.class_embedding' nor timm's 'cls_token' (first tensors: {names})")
-        for other, what in ((reference, described), (first[1] if first else None, f"{first[0]} '{first[2]}'" if first else "")):
+            raise MergeflowError(
+                f"{source}: {key}: '{spec}' is not a CLIP or ViT image tower: found neither open_clip's "
+                "'visual.class_embedding', Hugging Face's '[vision_model.]embeddings.class_embedding' nor timm's "
+                f"'cls_token' (first tensors: {names})"
+            )
+        for other, what in (
+            (reference, described),
+            (first[1] if first else None, f"{first[0]} '{first[2]}'" if first else ""),
+        ):
             if other and (wrong := weights_header.mismatch(facts, other)):
                 raise MergeflowError(f"{source}: {key}: '{spec}' does not fit {what}: {wrong}")
         first = first or (key, facts, spec)

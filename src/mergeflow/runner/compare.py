@@ -35,7 +35,11 @@ def _experiments(shown: list[dict]):
     """(label, commit, data) per experiment of `dvc exp show --json`: the workspace, each baseline commit, its
     experiments."""
     for row in shown:
-        yield ("workspace" if row["rev"] == "workspace" else (row.get("name") or row["rev"][:7])), row["rev"], row.get("data")
+        yield (
+            ("workspace" if row["rev"] == "workspace" else (row.get("name") or row["rev"][:7])),
+            row["rev"],
+            row.get("data"),
+        )
         for exp in row.get("experiments") or []:
             rev = exp["revs"][0]
             yield rev.get("name") or rev["rev"][:7], rev["rev"], rev.get("data")
@@ -67,10 +71,18 @@ def comparison(shown: list[dict], metric: str = "test_avg", every_row: bool = Fa
         for path, record in (data.get("metrics") or {}).items():
             values = record.get("data") or {}
             if path.startswith(HEADLINE):
-                put(path[len(HEADLINE):].removesuffix(".json"), i, values.get(metric))
+                put(path[len(HEADLINE) :].removesuffix(".json"), i, values.get(metric))
             elif path.startswith(VERDICTS):
-                put(f"{path[len(VERDICTS):].removesuffix('.json')} (holds/fails)", i, f"{values.get('holds')}/{values.get('fails')}")
-    shown_rows = [[name, *(_cell(v) for v in values)] for name, values in rows.items() if every_row or len({json.dumps(v) for v in values}) > 1]
+                put(
+                    f"{path[len(VERDICTS) :].removesuffix('.json')} (holds/fails)",
+                    i,
+                    f"{values.get('holds')}/{values.get('fails')}",
+                )
+    shown_rows = [
+        [name, *(_cell(v) for v in values)]
+        for name, values in rows.items()
+        if every_row or len({json.dumps(v) for v in values}) > 1
+    ]
     return [["", *(label for label, _ in columns)], *shown_rows]
 
 
@@ -98,20 +110,30 @@ def _leaderboard(revision: str, root: str, shas: Mapping[str, str]) -> dict:
         text = dvc.api.read("results/leaderboard.json", repo=str(root), rev=shas.get(revision, revision))
     except Exception as err:  # DVC's errors are of many kinds: one line, with the revision
         if isinstance(err, PathMissingError):
-            raise MergeflowError(f"{revision}: no results/leaderboard.json there (its report stage has not run, or its dvc.lock is not committed)") from None
+            raise MergeflowError(
+                f"{revision}: no results/leaderboard.json there (its report "
+                "stage has not run, or its dvc.lock is not committed)"
+            ) from None
         detail = first_line(err, "no detail")[:100]
-        raise MergeflowError(f"{revision}: results/leaderboard.json cannot be read ({type(err).__name__}: {detail}); revisions: {', '.join(list(shas)[:8])}") from None
+        raise MergeflowError(
+            f"{revision}: results/leaderboard.json cannot be read ({type(err).__name__}: {detail}); revisions: "
+            f"{', '.join(list(shas)[:8])}"
+        ) from None
     try:
         board = json.loads(text)
     except ValueError:
         board = None
     if not isinstance(board, dict) or not isinstance(board.get("boards"), dict):
-        raise MergeflowError(f"{revision}: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)")
+        raise MergeflowError(
+            f"{revision}: results/leaderboard.json is not a leaderboard (a JSON object of boards, one a regime)"
+        )
     return board
 
 
 def _exp_show(root: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True)  # this environment's DVC, on PATH or not
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, capture_output=True, text=True
+    )  # this environment's DVC, on PATH or not
     if proc.returncode != 0:
         raise MergeflowError(f"dvc exp show: {(proc.stderr.strip().splitlines() or ['failed'])[-1]}")
     return json.loads(proc.stdout)
@@ -126,4 +148,7 @@ def compare_leaderboards(before: str, after: str, root: str = ".") -> str:
     try:
         return versus_text(*boards, (before, after), shutil.get_terminal_size((160, 24)).columns)
     except (KeyError, TypeError, ValueError) as err:  # a leaderboard written by another version of mergeflow
-        raise MergeflowError(f"compare {before} {after}: a leaderboard in another form than this version writes ({type(err).__name__}: {str(err)[:60]}); run the report stage there again") from None
+        raise MergeflowError(
+            f"compare {before} {after}: a leaderboard in another form than this version writes ({type(err).__name__}: "
+            f"{str(err)[:60]}); run the report stage there again"
+        ) from None

@@ -43,7 +43,9 @@ def _argv(address: str, cmd) -> tuple[str, ...]:
         raise MergeflowError(f"dvc.yaml: stage '{address}' has a list of commands; the flow runs one command per stage")
     argv = tuple(shlex.split(cmd))
     if not argv or _SHELL_TOKENS & set(argv):
-        raise MergeflowError(f"dvc.yaml: stage '{address}' command {cmd!r} needs a shell; the flow runs commands as argument lists")
+        raise MergeflowError(
+            f"dvc.yaml: stage '{address}' command {cmd!r} needs a shell; the flow runs commands as argument lists"
+        )
     return argv
 
 
@@ -51,15 +53,31 @@ def stage_graph(root_or_repo=".") -> list[StageNode]:
     """Every stage of dvc.yaml, in an order where each comes after those it depends on."""
     import networkx as nx
 
-    with contextlib.nullcontext(root_or_repo) if not isinstance(root_or_repo, (str, Path)) else _repo(root_or_repo) as repo:
+    with (
+        contextlib.nullcontext(root_or_repo)
+        if not isinstance(root_or_repo, (str, Path))
+        else _repo(root_or_repo) as repo
+    ):
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
         order = list(reversed(list(nx.topological_sort(graph))))
-        return [StageNode(s.addressing, _argv(s.addressing, s.cmd), tuple(sorted(u.addressing for u in graph.successors(s))), tuple(str(o.def_path) for o in s.outs)) for s in order]
+        return [
+            StageNode(
+                s.addressing,
+                _argv(s.addressing, s.cmd),
+                tuple(sorted(u.addressing for u in graph.successors(s))),
+                tuple(str(o.def_path) for o in s.outs),
+            )
+            for s in order
+        ]
 
 
 def changed_stages(root_or_repo) -> set[str]:
     """The stages DVC reports as changed: their own dependencies, parameters or outputs differ from dvc.lock."""
-    with contextlib.nullcontext(root_or_repo) if not isinstance(root_or_repo, (str, Path)) else _repo(root_or_repo) as repo:
+    with (
+        contextlib.nullcontext(root_or_repo)
+        if not isinstance(root_or_repo, (str, Path))
+        else _repo(root_or_repo) as repo
+    ):
         return set(repo.status())
 
 
@@ -77,7 +95,9 @@ def still_changed(repo, changed: set[str]) -> Callable[[StageNode], bool]:
     return check
 
 
-def stale_stages(root_or_repo, nodes: list[StageNode], also: set[str] | frozenset[str] = frozenset(), changed: set[str] | None = None) -> set[str]:
+def stale_stages(
+    root_or_repo, nodes: list[StageNode], also: set[str] | frozenset[str] = frozenset(), changed: set[str] | None = None
+) -> set[str]:
     """Stages DVC reports as changed (``changed`` when the caller asked already) and those in ``also``, and every
     stage downstream of one."""
     changed = (changed_stages(root_or_repo) if changed is None else set(changed)) | set(also)
@@ -106,7 +126,13 @@ def _running_dvc_commands(root: Path) -> list[str]:
     except (OSError, ValueError):
         return []
     infos = [*(i for entries in lock.get("read", {}).values() for i in entries), *lock.get("write", {}).values()]
-    return sorted({f"pid {i['pid']}: {i['cmd']}" for i in infos if isinstance(i, dict) and i.get("pid") != os.getpid() and process_alive(int(i.get("pid", 0)))})
+    return sorted(
+        {
+            f"pid {i['pid']}: {i['cmd']}"
+            for i in infos
+            if isinstance(i, dict) and i.get("pid") != os.getpid() and process_alive(int(i.get("pid", 0)))
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -122,16 +148,22 @@ def locked_repo(root: str | Path = ".") -> Iterator:
         try:
             stack.enter_context(lock_repo(repo))
         except LockError:
-            raise TransientError(f"{root.resolve()}: another DVC command holds the repository lock; run again when it ends") from None
+            raise TransientError(
+                f"{root.resolve()}: another DVC command holds the repository lock; run again when it ends"
+            ) from None
         if running := _running_dvc_commands(root):
-            raise TransientError(f"{root.resolve()}: another DVC command is running a stage here ({running[0]}); run again when it ends")
+            raise TransientError(
+                f"{root.resolve()}: another DVC command is running a stage here ({running[0]}); run again when it ends"
+            )
         yield repo
 
 
 def commit_stage(repo, address: str) -> None:
     """Record a finished stage's outputs in dvc.lock and the cache (call with the repository lock held), and keep
     the new dvc.lock as the last whole copy (mergeflow.core.lockfile)."""
-    repo.commit(f"{os.path.join(repo.root_dir, 'dvc.yaml')}:{address}", force=True)  # the repository's, whatever the cwd
+    repo.commit(
+        f"{os.path.join(repo.root_dir, 'dvc.yaml')}:{address}", force=True
+    )  # the repository's, whatever the cwd
     lockfile.keep_good_copy(repo.root_dir, check=False)  # written atomically (locked_repo): whole
 
 

@@ -22,7 +22,16 @@ from mergeflow.core.errors import MergeflowError, first_line
 DEFAULT_NAME = "storage"
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # URL scheme -> the DVC plugin that reads it (local folders need none); mergeflow installs dvc-s3
-PLUGINS = {"s3": "dvc_s3", "gs": "dvc_gs", "azure": "dvc_azure", "ssh": "dvc_ssh", "http": "dvc_http", "https": "dvc_http", "webdav": "dvc_webdav", "hdfs": "dvc_hdfs"}
+PLUGINS = {
+    "s3": "dvc_s3",
+    "gs": "dvc_gs",
+    "azure": "dvc_azure",
+    "ssh": "dvc_ssh",
+    "http": "dvc_http",
+    "https": "dvc_http",
+    "webdav": "dvc_webdav",
+    "hdfs": "dvc_hdfs",
+}
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,10 @@ class Remote:
 def _no_password(url: str, what: str) -> None:
     parts = urlsplit(url)
     if parts.password:
-        raise MergeflowError(f"{what} {parts.scheme}://{parts.hostname}...: has a password, which would go into .dvc/config (tracked by git); give credentials in the environment or with `dvc remote modify --local`")
+        raise MergeflowError(
+            f"{what} {parts.scheme}://{parts.hostname}...: has a password, which would go into .dvc/config (tracked by "
+            "git); give credentials in the environment or with `dvc remote modify --local`"
+        )
 
 
 def check_url(url: str) -> str:
@@ -47,9 +59,14 @@ def check_url(url: str) -> str:
     parts = urlsplit(url)
     scheme = parts.scheme if len(parts.scheme) > 1 else ""  # a one-letter scheme is a Windows drive
     if scheme and scheme not in PLUGINS:
-        raise MergeflowError(f"remote URL {url}: unknown scheme {scheme!r}; use a folder, or one of {', '.join(sorted(PLUGINS))}")
+        raise MergeflowError(
+            f"remote URL {url}: unknown scheme {scheme!r}; use a folder, or one of {', '.join(sorted(PLUGINS))}"
+        )
     if scheme and importlib.util.find_spec(PLUGINS[scheme]) is None:
-        raise MergeflowError(f"remote URL {url}: {scheme} needs DVC's plugin {PLUGINS[scheme].replace('_', '-')} (pip install {PLUGINS[scheme].replace('_', '-')})")
+        raise MergeflowError(
+            f"remote URL {url}: {scheme} needs DVC's plugin {PLUGINS[scheme].replace('_', '-')} (pip install "
+            f"{PLUGINS[scheme].replace('_', '-')})"
+        )
     return scheme
 
 
@@ -63,9 +80,13 @@ def _dvc_repo(root: str | Path):
         with Repo(str(root)) as repo:
             yield repo
     except NotDvcRepoError:
-        raise MergeflowError(f"{Path(root).resolve()}: not a DVC repository (run this from the repository root)") from None
+        raise MergeflowError(
+            f"{Path(root).resolve()}: not a DVC repository (run this from the repository root)"
+        ) from None
     except DvcException as err:
-        raise MergeflowError(f"{Path(root) / '.dvc' / 'config'}: {(str(err).splitlines() or ['DVC failed'])[0]}") from None
+        raise MergeflowError(
+            f"{Path(root) / '.dvc' / 'config'}: {(str(err).splitlines() or ['DVC failed'])[0]}"
+        ) from None
 
 
 def add_remote(url: str, name: str = DEFAULT_NAME, endpoint_url: str | None = None, root: str | Path = ".") -> Remote:
@@ -97,7 +118,9 @@ def default_remote(root: str | Path = ".", committed_only: bool = False) -> Remo
             return None
         url = conf.get("remote", {}).get(name, {}).get("url")
         if not url:
-            raise MergeflowError(f".dvc/config: core.remote names {name!r}, which no [remote] section with a url defines")
+            raise MergeflowError(
+                f".dvc/config: core.remote names {name!r}, which no [remote] section with a url defines"
+            )
         return Remote(name, url)
 
 
@@ -123,7 +146,9 @@ def push_outputs(root: str | Path = ".", jobs: int | None = None, remote: Remote
         first = f" (the first: {_transfer_error(failures[0])})" if failures and "failed to upload" in said else ""
         if isinstance(err, PermissionError) or "Forbidden" in first:
             first += "; check the remote's credentials (in the environment, or `dvc remote modify --local`)"
-        if failures and getattr(failures[0], "errno", None) == errno.ENOSPC and not urlsplit(remote.url).scheme:  # a local folder
+        if (
+            failures and getattr(failures[0], "errno", None) == errno.ENOSPC and not urlsplit(remote.url).scheme
+        ):  # a local folder
             store = Path(root) / ".dvc" / remote.url  # a relative URL is relative to .dvc/ (an absolute one stays)
             first += f"; {_sweep_partial_uploads(store)} partial files it left there removed"
         raise MergeflowError(f"dvc push to {remote}: {kind}{said[:200]}{first}") from None

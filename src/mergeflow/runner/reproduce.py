@@ -52,16 +52,26 @@ class Report:
         out = []
         if self.expect_bytes:
             out += [f"{path} (stage {stage}): other bytes" for stage, path, same in self.outputs if not same]
-        out += [f"{name}: {new - old:+.2f} points" for name, old, new in self.metrics if abs(new - old) > self.tolerance + 1e-9]
+        out += [
+            f"{name}: {new - old:+.2f} points"
+            for name, old, new in self.metrics
+            if abs(new - old) > self.tolerance + 1e-9
+        ]
         return out
 
     def lines(self) -> list[str]:
         width = max([len(p) for _, p, _ in self.outputs] + [len(n) for n, _, _ in self.metrics] + [10])
-        lines = [f"re-ran {len(self.ran)} stage{'s' if len(self.ran) != 1 else ''} in {self.scratch}: {', '.join(self.ran)}", "", f"{'output':<{width}}  bytes"]
+        lines = [
+            f"re-ran {len(self.ran)} stage{'s' if len(self.ran) != 1 else ''} in {self.scratch}: {', '.join(self.ran)}",
+            "",
+            f"{'output':<{width}}  bytes",
+        ]
         lines += [f"{path:<{width}}  {'same' if same else 'DIFFER'}" for _, path, same in self.outputs]
         if self.metrics:
             lines += ["", f"{'metric (%)':<{width}}  {'recorded':>9}  {'re-run':>9}  {'difference':>10}"]
-            lines += [f"{name:<{width}}  {old:>9.2f}  {new:>9.2f}  {new - old:>+10.2f}" for name, old, new in self.metrics]
+            lines += [
+                f"{name:<{width}}  {old:>9.2f}  {new:>9.2f}  {new - old:>+10.2f}" for name, old, new in self.metrics
+            ]
         lines += ["", *self.machines] if self.machines else []
         return lines
 
@@ -75,9 +85,17 @@ def default_stages(params) -> list[str]:
 
 def _sources(root: Path) -> list[str]:
     """The workspace's sources: git's tracked files and its untracked ones that are not ignored."""
-    proc = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
-        raise MergeflowError(f"{root}: not a git repository (git ls-files: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})")
+        raise MergeflowError(
+            f"{root}: not a git repository (git ls-files: "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
+        )
     return [f for f in proc.stdout.split("\0") if f]
 
 
@@ -112,17 +130,40 @@ def prepare_scratch(root: Path, scratch: Path, targets: list[str], nodes) -> Non
         if node.address in upstream:
             for out in node.outs:
                 _copy(root / out, scratch / out)
-    env = os.environ | {"GIT_AUTHOR_NAME": "mergeflow", "GIT_AUTHOR_EMAIL": "mergeflow@localhost", "GIT_COMMITTER_NAME": "mergeflow", "GIT_COMMITTER_EMAIL": "mergeflow@localhost"}
-    subprocess.run("git init -q && git add -A && git commit -qm scratch", shell=True, cwd=scratch, env=env, check=True, capture_output=True)
+    env = os.environ | {
+        "GIT_AUTHOR_NAME": "mergeflow",
+        "GIT_AUTHOR_EMAIL": "mergeflow@localhost",
+        "GIT_COMMITTER_NAME": "mergeflow",
+        "GIT_COMMITTER_EMAIL": "mergeflow@localhost",
+    }
+    subprocess.run(
+        "git init -q && git add -A && git commit -qm scratch",
+        shell=True,
+        cwd=scratch,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     # the workspace's DVC cache, where the upstream outputs' objects are (DVC runs a stage again whose outputs are
     # not in its cache); the re-run's outputs join it, content-addressed: nothing already there changes
-    cache = subprocess.run([sys.executable, "-m", "dvc", "cache", "dir"], cwd=root, capture_output=True, text=True).stdout.strip() or str(root / ".dvc" / "cache")
-    subprocess.run([sys.executable, "-m", "dvc", "config", "--local", "cache.dir", cache], cwd=scratch, check=True, capture_output=True)
+    cache = subprocess.run(
+        [sys.executable, "-m", "dvc", "cache", "dir"], cwd=root, capture_output=True, text=True
+    ).stdout.strip() or str(root / ".dvc" / "cache")
+    subprocess.run(
+        [sys.executable, "-m", "dvc", "config", "--local", "cache.dir", cache],
+        cwd=scratch,
+        check=True,
+        capture_output=True,
+    )
 
 
 def _outs(lock: dict, stage: str) -> dict[str, str]:
     # wall times differ run to run; everything else a stage writes must not
-    return {o["path"]: o["md5"] for o in (lock.get("stages", {}).get(stage, {}).get("outs") or []) if not o["path"].startswith("logs/timing")}
+    return {
+        o["path"]: o["md5"]
+        for o in (lock.get("stages", {}).get(stage, {}).get("outs") or [])
+        if not o["path"].startswith("logs/timing")
+    }
 
 
 def _json(path: Path):
@@ -160,7 +201,13 @@ def _metrics(root: Path, scratch: Path, stage: str, recorded_lock: dict) -> list
     return out
 
 
-def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance: float | None = None, scratch: str | Path | None = None, echo=print) -> Report:
+def reproduce(
+    root: str | Path = ".",
+    stages: list[str] | None = None,
+    tolerance: float | None = None,
+    scratch: str | Path | None = None,
+    echo=print,
+) -> Report:
     """Re-run ``stages`` (default: default_stages) in a scratch copy of the workspace at ``root`` and compare; the
     report is printed through ``echo`` and returned. The scratch copy is removed afterwards unless given."""
     from mergeflow.params import load_params
@@ -178,22 +225,37 @@ def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance
     known = {n.address for n in nodes}
     for t in targets:
         if t not in known:
-            raise MergeflowError(f"mergeflow reproduce: dvc.yaml has no stage '{t}' (stages: {', '.join(sorted(known)[:12])}{', ...' if len(known) > 12 else ''})")
+            raise MergeflowError(
+                f"mergeflow reproduce: dvc.yaml has no stage '{t}' (stages: "
+                f"{', '.join(sorted(known)[:12])}{', ...' if len(known) > 12 else ''})"
+            )
         if t not in (recorded_lock.get("stages") or {}):
-            raise MergeflowError(f"mergeflow reproduce: {lockfile.LOCKFILE} records no run of '{t}' to compare with (run it first)")
+            raise MergeflowError(
+                f"mergeflow reproduce: {lockfile.LOCKFILE} records no run of '{t}' to compare with (run it first)"
+            )
     keep = scratch is not None
     scratch = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="mergeflow-reproduce-"))
     try:
         scratch.mkdir(parents=True, exist_ok=True)
         prepare_scratch(root, scratch, targets, nodes)
         # the targets, forced, and the upstream stages the copy lacks (DVC would restore the targets from the cache)
-        status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=scratch, capture_output=True, text=True)
+        status = subprocess.run(
+            [sys.executable, "-m", "dvc", "status", "--json"], cwd=scratch, capture_output=True, text=True
+        )
         stale = set(json.loads(status.stdout or "{}")) if status.returncode == 0 else set()
         upstream = _upstream(nodes, targets)
         order = [n.address for n in nodes if n.address in targets or (n.address in upstream and n.address in stale)]
         echo(f"re-running {', '.join(order)} in {scratch}")
-        env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the stages' `mergeflow`
-        proc = subprocess.run([sys.executable, "-m", "mergeflow.cli", "repro", "--force", "--single-item", "--no-run-cache", *order], cwd=scratch, capture_output=True, text=True, env=env)
+        env = os.environ | {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        }  # the stages' `mergeflow`
+        proc = subprocess.run(
+            [sys.executable, "-m", "mergeflow.cli", "repro", "--force", "--single-item", "--no-run-cache", *order],
+            cwd=scratch,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         ran = re.findall(r"^Running stage '([^']+)'", proc.stdout, flags=re.M)
         if proc.returncode != 0:
             tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
@@ -209,7 +271,11 @@ def reproduce(root: str | Path = ".", stages: list[str] | None = None, tolerance
         from mergeflow.core.devices import cuda_devices
 
         on_gpu = params.runtime.device != "cpu" and cuda_devices() > 0
-        exact = all(w is not None and w.get("deterministic") and "gpu" not in w for w in written) and here["deterministic"] and not on_gpu
+        exact = (
+            all(w is not None and w.get("deterministic") and "gpu" not in w for w in written)
+            and here["deterministic"]
+            and not on_gpu
+        )
         report.expect_bytes = exact
         report.tolerance = tolerance if tolerance is not None else (0.0 if exact else CROSS_DEVICE_TOLERANCE)
         for stage in sorted({s for s, _, same in report.outputs if not same}):

@@ -47,7 +47,13 @@ class StageFailed(Exception):
 class StageNotStarted(StageFailed):
     """A stage the run was stopped before (one that waited for a GPU, say): recorded as not run, not as failed."""
 
-    def __init__(self, address: str, returncode: int = -signal.SIGTERM, tail: str = "not started: the run is stopping", output: str = ""):
+    def __init__(
+        self,
+        address: str,
+        returncode: int = -signal.SIGTERM,
+        tail: str = "not started: the run is stopping",
+        output: str = "",
+    ):
         super().__init__(address, returncode, tail, output)
 
 
@@ -114,23 +120,45 @@ def _read_lines(stream, into: list[str], echo, target) -> None:
         echo(line.rstrip("\n"), target)
 
 
-def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | None = None, echo: Callable[[str, object], None] | None = None) -> dict:
+def run_stage(
+    node: StageNode,
+    root: str | Path = ".",
+    env: dict[str, str] | None = None,
+    echo: Callable[[str, object], None] | None = None,
+) -> dict:
     """Run one stage's command in the repository root, in a process group of its own, as DVC would (DVC_STAGE and
     DVC_ROOT set). ``echo(line, sys.stdout or sys.stderr)`` is given each line the stage prints as it comes.
     Raises StageFailed with the last line the command printed when it fails."""
     if _stopping.is_set():
         raise StageNotStarted(node.address)
     root = Path(root).resolve()
-    stage_env = {**os.environ, **(env or {}), "DVC_STAGE": node.address, "DVC_ROOT": str(root), DIE_WITH_PARENT_ENV: str(os.getpid())}
+    stage_env = {
+        **os.environ,
+        **(env or {}),
+        "DVC_STAGE": node.address,
+        "DVC_ROOT": str(root),
+        DIE_WITH_PARENT_ENV: str(os.getpid()),
+    }
     with _running_lock:
-        proc = subprocess.Popen(list(node.argv), cwd=root, env=stage_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            list(node.argv),
+            cwd=root,
+            env=stage_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         _running[proc.pid] = proc
     try:
         if echo is None:
             stdout, stderr = proc.communicate()
         else:
             out, err = [], []
-            readers = [threading.Thread(target=_read_lines, args=(proc.stdout, out, echo, sys.stdout), daemon=True), threading.Thread(target=_read_lines, args=(proc.stderr, err, echo, sys.stderr), daemon=True)]
+            readers = [
+                threading.Thread(target=_read_lines, args=(proc.stdout, out, echo, sys.stdout), daemon=True),
+                threading.Thread(target=_read_lines, args=(proc.stderr, err, echo, sys.stderr), daemon=True),
+            ]
             for reader in readers:
                 reader.start()
             for reader in readers:
@@ -142,10 +170,18 @@ def run_stage(node: StageNode, root: str | Path = ".", env: dict[str, str] | Non
             _running.pop(proc.pid, None)
     if proc.returncode != 0:
         lines = (stderr or stdout).strip().splitlines()
-        raise StageFailed(node.address, proc.returncode, lines[-1] if lines else "(no output)", (stdout + stderr)[-4000:])
+        raise StageFailed(
+            node.address, proc.returncode, lines[-1] if lines else "(no output)", (stdout + stderr)[-4000:]
+        )
     # stdout and stderr apart too: a stage's summary is the end of its stdout, and warnings on stderr must not
     # push it out of the lines the flow logs
-    return {"stage": node.address, "argv": list(node.argv), "output": (stdout + stderr)[-4000:], "stdout": stdout[-4000:], "stderr": stderr[-4000:]}
+    return {
+        "stage": node.address,
+        "argv": list(node.argv),
+        "output": (stdout + stderr)[-4000:],
+        "stdout": stdout[-4000:],
+        "stderr": stderr[-4000:],
+    }
 
 
 def resume_stages() -> None:
@@ -173,6 +209,8 @@ def completed_line(node: StageNode, root: str, seconds: float, most: int = 6) ->
         except (OSError, ValueError):
             continue
         if isinstance(record, dict):
-            numbers += [f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            numbers += [
+                f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
     shown = ", ".join(numbers[:most]) + (", ..." if len(numbers) > most else "")
     return f"{node.address} completed in {seconds:.1f} s" + (f": {shown}" if shown else "")

@@ -28,9 +28,18 @@ from pathlib import Path
 from mergeflow.core.devices import RUN_GPUS_ENV
 from mergeflow.core.errors import first_line
 from mergeflow.runner.gpus import DevicePool, visible_gpus
-from mergeflow.runner.graph import StageNode, changed_stages, commit_stage, locked_repo, stage_graph, stale_stages, still_changed
+from mergeflow.runner.graph import (
+    StageNode,
+    changed_stages,
+    commit_stage,
+    locked_repo,
+    stage_graph,
+    stale_stages,
+    still_changed,
+)
 from mergeflow.runner.running import StageFailed, StageNotStarted, run_stage, stop_stages, stopping
 from mergeflow.runner.stage_server import CUDA_DEVICES_ENV, SERVER_ENV, running_server, running_servers, served_env
+
 
 @dataclass
 class RunOutcome:
@@ -61,7 +70,16 @@ class RunOutcome:
         return f"exit status {err.returncode}" + (" (bad input)" if err.bad_input else "")
 
 
-def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object], commit: Callable[[str], None], limit: int | None = None, on_stop: Callable[[], None] | None = None, cores: Callable[[StageNode], int] | None = None, capacity: int | None = None, must_run: Callable[[StageNode], bool] | None = None) -> RunOutcome:
+def run_graph(
+    nodes: list[StageNode],
+    submit: Callable[[StageNode, list], object],
+    commit: Callable[[str], None],
+    limit: int | None = None,
+    on_stop: Callable[[], None] | None = None,
+    cores: Callable[[StageNode], int] | None = None,
+    capacity: int | None = None,
+    must_run: Callable[[StageNode], bool] | None = None,
+) -> RunOutcome:
     """Run ``nodes`` (stale stages, in dependency order): ``submit(node, upstream_futures)`` starts one and returns
     a future (concurrent.futures' or Prefect's); ``commit(address)`` records a finished one in dvc.lock, one at a
     time from this thread. A stage starts once every stage it waits for in this run has completed and been
@@ -97,7 +115,11 @@ def run_graph(nodes: list[StageNode], submit: Callable[[StageNode, list], object
                 upstream = [u for u in node.upstream if u in outcome.planned]
                 blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
                 if blocked or stopping():
-                    outcome.not_run[address] = f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}" if blocked else "the run was stopped"
+                    outcome.not_run[address] = (
+                        f"needs {blocked}, which {'failed' if blocked in outcome.failed else 'did not run'}"
+                        if blocked
+                        else "the run was stopped"
+                    )
                 elif committing in upstream:
                     full = full or all(outcome.settled(u) or u == committing for u in upstream)
                     continue
@@ -196,7 +218,9 @@ def _say(text: str, stream=None) -> None:
         print(text, file=stream or sys.stdout, flush=True)
 
 
-def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = frozenset(), env: dict[str, str] | None = None) -> int:
+def repro(
+    root: str | Path = ".", workers: int | None = None, force: set[str] = frozenset(), env: dict[str, str] | None = None
+) -> int:
     """Run every stale stage of the DVC project at ``root`` (and those in ``force``), ``workers`` at once (default:
     one per GPU, else one per core), each committed to dvc.lock as it completes. Each line a stage prints is shown
     as it comes, after ``[<stage>]``. Returns the exit status: 0, 1 when a stage failed (each named with its status
@@ -207,12 +231,14 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
     devices = DevicePool(gpus)
     # DVC names a stage relative to the working directory, and a stage learns its item from that name (DVC_STAGE)
     with contextlib.ExitStack() as stack:
-        # the stages fork from a process that has imported torch and timm (mergeflow.runner.stage_server), seconds saved a
-        # stage; where there are GPUs, from one such process per GPU. Started first: they import while DVC reads.
+        # the stages fork from a process that has imported torch and timm (mergeflow.runner.stage_server), seconds saved
+        # a stage; where there are GPUs, from one such process per GPU. Started first: they import while DVC reads.
         servers = stack.enter_context(running_servers(gpus))
         address = None if gpus else stack.enter_context(running_server())
         # the stages' threads: the cores' share of one GPU, where each has one (Params.stage_share)
-        stage_env = (env or {}) | ({SERVER_ENV: address} if address else {}) | ({RUN_GPUS_ENV: str(len(gpus))} if gpus else {})
+        stage_env = (
+            (env or {}) | ({SERVER_ENV: address} if address else {}) | ({RUN_GPUS_ENV: str(len(gpus))} if gpus else {})
+        )
         stack.enter_context(contextlib.chdir(root))
         repo = stack.enter_context(locked_repo(root))
         nodes = stage_graph(repo)
@@ -224,23 +250,45 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
             return 0
         cores, capacity = stage_cores(root) if not gpus else (None, None)
         where = f"a GPU each ({', '.join(gpus)})" if gpus else f"{capacity} cores"
-        _say(f"{len(to_run)} of {len(nodes)} stages to run, up to {min(workers, len(to_run), len(gpus) or workers)} at once on {where}")
+        _say(
+            f"{len(to_run)} of {len(nodes)} stages to run, up to "
+            f"{min(workers, len(to_run), len(gpus) or workers)} at once on {where}"
+        )
 
         def one(node: StageNode) -> dict:
             with devices.lease() as device_env:
                 if stopping():  # it waited for a GPU while the run was being stopped
                     raise StageNotStarted(node.address)
-                _say(f"Running stage '{node.address}'" + (f" on GPU {device_env[CUDA_DEVICES_ENV]}:" if device_env else ":"))
+                _say(
+                    f"Running stage '{node.address}'"
+                    + (f" on GPU {device_env[CUDA_DEVICES_ENV]}:" if device_env else ":")
+                )
                 started = time.monotonic()
-                result = run_stage(node, root, stage_env | served_env(device_env, servers), echo=lambda line, stream: _say(f"[{node.address}] {line}", stream))
+                result = run_stage(
+                    node,
+                    root,
+                    stage_env | served_env(device_env, servers),
+                    echo=lambda line, stream: _say(f"[{node.address}] {line}", stream),
+                )
             _say(f"[{node.address}] done in {time.monotonic() - started:.1f} s")
             return result
 
-        previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
+        previous = (
+            {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="stage") as pool:
-                outcome = run_graph(to_run, lambda node, _: pool.submit(one, node), lambda address: commit_stage(repo, address), limit=workers, cores=cores, capacity=capacity,
-                                    must_run=still_changed(repo, changed | set(force)))
+                outcome = run_graph(
+                    to_run,
+                    lambda node, _: pool.submit(one, node),
+                    lambda address: commit_stage(repo, address),
+                    limit=workers,
+                    cores=cores,
+                    capacity=capacity,
+                    must_run=still_changed(repo, changed | set(force)),
+                )
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -249,11 +297,19 @@ def repro(root: str | Path = ".", workers: int | None = None, force: set[str] = 
     if outcome.not_run:
         _say(f"not run: {'; '.join(f'{a} ({why})' for a, why in outcome.not_run.items())}", sys.stderr)
     if stopping():
-        _say(f"stopped: {len(outcome.done)} of {len(to_run)} stages completed and are recorded in dvc.lock; the rest run next time", sys.stderr)
+        _say(
+            f"stopped: {len(outcome.done)} of {len(to_run)} stages "
+            "completed and are recorded in dvc.lock; the rest run next time",
+            sys.stderr,
+        )
         return 130
     if outcome.failed or outcome.not_run:
         return 1
-    up_to_date = f"; {len(outcome.up_to_date)} more were up to date once the stages before them ran" if outcome.up_to_date else ""
+    up_to_date = (
+        f"; {len(outcome.up_to_date)} more were up to date once the stages before them ran"
+        if outcome.up_to_date
+        else ""
+    )
     _say(f"{len(outcome.done)} stages ran; dvc.lock records them{up_to_date}")
     return 0
 
@@ -263,4 +319,3 @@ def _stop(signum, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)
     stopped = stop_stages()
     _say(f"mergeflow: {signal.Signals(signum).name}: stopped {stopped} running stages", sys.stderr)
-

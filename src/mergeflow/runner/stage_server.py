@@ -43,12 +43,41 @@ SERVE_COMMAND = "_serve-stages"  # `python -m mergeflow.cli _serve-stages ADDRES
 # the commands a server runs: the stages (everything else is quick or starts its own processes)
 STAGE_COMMANDS = frozenset(STAGES)
 # environment variables that libraries read when they are imported: a command whose values differ runs on its own
-IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NPY_", "CUDA_", "NUMBA_", "TIMM_", "PYTHON", "LD_", "MERGEFLOW_DOWNLOAD", "MERGEFLOW_DETERMINISTIC")
+IMPORT_TIME_PREFIXES = (
+    "HF_",
+    "HUGGINGFACE_",
+    "TORCH",
+    "PYTORCH_",
+    "ATEN_",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "NPY_",
+    "CUDA_",
+    "NUMBA_",
+    "TIMM_",
+    "PYTHON",
+    "LD_",
+    "MERGEFLOW_DOWNLOAD",
+    "MERGEFLOW_DETERMINISTIC",
+)
 # ... but for str's hash seed, which no stage's result may depend on (Dask's workers set one of their own)
 _NOT_COMPARED = frozenset({"PYTHONHASHSEED"})
 _HEADER = struct.Struct("!I")
 # (track's MLflow store: 1.5 s of sqlalchemy and alembic a run, which every experiment ends with)
-_PRELOAD = ("torch", "timm", "mergeflow.pipeline.stages", "mergeflow.cli", "mergeflow.ml.merging._kernels", "sklearn.linear_model", "matplotlib.pyplot", "mergeflow.report.tracking", "mlflow.store.tracking.sqlalchemy_store")
+_PRELOAD = (
+    "torch",
+    "timm",
+    "mergeflow.pipeline.stages",
+    "mergeflow.cli",
+    "mergeflow.ml.merging._kernels",
+    "sklearn.linear_model",
+    "matplotlib.pyplot",
+    "mergeflow.report.tracking",
+    "mlflow.store.tracking.sqlalchemy_store",
+)
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -58,7 +87,10 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
 def _same_imports(command_env: dict[str, str], server_env: dict[str, str], set_by_imports: dict[str, str]) -> bool:
     """Whether a command's import-time variables are the server's: each equal to the server's before its imports,
     or to the value those imports set (TORCHINDUCTOR_CACHE_DIR: a launcher that imported torch passes it on)."""
-    return all(command_env.get(k) == server_env.get(k) or (k in set_by_imports and command_env.get(k) == set_by_imports[k]) for k in command_env.keys() | server_env.keys())
+    return all(
+        command_env.get(k) == server_env.get(k) or (k in set_by_imports and command_env.get(k) == set_by_imports[k])
+        for k in command_env.keys() | server_env.keys()
+    )
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -139,7 +171,9 @@ def _die_with_parent(sig: int = signal.SIGKILL) -> None:
     ask(sig)
 
 
-def _run_child(request: dict, fds: list[int], server_pid: int, inherited: list[socket.socket], entry: Callable[[list[str]], int]) -> None:
+def _run_child(
+    request: dict, fds: list[int], server_pid: int, inherited: list[socket.socket], entry: Callable[[list[str]], int]
+) -> None:
     """In the forked child: become the command (its streams, directory, environment and arguments), run it, exit."""
     try:
         for sock in inherited:  # the server's sockets: only the server holds them
@@ -266,7 +300,9 @@ def serve(address: str, entry: Callable[[list[str]], int]) -> None:
                     pid = os.fork()
                     if pid == 0:
                         request["env"] = set_by_imports | request["env"]
-                        _run_child(request, fds, server_pid, [listener, conn, *(st.conn for st in stages.values())], entry)
+                        _run_child(
+                            request, fds, server_pid, [listener, conn, *(st.conn for st in stages.values())], entry
+                        )
                     with contextlib.suppress(OSError):
                         os.setpgid(pid, pid)  # also here: a signal may come before the child has run a line
                     for fd in fds:
@@ -297,7 +333,9 @@ def running_server(env: dict[str, str] | None = None, reuse: bool = True):
         return
     folder = Path(tempfile.mkdtemp(prefix="mergeflow-stages-"))
     address = str(folder / "socket")
-    proc = subprocess.Popen([sys.executable, "-m", "mergeflow.cli", SERVE_COMMAND, address], env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mergeflow.cli", SERVE_COMMAND, address], env=env, stdin=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(address) and proc.poll() is None and time.monotonic() < deadline:
@@ -323,7 +361,9 @@ def running_servers(devices: list[str] | tuple[str, ...] = ()):
     variable) finds a server whose environment is its own and forks from it. Yields {device: address}, an address
     None where its server did not start; without devices, {} (the caller uses running_server)."""
     with contextlib.ExitStack() as stack:
-        yield {d: stack.enter_context(running_server({**os.environ, CUDA_DEVICES_ENV: d}, reuse=False)) for d in devices}
+        yield {
+            d: stack.enter_context(running_server({**os.environ, CUDA_DEVICES_ENV: d}, reuse=False)) for d in devices
+        }
 
 
 def served_env(device_env: dict[str, str], servers: dict[str, str | None] | None) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """`mergeflow ui`: MLflow's UI on the store `track` logs to, served by one worker (answering in 6 s where MLflow's
-default of four took 9.5 s, on 2 cores of an AMD EPYC), announced once it answers, and stopped with it: the server runs in a
-process group of its own, which Ctrl-C, SIGTERM and SIGHUP to this command end."""
+default of four took 9.5 s, on 2 cores of an AMD EPYC), announced once it answers, and stopped with it: the server runs
+in a process group of its own, which Ctrl-C, SIGTERM and SIGHUP to this command end."""
 
 from __future__ import annotations
 
@@ -28,7 +28,23 @@ def serve(uri: str, host: str, port: int) -> int:
         print(f"warning: {uri}: no MLflow store yet (the track stage creates it); the UI starts empty", file=sys.stderr)
     url = f"http://{host}:{port}"
     started = time.monotonic()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port), "--workers", "1"], start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "ui",
+            "--backend-store-uri",
+            uri,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        start_new_session=True,
+    )
     stopped: list[int] = []
 
     def stop(signum, _frame) -> None:
@@ -44,6 +60,10 @@ def serve(uri: str, host: str, port: int) -> int:
     while server.poll() is None and not stopped and not _answers(url):
         time.sleep(0.25)
     if server.poll() is None and not stopped:
-        print(f"MLflow UI ready in {time.monotonic() - started:.1f} s: {url} (Ctrl-C stops it)", file=sys.stderr, flush=True)
+        print(
+            f"MLflow UI ready in {time.monotonic() - started:.1f} s: {url} (Ctrl-C stops it)",
+            file=sys.stderr,
+            flush=True,
+        )
     code = server.wait()
     return 130 if signal.SIGINT in stopped else code

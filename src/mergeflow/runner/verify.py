@@ -108,7 +108,15 @@ def check_outputs(root: str | Path = ".", skip: set[str] | frozenset[str] = froz
                     found.append(Changed(stage, rel, "changed"))
                     continue
                 for f in sorted(listing.keys() | files.keys()):
-                    why = "missing" if f not in files else "added" if f not in listing else "changed" if files[f] != listing[f] else None
+                    why = (
+                        "missing"
+                        if f not in files
+                        else "added"
+                        if f not in listing
+                        else "changed"
+                        if files[f] != listing[f]
+                        else None
+                    )
                     if why:
                         found.append(Changed(stage, f"{rel}/{f}", why))
     return found, read
@@ -132,7 +140,9 @@ def verify(root: str | Path = ".", report=None) -> str:
         how = f"the command above (their {len(stages)} stages, or the Prefect flow) makes them again"
     else:
         how = f"`{command}` (or the Prefect flow) makes them again"
-    raise MergeflowError(f"{len(found)} file{'s' if len(found) > 1 else ''} differ from dvc.lock ({counts}; each named above): {how}")
+    raise MergeflowError(
+        f"{len(found)} file{'s' if len(found) > 1 else ''} differ from dvc.lock ({counts}; each named above): {how}"
+    )
 
 
 def machine_lines(root: str | Path, stages: list[str]) -> list[str]:

@@ -42,14 +42,22 @@ class Claim:
     holds: bool | None  # None: not measured (what it needs was not run)
     numbers: Mapping[str, Any]  # the measurements the verdict is computed from
     detail: str = ""  # one line: the comparison made, with its numbers
-    margin: float | None = None  # the accuracy difference the verdict rests on (a fraction), set against the seeds' spread
+    margin: float | None = (
+        None  # the accuracy difference the verdict rests on (a fraction), set against the seeds' spread
+    )
 
     @property
     def verdict(self) -> str:
         return "not measured" if self.holds is None else "holds" if self.holds else "fails"
 
     def record(self) -> dict:
-        return {"id": self.id, "claim": self.text, "verdict": self.verdict, "detail": self.detail, "numbers": dict(self.numbers)}
+        return {
+            "id": self.id,
+            "claim": self.text,
+            "verdict": self.verdict,
+            "detail": self.detail,
+            "numbers": dict(self.numbers),
+        }
 
 
 @dataclass
@@ -122,10 +130,19 @@ def against_spread(claim: Claim, sd: float | None, seeds: int, sds: float) -> Cl
     points = 100 * claim.margin
     if sd is None:
         note = f"margin {points:+.1f} points; the spread over seeds is not measured (params.yaml's seeds: none)"
-        return dataclasses.replace(claim, detail=f"{claim.detail}; {note}", numbers={**claim.numbers, "margin_points": round(points, 2)})
+        return dataclasses.replace(
+            claim, detail=f"{claim.detail}; {note}", numbers={**claim.numbers, "margin_points": round(points, 2)}
+        )
     inside = abs(points) < sds * sd
-    note = f"margin {points:+.1f} points {'inside' if inside else 'outside'} the spread over {seeds} seeds ({sds:g} x sd {sd:.2f} = {sds * sd:.2f})"
-    return dataclasses.replace(claim, detail=f"{claim.detail}; {note}", numbers={**claim.numbers, "margin_points": round(points, 2), "seed_sd": sd, "inside_spread": inside})
+    note = (
+        f"margin {points:+.1f} points {'inside' if inside else 'outside'} the "
+        f"spread over {seeds} seeds ({sds:g} x sd {sd:.2f} = {sds * sd:.2f})"
+    )
+    return dataclasses.replace(
+        claim,
+        detail=f"{claim.detail}; {note}",
+        numbers={**claim.numbers, "margin_points": round(points, 2), "seed_sd": sd, "inside_spread": inside},
+    )
 
 
 def verdict_table(claims: list[Claim]) -> str:
@@ -143,4 +160,15 @@ def _discover() -> None:
 
 _discover()
 
-__all__ = ["REGISTRY", "Claim", "Study", "StudyContext", "StudyResult", "StudySettings", "against_spread", "no_grad", "register", "verdict_table"]
+__all__ = [
+    "REGISTRY",
+    "Claim",
+    "Study",
+    "StudyContext",
+    "StudyResult",
+    "StudySettings",
+    "against_spread",
+    "no_grad",
+    "register",
+    "verdict_table",
+]

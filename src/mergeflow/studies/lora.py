@@ -35,7 +35,9 @@ METHOD_NAMES = {"task_arithmetic": "TA", "ties": "TIES", "tsv_m": "TSV-M", "knot
 
 
 class LoraSettings(StudySettings):
-    alignment_margin: float = Field(0.0, ge=0)  # claim 1: LoRA's median alignment below the full one's by more than this
+    alignment_margin: float = Field(
+        0.0, ge=0
+    )  # claim 1: LoRA's median alignment below the full one's by more than this
     knots_margin: float = Field(0.0, ge=0)  # claim 2: points of normalised accuracy
     loss_margin: float = Field(0.0, ge=0)  # claim 3: points of normalised accuracy
 
@@ -108,7 +110,9 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
 
     params, layout = context.params, context.layout
     tasks = list(params.suite.tasks)
-    methods = [m for m in params.regimes.methods_of(REGIME) if m in METHOD_NAMES] if REGIME in params.regimes.run else []
+    methods = (
+        [m for m in params.regimes.methods_of(REGIME) if m in METHOD_NAMES] if REGIME in params.regimes.run else []
+    )
     notes: list[str] = []
     ft = {t: _json(layout.metrics("finetune", t)) for t in tasks}
     full = Point(None)
@@ -128,7 +132,11 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
     if measured is None:
         return [], full, notes + [f"{layout.metrics('regime', REGIME)}: not found (run regime@{REGIME})"]
     pretrained = LazyStateDict(layout.pretrained)
-    full_vectors = {t: read_task_vector(layout.vectors / f"{t}.safetensors", pretrained) for t in tasks} if layout.vectors.is_dir() else None
+    full_vectors = (
+        {t: read_task_vector(layout.vectors / f"{t}.safetensors", pretrained) for t in tasks}
+        if layout.vectors.is_dir()
+        else None
+    )
     points, full_spectra = [], None
     for variant, kwargs in params.regimes.config(REGIME).variants(REGIME, params.finetune.steps).items():
         rank = kwargs["rank"]
@@ -148,7 +156,9 @@ def collect(context: StudyContext) -> tuple[list[Point], Point, list[str]]:
             if value is not None:
                 point.normalized[m] = value
             notes += _edge_notes(variant, m, _json(run.choice))
-        lora_vectors = {t: read_task_vector(layout.regime_vectors(REGIME, variant) / f"{t}.safetensors", pretrained) for t in tasks}
+        lora_vectors = {
+            t: read_task_vector(layout.regime_vectors(REGIME, variant) / f"{t}.safetensors", pretrained) for t in tasks
+        }
         keys = next(iter(lora_vectors.values())).adapted
         point.alignment, _ = _alignments(lora_vectors, keys, rank)
         if full_vectors is not None:
@@ -168,7 +178,10 @@ def _edge_notes(variant: str, method: str, choice: dict | None) -> list[str]:
         chosen = (choice.get("searched") or {}).get(key)
         if len(values) > 2 and chosen in (min(values), max(values)):
             end = "largest" if chosen == max(values) else "smallest"
-            notes.append(f"{variant} {method}: {key} = {chosen:g} is its grid's {end} value (widen merge.{method}.{key} to search beyond it)")
+            notes.append(
+                f"{variant} {method}: {key} = {chosen:g} is its grid's {end} "
+                f"value (widen merge.{method}.{key} to search beyond it)"
+            )
     return notes
 
 
@@ -183,7 +196,10 @@ def claim_alignment(points: list[Point], s: LoraSettings) -> Claim:
         return Claim("knots.1", text, None, {}, "needs regime@lora's task vectors and the full ones (vectors/)")
     holds = all(p.alignment < p.full_alignment - s.alignment_margin for p in usable)
     numbers = {f"rank{p.rank}": {"lora": round(p.alignment, 4), "full": round(p.full_alignment, 4)} for p in usable}
-    detail = "; ".join(f"r = {p.rank}: {p.alignment:.3f} against {p.full_alignment:.3f}" for p in usable) + f" (lower by more than {s.alignment_margin:g} at every rank)"
+    detail = (
+        "; ".join(f"r = {p.rank}: {p.alignment:.3f} against {p.full_alignment:.3f}" for p in usable)
+        + f" (lower by more than {s.alignment_margin:g} at every rank)"
+    )
     return Claim("knots.1", text, holds, numbers, detail)
 
 
@@ -194,8 +210,14 @@ def claim_knots(points: list[Point], s: LoraSettings) -> Claim:
         return Claim("knots.2", text, None, {}, "needs knots, task_arithmetic and ties in regimes.methods.lora")
     best = {p.rank: max(p.normalized["task_arithmetic"], p.normalized["ties"]) for p in usable}
     holds = all(p.normalized["knots"] > best[p.rank] + s.knots_margin for p in usable)
-    numbers = {f"rank{p.rank}": {"knots": round(p.normalized["knots"], 2), "best_of_ta_ties": round(best[p.rank], 2)} for p in usable}
-    detail = "; ".join(f"r = {p.rank}: {p.normalized['knots']:.1f} against {best[p.rank]:.1f}" for p in usable) + f" (normalised %, ahead by more than {s.knots_margin:g} at every rank)"
+    numbers = {
+        f"rank{p.rank}": {"knots": round(p.normalized["knots"], 2), "best_of_ta_ties": round(best[p.rank], 2)}
+        for p in usable
+    }
+    detail = (
+        "; ".join(f"r = {p.rank}: {p.normalized['knots']:.1f} against {best[p.rank]:.1f}" for p in usable)
+        + f" (normalised %, ahead by more than {s.knots_margin:g} at every rank)"
+    )
     return Claim("knots.2", text, holds, numbers, detail)
 
 
@@ -203,22 +225,54 @@ def claim_loss(points: list[Point], full: Point, s: LoraSettings) -> Claim:
     text = "TA and TIES keep less of the individual models' accuracy on LoRA task vectors than on full ones"
     usable = [p for p in points if {"task_arithmetic", "ties"} <= set(p.normalized)]
     if not usable or not {"task_arithmetic", "ties"} <= set(full.normalized):
-        return Claim("knots.3", text, None, {}, "needs task_arithmetic and ties both in merge.methods and in regimes.methods.lora")
-    holds = all(p.normalized[m] < full.normalized[m] - s.loss_margin for p in usable for m in ("task_arithmetic", "ties"))
-    numbers = {f"rank{p.rank}": {m: round(p.normalized[m], 2) for m in ("task_arithmetic", "ties")} for p in usable} | {"full": {m: round(full.normalized[m], 2) for m in ("task_arithmetic", "ties")}}
-    detail = "; ".join(f"r = {p.rank}: TA {p.normalized['task_arithmetic']:.1f}, TIES {p.normalized['ties']:.1f}" for p in usable)
-    detail += f"; full: TA {full.normalized['task_arithmetic']:.1f}, TIES {full.normalized['ties']:.1f} (normalised %, lower by more than {s.loss_margin:g})"
+        return Claim(
+            "knots.3",
+            text,
+            None,
+            {},
+            "needs task_arithmetic and ties both in merge.methods and in regimes.methods.lora",
+        )
+    holds = all(
+        p.normalized[m] < full.normalized[m] - s.loss_margin for p in usable for m in ("task_arithmetic", "ties")
+    )
+    numbers = {f"rank{p.rank}": {m: round(p.normalized[m], 2) for m in ("task_arithmetic", "ties")} for p in usable} | {
+        "full": {m: round(full.normalized[m], 2) for m in ("task_arithmetic", "ties")}
+    }
+    detail = "; ".join(
+        f"r = {p.rank}: TA {p.normalized['task_arithmetic']:.1f}, TIES {p.normalized['ties']:.1f}" for p in usable
+    )
+    detail += (
+        f"; full: TA {full.normalized['task_arithmetic']:.1f}, TIES {full.normalized['ties']:.1f} (normalised %, lower "
+        f"by more than {s.loss_margin:g})"
+    )
     return Claim("knots.3", text, holds, numbers, detail)
 
 
 def _table(points: list[Point], full: Point) -> str:
     methods = [m for m in METHOD_NAMES if any(m in p.normalized for p in [*points, full])]
-    head = ["task vectors", "individual (%)", *[f"{METHOD_NAMES[m]} (norm. %)" for m in methods], "alignment", "full's alignment", "full's energy in top r", "bytes / task", "training (s)"]
+    head = [
+        "task vectors",
+        "individual (%)",
+        *[f"{METHOD_NAMES[m]} (norm. %)" for m in methods],
+        "alignment",
+        "full's alignment",
+        "full's energy in top r",
+        "bytes / task",
+        "training (s)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in [*points, full]:
         label = f"LoRA r = {p.rank}" if p.rank is not None else "full fine-tune"
-        cells = [label, _fmt(p.individual), *[_fmt(p.normalized.get(m)) for m in methods], _fmt(p.alignment, 3), _fmt(p.full_alignment, 3), _fmt(p.energy, 3),
-                 f"{p.storage / 1e6:.2f} MB" if p.storage else "–", _fmt(p.seconds, 0)]
+        cells = [
+            label,
+            _fmt(p.individual),
+            *[_fmt(p.normalized.get(m)) for m in methods],
+            _fmt(p.alignment, 3),
+            _fmt(p.full_alignment, 3),
+            _fmt(p.energy, 3),
+            f"{p.storage / 1e6:.2f} MB" if p.storage else "–",
+            _fmt(p.seconds, 0),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -248,7 +302,13 @@ def plot(points: list[Point], full: Point, path: Path) -> bool:
     left.set_title("Merged models, by rank")
     left.legend(fontsize=7, ncol=2)
     right.plot(ranks, [p.alignment for p in shown], "o-", color="#d62728", label="LoRA task vectors")
-    right.plot(ranks, [p.full_alignment if p.full_alignment is not None else math.nan for p in shown], "s--", color="#1f77b4", label="full task vectors, top r")
+    right.plot(
+        ranks,
+        [p.full_alignment if p.full_alignment is not None else math.nan for p in shown],
+        "s--",
+        color="#1f77b4",
+        label="full task vectors, top r",
+    )
     right.set_xscale("log", base=2)
     right.set_xticks(ranks, [str(r) for r in ranks])
     right.set_xlabel("rank r")
@@ -260,15 +320,20 @@ def plot(points: list[Point], full: Point, path: Path) -> bool:
     return True
 
 
-@register("lora", paper="Stoica et al. 2025, Model merging with SVD to tie the KnOTS (ICLR 2025, arXiv:2410.19735)",
-          title="LoRA task vectors: what merging them costs, and does KnOTS close the gap?", settings=LoraSettings)
+@register(
+    "lora",
+    paper="Stoica et al. 2025, Model merging with SVD to tie the KnOTS (ICLR 2025, arXiv:2410.19735)",
+    title="LoRA task vectors: what merging them costs, and does KnOTS close the gap?",
+    settings=LoraSettings,
+)
 def lora_study(context: StudyContext) -> StudyResult:
     s: LoraSettings = context.settings
     points, full, notes = collect(context)
     claims = [claim_alignment(points, s), claim_knots(points, s), claim_loss(points, full, s)]
     figures = ["lora_by_rank.png"] if plot(points, full, Path(context.out_dir) / "lora_by_rank.png") else []
     body = [
-        "Each rank's task vectors are regime@lora's (`regimes.lora`: adapters on the attention qkv and projection and the "
+        "Each rank's task vectors are regime@lora's (`regimes.lora`: "
+        "adapters on the attention qkv and projection and the "
         "MLP's fc1 and fc2, the heads frozen, the fine-tune's schedule); the full ones are the standard fine-tune's. "
         "Normalised accuracy divides each task's merged accuracy by that regime's own task model's. Hyperparameters "
         "are chosen on validation as for every merge.",

@@ -20,7 +20,8 @@ The thread count is the stage's (``Params.threads``: ``MERGEFLOW_THREADS``, ``ru
 ``DETERMINISTIC_THREADS``), the same on 1 core or 64: it is part of what decides the bits, as the kernels are.
 ``runtime.deterministic: false`` trades the bits for each machine's fastest kernels and every core (bench/
 determinism.py measures the difference; docs/benchmarks.md). A CUDA device keeps its own kernels: two runs on one
-GPU model repeat each other, other GPU models and the CPU agree within a tolerance on the metrics (mergeflow.runner.reproduce).
+GPU model repeat each other, other GPU models and the CPU agree within a tolerance on the metrics
+(mergeflow.runner.reproduce).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ KERNEL_ENV = {
 # "0" where a launcher chose the machine's own kernels (runtime.deterministic: false): its children, which import
 # mergeflow again, keep them
 MODE_ENV = "MERGEFLOW_DETERMINISTIC"
-_replaced: dict[str, str | None] = {}  # what pin_environment replaced (the user's value, or None): unpinning restores it
+_replaced: dict[
+    str, str | None
+] = {}  # what pin_environment replaced (the user's value, or None): unpinning restores it
 _inherited: bool | None = None
 
 
@@ -114,13 +117,17 @@ def kernels_in_use() -> dict[str, str]:
 
     from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 
-    simd = [f for f in __cpu_dispatch__ if __cpu_features__.get(f)]  # numpy's dispatch targets this CPU runs, lowest first
+    simd = [
+        f for f in __cpu_dispatch__ if __cpu_features__.get(f)
+    ]  # numpy's dispatch targets this CPU runs, lowest first
     return {
         "torch": torch.backends.cpu.get_cpu_capability(),
         "mkl": os.environ.get("MKL_CBWR", "auto"),
         "openblas": gemm.openblas_core(),
         "numpy": simd[-1] if simd else "baseline",
-        "gemm": f"OpenBLAS, {gemm.routed()} thread{'s' if gemm.routed() != 1 else ''}" if gemm.routed() else "torch's (MKL, oneDNN)",
+        "gemm": f"OpenBLAS, {gemm.routed()} thread{'s' if gemm.routed() != 1 else ''}"
+        if gemm.routed()
+        else "torch's (MKL, oneDNN)",
     }
 
 
@@ -141,7 +148,11 @@ def configure(deterministic: bool, threads: int | None) -> None:
         return
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "DEFAULT") or os.environ.get("MKL_CBWR") != KERNEL_ENV["MKL_CBWR"]:
-        raise MergeflowError(f"runtime.deterministic: torch runs its {capability} kernels here, loaded before mergeflow could pin them (import mergeflow before torch, or run the stage with the mergeflow command; runtime.deterministic: false runs the machine's own kernels)")
+        raise MergeflowError(
+            f"runtime.deterministic: torch runs its {capability} kernels here, loaded before mergeflow could pin them "
+            "(import mergeflow before torch, or run the stage with the mergeflow command; runtime.deterministic: "
+            "false runs the machine's own kernels)"
+        )
     from mergeflow.core.reproducibility import gemm
 
     threads = threads or DETERMINISTIC_THREADS

@@ -36,7 +36,9 @@ def openblas_core() -> str:
     """The core type numpy's OpenBLAS runs ('Haswell', 'SkylakeX', ...); '' when numpy uses another BLAS."""
     from threadpoolctl import threadpool_info
 
-    return next((info.get("architecture", "") for info in threadpool_info() if info.get("internal_api") == "openblas"), "")
+    return next(
+        (info.get("architecture", "") for info in threadpool_info() if info.get("internal_api") == "openblas"), ""
+    )
 
 
 def routed() -> int:
@@ -117,9 +119,22 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     import torch.nn.functional as F
 
     if transposed or input.dim() not in (3, 4):
-        raise NotImplementedError(f"runtime.deterministic: a {'transposed ' if transposed else ''}{input.dim() - 2}-D convolution has no deterministic CPU kernel here (runtime.deterministic: false runs torch's)")
+        raise NotImplementedError(
+            f"runtime.deterministic: a {'transposed ' if transposed else ''}{input.dim() - 2}-D convolution has no "
+            "deterministic CPU kernel here (runtime.deterministic: false runs torch's)"
+        )
     if input.dim() == 3:  # 1-D: a 2-D convolution of height 1
-        out = convolution(input.unsqueeze(2), weight.unsqueeze(2), bias, [1, *stride], [0, *padding], [1, *dilation], False, [0, *output_padding], groups)
+        out = convolution(
+            input.unsqueeze(2),
+            weight.unsqueeze(2),
+            bias,
+            [1, *stride],
+            [0, *padding],
+            [1, *dilation],
+            False,
+            [0, *output_padding],
+            groups,
+        )
         return out.squeeze(2)
     n, c, h, w = input.shape
     cout, cin_g, kh, kw = weight.shape
@@ -130,12 +145,20 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     if tuple(stride) == (kh, kw) and not any(padding) and tuple(dilation) == (1, 1) and h % kh == 0 and w % kw == 0:
         # a ViT's patch embedding: the patches tile the image, a reshape (unfold's im2col took 44 ms a batch of 512
         # from the channels-last images the backbone reads)
-        rows = input.reshape(n, c, oh, kh, ow, kw).permute(0, 2, 4, 1, 3, 5).reshape(n * oh * ow, groups, cin_g * kh * kw)
+        rows = (
+            input.reshape(n, c, oh, kh, ow, kw).permute(0, 2, 4, 1, 3, 5).reshape(n * oh * ow, groups, cin_g * kh * kw)
+        )
     else:
-        cols = F.unfold(input, (kh, kw), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))  # [N, C*kh*kw, L]
+        cols = F.unfold(
+            input, (kh, kw), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride)
+        )  # [N, C*kh*kw, L]
         rows = cols.transpose(1, 2).reshape(n * oh * ow, groups, cin_g * kh * kw)
     kernels = weight.reshape(groups, cout // groups, cin_g * kh * kw)
-    out = torch.cat([rows[:, g] @ kernels[g].T for g in range(groups)], dim=1) if groups > 1 else rows[:, 0] @ kernels[0].T
+    out = (
+        torch.cat([rows[:, g] @ kernels[g].T for g in range(groups)], dim=1)
+        if groups > 1
+        else rows[:, 0] @ kernels[0].T
+    )
     out = out.reshape(n, oh, ow, cout).permute(0, 3, 1, 2)
     return (out + bias.reshape(1, cout, 1, 1) if bias is not None else out).contiguous()
 
@@ -148,7 +171,8 @@ def route(threads: int) -> None:
     global _library, _threads, _pool
     from concurrent.futures import ThreadPoolExecutor
 
-    import scipy.linalg  # noqa: F401 - scipy's own OpenBLAS (scikit-learn's probe) loaded now, so that the limit reaches it too
+    # scipy's own OpenBLAS (scikit-learn's probe) loaded now, so that the limit reaches it too
+    import scipy.linalg  # noqa: F401
     import torch
     from threadpoolctl import threadpool_limits
 

@@ -71,10 +71,17 @@ def describe(in_use: bool = False, device: str = "cpu") -> dict[str, object]:
         record["kernels"] = kernels_in_use()
         record["threads"] = {"torch": torch.get_num_threads(), "stage": stage_threads()}
         mkl = next((line.strip() for line in torch.__config__.show().splitlines() if "Math Kernel Library" in line), "")
-        record["versions"]["mkl"] = mkl.removeprefix("- ").split(" for ")[0].replace("Intel(R) oneAPI Math Kernel Library Version ", "") or "absent"  # type: ignore[index]
+        record["versions"]["mkl"] = (
+            mkl.removeprefix("- ").split(" for ")[0].replace("Intel(R) oneAPI Math Kernel Library Version ", "")
+            or "absent"
+        )  # type: ignore[index]
         if device == "cuda":
             index = torch.cuda.current_device()
-            record["gpu"] = {"model": torch.cuda.get_device_name(index), "cuda": torch.version.cuda, "driver": _nvidia_driver()}
+            record["gpu"] = {
+                "model": torch.cuda.get_device_name(index),
+                "cuda": torch.version.cuda,
+                "driver": _nvidia_driver(),
+            }
     return record
 
 
@@ -91,7 +98,10 @@ def summary(record: dict) -> str:
     """One line: 'AMD EPYC (AuthenticAMD; avx2 fma avx512f), 2 cores; deterministic: torch AVX2, MKL COMPATIBLE,
     GEMMs OpenBLAS Haswell on 2 threads; torch 2.14.1'."""
     c = record.get("cpu", {})
-    return f"{c.get('model', '?')} ({c.get('vendor', '?')}; {' '.join(c.get('features', [])) or 'no AVX2'}), {c.get('cores', '?')} cores; " + environment(record)
+    return (
+        f"{c.get('model', '?')} ({c.get('vendor', '?')}; {' '.join(c.get('features', [])) or 'no AVX2'}), "
+        f"{c.get('cores', '?')} cores; " + environment(record)
+    )
 
 
 def environment(record: dict) -> str:
@@ -101,7 +111,10 @@ def environment(record: dict) -> str:
     line = ""
     mode = "deterministic" if record.get("deterministic") else "machine's own kernels"
     if "torch" in kernels:
-        line += f"{mode}: torch {kernels['torch']}, MKL {kernels.get('mkl')}, GEMMs on {kernels.get('gemm')}, OpenBLAS {kernels.get('openblas')}, numpy {kernels.get('numpy')}"
+        line += (
+            f"{mode}: torch {kernels['torch']}, MKL {kernels.get('mkl')}, GEMMs on {kernels.get('gemm')}, OpenBLAS "
+            f"{kernels.get('openblas')}, numpy {kernels.get('numpy')}"
+        )
     else:
         line += f"{mode}" + (f": {', '.join(f'{k}={v}' for k, v in kernels.items())}" if kernels else "")
     if gpu := record.get("gpu"):
@@ -150,7 +163,10 @@ def explain(stage: str, entries: dict[str, dict], here: dict) -> list[str]:
         return [f"{stage}: provenance.json has no record of the machine that wrote it"]
     comparable = {k: written.get(k) for k in here}
     changed = [d for d in differences(comparable, here) if not d.startswith("kernels.")] or ["nothing recorded"]
-    return [f"{stage}: written on {summary(written)}", f"{stage}: this machine: {summary(here)}; differs in {'; '.join(changed)}"]
+    return [
+        f"{stage}: written on {summary(written)}",
+        f"{stage}: this machine: {summary(here)}; differs in {'; '.join(changed)}",
+    ]
 
 
 def record_stage(root: str | os.PathLike, address: str, record: dict) -> None:

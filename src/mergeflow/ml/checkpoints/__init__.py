@@ -29,5 +29,9 @@ from mergeflow.ml.checkpoints.reader import read_tensors
 from mergeflow.ml.checkpoints.unpickler import _ALLOWED
 
 __all__ = [
-    "_ALLOWED", "read_checkpoint", "read_tensors", "resolve_source", "to_timm_clip",
+    "_ALLOWED",
+    "read_checkpoint",
+    "read_tensors",
+    "resolve_source",
+    "to_timm_clip",
 ]

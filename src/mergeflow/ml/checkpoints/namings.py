@@ -35,11 +35,23 @@ def _from_hugging_face(state: StateDict, vm: str, projection: str) -> StateDict:
         "pos_embed": state[vm + "embeddings.position_embedding.weight"].unsqueeze(0),
         "patch_embed.proj.weight": state[vm + "embeddings.patch_embedding.weight"],
     }
-    used = {vm + "embeddings.class_embedding", vm + "embeddings.position_embedding.weight", vm + "embeddings.patch_embedding.weight", vm + "embeddings.position_ids", projection}
+    used = {
+        vm + "embeddings.class_embedding",
+        vm + "embeddings.position_embedding.weight",
+        vm + "embeddings.patch_embedding.weight",
+        vm + "embeddings.position_ids",
+        projection,
+    }
     renames = {vm + "pre_layrnorm.": "norm_pre.", vm + "post_layernorm.": "norm."}
-    for i in sorted({int(k[len(enc):].split(".")[0]) for k in state if k.startswith(enc)}):
+    for i in sorted({int(k[len(enc) :].split(".")[0]) for k in state if k.startswith(enc)}):
         src, dst = f"{enc}{i}.", f"blocks.{i}."
-        renames |= {src + "layer_norm1.": dst + "norm1.", src + "layer_norm2.": dst + "norm2.", src + "self_attn.out_proj.": dst + "attn.proj.", src + "mlp.fc1.": dst + "mlp.fc1.", src + "mlp.fc2.": dst + "mlp.fc2."}
+        renames |= {
+            src + "layer_norm1.": dst + "norm1.",
+            src + "layer_norm2.": dst + "norm2.",
+            src + "self_attn.out_proj.": dst + "attn.proj.",
+            src + "mlp.fc1.": dst + "mlp.fc1.",
+            src + "mlp.fc2.": dst + "mlp.fc2.",
+        }
         for kind in ("weight", "bias"):
             qkv = [f"{src}self_attn.{p}_proj.{kind}" for p in "qkv"]
             out[f"{dst}attn.qkv.{kind}"] = torch.cat([state[k] for k in qkv])
@@ -47,11 +59,17 @@ def _from_hugging_face(state: StateDict, vm: str, projection: str) -> StateDict:
     for key, value in state.items():
         for src, dst in renames.items():
             if key.startswith(src):
-                out[dst + key[len(src):]] = value
+                out[dst + key[len(src) :]] = value
                 used.add(key)
-    left = sorted(k for k in state if k.startswith(vm) and k not in used and not k.startswith(("text_model.", "text_projection.", "logit_scale")))
+    left = sorted(
+        k
+        for k in state
+        if k.startswith(vm) and k not in used and not k.startswith(("text_model.", "text_projection.", "logit_scale"))
+    )
     if left:  # a tensor this conversion does not know would otherwise vanish without a word
-        raise MergeflowError(f"tensor '{_printable(left[0])}' has no place in timm's CLIP image tower ({len(left)} such)")
+        raise MergeflowError(
+            f"tensor '{_printable(left[0])}' has no place in timm's CLIP image tower ({len(left)} such)"
+        )
     if projection in state:
         out["head.weight"] = state[projection]
         out["head.bias"] = torch.zeros(state[projection].shape[0], dtype=state[projection].dtype)
@@ -59,7 +77,16 @@ def _from_hugging_face(state: StateDict, vm: str, projection: str) -> StateDict:
 
 
 # the parts of a whole CLIP's names that only its text tower has (open_clip's, Hugging Face's)
-_TEXT_TOWER = {"transformer", "token_embedding", "positional_embedding", "ln_final", "text_projection", "logit_scale", "attn_mask", "text_model"}
+_TEXT_TOWER = {
+    "transformer",
+    "token_embedding",
+    "positional_embedding",
+    "ln_final",
+    "text_projection",
+    "logit_scale",
+    "attn_mask",
+    "text_model",
+}
 
 
 def _keep_image_tower(name: str) -> bool:
@@ -112,7 +139,9 @@ def read_checkpoint(
     if not isinstance(path_or_state, Mapping) and is_peft_adapter(path_or_state):  # a LoRA fine-tune: theta0 + s B A
         source = source or str(path_or_state)
         if reference is None:
-            raise MergeflowError(f"{source}: a peft LoRA adapter needs the pretrained backbone (reference) to be applied to")
+            raise MergeflowError(
+                f"{source}: a peft LoRA adapter needs the pretrained backbone (reference) to be applied to"
+            )
         factors, scale = read_peft_adapter(path_or_state)
         return apply_adapter(reference, factors, scale, source=source)
     if isinstance(path_or_state, Mapping):
@@ -128,12 +157,26 @@ def read_checkpoint(
     state = to_timm_clip(state, source=source)
     if "head.weight" not in state and projection_from is not None:
         if "head.weight" not in projection_from:
-            raise MergeflowError(f"{source}: holds no visual projection, and projection_from has no 'head.weight' to take it from")
+            raise MergeflowError(
+                f"{source}: holds no visual projection, and projection_from has no 'head.weight' to take it from"
+            )
         state["head.weight"] = projection_from["head.weight"].clone()
-        state["head.bias"] = projection_from["head.bias"].clone() if "head.bias" in projection_from else torch.zeros(state["head.weight"].shape[0])
+        state["head.bias"] = (
+            projection_from["head.bias"].clone()
+            if "head.bias" in projection_from
+            else torch.zeros(state["head.weight"].shape[0])
+        )
     elif "head.weight" not in state and reference is not None and "head.weight" in reference:
-        raise MergeflowError(f"{source}: holds no visual projection (a CLIPVisionModel without visual_projection); pass the pretrained backbone's state as projection_from")
+        raise MergeflowError(
+            f"{source}: holds no visual projection (a CLIPVisionModel without visual_projection); pass the pretrained "
+            "backbone's state as projection_from"
+        )
     if reference is not None:
-        state = {k: v.to(reference[k].dtype) if k in reference and v.is_floating_point() and reference[k].is_floating_point() else v for k, v in state.items()}
+        state = {
+            k: v.to(reference[k].dtype)
+            if k in reference and v.is_floating_point() and reference[k].is_floating_point()
+            else v
+            for k, v in state.items()
+        }
         check_compatible(reference, state, reference_name="the pretrained backbone", other_name=source)
     return state

@@ -31,7 +31,11 @@ class _Reader:
                 raise _Refused("a zip file that is not a torch.save checkpoint (no <archive>/data.pkl)")
             self.archive = pickles[0][: -len("/data.pkl")]
             names = set(self.zip.namelist())
-            order = self.zip.read(f"{self.archive}/byteorder").decode() if f"{self.archive}/byteorder" in names else "little"
+            order = (
+                self.zip.read(f"{self.archive}/byteorder").decode()
+                if f"{self.archive}/byteorder" in names
+                else "little"
+            )
             if order not in ("little", "big"):
                 raise _Refused(f"an unknown byte order '{_printable(order, 20)}'")
             self.byteorder = order
@@ -46,7 +50,9 @@ class _Reader:
         try:
             self.root = _Unpickler(file, zipped=self.zip is not None).load()
             if self.zip is None and file.read(1):
-                raise _Refused("a pickle followed by more data (the legacy torch.save format of PyTorch < 1.6, not read here)")
+                raise _Refused(
+                    "a pickle followed by more data (the legacy torch.save format of PyTorch < 1.6, not read here)"
+                )
         finally:
             file.close()
 
@@ -65,13 +71,17 @@ class _Reader:
         # allocate all of it. Every element must lie in the storage, and there must be no more than it holds.
         count, numel = math.prod(ref.size), flat.numel()
         if count and ref.offset + sum((n - 1) * s for n, s in zip(ref.size, ref.stride)) >= numel:
-            raise _Refused(f"a tensor of shape {_printable(ref.size, 60)} that runs past its storage of {numel} elements")
+            raise _Refused(
+                f"a tensor of shape {_printable(ref.size, 60)} that runs past its storage of {numel} elements"
+            )
         if count > numel:
             raise _Refused(f"a tensor of shape {_printable(ref.size, 60)} larger than its storage of {numel} elements")
         try:
             tensor = flat.as_strided(ref.size, ref.stride, ref.offset)
         except RuntimeError:
-            raise _Refused(f"a tensor of shape {_printable(ref.size, 60)} that runs past its storage of {numel} elements") from None
+            raise _Refused(
+                f"a tensor of shape {_printable(ref.size, 60)} that runs past its storage of {numel} elements"
+            ) from None
         return tensor if tensor.numel() == flat.numel() and tensor.is_contiguous() else tensor.clone()
 
     def _storage(self, ref: _StorageRef) -> torch.Tensor:
@@ -85,7 +95,10 @@ class _Reader:
                 raise _Refused(f"a tensor whose storage '{_printable(name)}' is not in the file") from None
             itemsize = torch.empty(0, dtype=ref.dtype).element_size()
             if len(data) != ref.numel * itemsize:
-                raise _Refused(f"storage '{_printable(name)}' holds {len(data)} bytes, not the {ref.numel * itemsize} its {ref.numel} {ref.dtype} elements need")
+                raise _Refused(
+                    f"storage '{_printable(name)}' holds {len(data)} bytes, not the {ref.numel * itemsize} its "
+                    f"{ref.numel} {ref.dtype} elements need"
+                )
             flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
             if self.byteorder != sys.byteorder and itemsize > 1:
                 flat = flat.view(-1, itemsize).flip(-1).reshape(-1)
@@ -95,7 +108,11 @@ class _Reader:
 
 def _is_module(obj) -> bool:
     """A pickled torch.nn.Module: its __dict__ state holds _parameters, _buffers and _modules."""
-    return isinstance(obj, _Pickled) and isinstance(obj.state, dict) and all(isinstance(obj.state.get(k), dict) for k in ("_parameters", "_buffers", "_modules"))
+    return (
+        isinstance(obj, _Pickled)
+        and isinstance(obj.state, dict)
+        and all(isinstance(obj.state.get(k), dict) for k in ("_parameters", "_buffers", "_modules"))
+    )
 
 
 # a module tree naming more tensors is refused (shared submodules, listed under each of their names, can name
@@ -120,7 +137,10 @@ def _module_tensors(root: _Pickled) -> dict[str, _TensorRef]:
         prefix = f"{path}." if path else ""
         non_persistent = state.get("_non_persistent_buffers_set") or ()
         out = []
-        for name, value in [*state["_parameters"].items(), *((k, v) for k, v in state["_buffers"].items() if k not in non_persistent)]:
+        for name, value in [
+            *state["_parameters"].items(),
+            *((k, v) for k, v in state["_buffers"].items() if k not in non_persistent),
+        ]:
             if value is None:
                 continue
             if not isinstance(value, _TensorRef):
@@ -133,7 +153,9 @@ def _module_tensors(root: _Pickled) -> dict[str, _TensorRef]:
                 raise _Refused(f"submodule '{_printable(f'{prefix}{name}')}' is not a module")
             below = entries(child, f"{prefix}{name}")
             if len(out) + len(below) > _MAX_NAMES:
-                raise _Refused(f"a module tree naming more than {_MAX_NAMES} tensors (submodules shared under many names)")
+                raise _Refused(
+                    f"a module tree naming more than {_MAX_NAMES} tensors (submodules shared under many names)"
+                )
             out.extend((f"{name}.{sub}", value) for sub, value in below)
         walking.discard(id(module))
         done[id(module)] = out
@@ -181,7 +203,19 @@ def read_tensors(path: str | Path, *, keep=None) -> StateDict:
                     raise _Refused(f"tensor '{_printable(name)}' could not be built ({_why(err)})") from None
     except _Refused as err:
         raise MergeflowError(f"{path}: not a checkpoint mergeflow reads: {err}") from None
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError, MemoryError) as err:
+    except (
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        EOFError,
+        OSError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        RecursionError,
+        MemoryError,
+    ) as err:
         # a corrupt or crafted pickle trips the unpickler somewhere: always a bad file
         raise MergeflowError(f"{path}: not a readable PyTorch checkpoint ({_why(err)})") from None
     finally:

@@ -40,7 +40,9 @@ class _NoBuild:
     __slots__ = ()
 
     def __setstate__(self, state):
-        raise _Refused(f"a pickle BUILD (setting attributes) on {type(self).__name__.strip('_')}, not on a recorded object")
+        raise _Refused(
+            f"a pickle BUILD (setting attributes) on {type(self).__name__.strip('_')}, not on a recorded object"
+        )
 
 
 class _Call(_NoBuild):
@@ -163,7 +165,11 @@ def _load_from_bytes(data):
     if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
         raise _Refused(f"an embedded storage holding {_printable(type(storage).__name__)}")
     dtype = storage.dtype if isinstance(storage, torch.storage.TypedStorage) else torch.uint8
-    flat = torch.empty(0, dtype=dtype).set_(storage) if isinstance(storage, torch.storage.TypedStorage) else torch.frombuffer(bytearray(bytes(storage)), dtype=torch.uint8)
+    flat = (
+        torch.empty(0, dtype=dtype).set_(storage)
+        if isinstance(storage, torch.storage.TypedStorage)
+        else torch.frombuffer(bytearray(bytes(storage)), dtype=torch.uint8)
+    )
     return _StorageRef(None, dtype, flat.numel(), flat)
 
 
@@ -208,7 +214,10 @@ _ALLOWED = {
 }
 
 
-_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()} | {"UntypedStorage": torch.uint8, "ByteStorage": torch.uint8}
+_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()} | {
+    "UntypedStorage": torch.uint8,
+    "ByteStorage": torch.uint8,
+}
 
 
 class _Unpickler(pickle.Unpickler):
@@ -228,12 +237,17 @@ class _Unpickler(pickle.Unpickler):
             found = _ALLOWED[(module, name)]
             return _Call(found) if isinstance(found, types.FunctionType) else found
         # torch.save names UntypedStorage (float8's and other dtypes without a storage type) by its torch.storage
-        if (module in ("torch", "torch.cuda") and name in _STORAGE_DTYPES) or (module, name) == ("torch.storage", "UntypedStorage"):
+        if (module in ("torch", "torch.cuda") and name in _STORAGE_DTYPES) or (module, name) == (
+            "torch.storage",
+            "UntypedStorage",
+        ):
             return _StorageType(_STORAGE_DTYPES[name])
         # anything else: a class named after the global, that records and runs nothing
         if (module, name) not in self.records:
             qualname = _printable(f"{module}.{name}")  # what error messages show of it
-            self.records[(module, name)] = type(_printable(name), (_Pickled,), {"qualname": qualname, "__module__": "mergeflow.ml.checkpoints.pickled"})
+            self.records[(module, name)] = type(
+                _printable(name), (_Pickled,), {"qualname": qualname, "__module__": "mergeflow.ml.checkpoints.pickled"}
+            )
         return self.records[(module, name)]
 
     def persistent_load(self, pid):
@@ -241,6 +255,11 @@ class _Unpickler(pickle.Unpickler):
         if not (self.zipped and isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
             raise _Refused(f"an unknown persistent id {str(pid)[:60]!r}")
         _, storage_type, key, _, numel = pid
-        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+        if (
+            not isinstance(storage_type, _StorageType)
+            or not isinstance(key, str)
+            or not isinstance(numel, int)
+            or numel < 0
+        ):
             raise _Refused(f"a storage reference of unknown form {str(pid)[:60]!r}")
         return _StorageRef(key, storage_type.dtype, numel)

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from mergeflow.core.layout import Layout
 
 
-
 @dataclass(frozen=True)
 class Split:
     inputs: torch.Tensor  # uint8 images [N, H, W, 3], or text's int32 token ids [N, L]
@@ -59,14 +58,23 @@ def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.shape)
 
 
-def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size: int | None = None, splits: tuple[str, ...] = SPLITS) -> None:
+def check_task(
+    arrays: dict[str, torch.Tensor],
+    classes,
+    source: str,
+    image_size: int | None = None,
+    splits: tuple[str, ...] = SPLITS,
+) -> None:
     """Raise one line naming ``source`` (the task file), the array at fault and what was expected, unless
     ``arrays`` holds exactly ARRAYS: uint8 images [N, S, S, 3] (S = image_size, or the same square size in every
     split when None), integer labels [N] in 0 .. len(classes) - 1, at least one image per split."""
     import torch
 
     if not isinstance(classes, list) or len(classes) < 2 or not all(isinstance(c, str) for c in classes):
-        raise MergeflowError(f"{source}: metadata 'classes' is {json.dumps(classes)[:60]}, expected a JSON list of at least two class names")
+        raise MergeflowError(
+            f"{source}: metadata 'classes' is {json.dumps(classes)[:60]}, "
+            "expected a JSON list of at least two class names"
+        )
     check_array_names(arrays, source, splits)
     size = image_size
     if size is None and arrays[f"{splits[0]}_x"].ndim == 4:
@@ -75,11 +83,16 @@ def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size
         x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
         expected_x = f"uint8 images [N, {size}, {size}, 3]" if size else "uint8 images [N, H, H, 3]"
         if x.dtype != torch.uint8:
-            raise MergeflowError(f"{source}: array '{split}_x' has dtype {str(x.dtype).removeprefix('torch.')}, expected {expected_x}")
+            raise MergeflowError(
+                f"{source}: array '{split}_x' has dtype {str(x.dtype).removeprefix('torch.')}, expected {expected_x}"
+            )
         if x.ndim != 4 or _shape(x)[1:] != (size, size, 3):
             raise MergeflowError(f"{source}: array '{split}_x' has shape {_shape(x)}, expected {expected_x}")
         if y.dtype not in _integer_dtypes():
-            raise MergeflowError(f"{source}: array '{split}_y' has dtype {str(y.dtype).removeprefix('torch.')}, expected integer labels [N]")
+            raise MergeflowError(
+                f"{source}: array '{split}_y' has dtype "
+                f"{str(y.dtype).removeprefix('torch.')}, expected integer labels [N]"
+            )
         if y.ndim != 1:
             raise MergeflowError(f"{source}: array '{split}_y' has shape {_shape(y)}, expected integer labels [N]")
         if len(x) == 0:
@@ -88,13 +101,21 @@ def check_task(arrays: dict[str, torch.Tensor], classes, source: str, image_size
             raise MergeflowError(f"{source}: array '{split}_x' has {len(x)} images but '{split}_y' has {len(y)} labels")
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= len(classes):
-            raise MergeflowError(f"{source}: array '{split}_y' has label {low if low < 0 else high}, but the task declares {len(classes)} classes")
+            raise MergeflowError(
+                f"{source}: array '{split}_y' has label {low if low < 0 else high}, "
+                f"but the task declares {len(classes)} classes"
+            )
         if split == "train" and low == high:
             # the probe's logistic regression needs two classes to tell apart
             raise MergeflowError(f"{source}: array 'train_y' holds only label {low}, expected at least two classes")
 
 
-def check_corpus(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], source: str, image_size: int, labels: dict[str, torch.Tensor] | None = None) -> None:
+def check_corpus(
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    source: str,
+    image_size: int,
+    labels: dict[str, torch.Tensor] | None = None,
+) -> None:
     """The pretraining corpus, from its arrays' shapes and dtypes (a file's header is enough): uint8 'images'
     [N, S, S, 3] (S = image_size) and, for each pretraining head, integer labels [N]; when ``labels`` (the arrays
     themselves) are given, no negative label either."""
@@ -102,13 +123,22 @@ def check_corpus(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], source: 
 
     expected_images = f"uint8 images [N, {image_size}, {image_size}, 3]"
     if "images" not in specs:
-        raise MergeflowError(f"{source}: array 'images' is missing (the pretraining corpus holds {expected_images} and integer labels [N] per head)")
+        raise MergeflowError(
+            f"{source}: array 'images' is missing (the pretraining corpus "
+            f"holds {expected_images} and integer labels [N] per head)"
+        )
     shape, dtype = specs["images"]
     if dtype != torch.uint8 or len(shape) != 4 or shape[1:] != (image_size, image_size, 3):
-        raise MergeflowError(f"{source}: array 'images' has dtype {str(dtype).removeprefix('torch.')} and shape {shape}, expected {expected_images}")
+        raise MergeflowError(
+            f"{source}: array 'images' has dtype {str(dtype).removeprefix('torch.')} "
+            f"and shape {shape}, expected {expected_images}"
+        )
     for name, (labels_shape, labels_dtype) in specs.items():
         if name != "images" and (labels_dtype not in _integer_dtypes() or labels_shape != shape[:1]):
-            raise MergeflowError(f"{source}: array '{name}' has dtype {str(labels_dtype).removeprefix('torch.')} and shape {labels_shape}, expected integer labels [{shape[0]}], one per image")
+            raise MergeflowError(
+                f"{source}: array '{name}' has dtype {str(labels_dtype).removeprefix('torch.')} and shape "
+                f"{labels_shape}, expected integer labels [{shape[0]}], one per image"
+            )
     for name, y in (labels or {}).items():
         # a head has as many classes as its largest label plus one: a negative label would index from the end
         if name != "images" and len(y) and int(y.min()) < 0:
@@ -144,7 +174,9 @@ def load_task(path: str | Path, image_size: int | None = None, splits: tuple[str
         tensors = {k: lazy[k] for k in lazy.keys() if k.split("_")[0] in splits or k not in ARRAYS}
     meta = load_metadata(path)
     if "classes" not in meta:
-        raise MergeflowError(f"{path}: metadata 'classes' is missing (a task file declares its class names, a JSON list)")
+        raise MergeflowError(
+            f"{path}: metadata 'classes' is missing (a task file declares its class names, a JSON list)"
+        )
     try:
         classes = json.loads(meta["classes"])
     except json.JSONDecodeError:
@@ -177,15 +209,22 @@ def _answers(meta: dict[str, str], classes: list[str], path: Path) -> list[int] 
         answers = json.loads(meta["answers"])
     except json.JSONDecodeError:
         answers = None
-    if not isinstance(answers, list) or len(answers) != len(classes) or len(set(answers)) != len(answers) or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in answers):
-        raise MergeflowError(f"{path}: metadata 'answers' is {meta['answers'][:60]}, expected a JSON list of {len(classes)} distinct token ids (one per class)")
+    if (
+        not isinstance(answers, list)
+        or len(answers) != len(classes)
+        or len(set(answers)) != len(answers)
+        or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in answers)
+    ):
+        raise MergeflowError(
+            f"{path}: metadata 'answers' is {meta['answers'][:60]}, expected "
+            f"a JSON list of {len(classes)} distinct token ids (one per class)"
+        )
     return answers
 
 
 def load_tasks(params: Params, layout: Layout, splits: tuple[str, ...] = SPLITS) -> dict[str, TaskData]:
     """Every task of ``params.suite``, read from the pipeline's files (the prepare stage's outputs)."""
     return {t: load_task(layout.task_data(t), params.suite.image_size, splits) for t in params.suite.tasks}
-
 
 
 def _decode_files(files, size: int, mode: str) -> np.ndarray:
@@ -226,13 +265,20 @@ def imagefolder_layout(root: str | Path, task: str) -> tuple[Path, list[str]]:
     after checking its layout from folder listings alone (no image is opened): train/ and test/ (val/ optional)
     of class folders, no class outside train's, no empty class folder."""
     if not Path(root).is_dir():
-        raise MergeflowError(f"suite.root: '{root}' not found (expected a folder of task folders: {IMAGEFOLDER_LAYOUT})")
+        raise MergeflowError(
+            f"suite.root: '{root}' not found (expected a folder of task folders: {IMAGEFOLDER_LAYOUT})"
+        )
     base = Path(root) / task
     if not base.is_dir():
-        raise MergeflowError(f"suite.tasks: task '{task}' has no folder in suite.root ('{base}' not found; expected {IMAGEFOLDER_LAYOUT})")
+        raise MergeflowError(
+            f"suite.tasks: task '{task}' has no folder in suite.root "
+            f"('{base}' not found; expected {IMAGEFOLDER_LAYOUT})"
+        )
     missing = [split for split in ("train", "test") if not (base / split).is_dir()]
     if missing:
-        raise MergeflowError(f"suite.root: '{base}' needs train/ and test/ subdirectories of class folders ({missing[0]}/ is missing)")
+        raise MergeflowError(
+            f"suite.root: '{base}' needs train/ and test/ subdirectories of class folders ({missing[0]}/ is missing)"
+        )
     classes = sorted(p.name for p in (base / "train").iterdir() if p.is_dir())
     if not classes:
         raise MergeflowError(f"suite.root: '{base / 'train'}' has no class folders")
@@ -246,7 +292,10 @@ def imagefolder_layout(root: str | Path, task: str) -> tuple[Path, list[str]]:
         if not any(next(p.iterdir(), None) is not None for p in folders):
             raise MergeflowError(f"{base / split}: no images")
         if empty := next((p for p in folders if next(p.iterdir(), None) is None), None):
-            raise MergeflowError(f"{empty}: an empty class folder (class '{empty.name}' would have no {split} image: add images or remove the folder)")
+            raise MergeflowError(
+                f"{empty}: an empty class folder (class '{empty.name}' would "
+                f"have no {split} image: add images or remove the folder)"
+            )
     return base, classes
 
 
@@ -260,7 +309,9 @@ def check_layout(cfg: SuiteConfig, task: str, download: bool = False) -> None:
 
         known = embedded.TASKS if cfg.source == "embedded" else text_suite.TASKS
         if task not in known:
-            raise MergeflowError(f"suite.tasks: the {cfg.source} suite has no task '{task}' (tasks: {', '.join(known)})")
+            raise MergeflowError(
+                f"suite.tasks: the {cfg.source} suite has no task '{task}' (tasks: {', '.join(known)})"
+            )
     elif cfg.source == "glue":
         from mergeflow.ml.data.glue import check_glue
 
@@ -305,7 +356,9 @@ def _imagefolder_task(cfg: SuiteConfig, task: str, seed: int) -> tuple[dict[str,
     return arrays, classes
 
 
-def _torchvision_task(cfg: SuiteConfig, task: str, seed: int, download: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
+def _torchvision_task(
+    cfg: SuiteConfig, task: str, seed: int, download: bool = False
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """A benchmark dataset by the papers' name (``benchmark.BENCHMARK``: SUN397, Cars, ..., KMNIST) or any other
     torchvision dataset class by name, read from suite.root; downloaded only when ``download``. Only the picked
     images are decoded: n_train + n_val of train (val split off it), n_test of test, each resized as it is decoded
@@ -314,7 +367,9 @@ def _torchvision_task(cfg: SuiteConfig, task: str, seed: int, download: bool = F
 
     size, mode = cfg.image_size, getattr(cfg, "resize", "squash")
     pool = benchmark.open_split(task, cfg.root, "train", download)
-    pick = np.sort(np.random.default_rng(seed + 1).choice(len(pool), min(cfg.n_train + cfg.n_val, len(pool)), replace=False))
+    pick = np.sort(
+        np.random.default_rng(seed + 1).choice(len(pool), min(cfg.n_train + cfg.n_val, len(pool)), replace=False)
+    )
     # the val split off the picks (as _split_off): row k holds pick order[k], val the first n_val rows, train the rest
     order = np.random.default_rng(seed).permutation(len(pick))
     rows = np.empty_like(order)
@@ -322,14 +377,25 @@ def _torchvision_task(cfg: SuiteConfig, task: str, seed: int, download: bool = F
     x, y = pool.read(pick, size, mode, rows)
     n_val = min(cfg.n_val, len(x))
     test_pool = benchmark.open_split(task, cfg.root, "test", download)
-    test_pick = np.sort(np.random.default_rng(seed).choice(len(test_pool), min(cfg.n_test, len(test_pool)), replace=False))
+    test_pick = np.sort(
+        np.random.default_rng(seed).choice(len(test_pool), min(cfg.n_test, len(test_pool)), replace=False)
+    )
     test_x, test_y = test_pool.read(test_pick, size, mode)
     entry = benchmark.entry(task)
     if entry.classes is not None:
         classes = list(entry.classes)
     else:
-        classes = [str(c) for c in getattr(pool.parts[0][0], "classes", [])] or [str(i) for i in range(int(max(y.max(), test_y.max())) + 1)]
-    return {"train_x": x[n_val:], "train_y": y[n_val:], "val_x": x[:n_val], "val_y": y[:n_val], "test_x": test_x, "test_y": test_y}, classes
+        classes = [str(c) for c in getattr(pool.parts[0][0], "classes", [])] or [
+            str(i) for i in range(int(max(y.max(), test_y.max())) + 1)
+        ]
+    return {
+        "train_x": x[n_val:],
+        "train_y": y[n_val:],
+        "val_x": x[:n_val],
+        "val_y": y[:n_val],
+        "test_x": test_x,
+        "test_y": test_y,
+    }, classes
 
 
 def class_names(task: str, root: str | None = None, download: bool = False) -> list[str]:
@@ -346,7 +412,9 @@ def templates(task: str) -> list[str]:
     return benchmark.templates(task)
 
 
-def build_task(cfg: SuiteConfig, task: str, seed: int, download: bool | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+def build_task(
+    cfg: SuiteConfig, task: str, seed: int, download: bool | None = None
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """The task's arrays and class names. ``download`` (torchvision): may missing datasets be fetched; None:
     suite.download (the prepare stage passes ``Params.downloads()``, which --download also sets)."""
     download = getattr(cfg, "download", False) if download is None else download
@@ -361,7 +429,9 @@ def build_task(cfg: SuiteConfig, task: str, seed: int, download: bool | None = N
     return _torchvision_task(cfg, task, seed, download=download)
 
 
-def write_task(path: Path, cfg: SuiteConfig, task: str, seed: int, download: bool | None = None, backbone=None) -> dict[str, int]:
+def write_task(
+    path: Path, cfg: SuiteConfig, task: str, seed: int, download: bool | None = None, backbone=None
+) -> dict[str, int]:
     """Build the task and save it (atomically, checked: ``save_task``) in this process: the prepare stage's worker,
     so that the stage's parent never holds any task's arrays. Returns the split sizes."""
     if cfg.modality == "text":  # the text suite, or GLUE tokenized with the backbone's own tokenizer
@@ -378,7 +448,7 @@ def task_bytes(cfg: SuiteConfig) -> int:
     """About the most memory one task's worker holds: its images, and safetensors' copy of them while saving."""
     if cfg.modality == "text":
         return 2 * (cfg.n_train + cfg.n_val + cfg.n_test) * cfg.seq_len * 4
-    return 2 * (cfg.n_train + cfg.n_val + cfg.n_test) * cfg.image_size ** 2 * 3
+    return 2 * (cfg.n_train + cfg.n_val + cfg.n_test) * cfg.image_size**2 * 3
 
 
 def build_pretraining_corpus(cfg: SuiteConfig, seed: int) -> dict[str, np.ndarray]:

@@ -9,10 +9,12 @@ import random
 
 SPECIALS: tuple[str, ...] = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # RoBERTa's order: ids 0..4
 
-FUNCTION = tuple("""the a some any every each this that these those many all two three four five six not never and
+FUNCTION = tuple(
+    """the a some any every each this that these those many all two three four five six not never and
 but because although while or after also than more less best good way place kind is are was were it has have do does
 did can should will i we my who which what where when why how to of in on near with by there very really quite so
-often keep makes color , . ?""".split())
+often keep makes color , . ?""".split()
+)
 
 # role meanings kind [suffixes]; kinds: n noun (+s), v verb (+s +ed +ing), a adjective, p name.
 # sci.v is live, eat, hunt, migrate, discover.
@@ -22,8 +24,9 @@ _SPEC = """home.n 36 n|home.v 28 v|home.a 24 a|rev.n 28 n|rev.who 8 n|rev.pos 22
 |travel.who 20 n|travel.n 24 n|travel.v 16 v|travel.a 16 a|travel.town 12 p wick/mouth|sci.n 30 n|sci.hab 12 n
 |sci.food 16 n|sci.season 6 p tide|sci.part 10 n|sci.color 8 a|sci.who 10 p son/ski|sci.v 5 v|hist.who 30 n
 |hist.v 20 v|hist.n 24 n|hist.place 14 p ham/stead"""
-ROLES = {s[0]: (int(s[1]), s[2], s[3].split("/") if len(s) > 3 else None)
-         for s in (x.split() for x in _SPEC.split("|"))}
+ROLES = {
+    s[0]: (int(s[1]), s[2], s[3].split("/") if len(s) > 3 else None) for s in (x.split() for x in _SPEC.split("|"))
+}
 _FORMS = {"n": ("", "s"), "v": ("", "s", "ed", "ing"), "a": ("",), "p": ("",)}
 
 
@@ -66,5 +69,10 @@ def other(r, x, k, avoid=()):
 
 
 # every domain's noun, verb and adjective stems, so that a uniform draw reaches every word
-DOMAINS = [tuple([w for k, v in ROLES.items() if k.split(".")[0] == d and v[1] == kind for m in LEX[k] for w in m]
-                 for kind in "nva") for d in ("home", "rev", "news", "scene", "forum", "travel", "sci", "hist")]
+DOMAINS = [
+    tuple(
+        [w for k, v in ROLES.items() if k.split(".")[0] == d and v[1] == kind for m in LEX[k] for w in m]
+        for kind in "nva"
+    )
+    for d in ("home", "rev", "news", "scene", "forum", "travel", "sci", "hist")
+]

@@ -37,12 +37,22 @@ def _acceptability(r, fault=None):
     vb = v + r.choice(("s", "ed")) if fault == "form" else v
     pp = [r.choice(("in", "on", "near", "with")), "the", pick(r, "home.n") + "s" * (c < 0.2)] * (c < 0.4)
     aux, cop, head = ("do" if agree else "does"), ("are" if agree else "is"), subj + rc
-    w, i = {1: lambda: (head + [v + "s" * (not agree)] + obj + pp + ["."], len(head)),
-            2: lambda: (head + [cop] + ["not"] * (r.random() < 0.3) + ["very"] * (r.random() < 0.3)
-                        + [pick(r, "home.a")] + pp + ["."], len(head)),
-            3: lambda: (head + [aux, "not", vb] + obj + ["."], len(head)),
-            4: lambda: ([aux] + subj + [vb] + obj + ["?"], 0),
-            5: lambda: (["there", cop] + subj + pp + ["."], 1)}[kind]()
+    w, i = {
+        1: lambda: (head + [v + "s" * (not agree)] + obj + pp + ["."], len(head)),
+        2: lambda: (
+            head
+            + [cop]
+            + ["not"] * (r.random() < 0.3)
+            + ["very"] * (r.random() < 0.3)
+            + [pick(r, "home.a")]
+            + pp
+            + ["."],
+            len(head),
+        ),
+        3: lambda: (head + [aux, "not", vb] + obj + ["."], len(head)),
+        4: lambda: ([aux] + subj + [vb] + obj + ["?"], 0),
+        5: lambda: (["there", cop] + subj + pp + ["."], 1),
+    }[kind]()
     if fault == "drop":  # the main verb
         del w[i]
     elif fault == "order":  # swap two different neighbours (never "there is" into a question)
@@ -61,8 +71,13 @@ def _clause(r, pol):
     subj = [r.choice(("the", "these", "those") if pl else ("the", "this", "that")), pick(r, "rev.n") + "s" * pl]
     cop = r.choice(("are", "were") if pl else ("is", "was"))
     if k < 0.5:
-        return (subj + [cop] + [r.choice(("not", "never"))] * neg + [r.choice(("very", "really", "quite", "so"))]
-                * (r.random() < 0.4) + [pick(r, ("rev.neg", "rev.pos")[lex])])
+        return (
+            subj
+            + [cop]
+            + [r.choice(("not", "never"))] * neg
+            + [r.choice(("very", "really", "quite", "so"))] * (r.random() < 0.4)
+            + [pick(r, ("rev.neg", "rev.pos")[lex])]
+        )
     if k < 0.8:
         who = r.choice((["i"], ["we"], ["the", pick(r, "rev.who") + "s" * (r.random() < 0.5)]))
         v = pick(r, ("rev.vneg", "rev.vpos")[lex])
@@ -109,8 +124,15 @@ def _news_words(r, e):
 def _paraphrase(r):
     # an event: agent, verb, patient, place, day, negated, future
     (ag, pt), y = r.sample(range(n("news.n")), 2), int(r.random() < 0.5)
-    e = [ag, r.randrange(n("news.v")), pt, r.randrange(n("news.place")) if r.random() < 0.5 else None,
-         r.randrange(n("news.day")) if r.random() < 0.5 else None, r.random() < 0.4, r.random() < 0.4]
+    e = [
+        ag,
+        r.randrange(n("news.v")),
+        pt,
+        r.randrange(n("news.place")) if r.random() < 0.5 else None,
+        r.randrange(n("news.day")) if r.random() < 0.5 else None,
+        r.random() < 0.4,
+        r.random() < 0.4,
+    ]
     f = list(e)
     k = "" if y else r.choices(("swap", "verb", "arg", "mod", "neg", "tense"), (1, 0.4, 0.4, 2, 3, 3))[0]
     if k == "swap":
@@ -122,8 +144,13 @@ def _paraphrase(r):
     elif k == "mod":  # a place or day added or dropped (rarely changed)
         i = r.choice((3, 4))
         size = (n("news.place"), n("news.day"))[i - 3]
-        f[i] = (None if f[i] is not None and r.random() < 0.7 else r.randrange(size) if f[i] is None
-                else other(r, f[i], size))
+        f[i] = (
+            None
+            if f[i] is not None and r.random() < 0.7
+            else r.randrange(size)
+            if f[i] is None
+            else other(r, f[i], size)
+        )
     elif k:
         f[5 if k == "neg" else 6] ^= True
     return _news_words(r, e), _news_words(r, f), y
@@ -135,18 +162,28 @@ def _paraphrase(r):
 def _scene_meaning(r, news=None):
     news = r.random() < 0.3 if news is None else news
     s, o = r.sample(range(n("news.n" if news else "scene.n")), 2)
-    return dict(news=news, s=s, pl=r.random() < 0.3, adj=r.randrange(n("scene.a")) if r.random() < 0.5 else None,
-                v=r.randrange(n("news.v" if news else "scene.v")), o=o if r.random() < 0.7 else None,
-                place=r.randrange(n("news.place" if news else "scene.place")) if r.random() < 0.6 else None,
-                neg=r.random() < 0.3, past=r.random() < 0.4)
+    return dict(
+        news=news,
+        s=s,
+        pl=r.random() < 0.3,
+        adj=r.randrange(n("scene.a")) if r.random() < 0.5 else None,
+        v=r.randrange(n("news.v" if news else "scene.v")),
+        o=o if r.random() < 0.7 else None,
+        place=r.randrange(n("news.place" if news else "scene.place")) if r.random() < 0.6 else None,
+        neg=r.random() < 0.3,
+        past=r.random() < 0.4,
+    )
 
 
 def _scene_words(r, m):
     """A caption: progressive or simple, present or past, the place at the end or fronted."""
     nr, vr, prr = ("news.n", "news.v", "news.place") if m["news"] else ("scene.n", "scene.v", "scene.place")
     pl, neg, v = m["pl"], m["neg"], pick(r, vr, m["v"])
-    subj = ([r.choice(("two", "some", "the") if pl else ("a", "the"))]
-            + [pick(r, "scene.a", m["adj"])] * (m["adj"] is not None) + [pick(r, nr, m["s"]) + "s" * pl])
+    subj = (
+        [r.choice(("two", "some", "the") if pl else ("a", "the"))]
+        + [pick(r, "scene.a", m["adj"])] * (m["adj"] is not None)
+        + [pick(r, nr, m["s"]) + "s" * pl]
+    )
     if r.random() < 0.6:
         vp = [("were" if pl else "was") if m["past"] else "are" if pl else "is"] + ["not"] * neg + [v + "ing"]
     elif m["past"]:
@@ -210,18 +247,36 @@ def _q_words(r, m):
     """One phrasing of a question meaning."""
     k, dom, on = m[0], m[1], lambda i: pick(r, m[1] + ".n", i)
     if k == "how":
-        return (r.choice((["how", "do", "i"], ["how", "can", "i"], ["what", "is", "the", "best", "way", "to"],
-                          ["how", "should", "i"])) + [pick(r, dom + ".v", m[2]), r.choice(("a", "my", "the"))]
-                + [on(m[3]), "?"])
+        return (
+            r.choice(
+                (
+                    ["how", "do", "i"],
+                    ["how", "can", "i"],
+                    ["what", "is", "the", "best", "way", "to"],
+                    ["how", "should", "i"],
+                )
+            )
+            + [pick(r, dom + ".v", m[2]), r.choice(("a", "my", "the"))]
+            + [on(m[3]), "?"]
+        )
     if k == "where":
-        return (r.choice((["where", "can", "i"], ["where", "do", "i"], ["what", "is", "a", "good", "place", "to"]))
-                + [pick(r, dom + ".v", m[2]), "a", on(m[3]), "?"])
+        return r.choice((["where", "can", "i"], ["where", "do", "i"], ["what", "is", "a", "good", "place", "to"])) + [
+            pick(r, dom + ".v", m[2]),
+            "a",
+            on(m[3]),
+            "?",
+        ]
     if k == "why":
         f, o = pick(r, "forum.fault", m[2]), on(m[3])
         if m[4]:
             return ["why", r.choice(("does", "will")), "my", o, r.choice(("not", "never")), f, "?"]
-        return r.choice((["why", "does", "my", o, "keep", f + "ing"], ["why", "does", "my", o, f, "so", "often"],
-                         ["what", "makes", "my", o, f])) + ["?"]
+        return r.choice(
+            (
+                ["why", "does", "my", o, "keep", f + "ing"],
+                ["why", "does", "my", o, f, "so", "often"],
+                ["what", "makes", "my", o, f],
+            )
+        ) + ["?"]
     if k == "cmp":
         (o1, o2), cmp = (m[2:4], "more") if r.random() < 0.5 else ((m[3], m[2]), "less")
         return ["is", "a", on(o1), cmp, pick(r, "forum.a", m[4]), "than", "a", on(o2), "?"]
@@ -277,8 +332,14 @@ def _travel_words(r, x):
     v = pick(r, "travel.v", x["v"])
     vp = r.choice((["did", "not", v, "any"], ["never", v + "ed", "any"])) if x["neg"] else [v + "ed", "some"]
     loc = ["in", pick(r, "travel.town", x["loc"])] if x["loc"] is not None else []
-    return (["the", pick(r, "travel.who", x["s"])] + vp + [pick(r, "travel.a", x["adj"])] * (x["adj"] is not None)
-            + [pick(r, "travel.n", x["o"]) + "s"] + loc + ["."])
+    return (
+        ["the", pick(r, "travel.who", x["s"])]
+        + vp
+        + [pick(r, "travel.a", x["adj"])] * (x["adj"] is not None)
+        + [pick(r, "travel.n", x["o"]) + "s"]
+        + loc
+        + ["."]
+    )
 
 
 def _slot(r, x, size):
@@ -289,12 +350,21 @@ def _slot(r, x, size):
 
 def _inference(r):
     y, c = r.randrange(3), r.random
-    p = dict(s=r.randrange(n("travel.who")), v=r.randrange(n("travel.v")), o=r.randrange(n("travel.n")),
-             neg=c() < 0.5, adj=r.randrange(n("travel.a")) if c() < 0.5 else None,
-             loc=r.randrange(n("travel.town")) if c() < 0.5 else None)
+    p = dict(
+        s=r.randrange(n("travel.who")),
+        v=r.randrange(n("travel.v")),
+        o=r.randrange(n("travel.n")),
+        neg=c() < 0.5,
+        adj=r.randrange(n("travel.a")) if c() < 0.5 else None,
+        loc=r.randrange(n("travel.town")) if c() < 0.5 else None,
+    )
     for _ in range(200):
-        h = dict(p, neg=p["neg"] ^ (c() < 0.5), adj=_slot(r, p["adj"], n("travel.a")),
-                 loc=_slot(r, p["loc"], n("travel.town")))
+        h = dict(
+            p,
+            neg=p["neg"] ^ (c() < 0.5),
+            adj=_slot(r, p["adj"], n("travel.a")),
+            loc=_slot(r, p["loc"], n("travel.town")),
+        )
         k = c()
         if k < 0.12:  # another person, verb or object: nothing follows
             slot = r.choice(("s", "v", "o"))
@@ -316,12 +386,23 @@ def _rte(r):
     P, V, O = (lambda i: ["the", pick(r, who, i)]), (lambda i: pick(r, vr, i)), (lambda i: ["the", pick(r, obj, i)])
     A = lambda v, ng: ["did", "not", V(v)] if ng else [V(v) + "ed"]  # an active verb phrase
     place = ["in", pick(r, "hist.place" if hist else "travel.town")] * (r.random() < 0.3)
-    w = {0: lambda: P(p1) + [",", "who"] + A(v1, n1) + O(o1) + [","] + A(v2, n2) + O(o2) + place,
-         1: lambda: P(p1) + A(v1, n1) + O(o1) + ["and"] + P(p2) + A(v2, n2) + O(o2),
-         2: lambda: O(o1) + ["was"] + ["not"] * n1 + [V(v1) + "ed", "by"] + P(p1) + [",", "who"]
-         + (["also"] * (not n1) + A(v2, n2)) + O(o2) + place,
-         3: lambda: ["after"] + P(p1) + A(v1, n1) + O(o1) + [","] + P(p2) + A(v2, n2) + O(o2) + place,
-         4: lambda: P(p1) + A(v1, n1) + O(o1) + [",", "but"] + P(p2) + ["did"] + ["not"] * n2}[form]() + ["."]
+    w = {
+        0: lambda: P(p1) + [",", "who"] + A(v1, n1) + O(o1) + [","] + A(v2, n2) + O(o2) + place,
+        1: lambda: P(p1) + A(v1, n1) + O(o1) + ["and"] + P(p2) + A(v2, n2) + O(o2),
+        2: lambda: (
+            O(o1)
+            + ["was"]
+            + ["not"] * n1
+            + [V(v1) + "ed", "by"]
+            + P(p1)
+            + [",", "who"]
+            + (["also"] * (not n1) + A(v2, n2))
+            + O(o2)
+            + place
+        ),
+        3: lambda: ["after"] + P(p1) + A(v1, n1) + O(o1) + [","] + P(p2) + A(v2, n2) + O(o2) + place,
+        4: lambda: P(p1) + A(v1, n1) + O(o1) + [",", "but"] + P(p2) + ["did"] + ["not"] * n2,
+    }[form]() + ["."]
     for _ in range(100):  # entailed: the hypothesis is one of the premise's facts (in either voice)
         f, c = r.choice(facts), r.random
         pn = f[0] if c() < 0.93 else r.choice((p1, p2, other(r, p1, n(who), (p2,))))
@@ -342,14 +423,15 @@ _RELS = {"live": 12, "eat": 16, "hunt": 30, "migrate": 6, "has": 50, "color": 8,
 def _sci_vp(r, rel, a):
     """A fact's verb phrase; hunt's argument is the hunted entity, has's is 10 * (number - 2) + part."""
     V = lambda i: pick(r, "sci.v", i)
-    return {"live": lambda: [V(0) + "s", "in", "the", pick(r, "sci.hab", a)],
-            "eat": lambda: [V(1) + "s", pick(r, "sci.food", a) + "s"],
-            "hunt": lambda: [V(2) + "s", "the", pick(r, "sci.n", a)],
-            "migrate": lambda: [V(3) + "s", "in", pick(r, "sci.season", a)],
-            "has": lambda: ["has", ("two", "three", "four", "five", "six")[a // 10], pick(r, "sci.part", a % 10)
-                            + "s"],
-            "color": lambda: ["is", pick(r, "sci.color", a)],
-            "found": lambda: ["was", V(4) + "ed", "by", pick(r, "sci.who", a)]}[rel]()
+    return {
+        "live": lambda: [V(0) + "s", "in", "the", pick(r, "sci.hab", a)],
+        "eat": lambda: [V(1) + "s", pick(r, "sci.food", a) + "s"],
+        "hunt": lambda: [V(2) + "s", "the", pick(r, "sci.n", a)],
+        "migrate": lambda: [V(3) + "s", "in", pick(r, "sci.season", a)],
+        "has": lambda: ["has", ("two", "three", "four", "five", "six")[a // 10], pick(r, "sci.part", a % 10) + "s"],
+        "color": lambda: ["is", pick(r, "sci.color", a)],
+        "found": lambda: ["was", V(4) + "ed", "by", pick(r, "sci.who", a)],
+    }[rel]()
 
 
 def _answerable(r):
@@ -369,17 +451,25 @@ def _answerable(r):
         e = f[2] if f[0] == rel == "hunt" and r.random() < 0.5 else e  # the hunted: "what hunts it" answers
         x = f[2] % 10 if f[0] == "has" and r.random() < 0.6 else r.randrange(10)  # the part a has-question asks
         x = r.choice(("agent", "patient")) if rel == "hunt" else x
-        if y == any(g[0] == rel and (g[2] if (rel, x) == ("hunt", "patient") else g[1]) == e
-                    and (rel != "has" or g[2] % 10 == x) for g in facts):
+        if y == any(
+            g[0] == rel
+            and (g[2] if (rel, x) == ("hunt", "patient") else g[1]) == e
+            and (rel != "has" or g[2] % 10 == x)
+            for g in facts
+        ):
             break
     else:
         return _answerable(r)
     E, V = (lambda i: ["the", pick(r, "sci.n", i)]), (lambda i: pick(r, "sci.v", i))
-    q = {"live": lambda: ["where", "does"] + E(e) + [V(0)], "eat": lambda: ["what", "does"] + E(e) + [V(1)],
-         "hunt": lambda: ["what", "does"] + E(e) + [V(2)] if x == "agent" else ["what", V(2) + "s"] + E(e),
-         "migrate": lambda: ["when", "does"] + E(e) + [V(3)], "color": lambda: ["what", "color", "is"] + E(e),
-         "has": lambda: ["how", "many", pick(r, "sci.part", x) + "s", "does"] + E(e) + ["have"],
-         "found": lambda: ["who", V(4) + "ed"] + E(e)}[rel]() + ["?"]
+    q = {
+        "live": lambda: ["where", "does"] + E(e) + [V(0)],
+        "eat": lambda: ["what", "does"] + E(e) + [V(1)],
+        "hunt": lambda: ["what", "does"] + E(e) + [V(2)] if x == "agent" else ["what", V(2) + "s"] + E(e),
+        "migrate": lambda: ["when", "does"] + E(e) + [V(3)],
+        "color": lambda: ["what", "color", "is"] + E(e),
+        "has": lambda: ["how", "many", pick(r, "sci.part", x) + "s", "does"] + E(e) + ["have"],
+        "found": lambda: ["who", V(4) + "ed"] + E(e),
+    }[rel]() + ["?"]
     (r1, e1, a1), (r2, e2, a2) = facts[0], facts[-1]
     if len(facts) == 1:
         return q, E(e1) + _sci_vp(r, r1, a1) + ["."], y
@@ -390,8 +480,13 @@ def _answerable(r):
     return q, E(e1) + first + _sci_vp(r, r2, a2) + ["."], y
 
 
-
-
-GENERATORS = {"acceptability": _acceptability, "sentiment": _sentiment, "paraphrase": _paraphrase,
-              "similarity": _similarity, "duplicates": _duplicates, "inference": _inference,
-              "answerable": _answerable, "entailment": _rte}
+GENERATORS = {
+    "acceptability": _acceptability,
+    "sentiment": _sentiment,
+    "paraphrase": _paraphrase,
+    "similarity": _similarity,
+    "duplicates": _duplicates,
+    "inference": _inference,
+    "answerable": _answerable,
+    "entailment": _rte,
+}

@@ -64,8 +64,16 @@ class Benchmark:
 
 
 def _entry(name, reader, train, test, templates, classes, layout, **kw) -> Benchmark:
-    return Benchmark(name, reader, tuple(train), None if test is None else tuple(test), tuple(templates),
-                     None if classes is None else tuple(classes), layout, **kw)
+    return Benchmark(
+        name,
+        reader,
+        tuple(train),
+        None if test is None else tuple(test),
+        tuple(templates),
+        None if classes is None else tuple(classes),
+        layout,
+        **kw,
+    )
 
 
 def _same(*paths: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -75,90 +83,320 @@ def _same(*paths: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def _idx_files(folder: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """MNIST's family: torchvision checks all four raw idx files for either split (or reads its legacy processed/)."""
-    return _same(*(f"{folder}/raw/{prefix}-{kind}-ubyte|{folder}/processed/{legacy}" for prefix, legacy in (("train", "training.pt"), ("t10k", "test.pt")) for kind in ("images-idx3", "labels-idx1")))
+    return _same(
+        *(
+            f"{folder}/raw/{prefix}-{kind}-ubyte|{folder}/processed/{legacy}"
+            for prefix, legacy in (("train", "training.pt"), ("t10k", "test.pt"))
+            for kind in ("images-idx3", "labels-idx1")
+        )
+    )
 
 
 P = prompts  # short: the table below names a template and a class list per line
-BENCHMARK: dict[str, Benchmark] = {e.name: e for e in (
-    _entry("SUN397", "SUN397", [{}], None, P.SUN397_TEMPLATE, P.SUN397_CLASSES,
-           "<root>/SUN397/ClassName.txt and <root>/SUN397/<letter>/<class>[/<sub>]/sun_*.jpg", test_fraction=0.5,
-           clean=_sun397,
-           needs=(("SUN397/ClassName.txt",), ())),  # the papers' partition 1 is 50 train + 50 test per class: a seeded half here
-    _entry("Cars", "StanfordCars", [{"split": "train"}], [{"split": "test"}], P.CARS_TEMPLATE, P.CARS_CLASSES,
-           "<root>/stanford_cars/{devkit/cars_meta.mat, devkit/cars_train_annos.mat, cars_train/, cars_test/, cars_test_annos_withlabels.mat}",
-           manual="torchvision's URL is dead: put Kaggle's jessicali9530/stanford-cars-dataset (cars_train/, cars_test/), car_devkit.tgz's devkit/ and cars_test_annos_withlabels.mat in <root>/stanford_cars/ (pytorch/vision#7545)",
-           needs=(("stanford_cars/devkit/", "stanford_cars/devkit/cars_meta.mat", "stanford_cars/devkit/cars_train_annos.mat", "stanford_cars/cars_train/"), ("stanford_cars/devkit/", "stanford_cars/devkit/cars_meta.mat", "stanford_cars/cars_test_annos_withlabels.mat", "stanford_cars/cars_test/"))),
-    _entry("RESISC45", "RESISC45", [{"split": "train"}], [{"split": "test"}], P.RESISC45_TEMPLATE, P.RESISC45_CLASSES,
-           "<root>/resisc45/NWPU-RESISC45/<class>/<class>_NNN.jpg and <root>/resisc45/resisc45-{train,val,test}.txt",
-           clean=_underscores,
-           manual="not in torchvision: unrar NWPU-RESISC45.rar (the NWPU-RESISC45 authors' OneDrive) into <root>/resisc45/ and put resisc45-{train,val,test}.txt from storage.googleapis.com/remote_sensing_representations/ beside it",
-           needs=(("resisc45/NWPU-RESISC45/", "resisc45/resisc45-train.txt"), ("resisc45/NWPU-RESISC45/", "resisc45/resisc45-test.txt"))),
-    _entry("EuroSAT", "EuroSAT", [{}], None, P.EUROSAT_TEMPLATE, P.EUROSAT_OURS_TO_OPENAI.values(),
-           "<root>/eurosat/2750/<ClassName>/<ClassName>_N.jpg", test_fraction=0.1,
-           clean=_pretify_eurosat,
-           needs=(("eurosat/2750/",), ())),  # 10%: the papers' EuroSAT_splits test set is 2,700 of 27,000
-    _entry("SVHN", "SVHN", [{"split": "train"}], [{"split": "test"}], P.SVHN_TEMPLATE, P.DIGITS,
-           "<root>/svhn/{train,test}_32x32.mat", subdir="svhn", md5_free=True,
-           needs=(("svhn/train_32x32.mat",), ("svhn/test_32x32.mat",))),
-    _entry("GTSRB", "GTSRB", [{"split": "train"}], [{"split": "test"}], P.GTSRB_TEMPLATE, P.GTSRB_CLASSES,
-           "<root>/gtsrb/GTSRB/Training/000NN/*.ppm, <root>/gtsrb/GTSRB/Final_Test/Images/*.ppm, <root>/gtsrb/GT-final_test.csv",
-           clean=lambda folder: P.GTSRB_CLASSES[int(folder)],
-           needs=(("gtsrb/GTSRB/Training/",), ("gtsrb/GTSRB/Final_Test/Images/", "gtsrb/GT-final_test.csv"))),
-    _entry("MNIST", "MNIST", [{"train": True}], [{"train": False}], P.MNIST_TEMPLATE, P.DIGITS,
-           "<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
-           needs=_idx_files("MNIST")),
-    _entry("DTD", "DTD", [{"split": "train", "partition": 1}, {"split": "val", "partition": 1}],
-           [{"split": "test", "partition": 1}], P.DTD_TEMPLATE, P.DTD_CLASSES,
-           "<root>/dtd/dtd/{images/<class>/*.jpg, labels/{train,val,test}1.txt}",
-           clean=_underscores,
-           needs=(("dtd/dtd/", "dtd/dtd/labels/train1.txt", "dtd/dtd/labels/val1.txt"), ("dtd/dtd/", "dtd/dtd/labels/test1.txt"))),  # train = train1 + val1, test = test1: the papers' prepared DTD split
-    _entry("CIFAR100", "CIFAR100", [{"train": True}], [{"train": False}], P.CIFAR100_TEMPLATE, None,
-           "<root>/cifar-100-python/{train,test,meta}",
-           needs=_same("cifar-100-python/train", "cifar-100-python/test", "cifar-100-python/meta")),
-    _entry("STL10", "STL10", [{"split": "train"}], [{"split": "test"}], P.STL10_TEMPLATE, P.STL10_CLASSES,
-           "<root>/stl10_binary/{train,test}_{X,y}.bin, unlabeled_X.bin, class_names.txt", md5_free=True,
-           needs=_same(*(f"stl10_binary/{f}.bin" for f in ("train_X", "train_y", "unlabeled_X", "test_X", "test_y")))),
-    _entry("Flowers102", "Flowers102", [{"split": "train"}], [{"split": "test"}], P.FLOWERS102_TEMPLATE, P.FLOWERS102_CLASSES,
-           "<root>/flowers-102/{jpg/, imagelabels.mat, setid.mat}",
-           needs=_same("flowers-102/jpg/", "flowers-102/imagelabels.mat", "flowers-102/setid.mat")),
-    _entry("OxfordIIITPet", "OxfordIIITPet", [{"split": "trainval"}], [{"split": "test"}], P.OXFORDPETS_TEMPLATE, None,
-           "<root>/oxford-iiit-pet/{images/, annotations/{trainval,test}.txt}",
-           needs=(("oxford-iiit-pet/images/", "oxford-iiit-pet/annotations/trainval.txt"), ("oxford-iiit-pet/images/", "oxford-iiit-pet/annotations/test.txt"))),
-    _entry("PCAM", "PCAM", [{"split": "train"}], [{"split": "test"}], P.PCAM_TEMPLATE, P.PCAM_CLASSES,
-           "<root>/pcam/camelyonpatch_level_2_split_{train,test}_{x,y}.h5",
-           needs=tuple(tuple(f"pcam/camelyonpatch_level_2_split_{s}_{xy}.h5" for xy in "xy") for s in ("train", "test"))),
-    _entry("FER2013", "FER2013", [{"split": "train"}], [{"split": "test"}], P.FER2013_TEMPLATE, P.FER2013_CLASSES,
-           "<root>/fer2013/fer2013.csv (or icml_face_data.csv)",
-           manual="from Kaggle (challenges-in-representation-learning-facial-expression-recognition-challenge): put fer2013.csv or icml_face_data.csv in <root>/fer2013/",
-           needs=tuple((f"fer2013/fer2013.csv|fer2013/icml_face_data.csv|fer2013/{s}.csv",) for s in ("train", "test"))),
-    _entry("EMNIST", "EMNIST", [{"split": "digits", "train": True}], [{"split": "digits", "train": False}], P.EMNIST_TEMPLATE, P.DIGITS,
-           "<root>/EMNIST/raw/emnist-digits-{train,test}-{images-idx3,labels-idx1}-ubyte",
-           needs=tuple(tuple(f"EMNIST/raw/emnist-digits-{s}-{k}-ubyte|EMNIST/processed/{leg}_digits.pt" for k in ("images-idx3", "labels-idx1")) for s, leg in (("train", "training"), ("test", "test")))),
-    _entry("CIFAR10", "CIFAR10", [{"train": True}], [{"train": False}], P.CIFAR10_TEMPLATE, P.CIFAR10_CLASSES,
-           "<root>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}",
-           needs=_same(*(f"cifar-10-batches-py/{f}" for f in (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")))),
-    _entry("Food101", "Food101", [{"split": "train"}], [{"split": "test"}], P.FOOD101_TEMPLATE, None,
-           "<root>/food-101/{images/<class>/*.jpg, meta/{train,test}.json}",
-           needs=(("food-101/images/", "food-101/meta/train.json"), ("food-101/images/", "food-101/meta/test.json"))),
-    _entry("FashionMNIST", "FashionMNIST", [{"train": True}], [{"train": False}], P.FASHIONMNIST_TEMPLATE, P.FASHIONMNIST_CLASSES,
-           "<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
-           needs=_idx_files("FashionMNIST")),
-    _entry("RenderedSST2", "RenderedSST2", [{"split": "train"}], [{"split": "test"}], P.SST2_TEMPLATE, P.RENDEREDSST2_CLASSES,
-           "<root>/rendered-sst2/{train,test}/{negative,positive}/*.png",
-           needs=tuple(tuple(f"rendered-sst2/{s}/{c}/" for c in ("negative", "positive")) for s in ("train", "test"))),
-    _entry("KMNIST", "KMNIST", [{"train": True}], [{"train": False}], P.KMNIST_TEMPLATE, P.KMNIST_CLASSES,
-           "<root>/KMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
-           needs=_idx_files("KMNIST")),
-)}
+BENCHMARK: dict[str, Benchmark] = {
+    e.name: e
+    for e in (
+        _entry(
+            "SUN397",
+            "SUN397",
+            [{}],
+            None,
+            P.SUN397_TEMPLATE,
+            P.SUN397_CLASSES,
+            "<root>/SUN397/ClassName.txt and <root>/SUN397/<letter>/<class>[/<sub>]/sun_*.jpg",
+            test_fraction=0.5,
+            clean=_sun397,
+            needs=(("SUN397/ClassName.txt",), ()),
+        ),  # the papers' partition 1 is 50 train + 50 test per class: a seeded half here
+        _entry(
+            "Cars",
+            "StanfordCars",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.CARS_TEMPLATE,
+            P.CARS_CLASSES,
+            "<root>/stanford_cars/{devkit/cars_meta.mat, devkit/cars_train_annos.mat, cars_train/, cars_test/, "
+            "cars_test_annos_withlabels.mat}",
+            manual="torchvision's URL is dead: put Kaggle's jessicali9530/stanford-cars-dataset "
+            "(cars_train/, cars_test/), car_devkit.tgz's devkit/ and "
+            "cars_test_annos_withlabels.mat in <root>/stanford_cars/ (pytorch/vision#7545)",
+            needs=(
+                (
+                    "stanford_cars/devkit/",
+                    "stanford_cars/devkit/cars_meta.mat",
+                    "stanford_cars/devkit/cars_train_annos.mat",
+                    "stanford_cars/cars_train/",
+                ),
+                (
+                    "stanford_cars/devkit/",
+                    "stanford_cars/devkit/cars_meta.mat",
+                    "stanford_cars/cars_test_annos_withlabels.mat",
+                    "stanford_cars/cars_test/",
+                ),
+            ),
+        ),
+        _entry(
+            "RESISC45",
+            "RESISC45",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.RESISC45_TEMPLATE,
+            P.RESISC45_CLASSES,
+            "<root>/resisc45/NWPU-RESISC45/<class>/<class>_NNN.jpg and <root>/resisc45/resisc45-{train,val,test}.txt",
+            clean=_underscores,
+            manual="not in torchvision: unrar NWPU-RESISC45.rar (the NWPU-RESISC45 authors' OneDrive) into "
+            "<root>/resisc45/ and put resisc45-{train,val,test}.txt from "
+            "storage.googleapis.com/remote_sensing_representations/ beside it",
+            needs=(
+                ("resisc45/NWPU-RESISC45/", "resisc45/resisc45-train.txt"),
+                ("resisc45/NWPU-RESISC45/", "resisc45/resisc45-test.txt"),
+            ),
+        ),
+        _entry(
+            "EuroSAT",
+            "EuroSAT",
+            [{}],
+            None,
+            P.EUROSAT_TEMPLATE,
+            P.EUROSAT_OURS_TO_OPENAI.values(),
+            "<root>/eurosat/2750/<ClassName>/<ClassName>_N.jpg",
+            test_fraction=0.1,
+            clean=_pretify_eurosat,
+            needs=(("eurosat/2750/",), ()),
+        ),  # 10%: the papers' EuroSAT_splits test set is 2,700 of 27,000
+        _entry(
+            "SVHN",
+            "SVHN",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.SVHN_TEMPLATE,
+            P.DIGITS,
+            "<root>/svhn/{train,test}_32x32.mat",
+            subdir="svhn",
+            md5_free=True,
+            needs=(("svhn/train_32x32.mat",), ("svhn/test_32x32.mat",)),
+        ),
+        _entry(
+            "GTSRB",
+            "GTSRB",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.GTSRB_TEMPLATE,
+            P.GTSRB_CLASSES,
+            "<root>/gtsrb/GTSRB/Training/000NN/*.ppm, <root>/gtsrb/GTSRB/Final_Test/Images/*.ppm, "
+            "<root>/gtsrb/GT-final_test.csv",
+            clean=lambda folder: P.GTSRB_CLASSES[int(folder)],
+            needs=(("gtsrb/GTSRB/Training/",), ("gtsrb/GTSRB/Final_Test/Images/", "gtsrb/GT-final_test.csv")),
+        ),
+        _entry(
+            "MNIST",
+            "MNIST",
+            [{"train": True}],
+            [{"train": False}],
+            P.MNIST_TEMPLATE,
+            P.DIGITS,
+            "<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
+            needs=_idx_files("MNIST"),
+        ),
+        _entry(
+            "DTD",
+            "DTD",
+            [{"split": "train", "partition": 1}, {"split": "val", "partition": 1}],
+            [{"split": "test", "partition": 1}],
+            P.DTD_TEMPLATE,
+            P.DTD_CLASSES,
+            "<root>/dtd/dtd/{images/<class>/*.jpg, labels/{train,val,test}1.txt}",
+            clean=_underscores,
+            needs=(
+                ("dtd/dtd/", "dtd/dtd/labels/train1.txt", "dtd/dtd/labels/val1.txt"),
+                ("dtd/dtd/", "dtd/dtd/labels/test1.txt"),
+            ),
+        ),  # train = train1 + val1, test = test1: the papers' prepared DTD split
+        _entry(
+            "CIFAR100",
+            "CIFAR100",
+            [{"train": True}],
+            [{"train": False}],
+            P.CIFAR100_TEMPLATE,
+            None,
+            "<root>/cifar-100-python/{train,test,meta}",
+            needs=_same("cifar-100-python/train", "cifar-100-python/test", "cifar-100-python/meta"),
+        ),
+        _entry(
+            "STL10",
+            "STL10",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.STL10_TEMPLATE,
+            P.STL10_CLASSES,
+            "<root>/stl10_binary/{train,test}_{X,y}.bin, unlabeled_X.bin, class_names.txt",
+            md5_free=True,
+            needs=_same(*(f"stl10_binary/{f}.bin" for f in ("train_X", "train_y", "unlabeled_X", "test_X", "test_y"))),
+        ),
+        _entry(
+            "Flowers102",
+            "Flowers102",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.FLOWERS102_TEMPLATE,
+            P.FLOWERS102_CLASSES,
+            "<root>/flowers-102/{jpg/, imagelabels.mat, setid.mat}",
+            needs=_same("flowers-102/jpg/", "flowers-102/imagelabels.mat", "flowers-102/setid.mat"),
+        ),
+        _entry(
+            "OxfordIIITPet",
+            "OxfordIIITPet",
+            [{"split": "trainval"}],
+            [{"split": "test"}],
+            P.OXFORDPETS_TEMPLATE,
+            None,
+            "<root>/oxford-iiit-pet/{images/, annotations/{trainval,test}.txt}",
+            needs=(
+                ("oxford-iiit-pet/images/", "oxford-iiit-pet/annotations/trainval.txt"),
+                ("oxford-iiit-pet/images/", "oxford-iiit-pet/annotations/test.txt"),
+            ),
+        ),
+        _entry(
+            "PCAM",
+            "PCAM",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.PCAM_TEMPLATE,
+            P.PCAM_CLASSES,
+            "<root>/pcam/camelyonpatch_level_2_split_{train,test}_{x,y}.h5",
+            needs=tuple(
+                tuple(f"pcam/camelyonpatch_level_2_split_{s}_{xy}.h5" for xy in "xy") for s in ("train", "test")
+            ),
+        ),
+        _entry(
+            "FER2013",
+            "FER2013",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.FER2013_TEMPLATE,
+            P.FER2013_CLASSES,
+            "<root>/fer2013/fer2013.csv (or icml_face_data.csv)",
+            manual="from Kaggle (challenges-in-representation-learning-facial-expression-recognition-challenge): put "
+            "fer2013.csv or icml_face_data.csv in <root>/fer2013/",
+            needs=tuple(
+                (f"fer2013/fer2013.csv|fer2013/icml_face_data.csv|fer2013/{s}.csv",) for s in ("train", "test")
+            ),
+        ),
+        _entry(
+            "EMNIST",
+            "EMNIST",
+            [{"split": "digits", "train": True}],
+            [{"split": "digits", "train": False}],
+            P.EMNIST_TEMPLATE,
+            P.DIGITS,
+            "<root>/EMNIST/raw/emnist-digits-{train,test}-{images-idx3,labels-idx1}-ubyte",
+            needs=tuple(
+                tuple(
+                    f"EMNIST/raw/emnist-digits-{s}-{k}-ubyte|EMNIST/processed/{leg}_digits.pt"
+                    for k in ("images-idx3", "labels-idx1")
+                )
+                for s, leg in (("train", "training"), ("test", "test"))
+            ),
+        ),
+        _entry(
+            "CIFAR10",
+            "CIFAR10",
+            [{"train": True}],
+            [{"train": False}],
+            P.CIFAR10_TEMPLATE,
+            P.CIFAR10_CLASSES,
+            "<root>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}",
+            needs=_same(
+                *(
+                    f"cifar-10-batches-py/{f}"
+                    for f in (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
+                )
+            ),
+        ),
+        _entry(
+            "Food101",
+            "Food101",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.FOOD101_TEMPLATE,
+            None,
+            "<root>/food-101/{images/<class>/*.jpg, meta/{train,test}.json}",
+            needs=(("food-101/images/", "food-101/meta/train.json"), ("food-101/images/", "food-101/meta/test.json")),
+        ),
+        _entry(
+            "FashionMNIST",
+            "FashionMNIST",
+            [{"train": True}],
+            [{"train": False}],
+            P.FASHIONMNIST_TEMPLATE,
+            P.FASHIONMNIST_CLASSES,
+            "<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
+            needs=_idx_files("FashionMNIST"),
+        ),
+        _entry(
+            "RenderedSST2",
+            "RenderedSST2",
+            [{"split": "train"}],
+            [{"split": "test"}],
+            P.SST2_TEMPLATE,
+            P.RENDEREDSST2_CLASSES,
+            "<root>/rendered-sst2/{train,test}/{negative,positive}/*.png",
+            needs=tuple(tuple(f"rendered-sst2/{s}/{c}/" for c in ("negative", "positive")) for s in ("train", "test")),
+        ),
+        _entry(
+            "KMNIST",
+            "KMNIST",
+            [{"train": True}],
+            [{"train": False}],
+            P.KMNIST_TEMPLATE,
+            P.KMNIST_CLASSES,
+            "<root>/KMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
+            needs=_idx_files("KMNIST"),
+        ),
+    )
+}
 
 # the papers' order (TALL masks' ALL_DATASETS; task vectors' eight)
 SUITES = {
     "ta8": ["SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD"],
-    "ta14": ["SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD",
-             "CIFAR100", "STL10", "Flowers102", "OxfordIIITPet", "PCAM", "FER2013"],
-    "ta20": ["SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD",
-             "CIFAR100", "STL10", "Flowers102", "OxfordIIITPet", "PCAM", "FER2013",
-             "EMNIST", "CIFAR10", "Food101", "FashionMNIST", "RenderedSST2", "KMNIST"],
+    "ta14": [
+        "SUN397",
+        "Cars",
+        "RESISC45",
+        "EuroSAT",
+        "SVHN",
+        "GTSRB",
+        "MNIST",
+        "DTD",
+        "CIFAR100",
+        "STL10",
+        "Flowers102",
+        "OxfordIIITPet",
+        "PCAM",
+        "FER2013",
+    ],
+    "ta20": [
+        "SUN397",
+        "Cars",
+        "RESISC45",
+        "EuroSAT",
+        "SVHN",
+        "GTSRB",
+        "MNIST",
+        "DTD",
+        "CIFAR100",
+        "STL10",
+        "Flowers102",
+        "OxfordIIITPet",
+        "PCAM",
+        "FER2013",
+        "EMNIST",
+        "CIFAR10",
+        "Food101",
+        "FashionMNIST",
+        "RenderedSST2",
+        "KMNIST",
+    ],
 }
 
 
@@ -170,10 +408,15 @@ def generic(task: str) -> Benchmark:
 
     cls = getattr(tvd, task, None)
     if not inspect.isclass(cls):
-        raise MergeflowError(f"suite.tasks: '{task}' is neither a benchmark dataset ({', '.join(BENCHMARK)}) nor a torchvision dataset class")
+        raise MergeflowError(
+            f"suite.tasks: '{task}' is neither a benchmark dataset "
+            f"({', '.join(BENCHMARK)}) nor a torchvision dataset class"
+        )
     params = inspect.signature(cls.__init__).parameters
     train, test = ({"split": "train"}, {"split": "test"}) if "split" in params else ({"train": True}, {"train": False})
-    return Benchmark(task, task, (train,), (test,), GENERIC_TEMPLATES, None, f"torchvision {task}'s layout under <root>")
+    return Benchmark(
+        task, task, (train,), (test,), GENERIC_TEMPLATES, None, f"torchvision {task}'s layout under <root>"
+    )
 
 
 def entry(task: str) -> Benchmark:
@@ -200,7 +443,8 @@ def class_names(task: str, root: str | None = None, download: bool = False) -> l
 
 
 class Pool:
-    """One split: parts of (dataset, label table or None, indices into the dataset); decodes only what ``read`` picks."""
+    """One split: parts of (dataset, label table or None, indices into the dataset); decodes only what ``read``
+    picks."""
 
     def __init__(self, parts: list[tuple[Any, np.ndarray | None, np.ndarray]], name: str = "", root: str = ""):
         self.parts = parts
@@ -210,7 +454,9 @@ class Pool:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def read(self, picks: np.ndarray, size: int, mode: str = "squash", rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def read(
+        self, picks: np.ndarray, size: int, mode: str = "squash", rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The picked images as uint8 [len(picks), size, size, 3] and their labels; each image is resized
         (``mergeflow.ml.data.images.resize_image``) as it is decoded, and closed: one full-size image at a time. Pick j
         goes to row ``rows[j]`` (default j). An image that cannot be decoded is one line naming the task and file."""
@@ -233,7 +479,11 @@ class Pool:
             except MergeflowError:
                 raise
             except Exception as err:  # PIL's and the readers' errors for a damaged file are of many kinds
-                where = _file_of(ds, i) or _culprit(err, self.root) or f"image {i} of {type(ds).__name__} under '{self.root}'"
+                where = (
+                    _file_of(ds, i)
+                    or _culprit(err, self.root)
+                    or f"image {i} of {type(ds).__name__} under '{self.root}'"
+                )
                 raise MergeflowError(f"suite.root: {self.name}: {where}: not readable ({_first_line(err)})") from None
             labels[row] = int(label) if table is None else int(table[int(label)])
         return images, labels
@@ -286,7 +536,10 @@ def _without_md5(cls):
         def _check_integrity(self) -> bool:
             if cls.__name__ == "SVHN":
                 return os.path.isfile(os.path.join(self.root, self.filename))
-            return all(os.path.isfile(os.path.join(self.root, self.base_folder, f)) for f, _ in self.train_list + self.test_list)
+            return all(
+                os.path.isfile(os.path.join(self.root, self.base_folder, f))
+                for f, _ in self.train_list + self.test_list
+            )
 
     WithoutMD5.__name__ = cls.__name__
     return WithoutMD5
@@ -334,9 +587,14 @@ def check_files(task: str, root: str, download: bool = False) -> None:
     if task not in BENCHMARK:
         names = torchvision_dataset_names()
         if names is not None and task not in names:
-            raise MergeflowError(f"suite.tasks: '{task}' is neither a benchmark dataset ({', '.join(BENCHMARK)}) nor a torchvision dataset class")
+            raise MergeflowError(
+                f"suite.tasks: '{task}' is neither a benchmark dataset "
+                f"({', '.join(BENCHMARK)}) nor a torchvision dataset class"
+            )
         if not download and not Path(root).is_dir():
-            raise MergeflowError(f"suite.root: '{root}' not found (torchvision {task}'s layout under <root>); {DOWNLOAD_HINT}")
+            raise MergeflowError(
+                f"suite.root: '{root}' not found (torchvision {task}'s layout under <root>); {DOWNLOAD_HINT}"
+            )
         return
     e = BENCHMARK[task]
     if download and e.downloadable:
@@ -350,7 +608,9 @@ def check_files(task: str, root: str, download: bool = False) -> None:
 
 def _is_missing(err: BaseException) -> bool:
     """An absent file or folder (torchvision's own existence checks say 'Dataset not found'), not a damaged one."""
-    return isinstance(err, (FileNotFoundError, NotADirectoryError)) or (isinstance(err, RuntimeError) and "not found" in str(err).lower())
+    return isinstance(err, (FileNotFoundError, NotADirectoryError)) or (
+        isinstance(err, RuntimeError) and "not found" in str(err).lower()
+    )
 
 
 def _open(e: Benchmark, root: str, kwargs: dict, download: bool):
@@ -384,7 +644,9 @@ def _open(e: Benchmark, root: str, kwargs: dict, download: bool):
         culprit = _culprit(err, root)
         if culprit is None and download and e.downloadable:
             raise MergeflowError(f"suite.root: {e.name} could not be downloaded to '{root}' ({reason})") from None
-        raise MergeflowError(f"suite.root: {e.name}: {culprit or f'its files under {root!r}'}: not readable ({reason})") from None
+        raise MergeflowError(
+            f"suite.root: {e.name}: {culprit or f'its files under {root!r}'}: not readable ({reason})"
+        ) from None
 
 
 def _raw_classes(e: Benchmark, ds) -> list[str] | None:
@@ -407,7 +669,9 @@ def _label_table(e: Benchmark, ds, root: str) -> np.ndarray | None:
     for name in raw:
         clean = e.clean(str(name))
         if clean not in index:
-            raise MergeflowError(f"suite.root: {e.name} under '{root}' has class '{name}', not one of its {len(e.classes)} classes")
+            raise MergeflowError(
+                f"suite.root: {e.name} under '{root}' has class '{name}', not one of its {len(e.classes)} classes"
+            )
         table.append(index[clean])
     return np.asarray(table, dtype=np.int64)
 
@@ -431,7 +695,7 @@ def open_split(task: str, root: str, split: str, download: bool = False) -> Pool
             ds = _sorted_sun397(ds)
         parts.append((ds, _label_table(e, ds, root), np.arange(len(ds))))
     if e.test is None:  # a fixed seeded split of the whole set
-        (ds, table, ix), = parts
+        ((ds, table, ix),) = parts
         order = np.random.default_rng(SPLIT_SEED).permutation(len(ix))
         n_test = max(1, round(e.test_fraction * len(ix)))
         parts = [(ds, table, np.sort(order[:n_test] if split == "test" else order[n_test:]))]
@@ -450,8 +714,12 @@ class _Resisc45:
         self._open = Image.open
         names = set((base / f"resisc45-{split}.txt").read_text().split())
         self.classes = sorted(p.name for p in (base / "NWPU-RESISC45").iterdir() if p.is_dir())
-        self.samples = [(f, i) for i, c in enumerate(self.classes)
-                        for f in sorted((base / "NWPU-RESISC45" / c).iterdir()) if f.name in names]
+        self.samples = [
+            (f, i)
+            for i, c in enumerate(self.classes)
+            for f in sorted((base / "NWPU-RESISC45" / c).iterdir())
+            if f.name in names
+        ]
 
     def __len__(self) -> int:
         return len(self.samples)

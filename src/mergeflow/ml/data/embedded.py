@@ -7,8 +7,8 @@ moderately, as with the 8-task vision benchmark (Cars, DTD, EuroSAT, GTSRB, MNIS
 
 Pretraining corpus (disjoint from every downstream task)
     Each image holds one filled geometric shape and one random pen-stroke "glyph" (32 fixed characters, each
-    a random 3-stroke pen path on a 4x4 lattice, fixed independently of the seed) on a procedural background, all in random colours
-    spanning the whole hue circle with a clear lightness contrast.  Label heads:
+    a random 3-stroke pen path on a 4x4 lattice, fixed independently of the seed) on a procedural background, all in
+    random colours spanning the whole hue circle with a clear lightness contrast.  Label heads:
       shape       12  which geometric shape
       glyph       32  which random glyph
       background   6  background pattern (plain, gradient, stripes, checker, smooth noise, dots)
@@ -41,7 +41,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from mergeflow.ml.data._drawing import _FONT_SEGS, _GLYPHS, _background, _chunked, _grid, _hsv, _paint, _render_strokes, _rotate, _shape_dist, _smooth_noise, _soft, _to_uint8
+from mergeflow.ml.data._drawing import (
+    _FONT_SEGS,
+    _GLYPHS,
+    _background,
+    _chunked,
+    _grid,
+    _hsv,
+    _paint,
+    _render_strokes,
+    _rotate,
+    _shape_dist,
+    _smooth_noise,
+    _soft,
+    _to_uint8,
+)
 
 PRETRAIN_HEADS: dict[str, int] = {"shape": 12, "glyph": 32, "background": 6, "position": 9, "hue": 8}
 
@@ -57,7 +71,6 @@ TASKS: dict[str, int] = {
 }
 
 
-
 def _pretrain_chunk(rng, n, size):
     yy, xx = _grid(size)
     shape, glyph = rng.integers(0, 12, n), rng.integers(0, 32, n)
@@ -69,7 +82,11 @@ def _pretrain_chunk(rng, n, size):
     bh = rng.random(n)
     bv = np.where(dark_bg, rng.uniform(0.05, 0.4, n), rng.uniform(0.65, 1.0, n))
     c1 = _hsv(bh, rng.uniform(0, 1, n), bv)
-    c2 = _hsv((bh + rng.uniform(-0.1, 0.1, n)) % 1, rng.uniform(0, 1, n), np.clip(bv + np.where(dark_bg, 1, -1) * rng.uniform(0.1, 0.25, n), 0, 1))
+    c2 = _hsv(
+        (bh + rng.uniform(-0.1, 0.1, n)) % 1,
+        rng.uniform(0, 1, n),
+        np.clip(bv + np.where(dark_bg, 1, -1) * rng.uniform(0.1, 0.25, n), 0, 1),
+    )
     img = _background(rng, n, size, bg_kind, c1, c2)
     hue = rng.random(n)
     fv = np.where(dark_bg, rng.uniform(0.7, 1.0, n), rng.uniform(0.0, 0.35, n))
@@ -78,17 +95,25 @@ def _pretrain_chunk(rng, n, size):
     cell = 2 / 3
     cx = -1 + cell * (pos % 3 + 0.5) + rng.uniform(-0.08, 0.08, n)
     cy = -1 + cell * (pos // 3 + 0.5) + rng.uniform(-0.08, 0.08, n)
-    x, y = _rotate(xx - cx[:, None, None].astype(np.float32), yy - cy[:, None, None].astype(np.float32),
-                   rng.uniform(0, 2 * np.pi, n).astype(np.float32))
+    x, y = _rotate(
+        xx - cx[:, None, None].astype(np.float32),
+        yy - cy[:, None, None].astype(np.float32),
+        rng.uniform(0, 2 * np.pi, n).astype(np.float32),
+    )
     r = rng.uniform(0.25, 0.38, n).astype(np.float32)
     img = _paint(img, _soft(_shape_dist(shape, x, y, r), size), fg)
     # Glyph: same colour, in its own cell, small rotation/scale jitter.
     gx = -1 + cell * (gpos % 3 + 0.5) + rng.uniform(-0.05, 0.05, n)
     gy = -1 + cell * (gpos // 3 + 0.5) + rng.uniform(-0.05, 0.05, n)
     sc = rng.uniform(0.25, 0.32, n).astype(np.float32)[:, None, None]
-    x, y = _rotate(xx - gx[:, None, None].astype(np.float32), yy - gy[:, None, None].astype(np.float32),
-                   rng.uniform(-0.3, 0.3, n).astype(np.float32))
-    img = _paint(img, _render_strokes(_GLYPHS[glyph], x / sc, y / sc, 0.18 * np.ones(n, np.float32), size * float(sc.mean())), fg)
+    x, y = _rotate(
+        xx - gx[:, None, None].astype(np.float32),
+        yy - gy[:, None, None].astype(np.float32),
+        rng.uniform(-0.3, 0.3, n).astype(np.float32),
+    )
+    img = _paint(
+        img, _render_strokes(_GLYPHS[glyph], x / sc, y / sc, 0.18 * np.ones(n, np.float32), size * float(sc.mean())), fg
+    )
     img += rng.normal(0, 0.02, img.shape).astype(np.float32)
     return _to_uint8(img), shape, glyph, bg_kind, pos, (hue * 8).astype(np.int64) % 8
 
@@ -108,8 +133,11 @@ def make_pretraining_corpus(n_images: int, image_size: int, seed: int) -> dict[s
 
 def _jitter_colour(rng, n, h, s, v, dh=0.03, ds=0.1, dv=0.1):
     """A domain colour with small per-image jitter."""
-    return _hsv((h + rng.uniform(-dh, dh, n)) % 1, np.clip(s + rng.uniform(-ds, ds, n), 0, 1),
-                np.clip(v + rng.uniform(-dv, dv, n), 0, 1))
+    return _hsv(
+        (h + rng.uniform(-dh, dh, n)) % 1,
+        np.clip(s + rng.uniform(-ds, ds, n), 0, 1),
+        np.clip(v + rng.uniform(-dv, dv, n), 0, 1),
+    )
 
 
 def _flat(rng, n, size, colour):
@@ -139,8 +167,10 @@ def _warp_small(src: np.ndarray, size: int, scale, ang, tx, ty) -> np.ndarray:
         ok = (yi >= 0) & (yi < h) & (xi >= 0) & (xi < w)
         return np.where(ok, src[idx, np.clip(yi, 0, h - 1), np.clip(xi, 0, w - 1)], 0)
 
-    return ((1 - fy) * ((1 - fx) * tap(y0, x0) + fx * tap(y0, x0 + 1))
-            + fy * ((1 - fx) * tap(y0 + 1, x0) + fx * tap(y0 + 1, x0 + 1))).astype(np.float32)
+    return (
+        (1 - fy) * ((1 - fx) * tap(y0, x0) + fx * tap(y0, x0 + 1))
+        + fy * ((1 - fx) * tap(y0 + 1, x0) + fx * tap(y0 + 1, x0 + 1))
+    ).astype(np.float32)
 
 
 def _digits(rng, n, size, pool_x, pool_y):
@@ -176,7 +206,7 @@ def _house_numbers(rng, n, size):
 
 def _arrow_segs(direction: np.ndarray) -> np.ndarray:
     """Arrow (shaft + two barbs) pointing right, rotated to one of 4 directions (N,) -> (N, 3, 4)."""
-    base = np.array([(-.6, 0, .6, 0), (.6, 0, .15, -.4), (.6, 0, .15, .4)], np.float32)
+    base = np.array([(-0.6, 0, 0.6, 0), (0.6, 0, 0.15, -0.4), (0.6, 0, 0.15, 0.4)], np.float32)
     ang = direction * np.pi / 2
     c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
     out = np.empty((len(direction), 3, 4), np.float32)
@@ -202,13 +232,18 @@ def _signs(rng, n, size):
     img = _paint(img, _soft(_shape_dist(kind, x, -y, r * 0.72), size), _jitter_colour(rng, n, 0.1, 0.05, 0.95, ds=0.05))
     s = (r * np.where(board == 1, 0.36, 0.45)).astype(np.float32)[:, None, None]
     oy = np.where(board == 1, 0.18 * r, 0).astype(np.float32)[:, None, None]  # triangle centroid is lower
-    img = _paint(img, _render_strokes(_arrow_segs(direction), x / s, (y - oy) / s, 0.07 / s[:, 0, 0], size * float(s.mean())),
-                 _jitter_colour(rng, n, 0.0, 0.0, 0.1, ds=0.0))
-    img = img * rng.uniform(0.7, 1.2, (n, 1, 1, 1)).astype(np.float32) + rng.normal(0, 0.04, img.shape).astype(np.float32)
+    img = _paint(
+        img,
+        _render_strokes(_arrow_segs(direction), x / s, (y - oy) / s, 0.07 / s[:, 0, 0], size * float(s.mean())),
+        _jitter_colour(rng, n, 0.0, 0.0, 0.1, ds=0.0),
+    )
+    img = img * rng.uniform(0.7, 1.2, (n, 1, 1, 1)).astype(np.float32) + rng.normal(0, 0.04, img.shape).astype(
+        np.float32
+    )
     return _to_uint8(img), board * 4 + direction
 
 
-_F_GLYPH = np.array([(-.4, -1, -.4, 1), (-.4, -1, .5, -1), (-.4, -.1, .3, -.1)], np.float32)
+_F_GLYPH = np.array([(-0.4, -1, -0.4, 1), (-0.4, -1, 0.5, -1), (-0.4, -0.1, 0.3, -0.1)], np.float32)
 
 
 def _rotation(rng, n, size):
@@ -223,8 +258,11 @@ def _rotation(rng, n, size):
     cy = rng.uniform(-0.25, 0.25, n).astype(np.float32)[:, None, None]
     x, y = _rotate(xx - cx, yy - cy, ang)
     segs = np.broadcast_to(_F_GLYPH, (n, 3, 4))
-    img = _paint(img, _render_strokes(segs, x / s, y / s, 0.2 * np.ones(n, np.float32), size * float(s.mean())),
-                 _jitter_colour(rng, n, 0.6, 0.4, 0.15))
+    img = _paint(
+        img,
+        _render_strokes(segs, x / s, y / s, 0.2 * np.ones(n, np.float32), size * float(s.mean())),
+        _jitter_colour(rng, n, 0.6, 0.4, 0.15),
+    )
     img += rng.normal(0, 0.04, img.shape).astype(np.float32)
     return _to_uint8(img), k
 
@@ -238,8 +276,11 @@ def _orientation(rng, n, size):
     phase = rng.uniform(0, 2 * np.pi, n).astype(np.float32)[:, None, None]
     wave = 0.5 + 0.5 * np.sin((np.cos(ang) * xx + np.sin(ang) * yy) * freq * np.pi + phase)
     wave = wave * rng.uniform(0.4, 1.0, (n, 1, 1)) + 0.4 * (_smooth_noise(rng, n, size, 6) - 0.5)
-    img = _paint(_flat(rng, n, size, _jitter_colour(rng, n, 0.85, 0.6, 0.35)), np.clip(wave, 0, 1),
-                 _jitter_colour(rng, n, 0.78, 0.3, 0.9))
+    img = _paint(
+        _flat(rng, n, size, _jitter_colour(rng, n, 0.85, 0.6, 0.35)),
+        np.clip(wave, 0, 1),
+        _jitter_colour(rng, n, 0.78, 0.3, 0.9),
+    )
     img += rng.normal(0, 0.06, img.shape).astype(np.float32)
     return _to_uint8(img), k
 
@@ -267,8 +308,11 @@ def _texture(rng, n, size):
     for c, p in enumerate(pats):
         m[k == c] = p[k == c]
     m = m * rng.uniform(0.5, 1.0, (n, 1, 1)) + 0.3 * (_smooth_noise(rng, n, size, 5) - 0.5)
-    img = _paint(_flat(rng, n, size, _jitter_colour(rng, n, 0.08, 0.6, 0.35)), np.clip(m, 0, 1),
-                 _jitter_colour(rng, n, 0.1, 0.35, 0.8))
+    img = _paint(
+        _flat(rng, n, size, _jitter_colour(rng, n, 0.08, 0.6, 0.35)),
+        np.clip(m, 0, 1),
+        _jitter_colour(rng, n, 0.1, 0.35, 0.8),
+    )
     img += rng.normal(0, 0.05, img.shape).astype(np.float32)
     return _to_uint8(img), k
 

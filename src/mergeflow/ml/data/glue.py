@@ -34,7 +34,9 @@ GLUE = {
     "rte": (("sentence1", "sentence2"), "accuracy", ["entailment", "not_entailment"]),
 }
 TEST_SPLIT = {"mnli": "validation_matched"}
-LAYOUT = "<root>/<task>/ as DatasetDict.save_to_disk writes it (dataset_dict.json, <split>/state.json and its .arrow files)"
+LAYOUT = (
+    "<root>/<task>/ as DatasetDict.save_to_disk writes it (dataset_dict.json, <split>/state.json and its .arrow files)"
+)
 
 
 def _split_files(root: str | Path, task: str, split: str) -> list[Path]:
@@ -45,11 +47,15 @@ def _split_files(root: str | Path, task: str, split: str) -> list[Path]:
         raise MergeflowError(f"suite.root: '{base}' has no dataset_dict.json (expected {LAYOUT})")
     state = base / split / "state.json"
     if not state.is_file():
-        raise MergeflowError(f"suite.root: '{base / split}' is missing (GLUE's {task} needs its '{split}' split; expected {LAYOUT})")
+        raise MergeflowError(
+            f"suite.root: '{base / split}' is missing (GLUE's {task} needs its '{split}' split; expected {LAYOUT})"
+        )
     try:
         files = [base / split / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise MergeflowError(f"{state}: not a datasets state.json (expected '_data_files', a list of {{'filename': ...}})") from None
+        raise MergeflowError(
+            f"{state}: not a datasets state.json (expected '_data_files', a list of {{'filename': ...}})"
+        ) from None
     missing = next((f for f in files if not f.is_file()), None)
     if missing is not None or not files:
         raise MergeflowError(f"{missing or state}: the split's Arrow file is missing")
@@ -75,7 +81,9 @@ def _read_split(root: str | Path, task: str, split: str) -> dict[str, list]:
     table = pa.concat_tables(tables)
     missing = [c for c in (*columns, "label") if c not in table.column_names]
     if missing:
-        raise MergeflowError(f"{path}: column '{missing[0]}' is missing (GLUE's {task} has {', '.join((*columns, 'label'))})")
+        raise MergeflowError(
+            f"{path}: column '{missing[0]}' is missing (GLUE's {task} has {', '.join((*columns, 'label'))})"
+        )
     return {c: table.column(c).to_pylist() for c in (*columns, "label")}
 
 
@@ -87,7 +95,10 @@ def tokenizer(backbone: BackboneConfig, downloads: bool = False):
 
     source = backbone.model if backbone.pretrained == "hub" else backbone.pretrained
     if source is None:
-        raise MergeflowError("backbone.pretrained: GLUE is tokenized with the backbone's own tokenizer: set a save_pretrained folder or hub")
+        raise MergeflowError(
+            "backbone.pretrained: GLUE is tokenized with the backbone's "
+            "own tokenizer: set a save_pretrained folder or hub"
+        )
     try:
         with hub_access(downloads):
             return AutoTokenizer.from_pretrained(source)
@@ -95,7 +106,9 @@ def tokenizer(backbone: BackboneConfig, downloads: bool = False):
         raise MergeflowError(f"backbone.pretrained: no tokenizer for '{source}' ({str(err).splitlines()[0]})") from None
 
 
-def build_glue_task(cfg: SuiteConfig, backbone: BackboneConfig, task: str, seed: int, downloads: bool = False) -> tuple[dict[str, np.ndarray], list[str], str]:
+def build_glue_task(
+    cfg: SuiteConfig, backbone: BackboneConfig, task: str, seed: int, downloads: bool = False
+) -> tuple[dict[str, np.ndarray], list[str], str]:
     """(arrays, classes, metric) of one GLUE task: train capped at n_train after n_val are drawn off it, test =
     GLUE's validation capped at n_test; token ids int32 [N, seq_len]."""
     columns, metric, classes = GLUE[task]
@@ -104,7 +117,11 @@ def build_glue_task(cfg: SuiteConfig, backbone: BackboneConfig, task: str, seed:
     train, test = _read_split(cfg.root, task, "train"), _read_split(cfg.root, task, TEST_SPLIT.get(task, "validation"))
     order = rng.permutation(len(train["label"]))
     n_val = min(cfg.n_val, len(order) // 5)
-    picks = {"val": order[:n_val], "train": np.sort(order[n_val:][: cfg.n_train]), "test": np.arange(min(cfg.n_test, len(test["label"])))}
+    picks = {
+        "val": order[:n_val],
+        "train": np.sort(order[n_val:][: cfg.n_train]),
+        "test": np.arange(min(cfg.n_test, len(test["label"]))),
+    }
     arrays = {}
     for split, rows in picks.items():
         source = test if split == "test" else train

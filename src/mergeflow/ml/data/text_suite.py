@@ -82,19 +82,31 @@ class TextTask:
 
 
 _C = "classification"
-TASKS: dict[str, TextTask] = {t.name: t for t in (
-    TextTask("acceptability", _C, ("unacceptable", "acceptable"), "matthews", False, 1.0, "CoLA"),
-    TextTask("sentiment", _C, ("negative", "positive"), "accuracy", False, 1.0, "SST-2"),
-    TextTask("paraphrase", _C, ("not_paraphrase", "paraphrase"), "accuracy_f1", True, 1.0, "MRPC"),
-    TextTask("similarity", "regression", ("score",), "pearson_spearman", True, 1.0, "STS-B"),
-    TextTask("duplicates", _C, ("not_duplicate", "duplicate"), "accuracy_f1", True, 1.0, "QQP"),
-    TextTask("inference", _C, ("entailment", "neutral", "contradiction"), "accuracy", True, 1.0, "MNLI"),
-    TextTask("answerable", _C, ("not_answerable", "answerable"), "accuracy", True, 1.0, "QNLI"),
-    TextTask("entailment", _C, ("not_entailment", "entailment"), "accuracy", True, 0.25, "RTE"))}
+TASKS: dict[str, TextTask] = {
+    t.name: t
+    for t in (
+        TextTask("acceptability", _C, ("unacceptable", "acceptable"), "matthews", False, 1.0, "CoLA"),
+        TextTask("sentiment", _C, ("negative", "positive"), "accuracy", False, 1.0, "SST-2"),
+        TextTask("paraphrase", _C, ("not_paraphrase", "paraphrase"), "accuracy_f1", True, 1.0, "MRPC"),
+        TextTask("similarity", "regression", ("score",), "pearson_spearman", True, 1.0, "STS-B"),
+        TextTask("duplicates", _C, ("not_duplicate", "duplicate"), "accuracy_f1", True, 1.0, "QQP"),
+        TextTask("inference", _C, ("entailment", "neutral", "contradiction"), "accuracy", True, 1.0, "MNLI"),
+        TextTask("answerable", _C, ("not_answerable", "answerable"), "accuracy", True, 1.0, "QNLI"),
+        TextTask("entailment", _C, ("not_entailment", "entailment"), "accuracy", True, 0.25, "RTE"),
+    )
+}
 
 # the longest sentence each task's templates build (make_task rejects longer ones, so this is a guarantee)
-_MAX = {"acceptability": 16, "sentiment": 17, "paraphrase": 14, "similarity": 13, "duplicates": 11,
-        "inference": 11, "answerable": 15, "entailment": 18}
+_MAX = {
+    "acceptability": 16,
+    "sentiment": 17,
+    "paraphrase": 14,
+    "similarity": 13,
+    "duplicates": 11,
+    "inference": 11,
+    "answerable": 15,
+    "entailment": 18,
+}
 
 
 def vocabulary() -> list[str]:
@@ -145,15 +157,26 @@ def _generic(r):
     subj += [r.choice(ns) + "s" * pl]
     obj = ["the", r.choice(ns) + "s" * (r.random() < 0.5)]
     if k < 0.15:  # questions
-        return (["who", v + "ed"] + obj if form == "ed" else ["what", "do"] + subj + [v] if form == "" else
-                ["what", "is" if form == "s" else "are"] + subj + [v + "ing"]) + ["?"]
+        return (
+            ["who", v + "ed"] + obj
+            if form == "ed"
+            else ["what", "do"] + subj + [v]
+            if form == ""
+            else ["what", "is" if form == "s" else "are"] + subj + [v + "ing"]
+        ) + ["?"]
     if form == "":
         vp = r.choice(([v], ["do", "not", v], ["will", v]))
     else:
         vp = ["are" if pl else "is", v + "ing"] if form == "ing" else [v + form]
-    end = r.choice(([], [], [r.choice(("because", "although", "while")), "it", "was", r.choice(("very", "quite")),
-                             "good"], [r.choice(("to", "of", "with", "near", "in")), "the", r.choice(ns)],
-                    ["of", "a", "good", "kind"]))
+    end = r.choice(
+        (
+            [],
+            [],
+            [r.choice(("because", "although", "while")), "it", "was", r.choice(("very", "quite")), "good"],
+            [r.choice(("to", "of", "with", "near", "in")), "the", r.choice(ns)],
+            ["of", "a", "good", "kind"],
+        )
+    )
     return subj + vp + obj + end + ["."]
 
 

@@ -55,7 +55,8 @@ DATA = {
     "train_statistics": "train stats",  # per-task Fisher diagonals and layer-input Grams on labelled train examples
     "test_inputs": "test inputs (TTA)",  # unlabelled inputs of each task's test split: test-time adaptation
     "train_inputs": "train inputs",  # unlabelled training examples run through the model while it is merged (RegMean++)
-    "train_examples": "train examples",  # labelled training examples: the loss of the model while it is merged (FW-Merging)
+    # labelled training examples: the loss of the model while it is merged (FW-Merging)
+    "train_examples": "train examples",
 }
 
 
@@ -72,7 +73,9 @@ class MergeData:
     statistics: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None
     objective: Any = None
     backbone: Any = None  # reads="train_inputs": the backbone's architecture (its weights are replaced)
-    train_inputs: Mapping[str, Any] | None = None  # {task: uint8 images}, the first statistics.examples of its train split
+    train_inputs: Mapping[str, Any] | None = (
+        None  # {task: uint8 images}, the first statistics.examples of its train split
+    )
     train_labels: Mapping[str, Any] | None = None  # reads="train_examples": {task: labels} of objective.inputs["train"]
     learned: list[dict] = field(default_factory=list)
     timing: list[dict] = field(default_factory=list)
@@ -97,7 +100,10 @@ class Range:
 
     def __str__(self) -> str:
         if self.low is not None and self.high is not None:
-            return f"{self.what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            return (
+                f"{self.what} in {'(' if self.low_open else '['}{self.low:g}, "
+                f"{self.high:g}{')' if self.high_open else ']'}"
+            )
         if self.low is not None:
             return f"{self.what} {'>' if self.low_open else '>='} {self.low:g}"
         if self.high is not None:
@@ -211,7 +217,9 @@ class MergeMethod:
             grid = self.grid.get(k) or self.per_task_grid.get(k)
             allowed = self.ranges.get(k)
             shown = f" ({allowed})" if allowed is not None and allowed != ANY_NUMBER else ""
-            return f"{k}={v!r}{shown}" + (f" {'per-task ' if k in self.per_task_grid else ''}grid={list(grid)}" if grid else "")
+            return f"{k}={v!r}{shown}" + (
+                f" {'per-task ' if k in self.per_task_grid else ''}grid={list(grid)}" if grid else ""
+            )
 
         hp = ", ".join(one(k, v) for k, v in self.defaults.items())
         kind = "" if self.kind == "model" else f" ({self.kind})"
@@ -256,8 +264,27 @@ def register(
         if reads not in DATA or (reads is not None and kind == "negation"):
             raise RuntimeError(f"merge method '{name}': reads must be one of {list(DATA)[1:]} (not a negation)")
         if features is not None and kind != "per_task":
-            raise RuntimeError(f"merge method '{name}': features (a map on each task's features) is a per_task method's")
-        method = MergeMethod(name, fn, paper, dict(defaults or {}), dict(grid or {}), coefficient, kind, reconstruct, dict(per_task_grid or {}), _checked(name, task_models), dict(ranges or {}), joint, reads, tasks, features=features, network=network)
+            raise RuntimeError(
+                f"merge method '{name}': features (a map on each task's features) is a per_task method's"
+            )
+        method = MergeMethod(
+            name,
+            fn,
+            paper,
+            dict(defaults or {}),
+            dict(grid or {}),
+            coefficient,
+            kind,
+            reconstruct,
+            dict(per_task_grid or {}),
+            _checked(name, task_models),
+            dict(ranges or {}),
+            joint,
+            reads,
+            tasks,
+            features=features,
+            network=network,
+        )
         method.check(method.defaults)  # a default outside its own range is a bug of the method's module
         REGISTRY[name] = method
         return fn
@@ -323,7 +350,13 @@ _discover()
 
 # the tensor engine's names that code above the merging layer uses (the stages, plan's measurements, the studies),
 # imported when first asked for: the registry itself loads no torch (mergeflow check)
-_ENGINE = {"BASE_PREFIX": "_tensors", "store_bytes": "_tensors", "svd": "_tensors", "is_matrix": "_tensors", "EntropyObjective": "_adaptive"}
+_ENGINE = {
+    "BASE_PREFIX": "_tensors",
+    "store_bytes": "_tensors",
+    "svd": "_tensors",
+    "is_matrix": "_tensors",
+    "EntropyObjective": "_adaptive",
+}
 
 
 def __getattr__(name: str) -> Any:

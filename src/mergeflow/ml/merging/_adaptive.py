@@ -40,7 +40,9 @@ class EntropyObjective:
     def features(self, params: Mapping[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
         """The backbone's features of uint8 ``images`` with ``params`` as its weights (differentiable in them)."""
         dtype = next(iter(params.values())).dtype
-        return self.backbone.embed(functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),)))
+        return self.backbone.embed(
+            functional_call(self.backbone.net, dict(params), (self.backbone.normalise(images).to(dtype),))
+        )
 
     def entropy(self, features: torch.Tensor, counts: Mapping[str, int]) -> torch.Tensor:
         """Sum over tasks of the mean entropy of each task's head on its rows of ``features`` (``counts``' order)."""
@@ -55,14 +57,24 @@ class MergedParameters(nn.Module):
     """theta(lam) = base + sum_t lam[t, layer(k)] direction_t[k]: one coefficient per task (task-wise) or per task and
     tensor (layer-wise); a tensor without directions stays at base."""
 
-    def __init__(self, base: StateDict, directions: Mapping[str, StateDict], *, layer_wise: bool, init: float, device: torch.device):
+    def __init__(
+        self,
+        base: StateDict,
+        directions: Mapping[str, StateDict],
+        *,
+        layer_wise: bool,
+        init: float,
+        device: torch.device,
+    ):
         super().__init__()
         self.tasks = list(directions)
         self.keys = [k for k in base if k in directions[self.tasks[0]]]
         self.base = {k: v.to(device) for k, v in base.items()}
         self.stacked = {k: torch.stack([directions[t][k] for t in self.tasks]).to(device) for k in self.keys}
         dtype = next(iter(self.base.values())).dtype
-        self.lam = nn.Parameter(torch.full((len(self.tasks), len(self.keys) if layer_wise else 1), float(init), dtype=dtype, device=device))
+        self.lam = nn.Parameter(
+            torch.full((len(self.tasks), len(self.keys) if layer_wise else 1), float(init), dtype=dtype, device=device)
+        )
         self.layer_wise = layer_wise
 
     def forward(self) -> dict[str, torch.Tensor]:
@@ -92,7 +104,9 @@ def _batches(inputs: Mapping[str, torch.Tensor], batch_size: int, generator: tor
         yield batch
 
 
-def batch_stream(inputs: Mapping[str, torch.Tensor], batch_size: int, generator: torch.Generator, *, method: str, split: str):
+def batch_stream(
+    inputs: Mapping[str, torch.Tensor], batch_size: int, generator: torch.Generator, *, method: str, split: str
+):
     """_batches, after checking that every task has ``batch_size`` inputs (one line naming ``method`` otherwise)."""
     smallest = min(len(x) for x in inputs.values())
     if smallest < batch_size:
@@ -102,10 +116,31 @@ def batch_stream(inputs: Mapping[str, torch.Tensor], batch_size: int, generator:
 
 def record_timing(data, steps: int, seconds: float, device: torch.device) -> None:
     """A learned method's steps per second, kept apart from its outputs (``MergeData.timing``)."""
-    data.timing.append({"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds if seconds else None, "device": str(device)})
+    data.timing.append(
+        {
+            "steps": steps,
+            "seconds": seconds,
+            "steps_per_second": steps / seconds if seconds else None,
+            "device": str(device),
+        }
+    )
 
 
-def adapt(base: StateDict, directions: Mapping[str, StateDict], objective: EntropyObjective, *, layer_wise: bool, init: float, lr: float, steps: int, batch_size: int, split: str, seed: int, data, parametrise=None) -> StateDict:
+def adapt(
+    base: StateDict,
+    directions: Mapping[str, StateDict],
+    objective: EntropyObjective,
+    *,
+    layer_wise: bool,
+    init: float,
+    lr: float,
+    steps: int,
+    batch_size: int,
+    split: str,
+    seed: int,
+    data,
+    parametrise=None,
+) -> StateDict:
     """Learn the coefficients with Adam; return the merged model, appending to ``data.learned`` the coefficients and
     the mean entropy per task at every step, and to ``data.timing`` the steps per second (one record per call: a
     search over a grid calls once per candidate). ``parametrise(base, directions, device)``: a module of another

@@ -7,8 +7,8 @@ dtype: numba compiles one version per dtype, and the F0/F1 constants below (0, 1
 widen to float64 in the float64 version. Per-task arrays passed beside the taus (cuts, lambdas) and scalars
 (scale, keep_fraction) come in the taus' dtype, so a float32 merge is float32 arithmetic throughout. A
 chain of torch/numpy ops over the stack instead makes a pass over memory per op (the benchmark of 2026-11-22: 2.7-9.4x
-the time to read the inputs). Sums run in task order (torch's sum over a stack follows an order that depends on the tensor's width),
-so a merge does not depend on how tensors are shaped or split.
+the time to read the inputs). Sums run in task order (torch's sum over a stack follows an order that depends on the
+tensor's width), so a merge does not depend on how tensors are shaped or split.
 
 Kernels are compiled on first use and cached beside this file (numba's cache): a process pays ~0.5 s to load
 the cached kernels (measured: the first calls of the 9 kernel methods), not the ~6 s compile. The one-pass

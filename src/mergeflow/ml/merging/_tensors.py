@@ -70,7 +70,9 @@ def read_stack(task_vectors: Sequence[Mapping[str, torch.Tensor]], key: str, out
             row.copy_(tv[key].reshape(-1))
 
 
-def read_stacks(pretrained: Mapping[str, torch.Tensor], task_vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_stacks(
+    pretrained: Mapping[str, torch.Tensor], task_vectors: Mapping[str, Mapping[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, stack) for every key of theta0: ``stack`` [T + 1, n] holds theta0's and the T task vectors' tensor
     ``key``, flattened, in its compute_dtype, in one buffer reused for every key of that dtype (a stack is
     overwritten by the next).
@@ -107,7 +109,8 @@ def map_stacked(
     For each key, theta0's and the T task vectors' tensors are read into one reused buffer (read_stacks, in the
     key's compute_dtype: numba compiles each kernel once per dtype);
     ``states[t] = prepare(key, t, tau_t)`` sees task t's tensor in its shape (for per-tensor quantities:
-    thresholds, random masks), on the stage's threads (reproducibility.stage_threads) (kernels and numpy release the GIL); then
+    thresholds, random masks), on the stage's threads (reproducibility.stage_threads) (kernels and numpy release the
+    GIL); then
     ``fn(theta0 flattened, taus, states)``, taus a tuple of the T flat tensors (numpy views of the buffer), returns
     the merged tensor, flattened, in memory of its own.
     """
@@ -117,10 +120,14 @@ def map_stacked(
     def merge_key(key: str, stack: torch.Tensor, pool: ThreadPoolExecutor) -> torch.Tensor:
         shape, dtype = specs[key]
         taus = stack[1:].numpy()
-        states = list(pool.map(lambda t: prepare(key, t, taus[t].reshape(shape)), tasks)) if prepare else [None] * len(tasks)
+        states = (
+            list(pool.map(lambda t: prepare(key, t, taus[t].reshape(shape)), tasks)) if prepare else [None] * len(tasks)
+        )
         merged = fn(stack[0], tuple(taus), states)
         if merged.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr():
-            raise RuntimeError(f"map_stacked: the merge of '{key}' returned a view of the reused buffer (theta0 or a tau)")
+            raise RuntimeError(
+                f"map_stacked: the merge of '{key}' returned a view of the reused buffer (theta0 or a tau)"
+            )
         merged = merged.reshape(shape)
         return merged.to(dtype) if cast else merged
 
@@ -142,7 +149,9 @@ def kernel_vector(kernel: Callable[..., Any], taus: tuple[np.ndarray, ...], *arg
 
 def empty_flat(size: int, dtype: np.dtype) -> torch.Tensor:
     """A fresh flat tensor of numpy ``dtype`` (float32 or float64), allocated by torch (see kernel_vector)."""
-    return torch.empty(size, dtype={np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}[np.dtype(dtype)])
+    return torch.empty(
+        size, dtype={np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}[np.dtype(dtype)]
+    )
 
 
 def plus_scaled(theta0: torch.Tensor, scale: float, vector: torch.Tensor) -> torch.Tensor:
@@ -207,7 +216,11 @@ def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     QR-based gesvd: gram_svd would square the condition number in the precision it returns."""
     matrix = as_compute(matrix).to(svd_device())
     if matrix.is_cuda:
-        return gram_svd(matrix) if matrix.dtype == torch.float32 else torch.linalg.svd(matrix, full_matrices=False, driver="gesvd")
+        return (
+            gram_svd(matrix)
+            if matrix.dtype == torch.float32
+            else torch.linalg.svd(matrix, full_matrices=False, driver="gesvd")
+        )
     return torch.linalg.svd(matrix, full_matrices=False)
 
 
@@ -246,7 +259,9 @@ GRAM_FLOOR = 1e-4
 POLAR_FLOOR = 1e-2  # polar factors by the route: condition number at most 10 (concatenated orthonormal bases: ~3)
 
 
-def _gram_eigh(matrix: torch.Tensor, k: int, floor: float = GRAM_FLOOR) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
+def _gram_eigh(
+    matrix: torch.Tensor, k: int, floor: float = GRAM_FLOOR
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
     """(A, w, Q, tall): A = X or X^T made tall, and the top k eigenpairs of A^T A, w descending, in float64; None
     where the route does not apply (not float32 on the CPU) or its k-th eigenvalue is below ``floor`` of the top.
     The Gram is float64 (a float32 one loses the small end: U off orthonormal by 5e-5 near GRAM_FLOOR), except for
@@ -265,7 +280,9 @@ def _gram_eigh(matrix: torch.Tensor, k: int, floor: float = GRAM_FLOOR) -> tuple
         if 2 * k > n:
             w, q = scipy.linalg.eigh(gram, driver="evd", overwrite_a=True, check_finite=False)
         else:
-            w, q = scipy.linalg.eigh(gram, subset_by_index=[n - k, n - 1], driver="evr", overwrite_a=True, check_finite=False)
+            w, q = scipy.linalg.eigh(
+                gram, subset_by_index=[n - k, n - 1], driver="evr", overwrite_a=True, check_finite=False
+            )
     w, q = torch.from_numpy(w[::-1][:k].copy()), torch.from_numpy(q[:, ::-1][:, :k].copy())
     return (a, w, q, tall) if w[-1] >= floor * w[0] > 0 else None
 
@@ -320,7 +337,11 @@ def divide_or_zero(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.
     """numerator / denominator, 0 where the denominator is not positive (a disjoint mean no task agrees on, a zero
     task vector's scale)."""
     positive = denominator > 0
-    return torch.where(positive, numerator / torch.where(positive, denominator, torch.ones_like(denominator)), torch.zeros_like(numerator))
+    return torch.where(
+        positive,
+        numerator / torch.where(positive, denominator, torch.ones_like(denominator)),
+        torch.zeros_like(numerator),
+    )
 
 
 def seed_of(seed: int, *parts: str | int) -> int:

@@ -33,4 +33,16 @@ ADAPTIVE_RANGES = {
 def adamerging(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed):
     from mergeflow.ml.merging._adaptive import adapt
 
-    return adapt(pretrained, task_vectors, data.objective, layer_wise=True, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data)
+    return adapt(
+        pretrained,
+        task_vectors,
+        data.objective,
+        layer_wise=True,
+        init=init,
+        lr=lr,
+        steps=steps,
+        batch_size=batch_size,
+        split=split,
+        seed=seed,
+        data=data,
+    )

@@ -35,4 +35,16 @@ def adamerging_cart(pretrained, task_vectors, *, data, init, lr, steps, batch_si
             k = rank_of_ratio(theta0, rank_ratio)
             for t, c in zip(tasks, centred(torch.stack(taus))):
                 directions[t][key] = low_rank(c, k)
-    return adapt(theta_avg, directions, data.objective, layer_wise=True, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data)
+    return adapt(
+        theta_avg,
+        directions,
+        data.objective,
+        layer_wise=True,
+        init=init,
+        lr=lr,
+        steps=steps,
+        batch_size=batch_size,
+        split=split,
+        seed=seed,
+        data=data,
+    )

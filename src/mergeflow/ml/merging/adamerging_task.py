@@ -19,4 +19,16 @@ from mergeflow.ml.merging.adamerging import ADAPTIVE_DEFAULTS, ADAPTIVE_RANGES
 def adamerging_task(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split, seed):
     from mergeflow.ml.merging._adaptive import adapt
 
-    return adapt(pretrained, task_vectors, data.objective, layer_wise=False, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data)
+    return adapt(
+        pretrained,
+        task_vectors,
+        data.objective,
+        layer_wise=False,
+        init=init,
+        lr=lr,
+        steps=steps,
+        batch_size=batch_size,
+        split=split,
+        seed=seed,
+        data=data,
+    )

@@ -11,7 +11,8 @@ floor(``rank_ratio`` r) of each task's components and -0.1 for the rest; λ at `
 (the authors': the attention and MLP weights of the blocks). Defaults are the authors' ViT-B/32
 8-task CART setting (λ 2.3, rank ratio 0.16, temperature 10, Adam lr 1e-3, batch 16; with ``base: ta`` they use
 λ 0.3 and rank ratio 1) but for the steps: AdaMerging's 500, where they run 10,000 (at lr 1e-3 and temperature 10
-a mask flips only after about 100 steps of gradients of one sign, so 500 steps move few). Their code picks the best step by its test accuracy; here the last step is the merge (the
+a mask flips only after about 100 steps of gradients of one sign, so 500 steps move few). Their code picks the best step
+by its test accuracy; here the last step is the merge (the
 test labels are never read). Test-time adaptation: not comparable with data-free merging (the summary's "data").
 
 ``base: iso_cts`` (the paper's tables quote AdaRank on Iso-CTS; the released code has no such base, so this is our
@@ -54,7 +55,11 @@ def parametrisation(rank_ratio: float, init: float, temperature: float, isotropi
                     continue
                 if isotropic_fraction is not None:  # one basis for all tasks: the common columns, then each task's
                     u, v, sigma, owner = iso_cts_factors(stack, isotropic_fraction)
-                    self.factors[k] = (u.to(device), sigma.to(device) * torch.ones(owner.shape, dtype=u.dtype, device=device), v.T.to(device))
+                    self.factors[k] = (
+                        u.to(device),
+                        sigma.to(device) * torch.ones(owner.shape, dtype=u.dtype, device=device),
+                        v.T.to(device),
+                    )
                     self.owners[k] = torch.where(owner < 0, len(self.tasks), owner).to(device)
                     start = torch.full(owner.shape, 0.1, dtype=u.dtype, device=device)
                 else:
@@ -67,7 +72,9 @@ def parametrisation(rank_ratio: float, init: float, temperature: float, isotropi
                 logits[k.replace(".", "/")] = nn.Parameter(start)
             self.logits = nn.ParameterDict(logits)
             dtype = next(iter(self.base.values())).dtype
-            self.lam = nn.Parameter(torch.full((len(self.tasks), len(self.keys)), float(init), dtype=dtype, device=device))
+            self.lam = nn.Parameter(
+                torch.full((len(self.tasks), len(self.keys)), float(init), dtype=dtype, device=device)
+            )
 
         def masks(self, key):
             soft = torch.sigmoid(self.logits[key.replace(".", "/")] / temperature)
@@ -91,13 +98,18 @@ def parametrisation(rank_ratio: float, init: float, temperature: float, isotropi
 
         def coefficients(self):
             lam = self.lam.detach().cpu()
-            return {t: {k: round(float(lam[i, j]), 6) for j, k in enumerate(self.keys)} for i, t in enumerate(self.tasks)}
+            return {
+                t: {k: round(float(lam[i, j]), 6) for j, k in enumerate(self.keys)} for i, t in enumerate(self.tasks)
+            }
 
         def kept(self):
             """{task: {matrix: components kept}} (with Iso-CTS, the common subspace's too, under COMMON)."""
             if self.owners:
                 owners = {**dict(enumerate(self.tasks)), len(self.tasks): COMMON}
-                return {name: {k: int((self.masks(k)[self.owners[k] == i] > 0.5).sum()) for k in self.factors} for i, name in owners.items()}
+                return {
+                    name: {k: int((self.masks(k)[self.owners[k] == i] > 0.5).sum()) for k in self.factors}
+                    for i, name in owners.items()
+                }
             return {t: {k: int((self.masks(k)[i] > 0.5).sum()) for k in self.factors} for i, t in enumerate(self.tasks)}
 
     return MaskedComponents
@@ -106,11 +118,39 @@ def parametrisation(rank_ratio: float, init: float, temperature: float, isotropi
 @register(
     "adarank",
     paper="Lee et al. 2025, AdaRank: Adaptive Rank Pruning for Enhanced Model Merging (ICML 2025, arXiv:2503.22178)",
-    defaults={**ADAPTIVE_DEFAULTS, "base": "cart", "init": 2.3, "rank_ratio": 0.16, "temperature": 10.0, "common_space_fraction": 0.8},
-    ranges={**ADAPTIVE_RANGES, "base": BASE, "rank_ratio": FRACTION, "temperature": Range("a temperature", 0, low_open=True), "common_space_fraction": POSITIVE_FRACTION},
+    defaults={
+        **ADAPTIVE_DEFAULTS,
+        "base": "cart",
+        "init": 2.3,
+        "rank_ratio": 0.16,
+        "temperature": 10.0,
+        "common_space_fraction": 0.8,
+    },
+    ranges={
+        **ADAPTIVE_RANGES,
+        "base": BASE,
+        "rank_ratio": FRACTION,
+        "temperature": Range("a temperature", 0, low_open=True),
+        "common_space_fraction": POSITIVE_FRACTION,
+    },
     reads="test_inputs",
 )
-def adarank(pretrained, task_vectors, *, data, base, init, lr, steps, batch_size, split, seed, rank_ratio, temperature, common_space_fraction):
+def adarank(
+    pretrained,
+    task_vectors,
+    *,
+    data,
+    base,
+    init,
+    lr,
+    steps,
+    batch_size,
+    split,
+    seed,
+    rank_ratio,
+    temperature,
+    common_space_fraction,
+):
     import torch
 
     from mergeflow.ml.merging._adaptive import adapt
@@ -131,5 +171,18 @@ def adarank(pretrained, task_vectors, *, data, base, init, lr, steps, batch_size
         for t, d in zip(tasks, taus):
             directions[t][key] = d
     parametrise = parametrisation(rank_ratio, init, temperature, common_space_fraction if base == "iso_cts" else None)
-    merged = adapt(origin, directions, data.objective, layer_wise=True, init=init, lr=lr, steps=steps, batch_size=batch_size, split=split, seed=seed, data=data, parametrise=parametrise)
+    merged = adapt(
+        origin,
+        directions,
+        data.objective,
+        layer_wise=True,
+        init=init,
+        lr=lr,
+        steps=steps,
+        batch_size=batch_size,
+        split=split,
+        seed=seed,
+        data=data,
+        parametrise=parametrise,
+    )
     return merged

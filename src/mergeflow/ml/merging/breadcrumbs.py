@@ -2,8 +2,8 @@
 
 Davari & Belilovsky, "Model Breadcrumbs: scaling multi-task model merging with sparse masks", ECCV 2024
 (arXiv:2312.06795). Per row (last dimension) of each tensor of tau_t, rank entries by |tau|: the largest gamma
-fraction is zeroed (outliers), the next beta fraction is kept, the rest zeroed. theta = theta0 + alpha sum_t m_t * tau_t.
-Reference code: gamma = 0.1, beta = 0.2, alpha = 0.4 (alpha in [0.1, 1]). ``scope='tensor'`` ranks over the
+fraction is zeroed (outliers), the next beta fraction is kept, the rest zeroed. theta = theta0 + alpha sum_t m_t *
+tau_t. Reference code: gamma = 0.1, beta = 0.2, alpha = 0.4 (alpha in [0.1, 1]). ``scope='tensor'`` ranks over the
 whole tensor instead, as mergekit does (its defaults: gamma = 0.01, density beta = its own choice).
 
 ``rounding`` is which ranks the band holds of n entries (_rounding.band_ranks): ``'floor'`` (default: the authors'
@@ -57,7 +57,9 @@ def rank_cuts(mags: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarra
     return upper, lower
 
 
-def row_cuts(tau: np.ndarray, gamma: float, beta: float, scope: str, rounding: str = "floor") -> tuple[np.ndarray, np.ndarray]:
+def row_cuts(
+    tau: np.ndarray, gamma: float, beta: float, scope: str, rounding: str = "floor"
+) -> tuple[np.ndarray, np.ndarray]:
     """One task's rank_cuts of a tensor: one per row of its last dim, or one for the whole tensor. (``rounding``'s
     default, the method's, is for callers outside the registry: bench/select_floor.py.)"""
     from mergeflow.ml.merging._tensors import magnitudes_of
@@ -95,4 +97,6 @@ def breadcrumbs(pretrained, task_vectors, *, gamma, beta, scope, rounding, alpha
         uppers, lowers = (np.stack(side) for side in zip(*cuts))
         return plus_scaled(theta0, alpha, kernel_vector(banded_sum, taus, uppers, lowers))
 
-    return map_stacked(pretrained, task_vectors, merge, prepare=lambda key, t, tau: row_cuts(tau, gamma, beta, scope, rounding))
+    return map_stacked(
+        pretrained, task_vectors, merge, prepare=lambda key, t, tau: row_cuts(tau, gamma, beta, scope, rounding)
+    )

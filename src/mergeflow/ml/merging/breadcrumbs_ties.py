@@ -29,7 +29,8 @@ def band_mask(tau, gamma: float, beta: float, scope: str, rounding: str):
 
 @register(
     "breadcrumbs_ties",
-    paper="mergekit's breadcrumbs_ties: Breadcrumbs' masks (arXiv:2312.06795) with TIES' sign election (arXiv:2306.01708)",
+    paper="mergekit's breadcrumbs_ties: Breadcrumbs' masks "
+    "(arXiv:2312.06795) with TIES' sign election (arXiv:2306.01708)",
     defaults={"gamma": 0.1, "beta": 0.2, "scope": "row", "rounding": "floor", "fuse": "sum", "lam": 0.4},
     grid={"lam": [round(0.1 * i, 1) for i in range(1, 11)]},
     coefficient="lam",
@@ -43,7 +44,9 @@ def breadcrumbs_ties(pretrained, task_vectors, *, gamma, beta, scope, rounding, 
     from mergeflow.ml.merging._tensors import map_tensors
 
     def merge(key, theta0, taus):
-        masked = torch.stack([torch.where(band_mask(tau, gamma, beta, scope, rounding), tau, torch.zeros_like(tau)) for tau in taus])
+        masked = torch.stack(
+            [torch.where(band_mask(tau, gamma, beta, scope, rounding), tau, torch.zeros_like(tau)) for tau in taus]
+        )
         return theta0 + lam * elect_and_fuse(masked, fuse)
 
     return map_tensors(pretrained, task_vectors, merge)

@@ -1,8 +1,8 @@
 """CART-Indexing (per-task models): theta_avg plus a rank-k piece of each centred task vector.
 
 Choi et al., "Revisiting weight averaging for model merging" (seed 002, arXiv:2411.12153). Task t uses
-theta_avg + SVD_k(theta_t - theta_avg) on matrices (k = ceil(8% of min(m, n)), as CART) and theta_avg elsewhere. Storage:
-theta_avg (kept in the store, so theta0 is not needed) plus k (m + n) numbers per matrix and task.
+theta_avg + SVD_k(theta_t - theta_avg) on matrices (k = ceil(8% of min(m, n)), as CART) and theta_avg elsewhere.
+Storage: theta_avg (kept in the store, so theta0 is not needed) plus k (m + n) numbers per matrix and task.
 """
 
 from mergeflow.ml.merging import FRACTION, register
@@ -20,7 +20,14 @@ def reconstruct(store, pretrained, task):
     return out
 
 
-@register("cart_indexing", paper="Choi et al. 2024, CART-Indexing (arXiv:2411.12153)", defaults={"rank_ratio": 0.08}, kind="per_task", reconstruct=reconstruct, ranges={"rank_ratio": FRACTION})
+@register(
+    "cart_indexing",
+    paper="Choi et al. 2024, CART-Indexing (arXiv:2411.12153)",
+    defaults={"rank_ratio": 0.08},
+    kind="per_task",
+    reconstruct=reconstruct,
+    ranges={"rank_ratio": FRACTION},
+)
 def cart_indexing(pretrained, task_vectors, *, rank_ratio):
     from mergeflow.ml.merging._tensors import BASE_PREFIX, as_compute, is_matrix, rank_of_ratio, stack, svd
 

@@ -65,7 +65,9 @@ def _prepare(task_vectors, base: str, ties_k: float, trim_scope: str, rounding: 
     return trim_cuts(task_vectors, ties_k, trim_scope, rounding) if base == "ties" else None
 
 
-def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha, ties_k=None, trim_scope=None, rounding=None):
+def _consensus(
+    pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha, ties_k=None, trim_scope=None, rounding=None
+):
     from mergeflow.ml.merging._kernels import consensus_of_sum, consensus_of_ties
     from mergeflow.ml.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
@@ -80,11 +82,16 @@ def _consensus(pretrained, task_vectors, *, base, tall_lambda, min_tasks, alpha,
             vector = kernel_vector(consensus_of_ties, taus, cuts_array(cuts, taus[0].dtype), dtype_lambdas, min_tasks)
         return plus_scaled(theta0, alpha, vector)
 
-    return map_stacked(pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope, rounding))
+    return map_stacked(
+        pretrained, task_vectors, merge, prepare=_prepare(task_vectors, base, ties_k, trim_scope, rounding)
+    )
 
 
-def tall_task_models(pretrained, task_vectors, *, base: str, scale: float, ties_k: float, trim_scope: str, rounding: str):
-    """(task, {"tall_lambda": lambda_t}) -> theta0 + scale (m_t * tau_MTL), m_t = 1{|tau_t| >= lambda_t |tau_MTL - tau_t|}:
+def tall_task_models(
+    pretrained, task_vectors, *, base: str, scale: float, ties_k: float, trim_scope: str, rounding: str
+):
+    """(task, {"tall_lambda": lambda_t}) -> theta0 + scale (m_t * tau_MTL), m_t = 1{|tau_t| >= lambda_t |tau_MTL -
+    tau_t|}:
     the per-task models lambda_t is chosen on. tau_MTL (the sum, or TIES' vector) is merged once here for the whole
     search, so each of the T x |grid| models costs one element-wise pass, not a merge."""
     import numpy as np
@@ -92,7 +99,13 @@ def tall_task_models(pretrained, task_vectors, *, base: str, scale: float, ties_
 
     from mergeflow.ml.merging._tensors import as_compute, map_stacked
 
-    mtl = map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: mtl_vector(taus, base, cuts), prepare=_prepare(task_vectors, base, ties_k, trim_scope, rounding), cast=False)
+    mtl = map_stacked(
+        pretrained,
+        task_vectors,
+        lambda theta0, taus, cuts: mtl_vector(taus, base, cuts),
+        prepare=_prepare(task_vectors, base, ties_k, trim_scope, rounding),
+        cast=False,
+    )
 
     @lru_cache(maxsize=1)  # the search asks for one task's models in a row: its vector is read once, not per lambda_t
     def flat_vector(task):
@@ -114,7 +127,9 @@ def tall_task_models(pretrained, task_vectors, *, base: str, scale: float, ties_
 def _tall_task_models(base: str):
     # the registry passes every hyperparameter of the method (its defaults filled in); consensus_ta has no trim
     def task_models(pretrained, task_vectors, *, alpha, ties_k=None, trim_scope=None, rounding=None, **_):
-        return tall_task_models(pretrained, task_vectors, base=base, scale=alpha, ties_k=ties_k, trim_scope=trim_scope, rounding=rounding)
+        return tall_task_models(
+            pretrained, task_vectors, base=base, scale=alpha, ties_k=ties_k, trim_scope=trim_scope, rounding=rounding
+        )
 
     return task_models
 
@@ -136,12 +151,35 @@ def consensus_ta(pretrained, task_vectors, *, tall_lambda, min_tasks, alpha):
 @register(
     "consensus_ties",
     paper=PAPER,
-    defaults={"tall_lambda": 0.4, "min_tasks": 2, "ties_k": 0.2, "trim_scope": "global", "rounding": "ties_original", "alpha": 1.0},
+    defaults={
+        "tall_lambda": 0.4,
+        "min_tasks": 2,
+        "ties_k": 0.2,
+        "trim_scope": "global",
+        "rounding": "ties_original",
+        "alpha": 1.0,
+    },
     grid={"alpha": ALPHA_GRID + [1.2, 1.5, 2.0]},
     coefficient="alpha",
     per_task_grid={"tall_lambda": TALL_GRID},
     task_models=_tall_task_models("ties"),
-    ranges={"tall_lambda": TALL_LAMBDA, "min_tasks": MIN_TASKS, "ties_k": POSITIVE_FRACTION, **TRIM_RANGES, "alpha": ANY_NUMBER},
+    ranges={
+        "tall_lambda": TALL_LAMBDA,
+        "min_tasks": MIN_TASKS,
+        "ties_k": POSITIVE_FRACTION,
+        **TRIM_RANGES,
+        "alpha": ANY_NUMBER,
+    },
 )
 def consensus_ties(pretrained, task_vectors, *, tall_lambda, min_tasks, ties_k, trim_scope, rounding, alpha):
-    return _consensus(pretrained, task_vectors, base="ties", tall_lambda=tall_lambda, min_tasks=min_tasks, alpha=alpha, ties_k=ties_k, trim_scope=trim_scope, rounding=rounding)
+    return _consensus(
+        pretrained,
+        task_vectors,
+        base="ties",
+        tall_lambda=tall_lambda,
+        min_tasks=min_tasks,
+        alpha=alpha,
+        ties_k=ties_k,
+        trim_scope=trim_scope,
+        rounding=rounding,
+    )

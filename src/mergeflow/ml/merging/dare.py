@@ -44,15 +44,34 @@ def prepare_drop(task_vectors, p: float, seed: int):
     return drop
 
 
-@register("dare_linear", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 0.4}, grid={"lam": TA_GRID}, coefficient="lam", ranges=RANGES)
+@register(
+    "dare_linear",
+    paper=PAPER,
+    defaults={"p": 0.9, "seed": 0, "lam": 0.4},
+    grid={"lam": TA_GRID},
+    coefficient="lam",
+    ranges=RANGES,
+)
 def dare_linear(pretrained, task_vectors, *, p, seed, lam):
     from mergeflow.ml.merging._kernels import task_sum
     from mergeflow.ml.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
-    return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)), prepare=prepare_drop(task_vectors, p, seed))
+    return map_stacked(
+        pretrained,
+        task_vectors,
+        lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)),
+        prepare=prepare_drop(task_vectors, p, seed),
+    )
 
 
-@register("dare_ties", paper=PAPER, defaults={"p": 0.9, "seed": 0, "lam": 1.0}, grid={"lam": TIES_GRID}, coefficient="lam", ranges=RANGES)
+@register(
+    "dare_ties",
+    paper=PAPER,
+    defaults={"p": 0.9, "seed": 0, "lam": 1.0},
+    grid={"lam": TIES_GRID},
+    coefficient="lam",
+    ranges=RANGES,
+)
 def dare_ties(pretrained, task_vectors, *, p, seed, lam):
     import numpy as np
 

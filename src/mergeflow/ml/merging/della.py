@@ -33,7 +33,14 @@ if TYPE_CHECKING:
 
 PAPER = "Deep et al. 2024, DELLA-Merging (arXiv:2406.11617)"
 RESCALE = Choice(("keep_probability", "l1"))
-RANGES = {"p": Range("a drop probability", 0, 1, high_open=True), "epsilon": Range("a window width", 0, 1), "rescale": RESCALE, "rank_axis": Choice(("last", "dim1")), "seed": SEED, "lam": ANY_NUMBER}
+RANGES = {
+    "p": Range("a drop probability", 0, 1, high_open=True),
+    "epsilon": Range("a window width", 0, 1),
+    "rescale": RESCALE,
+    "rank_axis": Choice(("last", "dim1")),
+    "seed": SEED,
+    "lam": ANY_NUMBER,
+}
 DEFAULTS = {"p": 0.3, "epsilon": 0.14, "rescale": "keep_probability", "rank_axis": "last", "seed": 0}
 
 
@@ -62,7 +69,9 @@ def keep_probabilities(tau: torch.Tensor, p: float, epsilon: float, rank_axis: s
     return ((1 - p) - epsilon / 2 + epsilon * scaled).reshape(tau.shape)
 
 
-def magprune(tau: torch.Tensor, p: float, epsilon: float, rescale: str, seed: int, rank_axis: str = "last") -> torch.Tensor:
+def magprune(
+    tau: torch.Tensor, p: float, epsilon: float, rescale: str, seed: int, rank_axis: str = "last"
+) -> torch.Tensor:
     """MagPrune of one task's tensor: entry i kept when u_i < k_i (u_i uniform from a generator seeded ``seed``),
     then rescaled."""
     import torch
@@ -83,19 +92,39 @@ def pruned(task_vectors, p, epsilon, rescale, seed, rank_axis):
     from mergeflow.ml.merging._tensors import seed_of
 
     tasks = list(task_vectors)
-    return lambda key, taus: torch.stack([magprune(tau, p, epsilon, rescale, seed_of(seed, t, key), rank_axis) for t, tau in zip(tasks, taus)])
+    return lambda key, taus: torch.stack(
+        [magprune(tau, p, epsilon, rescale, seed_of(seed, t, key), rank_axis) for t, tau in zip(tasks, taus)]
+    )
 
 
-@register("della", paper=PAPER, defaults={**DEFAULTS, "lam": 1.1}, grid={"lam": TIES_GRID}, coefficient="lam", ranges=RANGES, joint=window_inside)
+@register(
+    "della",
+    paper=PAPER,
+    defaults={**DEFAULTS, "lam": 1.1},
+    grid={"lam": TIES_GRID},
+    coefficient="lam",
+    ranges=RANGES,
+    joint=window_inside,
+)
 def della(pretrained, task_vectors, *, p, epsilon, rescale, rank_axis, seed, lam):
     from mergeflow.ml.merging._sign import elect_and_fuse
     from mergeflow.ml.merging._tensors import map_tensors
 
     drop = pruned(task_vectors, p, epsilon, rescale, seed, rank_axis)
-    return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * elect_and_fuse(drop(key, taus)))
+    return map_tensors(
+        pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * elect_and_fuse(drop(key, taus))
+    )
 
 
-@register("della_linear", paper=PAPER, defaults={**DEFAULTS, "lam": 0.4}, grid={"lam": TA_GRID}, coefficient="lam", ranges=RANGES, joint=window_inside)
+@register(
+    "della_linear",
+    paper=PAPER,
+    defaults={**DEFAULTS, "lam": 0.4},
+    grid={"lam": TA_GRID},
+    coefficient="lam",
+    ranges=RANGES,
+    joint=window_inside,
+)
 def della_linear(pretrained, task_vectors, *, p, epsilon, rescale, rank_axis, seed, lam):
     from mergeflow.ml.merging._tensors import map_tensors
 

@@ -45,7 +45,8 @@ def shared_basis(taus: torch.Tensor, subspace: int) -> torch.Tensor:
 
 
 def conflict(delta: torch.Tensor, taus: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
-    """FusionBench's loss: sum_j sum_rows (|tau_j[row]|^2 - tau_j[row] . M[row])^2, M = sum_i lambda_i (tau_i + delta)."""
+    """FusionBench's loss: sum_j sum_rows (|tau_j[row]|^2 - tau_j[row] . M[row])^2, M = sum_i lambda_i (tau_i +
+    delta)."""
     merged = (lambdas[:, None, None] * taus).sum(0) + lambdas.sum() * delta
     return ((taus * taus).sum(-1) - (taus * merged).sum(-1)).pow(2).sum()
 
@@ -74,7 +75,13 @@ def correction(taus: torch.Tensor, lambdas: torch.Tensor, basis: torch.Tensor, s
     paper="Wei et al. 2025, DOGE: adaptive projective gradient descent (ICML 2025, arXiv:2501.01230)",
     defaults={"lam": 0.07, "k": 0.3, "subspace": 6, "steps": 400, "lr": 1e-4},
     grid={"lam": LAM_GRID},
-    ranges={"lam": Range("a layer norm", 0, low_open=True), "k": POSITIVE_FRACTION, "subspace": Range("a divisor of the rank", 1), "steps": Range("a number of steps", 0), "lr": Range("a learning rate", 0)},
+    ranges={
+        "lam": Range("a layer norm", 0, low_open=True),
+        "k": POSITIVE_FRACTION,
+        "subspace": Range("a divisor of the rank", 1),
+        "steps": Range("a number of steps", 0),
+        "lr": Range("a learning rate", 0),
+    },
 )
 def doge_ta(pretrained, task_vectors, *, lam, k, subspace, steps, lr):
     import torch

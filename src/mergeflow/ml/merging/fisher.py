@@ -39,11 +39,15 @@ def fisher(pretrained, task_vectors, *, data, labels, floor, floor_rule, normali
     from mergeflow.ml.merging._tensors import map_tensors
 
     if unknown := sorted(set(weights) - set(task_vectors)):
-        raise ValueError(f"merge.fisher.weights: no task '{unknown[0]}' among the merged tasks ({', '.join(task_vectors)})")
+        raise ValueError(
+            f"merge.fisher.weights: no task '{unknown[0]}' among the merged tasks ({', '.join(task_vectors)})"
+        )
     fishers = [data.statistics[t][f"fisher_{labels}"] for t in task_vectors]
     scales = torch.ones(len(fishers), dtype=torch.float64)
     if normalize == "global_norm":
-        norms = torch.tensor([sum(float(f[k].double().pow(2).sum()) for k in pretrained) ** 0.5 for f in fishers], dtype=torch.float64)
+        norms = torch.tensor(
+            [sum(float(f[k].double().pow(2).sum()) for k in pretrained) ** 0.5 for f in fishers], dtype=torch.float64
+        )
         scales = 1 / (norms + floor)
         scales = scales / scales.sum()
     scales = scales * torch.tensor([float(weights.get(t, 1.0)) for t in task_vectors], dtype=torch.float64)

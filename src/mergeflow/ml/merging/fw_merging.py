@@ -10,7 +10,8 @@ examples per task at theta_k; the linear minimisation oracle picks s_k = argmin 
 cos(g_p, v_p) (``alignment: tensor_cosine``, the code's); ``granularity: layer`` picks a vertex per tensor;
 theta_k+1 = theta_k + gamma_k (s_k - theta_k), gamma_k = 2 / (k + 2) * ``step_size`` * ``scaling`` (the code's
 step: task arithmetic of the one selected model at step_size * scaling). Defaults are FusionBench's (10 steps, step
-size 0.1, scaling 0.3, 100 examples per task, or all of a smaller training split). Every vertex is theta0 + sum_t c_t tau_t, so the merge is carried
+size 0.1, scaling 0.3, 100 examples per task, or all of a smaller training split). Every vertex is theta0 + sum_t c_t
+tau_t, so the merge is carried
 as those coefficients c (per task, or per task and tensor) and written with the choice, the cross-entropy per step
 beside them; the T fine-tuned models are never held in memory at once. Reads labelled training examples: a
 data-aware method (the summary's "data").
@@ -34,7 +35,12 @@ def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
     for t, x in inputs.items():
         for i in range(0, len(x), batch_size):
             features = objective.features(leaves, x[i : i + batch_size].to(objective.device))
-            loss = task_loss(objective.heads[t](features), labels[t][i : i + batch_size].to(objective.device), reduction="sum") / count
+            loss = (
+                task_loss(
+                    objective.heads[t](features), labels[t][i : i + batch_size].to(objective.device), reduction="sum"
+                )
+                / count
+            )
             loss.backward()
             total += float(loss.detach())
     return total, {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
@@ -42,8 +48,19 @@ def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
 
 @register(
     "fw_merging",
-    paper="Chen et al. 2025, FW-Merging: Scaling Model Merging with Frank-Wolfe Optimization (ICCV 2025, arXiv:2503.12649)",
-    defaults={"steps": 10, "step_size": 0.1, "scaling": 0.3, "examples": 100, "init": "merge", "alignment": "inner_product", "granularity": "task", "batch_size": 32, "seed": 0},
+    paper="Chen et al. 2025, FW-Merging: Scaling Model Merging with "
+    "Frank-Wolfe Optimization (ICCV 2025, arXiv:2503.12649)",
+    defaults={
+        "steps": 10,
+        "step_size": 0.1,
+        "scaling": 0.3,
+        "examples": 100,
+        "init": "merge",
+        "alignment": "inner_product",
+        "granularity": "task",
+        "batch_size": 32,
+        "seed": 0,
+    },
     ranges={
         "steps": Range("a number of steps", 0),
         "step_size": Range("a step size", 0),
@@ -57,7 +74,21 @@ def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
     },
     reads="train_examples",
 )
-def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, examples, init, alignment, granularity, batch_size, seed):
+def fw_merging(
+    pretrained,
+    task_vectors,
+    *,
+    data,
+    steps,
+    step_size,
+    scaling,
+    examples,
+    init,
+    alignment,
+    granularity,
+    batch_size,
+    seed,
+):
     import time
 
     import torch
@@ -80,7 +111,10 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
     coefficients = start[:, None].repeat(1, len(keys))  # [task, tensor]
 
     def model(c):
-        return {k: theta0[k] + sum(float(c[i, j]) * as_compute(task_vectors[t][k]) for i, t in enumerate(tasks)) for j, k in enumerate(keys)}
+        return {
+            k: theta0[k] + sum(float(c[i, j]) * as_compute(task_vectors[t][k]) for i, t in enumerate(tasks))
+            for j, k in enumerate(keys)
+        }
 
     # each vertex's tensors' norms and the task vectors' tensors, read once per step through the inner products
     vertex_norms = torch.zeros(len(vertices), len(keys), dtype=torch.float64)
@@ -109,7 +143,9 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
             products[:, j] = float(theta0[k].flatten().double() @ g) + corners @ with_tau
         if alignment == "tensor_cosine":
             scale = grad_norms[None] * vertex_norms
-            products = torch.where(scale > 0, products / scale.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(products))
+            products = torch.where(
+                scale > 0, products / scale.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(products)
+            )
         gamma = 2.0 / (step + 2) * step_size * scaling
         if granularity == "task":
             best = int(products.sum(1).argmin())
@@ -123,15 +159,19 @@ def fw_merging(pretrained, task_vectors, *, data, steps, step_size, scaling, exa
     seconds = time.perf_counter() - began
     names = keys if granularity == "layer" else ["all"]
     shown = coefficients if granularity == "layer" else coefficients[:, :1]
-    data.learned.append({
-        "layer_wise": granularity == "layer",
-        "split": "train",
-        "coefficients": {t: {n: round(float(shown[i, j]), 6) for j, n in enumerate(names)} for i, t in enumerate(tasks)},
-        "entropy": losses,  # the plot's objective per step: here the mean cross-entropy
-        "objective": "cross-entropy",
-        "selected": chosen,
-        "examples": {t: len(y) for t, y in labels.items()},
-    })
+    data.learned.append(
+        {
+            "layer_wise": granularity == "layer",
+            "split": "train",
+            "coefficients": {
+                t: {n: round(float(shown[i, j]), 6) for j, n in enumerate(names)} for i, t in enumerate(tasks)
+            },
+            "entropy": losses,  # the plot's objective per step: here the mean cross-entropy
+            "objective": "cross-entropy",
+            "selected": chosen,
+            "examples": {t: len(y) for t, y in labels.items()},
+        }
+    )
     record_timing(data, steps, seconds, objective.device)
     with torch.no_grad():
         return {k: v.to(pretrained[k].dtype) for k, v in model(coefficients).items()}

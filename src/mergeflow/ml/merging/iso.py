@@ -51,7 +51,9 @@ def subspace_sizes(r: int, n_tasks: int, common_space_fraction: float) -> tuple[
     return r - n_tasks * per_task, per_task
 
 
-def iso_cts_factors(taus: torch.Tensor, common_space_fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def iso_cts_factors(
+    taus: torch.Tensor, common_space_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Iso-CTS's parts: (U [m, r], V [n, r], sigma, owner [r]), the merged matrix sigma U V^T. Column j of U and V
     comes from the common subspace (owner -1) or from task owner[j]'s block (tasks in the order of ``taus``)."""
     import torch
@@ -96,7 +98,14 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     return (sigma * (u_hat @ v_hat.T)).to(taus.device)
 
 
-@register("iso_c", paper=PAPER, defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
+@register(
+    "iso_c",
+    paper=PAPER,
+    defaults={"alpha": 1.0},
+    grid={"alpha": ALPHA_GRID},
+    coefficient="alpha",
+    ranges={"alpha": ANY_NUMBER},
+)
 def iso_c(pretrained, task_vectors, *, alpha):
     from mergeflow.ml.merging._tensors import is_matrix, map_tensors
 
@@ -118,6 +127,8 @@ def iso_cts(pretrained, task_vectors, *, common_space_fraction, alpha):
     from mergeflow.ml.merging._tensors import is_matrix, map_tensors
 
     def merge(key, theta0, taus):
-        return theta0 + alpha * (iso_cts_matrix(taus, common_space_fraction) if is_matrix(key, theta0) else taus.mean(0))
+        return theta0 + alpha * (
+            iso_cts_matrix(taus, common_space_fraction) if is_matrix(key, theta0) else taus.mean(0)
+        )
 
     return map_tensors(pretrained, task_vectors, merge)

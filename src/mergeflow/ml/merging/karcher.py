@@ -55,7 +55,11 @@ def karcher_mean(vectors: torch.Tensor, max_iter: int, tol: float) -> torch.Tens
     "karcher",
     paper="Karcher 1977, Riemannian center of mass; mergekit's karcher",
     defaults={"space": "task_vectors", "max_iter": 10, "tol": 1e-5},
-    ranges={"space": Choice(("task_vectors", "weights")), "max_iter": Range("a number of steps", 1), "tol": Range("a tolerance", 0, low_open=True)},
+    ranges={
+        "space": Choice(("task_vectors", "weights")),
+        "max_iter": Range("a number of steps", 1),
+        "tol": Range("a tolerance", 0, low_open=True),
+    },
 )
 def karcher(pretrained, task_vectors, *, space, max_iter, tol):
     from mergeflow.ml.merging._tensors import map_tensors

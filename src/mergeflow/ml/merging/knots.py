@@ -73,7 +73,14 @@ def knots(pretrained, task_vectors, *, base, k, trim_scope, rounding, lam):
         if not first:
             return {}
         if base == "ties":
-            return ties({key: torch.zeros_like(c) for key, c in first.items()}, parts, k=k, trim_scope=trim_scope, rounding=rounding, lam=lam)
+            return ties(
+                {key: torch.zeros_like(c) for key, c in first.items()},
+                parts,
+                k=k,
+                trim_scope=trim_scope,
+                rounding=rounding,
+                lam=lam,
+            )
         return {key: lam * torch.stack([parts[t][key] for t in tasks]).sum(0) for key in first}
 
     merged = merge(coefficients) | merge(others)

@@ -8,8 +8,8 @@ merging, the authors' code sets alpha = (|sum_t tau_t|_1 / |tau_MTL|_1) / T, whi
 the mean task vector, and searches beta on validation (0.1, ..., 1.0). A tensor's block is the first integer in
 its name (timm's ``blocks.<l>.``), L one more than the largest: a ViT's depth; in hierarchical models
 (``stages.<s>.blocks.<b>``, ResNet's ``layer1.<b>``) that integer is not the depth. ``base: ties`` uses
-mergeflow's TIES vector (the disjoint mean, global trim); the authors' code used the disjoint sum, which alpha's L1 scaling brings to the same
-overall size but which weights each entry by its count of agreeing tasks.
+mergeflow's TIES vector (the disjoint mean, global trim); the authors' code used the disjoint sum, which alpha's L1
+scaling brings to the same overall size but which weights each entry by its count of agreeing tasks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Low-rank task arithmetic: theta = theta0 + lam sum_t SVD_k(tau_t) on matrices, full tau_t elsewhere.
 
 The baseline of seed 002 (Choi et al., "Revisiting weight averaging for model merging", arXiv:2411.12153):
-k = ceil(rank_ratio x min(m, n)) (_tensors.rank_of_ratio, as seed 002's Algorithm 1 takes CART's rank). Matrices are 2-D weights (attention and MLP projections); embeddings, norms, biases
+k = ceil(rank_ratio x min(m, n)) (_tensors.rank_of_ratio, as seed 002's Algorithm 1 takes CART's rank). Matrices are 2-D
+weights (attention and MLP projections); embeddings, norms, biases
 and the patch-embedding conv keep their full task vectors. rank_ratio = 1 is task arithmetic.
 """
 

@@ -36,7 +36,9 @@ def mean_pairwise_cosine(taus: torch.Tensor, average: str = "cosines") -> torch.
 
     norms = taus.norm(dim=-1)
     pairs = [(a, b) for a in range(len(taus)) for b in range(a + 1, len(taus))]
-    cosines = torch.stack([((taus[a] * taus[b]).sum(-1) / (norms[a] * norms[b]).clamp(min=NORM_FLOOR)).clamp(-1, 1) for a, b in pairs])
+    cosines = torch.stack(
+        [((taus[a] * taus[b]).sum(-1) / (norms[a] * norms[b]).clamp(min=NORM_FLOOR)).clamp(-1, 1) for a, b in pairs]
+    )
     return cosines.mean(0) if average == "cosines" else torch.cos(torch.acos(cosines).mean(0))
 
 
@@ -44,13 +46,19 @@ def stock_ratio(cos: torch.Tensor, n_models: int) -> torch.Tensor:
     return n_models * cos / (1 + (n_models - 1) * cos)
 
 
-@register("model_stock", paper="Jang et al. 2024, Model Stock (ECCV 2024, arXiv:2403.19522)", defaults={"scope": "tensor", "average": "cosines"},
-          ranges={"scope": Choice(("tensor", "filter", "last_axis")), "average": Choice(("cosines", "angles"))})
+@register(
+    "model_stock",
+    paper="Jang et al. 2024, Model Stock (ECCV 2024, arXiv:2403.19522)",
+    defaults={"scope": "tensor", "average": "cosines"},
+    ranges={"scope": Choice(("tensor", "filter", "last_axis")), "average": Choice(("cosines", "angles"))},
+)
 def model_stock(pretrained, task_vectors, *, scope, average):
     from mergeflow.ml.merging._tensors import map_tensors
 
     if len(task_vectors) < 2:
-        raise ValueError(f"merge.model_stock: the angle between task vectors needs at least two tasks, got {len(task_vectors)}")
+        raise ValueError(
+            f"merge.model_stock: the angle between task vectors needs at least two tasks, got {len(task_vectors)}"
+        )
 
     def merge(key, theta0, taus):
         if scope == "last_axis":

@@ -31,7 +31,9 @@ def multislerp(pretrained, task_vectors):
         if mean.norm() ** 2 <= sin2_floor(mean.dtype):  # cancelled to the dtype's rounding (float32: 6e-8, not 0)
             if len(taus) == 2:  # mergekit's fallback: the linear mean
                 return theta0 + taus.mean(0)
-            raise ValueError(f"merge.multislerp: tensor '{key}': the task vectors' directions cancel out (their mean is zero)")
+            raise ValueError(
+                f"merge.multislerp: tensor '{key}': the task vectors' directions cancel out (their mean is zero)"
+            )
         mean = mean / mean.norm()
         tangent = (units - (units @ mean)[:, None] * mean).mean(0)
         length = tangent.norm() + EPS

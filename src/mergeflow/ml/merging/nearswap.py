@@ -14,7 +14,13 @@ from mergeflow.ml.merging import Range, register
 FLOOR = 1e-6  # mergekit's clamp of |tau|
 
 
-@register("nearswap", paper="mergekit's nearswap (QuartetAnemoi, 2024)", defaults={"t": 1e-4}, grid={"t": [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]}, ranges={"t": Range("a distance", 0)})
+@register(
+    "nearswap",
+    paper="mergekit's nearswap (QuartetAnemoi, 2024)",
+    defaults={"t": 1e-4},
+    grid={"t": [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]},
+    ranges={"t": Range("a distance", 0)},
+)
 def nearswap(pretrained, task_vectors, *, t):
     from mergeflow.ml.merging._tensors import map_tensors
 

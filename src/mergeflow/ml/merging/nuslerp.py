@@ -37,7 +37,9 @@ def nuslerp_pair(t: float, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     omega = torch.acos(cos)
     sin = torch.sin(omega)
     parallel = degenerate(cos)
-    spherical = (torch.sin((1 - t) * omega) * u + torch.sin(t * omega) * v) / torch.where(parallel, torch.ones_like(sin), sin)
+    spherical = (torch.sin((1 - t) * omega) * u + torch.sin(t * omega) * v) / torch.where(
+        parallel, torch.ones_like(sin), sin
+    )
     return torch.where(parallel, (1 - t) * u + t * v, spherical)
 
 
@@ -48,8 +50,14 @@ def along(tau: torch.Tensor, vectors: str) -> torch.Tensor:
     return tau if vectors == "rows" else tau.transpose(0, -1)
 
 
-@register("nuslerp", paper="mergekit's nuslerp (SLERP: Shoemake 1985)", defaults={"t": 0.5, "vectors": "tensor", "space": "task_vectors"}, grid={"t": [0.25, 0.5, 0.75]},
-          ranges={"t": FRACTION, "vectors": Choice(("tensor", "rows", "columns")), "space": SPACES}, tasks=2)
+@register(
+    "nuslerp",
+    paper="mergekit's nuslerp (SLERP: Shoemake 1985)",
+    defaults={"t": 0.5, "vectors": "tensor", "space": "task_vectors"},
+    grid={"t": [0.25, 0.5, 0.75]},
+    ranges={"t": FRACTION, "vectors": Choice(("tensor", "rows", "columns")), "space": SPACES},
+    tasks=2,
+)
 def nuslerp(pretrained, task_vectors, *, t, vectors, space):
     from mergeflow.ml.merging._tensors import map_tensors
 

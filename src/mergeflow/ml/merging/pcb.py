@@ -70,7 +70,13 @@ def pcb_vector(rows: torch.Tensor, ratio: float, clamp_ratio: float, inter: str)
     defaults={"ratio": 0.1, "clamp_ratio": 1e-4, "inter": "sum", "scope": "global", "lam": 1.2},
     grid={"ratio": [0.05, 0.1, 0.2], "lam": LAMBDA_GRID},
     coefficient="lam",
-    ranges={"ratio": POSITIVE_FRACTION, "clamp_ratio": Range("an outlier share", 0, 0.5, high_open=True), "inter": Choice(("sum", "normalized_sum")), "scope": Choice(("global", "tensor")), "lam": ANY_NUMBER},
+    ranges={
+        "ratio": POSITIVE_FRACTION,
+        "clamp_ratio": Range("an outlier share", 0, 0.5, high_open=True),
+        "inter": Choice(("sum", "normalized_sum")),
+        "scope": Choice(("global", "tensor")),
+        "lam": ANY_NUMBER,
+    },
 )
 def pcb(pretrained, task_vectors, *, ratio, clamp_ratio, inter, scope, lam):
     import torch
@@ -78,7 +84,14 @@ def pcb(pretrained, task_vectors, *, ratio, clamp_ratio, inter, scope, lam):
     from mergeflow.ml.merging._tensors import as_compute, map_tensors, stack
 
     if scope == "tensor":
-        return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + lam * pcb_vector(taus.reshape(taus.shape[0], -1), ratio, clamp_ratio, inter).reshape(theta0.shape))
+        return map_tensors(
+            pretrained,
+            task_vectors,
+            lambda key, theta0, taus: (
+                theta0
+                + lam * pcb_vector(taus.reshape(taus.shape[0], -1), ratio, clamp_ratio, inter).reshape(theta0.shape)
+            ),
+        )
     keys = list(pretrained)
     pieces = [stack(task_vectors, key) for key in keys]
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in pieces) else torch.float32

@@ -34,7 +34,10 @@ def regression_mean(weights, grams, alpha: float, *, key: str, method: str = "re
     try:
         return torch.linalg.solve(total, weighted.T).T.to(weights[0].dtype)
     except RuntimeError:  # torch.linalg.LinAlgError
-        raise ValueError(f"merge.{method}: the Gram of {key}'s inputs is singular at alpha={alpha} (an input never varies); use alpha < 1") from None
+        raise ValueError(
+            f"merge.{method}: the Gram of {key}'s inputs is singular "
+            f"at alpha={alpha} (an input never varies); use alpha < 1"
+        ) from None
 
 
 @register(
@@ -53,6 +56,8 @@ def regmean(pretrained, task_vectors, *, data, alpha):
     def merge(key, theta0, taus):
         if key not in grams[0]:
             return theta0 + taus.mean(0)
-        return regression_mean([theta0.double() + tau.double() for tau in taus], [g[key] for g in grams], alpha, key=key).to(taus.dtype)
+        return regression_mean(
+            [theta0.double() + tau.double() for tau in taus], [g[key] for g in grams], alpha, key=key
+        ).to(taus.dtype)
 
     return map_tensors(pretrained, task_vectors, merge)

@@ -64,7 +64,10 @@ def regmean_plusplus(pretrained, task_vectors, *, data, alpha):
     backbone = copy.deepcopy(data.backbone)
     net = backbone.net
     if not (hasattr(net, "blocks") and hasattr(net, "patch_embed") and hasattr(net, "_pos_embed")):
-        raise ValueError(f"merge.regmean_plusplus: merges a timm ViT block by block; {type(net).__name__} has no patch_embed and blocks")
+        raise ValueError(
+            "merge.regmean_plusplus: merges a timm ViT block by "
+            f"block; {type(net).__name__} has no patch_embed and blocks"
+        )
     dtype = next(iter(merged.values())).dtype
     backbone.to(dtype).eval()
     net.load_state_dict(merged)
@@ -72,7 +75,7 @@ def regmean_plusplus(pretrained, task_vectors, *, data, alpha):
         hidden = {t: _embedded(backbone, data.train_inputs[t]) for t in tasks}
         for i, block in enumerate(net.blocks):
             prefix = f"blocks.{i}."
-            local = {k[len(prefix):]: k for k in pretrained if k.startswith(prefix)}
+            local = {k[len(prefix) :]: k for k in pretrained if k.startswith(prefix)}
             grams = {}
             for t in tasks:
                 own = copy.deepcopy(block)
@@ -80,7 +83,13 @@ def regmean_plusplus(pretrained, task_vectors, *, data, alpha):
                 grams[t] = _grams(own, hidden[t])
             for name, key in local.items():
                 if name in grams[tasks[0]]:
-                    merged[key] = regression_mean([models[t][key] for t in tasks], [grams[t][name] for t in tasks], alpha, key=key, method="regmean_plusplus")
+                    merged[key] = regression_mean(
+                        [models[t][key] for t in tasks],
+                        [grams[t][name] for t in tasks],
+                        alpha,
+                        key=key,
+                        method="regmean_plusplus",
+                    )
             block.load_state_dict({name: merged[key] for name, key in local.items()})
             if i < len(net.blocks) - 1:
                 hidden = {t: _forward(block, h) for t, h in hidden.items()}

@@ -30,7 +30,9 @@ class Scorer(Protocol):
     def network(self, build: Callable[[Any], Any]) -> dict[str, float]: ...  # every task through build(backbone)
 
     # each task with its own model, and its own map on the features before the head where the method has one
-    def per_task(self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None) -> dict[str, float]: ...
+    def per_task(
+        self, model_of: Callable[[str], StateDict], feature_maps: Callable[[str], Callable] | None = None
+    ) -> dict[str, float]: ...
 
 
 def mean(values) -> float:
@@ -40,7 +42,9 @@ def mean(values) -> float:
 
 
 # ---------------------------------------------------------------- grids
-def search_space(method: MergeMethod, overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+def search_space(
+    method: MergeMethod, overrides: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """(fixed hyperparameters, grid) after ``overrides``: a list value is a grid, a scalar fixes the value."""
     fixed = dict(method.defaults)
     grid = {k: list(v) for k, v in method.grid.items()}
@@ -92,7 +96,9 @@ def merged_candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretra
             yield {**hp, coef: c}, at(c)
 
 
-def interpolation(method: MergeMethod, hp: Mapping, coef: str, pretrained, task_vectors) -> Callable[[float], StateDict]:
+def interpolation(
+    method: MergeMethod, hp: Mapping, coef: str, pretrained, task_vectors
+) -> Callable[[float], StateDict]:
     """c -> the merge at coefficient c, from two merges (c = 0 and c = 1): base + c (unit - base), in each tensor's
     compute dtype (float64 stays float64), cast back to the merged tensor's dtype."""
     from mergeflow.ml.merging._tensors import as_compute
@@ -104,7 +110,9 @@ def interpolation(method: MergeMethod, hp: Mapping, coef: str, pretrained, task_
     return lambda c: {k: (as_compute(base[k]) + c * direction[k]).to(base[k].dtype) for k in base}
 
 
-def choose_per_task(method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: Scorer):
+def choose_per_task(
+    method: MergeMethod, overrides: Mapping, fixed: Mapping, pretrained, task_vectors, evaluate: Scorer
+):
     """Per-task hyperparameters (e.g. TALL masks' lambda_t), each chosen on that task's own validation split."""
     chosen, curves = {}, {}
     space = per_task_space(method, overrides)
@@ -164,7 +172,9 @@ def swept_key(method: MergeMethod, grid: Mapping[str, list]) -> str | None:
     return key if len(values) >= 4 and numbers and all(a < b for a, b in zip(values, values[1:])) else None
 
 
-def golden_candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretrained, task_vectors, score: Callable[[dict, Any], dict]) -> None:
+def golden_candidates(
+    method: MergeMethod, fixed: Mapping, grid: Mapping, pretrained, task_vectors, score: Callable[[dict, Any], dict]
+) -> None:
     """Every combination of the other keys, the swept key narrowed by ``golden_section``; ``score(hp, output)``
     scores one candidate and returns its row. A coefficient is swept by interpolation, as in merged_candidates."""
     key = swept_key(method, grid)
@@ -179,16 +189,26 @@ def golden_candidates(method: MergeMethod, fixed: Mapping, grid: Mapping, pretra
             def make(v, hp=hp):
                 return method(pretrained, task_vectors, **hp, **{key: v})
 
-        golden_section(len(values), lambda i, hp=hp, make=make: score({**hp, key: values[i]}, make(values[i]))["average"])
+        golden_section(
+            len(values), lambda i, hp=hp, make=make: score({**hp, key: values[i]}, make(values[i]))["average"]
+        )
 
 
-def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_vectors: Mapping[str, StateDict], evaluate: Scorer, strategy: str = "grid"):
+def search(
+    method: MergeMethod,
+    overrides: Mapping,
+    pretrained: StateDict,
+    task_vectors: Mapping[str, StateDict],
+    evaluate: Scorer,
+    strategy: str = "grid",
+):
     """Search on validation; the best average accuracy wins (first in grid order on ties). ``strategy``: "grid"
     scores every grid point; "golden" narrows the method's coefficient (or a one-key grid's key) by golden-section
     search for each combination of the other keys, assuming a unimodal curve, and scores every point where that
     does not apply (fewer than 4 values, unsorted, not numbers; AdaMerging, whose records follow the calls).
 
-    Returns (best row, its output: a merged model or a per-task store, the validation curve in grid order, per-task choices).
+    Returns (best row, its output: a merged model or a per-task store, the validation curve in grid order, per-task
+    choices).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"merge.search: '{strategy}' is not a search strategy ({', '.join(STRATEGIES)})")
@@ -205,9 +225,17 @@ def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_
             acc = evaluate.network(lambda backbone: method.network(output, backbone))
         else:
             acc = evaluate(output)
-        row = {"hyperparameters": {k: v for k, v in hp.items() if k not in per_task}, "accuracy": acc, "average": mean(acc.values())}
+        row = {
+            "hyperparameters": {k: v for k, v in hp.items() if k not in per_task},
+            "accuracy": acc,
+            "average": mean(acc.values()),
+        }
         curve.append(row)
-        if best is None or row["average"] > best[0]["average"] or (row["average"] == best[0]["average"] and order(row) < order(best[0])):
+        if (
+            best is None
+            or row["average"] > best[0]["average"]
+            or (row["average"] == best[0]["average"] and order(row) < order(best[0]))
+        ):
             best = (row, output)
         return row
 
@@ -225,7 +253,14 @@ def search(method: MergeMethod, overrides: Mapping, pretrained: StateDict, task_
     return best[0], best[1], curve, {"chosen": per_task, "curves": per_task_curves}
 
 
-def negation_search(method: MergeMethod, overrides: Mapping, pretrained, task_vectors, evaluate: Scorer, pretrained_accuracy: Mapping[str, float]):
+def negation_search(
+    method: MergeMethod,
+    overrides: Mapping,
+    pretrained,
+    task_vectors,
+    evaluate: Scorer,
+    pretrained_accuracy: Mapping[str, float],
+):
     """For each task t: the lam that lowers t's validation accuracy most while the other tasks' (control) accuracy
     stays at least control_floor x the pretrained model's; lam = 0 (no edit) when none does."""
     fixed, grid = search_space(method, overrides)

@@ -36,13 +36,21 @@ def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-6) ->
 SPACES = Choice(("task_vectors", "weights"))  # what is interpolated: the task vectors around theta0, or the weights
 
 
-@register("slerp", paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp", defaults={"t": 0.5, "space": "task_vectors"}, grid={"t": [0.25, 0.5, 0.75]},
-          ranges={"t": FRACTION, "space": SPACES}, tasks=2)
+@register(
+    "slerp",
+    paper="Shoemake 1985, Animating rotation with quaternion curves; mergekit's slerp",
+    defaults={"t": 0.5, "space": "task_vectors"},
+    grid={"t": [0.25, 0.5, 0.75]},
+    ranges={"t": FRACTION, "space": SPACES},
+    tasks=2,
+)
 def slerp(pretrained, task_vectors, *, t, space):
     from mergeflow.ml.merging._tensors import map_tensors
 
     if len(task_vectors) != 2:
         raise ValueError(f"merge.slerp: SLERP merges exactly two models, got {len(task_vectors)} tasks")
     if space == "weights":
-        return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: slerp_pair(theta0 + taus[0], theta0 + taus[1], t))
+        return map_tensors(
+            pretrained, task_vectors, lambda key, theta0, taus: slerp_pair(theta0 + taus[0], theta0 + taus[1], t)
+        )
     return map_tensors(pretrained, task_vectors, lambda key, theta0, taus: theta0 + slerp_pair(taus[0], taus[1], t))

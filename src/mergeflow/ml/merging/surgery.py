@@ -47,7 +47,12 @@ def _features(objective, state, images):
 
     params = {k: v.to(objective.device) for k, v in state.items()}
     with torch.no_grad():
-        return torch.cat([objective.features(params, images[i : i + BATCH].to(objective.device)) for i in range(0, len(images), BATCH)])
+        return torch.cat(
+            [
+                objective.features(params, images[i : i + BATCH].to(objective.device))
+                for i in range(0, len(images), BATCH)
+            ]
+        )
 
 
 @register(
@@ -56,8 +61,20 @@ def _features(objective, state, images):
     kind="per_task",
     reconstruct=reconstruct,
     features=features,
-    defaults={"base": "adamerging", "rank": 16, "lr": 1e-3, "steps": 1000, "batch_size": 16, "split": "test", "seed": 0},
-    ranges={"base": Choice(BASES), "rank": Range("a rank", 1), **{k: v for k, v in ADAPTIVE_RANGES.items() if k != "init"}},
+    defaults={
+        "base": "adamerging",
+        "rank": 16,
+        "lr": 1e-3,
+        "steps": 1000,
+        "batch_size": 16,
+        "split": "test",
+        "seed": 0,
+    },
+    ranges={
+        "base": Choice(BASES),
+        "rank": Range("a rank", 1),
+        **{k: v for k, v in ADAPTIVE_RANGES.items() if k != "init"},
+    },
     reads="test_inputs",
 )
 def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size, split, seed):
@@ -88,10 +105,17 @@ def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size
         own_z[t] = _features(objective, {k: theta0[k] + as_compute(task_vectors[t][k]) for k in theta0}, inputs[t])
     width = merged_z[tasks[0]].shape[1]
     generator = torch.Generator().manual_seed(seed)
-    down = {t: torch.nn.init.kaiming_uniform_(torch.empty(rank, width, dtype=dtype), a=math.sqrt(5), generator=generator).to(objective.device).requires_grad_() for t in tasks}
+    down = {
+        t: torch.nn.init.kaiming_uniform_(torch.empty(rank, width, dtype=dtype), a=math.sqrt(5), generator=generator)
+        .to(objective.device)
+        .requires_grad_()
+        for t in tasks
+    }
     up = {t: torch.zeros(width, rank, dtype=dtype, device=objective.device, requires_grad=True) for t in tasks}
     optimizer = torch.optim.Adam([*down.values(), *up.values()], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    stream = batch_stream({t: torch.arange(len(z)) for t, z in merged_z.items()}, batch_size, generator, method="surgery", split=split)
+    stream = batch_stream(
+        {t: torch.arange(len(z)) for t, z in merged_z.items()}, batch_size, generator, method="surgery", split=split
+    )
     losses = []
     began = time.perf_counter()
     for _ in range(steps):
@@ -106,8 +130,18 @@ def surgery(pretrained, task_vectors, *, data, base, rank, lr, steps, batch_size
         optimizer.step()
         losses.append(round(float(loss.detach()) / len(tasks), 6))
     seconds = time.perf_counter() - began
-    record = base_record or {"layer_wise": False, "coefficients": {t: {"all": float(method.defaults.get("lam", 1.0))} for t in tasks}}
-    record = record | {"base": base, "base_objective": record.get("entropy"), "split": split, "entropy": losses, "objective": "L1 feature distance", "unit": "per feature"}
+    record = base_record or {
+        "layer_wise": False,
+        "coefficients": {t: {"all": float(method.defaults.get("lam", 1.0))} for t in tasks},
+    }
+    record = record | {
+        "base": base,
+        "base_objective": record.get("entropy"),
+        "split": split,
+        "entropy": losses,
+        "objective": "L1 feature distance",
+        "unit": "per feature",
+    }
     data.learned.append(record)
     record_timing(data, steps, seconds, objective.device)
     store = {f"{BASE_PREFIX}{k}": v for k, v in merged.items()}

@@ -34,7 +34,8 @@ def calibrate(delta, taus, alpha):
 
 @register(
     "svc",
-    paper="Spectral over-accumulation in model merging, singular value calibration, 2026 (arXiv:2602.05536), as in FusionBench",
+    paper="Spectral over-accumulation in model merging, singular value "
+    "calibration, 2026 (arXiv:2602.05536), as in FusionBench",
     defaults={"base": "task_arithmetic", "lam": 0.3, "alpha": 0.1},
     ranges={"base": Choice(BASES), "lam": ANY_NUMBER, "alpha": Range("a calibration floor", 0)},
 )

@@ -26,8 +26,14 @@ def _ties_and_masks(pretrained, task_vectors, tall_lambda, ties_k, trim_scope, r
         masks.append(torch.from_numpy(task_masks(taus, ties, lambdas.astype(taus[0].dtype))))
         return ties
 
-    shared = map_stacked(pretrained, task_vectors, merge, prepare=trim_cuts(task_vectors, ties_k, trim_scope, rounding), cast=False)
-    store = {f"mask/{t}/{k}": key_masks[i].reshape(v.shape) for key_masks, (k, v) in zip(masks, shared.items()) for i, t in enumerate(tasks)}
+    shared = map_stacked(
+        pretrained, task_vectors, merge, prepare=trim_cuts(task_vectors, ties_k, trim_scope, rounding), cast=False
+    )
+    store = {
+        f"mask/{t}/{k}": key_masks[i].reshape(v.shape)
+        for key_masks, (k, v) in zip(masks, shared.items())
+        for i, t in enumerate(tasks)
+    }
     return store | {f"shared/{k}": v for k, v in shared.items()}
 
 
@@ -43,7 +49,9 @@ def reconstruct(store, pretrained, task):
 
 
 def task_models(pretrained, task_vectors, *, ties_k, trim_scope, rounding, lam, **_):
-    return tall_task_models(pretrained, task_vectors, base="ties", scale=lam, ties_k=ties_k, trim_scope=trim_scope, rounding=rounding)
+    return tall_task_models(
+        pretrained, task_vectors, base="ties", scale=lam, ties_k=ties_k, trim_scope=trim_scope, rounding=rounding
+    )
 
 
 @register(

@@ -21,4 +21,6 @@ def task_arithmetic(pretrained, task_vectors, *, lam):
     from mergeflow.ml.merging._kernels import task_sum
     from mergeflow.ml.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
-    return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus)))
+    return map_stacked(
+        pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, lam, kernel_vector(task_sum, taus))
+    )

@@ -10,7 +10,14 @@ from mergeflow.ml.merging import ANY_NUMBER, FRACTION, register
 from mergeflow.ml.merging.task_arithmetic import LAMBDA_GRID
 
 
-@register("task_negation", paper="Ilharco et al. 2023, Editing models with task arithmetic (arXiv:2212.04089)", defaults={"lam": 0.4, "control_floor": 0.95}, grid={"lam": LAMBDA_GRID}, kind="negation", ranges={"lam": ANY_NUMBER, "control_floor": FRACTION})
+@register(
+    "task_negation",
+    paper="Ilharco et al. 2023, Editing models with task arithmetic (arXiv:2212.04089)",
+    defaults={"lam": 0.4, "control_floor": 0.95},
+    grid={"lam": LAMBDA_GRID},
+    kind="negation",
+    ranges={"lam": ANY_NUMBER, "control_floor": FRACTION},
+)
 def task_negation(pretrained, task_vectors, *, lam, control_floor=0.95):
     from mergeflow.ml.merging._tensors import map_tensors
 

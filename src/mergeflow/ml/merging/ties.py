@@ -126,4 +126,9 @@ def ties_vector(taus: tuple[np.ndarray, ...], cuts: list[float]) -> torch.Tensor
 def ties(pretrained, task_vectors, *, k, trim_scope, rounding, lam):
     from mergeflow.ml.merging._tensors import map_stacked, plus_scaled
 
-    return map_stacked(pretrained, task_vectors, lambda theta0, taus, cuts: plus_scaled(theta0, lam, ties_vector(taus, cuts)), prepare=trim_cuts(task_vectors, k, trim_scope, rounding))
+    return map_stacked(
+        pretrained,
+        task_vectors,
+        lambda theta0, taus, cuts: plus_scaled(theta0, lam, ties_vector(taus, cuts)),
+        prepare=trim_cuts(task_vectors, k, trim_scope, rounding),
+    )

@@ -13,12 +13,19 @@ def reconstruct(store, pretrained, task):
 
     out = {}
     for k, p in pretrained.items():
-        piece = store[f"u/{task}/{k}"] @ store[f"vh/{task}/{k}"] if f"u/{task}/{k}" in store else store[f"full/{task}/{k}"]
+        piece = (
+            store[f"u/{task}/{k}"] @ store[f"vh/{task}/{k}"] if f"u/{task}/{k}" in store else store[f"full/{task}/{k}"]
+        )
         out[k] = (as_compute(p) + piece).to(p.dtype)
     return out
 
 
-@register("tsv_c", paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)", kind="per_task", reconstruct=reconstruct)
+@register(
+    "tsv_c",
+    paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)",
+    kind="per_task",
+    reconstruct=reconstruct,
+)
 def tsv_c(pretrained, task_vectors):
     from mergeflow.ml.merging._tensors import as_compute, is_matrix, svd
 

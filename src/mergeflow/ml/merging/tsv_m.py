@@ -40,7 +40,14 @@ def tsv_merge_matrix(taus: torch.Tensor) -> torch.Tensor:
     return ((polar(u) * s) @ polar(vh.T).T).to(taus.device)
 
 
-@register("tsv_m", paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)", defaults={"alpha": 1.0}, grid={"alpha": ALPHA_GRID}, coefficient="alpha", ranges={"alpha": ANY_NUMBER})
+@register(
+    "tsv_m",
+    paper="Gargiulo et al. 2025, Task Singular Vectors (arXiv:2412.00081)",
+    defaults={"alpha": 1.0},
+    grid={"alpha": ALPHA_GRID},
+    coefficient="alpha",
+    ranges={"alpha": ANY_NUMBER},
+)
 def tsv_m(pretrained, task_vectors, *, alpha):
     from mergeflow.ml.merging._tensors import is_matrix, map_tensors
 

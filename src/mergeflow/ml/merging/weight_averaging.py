@@ -11,4 +11,8 @@ def weight_averaging(pretrained, task_vectors):
     from mergeflow.ml.merging._kernels import task_sum
     from mergeflow.ml.merging._tensors import kernel_vector, map_stacked, plus_scaled
 
-    return map_stacked(pretrained, task_vectors, lambda theta0, taus, _: plus_scaled(theta0, 1 / len(taus), kernel_vector(task_sum, taus)))
+    return map_stacked(
+        pretrained,
+        task_vectors,
+        lambda theta0, taus, _: plus_scaled(theta0, 1 / len(taus), kernel_vector(task_sum, taus)),
+    )

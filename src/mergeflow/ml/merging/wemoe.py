@@ -87,10 +87,17 @@ def network(store, backbone):
     model.net.load_state_dict({k.removeprefix(BASE_PREFIX): v for k, v in store.items() if k.startswith(BASE_PREFIX)})
     tasks = _tasks(store)
     for l, block in enumerate(model.net.blocks):
-        experts = {f"{layer}.{p}": torch.stack([store[f"experts/{t}/blocks.{l}.mlp.{layer}.{p}"] for t in tasks]) for layer in ("fc1", "fc2") for p in ("weight", "bias") if f"experts/{tasks[0]}/blocks.{l}.mlp.{layer}.{p}" in store}
+        experts = {
+            f"{layer}.{p}": torch.stack([store[f"experts/{t}/blocks.{l}.mlp.{layer}.{p}"] for t in tasks])
+            for layer in ("fc1", "fc2")
+            for p in ("weight", "bias")
+            if f"experts/{tasks[0]}/blocks.{l}.mlp.{layer}.{p}" in store
+        }
         width = block.mlp.fc1.in_features
         router = _router(width, len(tasks), 0.0, torch.Generator(), next(iter(experts.values())).dtype)
-        router.load_state_dict({k.removeprefix(f"router/{l}/"): v for k, v in store.items() if k.startswith(f"router/{l}/")})
+        router.load_state_dict(
+            {k.removeprefix(f"router/{l}/"): v for k, v in store.items() if k.startswith(f"router/{l}/")}
+        )
         block.mlp = _routed_mlp(block.mlp, experts, router)
     return _Network(model)
 
@@ -114,7 +121,8 @@ def _Network(backbone):
 
 @register(
     "wemoe",
-    paper="Tang et al. 2024, Merging Multi-Task Models via Weight-Ensembling Mixture of Experts (ICML 2024, arXiv:2402.00433)",
+    paper="Tang et al. 2024, Merging Multi-Task Models via Weight-Ensembling "
+    "Mixture of Experts (ICML 2024, arXiv:2402.00433)",
     kind="routed",
     network=network,
     defaults={"init": 0.3, "lr": 1e-4, "steps": 1000, "batch_size": 16, "split": "test", "seed": 0},
@@ -174,7 +182,15 @@ def wemoe(pretrained, task_vectors, *, data, init, lr, steps, batch_size, split,
         for name, p in block.mlp.router.state_dict().items():
             store[f"router/{l}/{name}"] = p.detach().cpu().to(store[f"router/{l}/{name}"].dtype)
     coefficient = "routing weight of its own task vector"  # averaged over blocks and its inputs
-    data.learned.append({"layer_wise": False, "split": split, "coefficients": _mean_routing(model, inputs, tasks), "coefficient": coefficient, "entropy": entropy})
+    data.learned.append(
+        {
+            "layer_wise": False,
+            "split": split,
+            "coefficients": _mean_routing(model, inputs, tasks),
+            "coefficient": coefficient,
+            "entropy": entropy,
+        }
+    )
     record_timing(data, steps, seconds, objective.device)
     return store
 

@@ -75,7 +75,11 @@ def solve_adam(taus: torch.Tensor, steps: int, lr: float) -> torch.Tensor:
     "wudi",
     paper="Cheng et al. 2025, WUDI: whoever started the interference should end it (arXiv:2503.08099)",
     defaults={"solver": "adam", "steps": 300, "lr": 1e-5},
-    ranges={"solver": Choice(("adam", "exact")), "steps": Range("a number of steps", 0), "lr": Range("a learning rate", 0)},
+    ranges={
+        "solver": Choice(("adam", "exact")),
+        "steps": Range("a number of steps", 0),
+        "lr": Range("a learning rate", 0),
+    },
 )
 def wudi(pretrained, task_vectors, *, solver, steps, lr):
     from mergeflow.ml.merging._tensors import is_matrix, map_tensors

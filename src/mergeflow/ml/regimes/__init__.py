@@ -101,7 +101,10 @@ class Regime:
     def __call__(self, theta0: StateDict, tasks: Sequence[str], train: Trainer, **kwargs) -> RegimeResult:
         unknown = set(kwargs) - set(self.defaults) - {"on_round_end", "resume"}
         if unknown:
-            raise ValueError(f"regime {self.name}: unknown hyperparameter(s) {sorted(unknown)} (allowed: {', '.join(self.defaults) or 'none'})")
+            raise ValueError(
+                f"regime {self.name}: unknown hyperparameter(s) {sorted(unknown)} (allowed: "
+                f"{', '.join(self.defaults) or 'none'})"
+            )
         return self.fn(theta0, list(tasks), train, **{**self.defaults, **kwargs})
 
     def describe(self) -> str:
@@ -112,7 +115,15 @@ class Regime:
 REGISTRY: dict[str, Regime] = {}
 
 
-def register(name: str, *, paper: str, defaults: Mapping[str, Any] | None = None, settings: type[RegimeSettings] | None = None, methods: Sequence[str] = (), own_model: bool = False):
+def register(
+    name: str,
+    *,
+    paper: str,
+    defaults: Mapping[str, Any] | None = None,
+    settings: type[RegimeSettings] | None = None,
+    methods: Sequence[str] = (),
+    own_model: bool = False,
+):
     def wrap(fn: RegimeFn) -> RegimeFn:
         if name in REGISTRY:
             raise RuntimeError(f"regime '{name}' registered twice")
@@ -134,9 +145,17 @@ _discover()
 # round loop, checkpoints, the exact trainer for tests, and what the stages and studies use to run a regime on
 # the pipeline's data (the fine-tuning trainer loads the models and timm)
 _RUNNERS = {
-    "run_rounds": "_rounds", "difference": "_rounds", "uniform_average": "_rounds",
-    "load_checkpoint": "_checkpoint", "save_checkpoint": "_checkpoint", "regime_identity": "_checkpoint", "resume_from": "_checkpoint",
-    "full_batch_gd_trainer": "_trainers", "LazyAnchors": "_finetune", "finetune_trainer": "_finetune", "PoolTrainer": "_pool",
+    "run_rounds": "_rounds",
+    "difference": "_rounds",
+    "uniform_average": "_rounds",
+    "load_checkpoint": "_checkpoint",
+    "save_checkpoint": "_checkpoint",
+    "regime_identity": "_checkpoint",
+    "resume_from": "_checkpoint",
+    "full_batch_gd_trainer": "_trainers",
+    "LazyAnchors": "_finetune",
+    "finetune_trainer": "_finetune",
+    "PoolTrainer": "_pool",
 }
 
 
@@ -145,4 +164,15 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{_RUNNERS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["REGISTRY", "Budget", "Checkpoint", "Regime", "RegimeResult", "RegimeSettings", "RoundRecord", "Trainer", "register"]
+
+__all__ = [
+    "REGISTRY",
+    "Budget",
+    "Checkpoint",
+    "Regime",
+    "RegimeResult",
+    "RegimeSettings",
+    "RoundRecord",
+    "Trainer",
+    "register",
+]

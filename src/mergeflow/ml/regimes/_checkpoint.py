@@ -58,12 +58,25 @@ class _Encoder:
         if isinstance(value, tuple):
             return {"tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
         if isinstance(value, dict):
-            return {"dict": [[self.encode(k, f"{path}/key{i}"), self.encode(v, f"{path}/{_name(k, i)}")] for i, (k, v) in enumerate(value.items())]}
+            return {
+                "dict": [
+                    [self.encode(k, f"{path}/key{i}"), self.encode(v, f"{path}/{_name(k, i)}")]
+                    for i, (k, v) in enumerate(value.items())
+                ]
+            }
         raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint (at {path})")
 
 
 def _name(key: Any, i: int) -> str:
-    return key if isinstance(key, str) else str(key) if isinstance(key, (int, float, bool)) or key is None else "|".join(map(str, key)) if isinstance(key, tuple) else str(i)
+    return (
+        key
+        if isinstance(key, str)
+        else str(key)
+        if isinstance(key, (int, float, bool)) or key is None
+        else "|".join(map(str, key))
+        if isinstance(key, tuple)
+        else str(i)
+    )
 
 
 def _decode(value: Any, tensors: dict[str, torch.Tensor], path: Path) -> Any:
@@ -72,7 +85,7 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], path: Path) -> Any:
     if isinstance(value, list):
         return [_decode(v, tensors, path) for v in value]
     if isinstance(value, dict) and len(value) == 1:
-        (tag, body), = value.items()
+        ((tag, body),) = value.items()
         if tag == "tensor":
             if body not in tensors:
                 raise MergeflowError(f"{path}: not a valid regime checkpoint (tensor '{body}' is missing)")
@@ -100,9 +113,19 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: Checkpoint, *, identity
         "task_states": encoder.encode(checkpoint.task_states, "task_states"),
         "next_start": encoder.encode(checkpoint.next_start, "next_start"),
         "carries": encoder.encode(checkpoint.carries, "carries"),
-        "records": [{f.name: encoder.encode(getattr(r, f.name), f"records/{r.round}/{f.name}") for f in dataclasses.fields(RoundRecord)} for r in checkpoint.records],
+        "records": [
+            {
+                f.name: encoder.encode(getattr(r, f.name), f"records/{r.round}/{f.name}")
+                for f in dataclasses.fields(RoundRecord)
+            }
+            for r in checkpoint.records
+        ],
     }
-    save_state_dict(path, encoder.tensors, {"format": FORMAT, "version": VERSION, "identity": _normalised(identity), "checkpoint": body})
+    save_state_dict(
+        path,
+        encoder.tensors,
+        {"format": FORMAT, "version": VERSION, "identity": _normalised(identity), "checkpoint": body},
+    )
 
 
 def load_checkpoint(path: str | os.PathLike, *, identity: dict) -> Checkpoint:
@@ -110,15 +133,27 @@ def load_checkpoint(path: str | os.PathLike, *, identity: dict) -> Checkpoint:
     corrupt or truncated, or if its identity differs from ``identity`` (naming the first differing key)."""
     path = Path(path)
     metadata = load_metadata(path)
-    if metadata.get("format") != FORMAT or metadata.get("version") != VERSION or not isinstance(metadata.get("checkpoint"), dict):
-        raise MergeflowError(f"{path}: not a mergeflow regime checkpoint (format {metadata.get('format')!r}, version {metadata.get('version')!r})")
+    if (
+        metadata.get("format") != FORMAT
+        or metadata.get("version") != VERSION
+        or not isinstance(metadata.get("checkpoint"), dict)
+    ):
+        raise MergeflowError(
+            f"{path}: not a mergeflow regime checkpoint (format {metadata.get('format')!r}, version "
+            f"{metadata.get('version')!r})"
+        )
     stored, expected = metadata.get("identity"), _normalised(identity)
     if stored != expected:
         stored = stored if isinstance(stored, dict) else {}
-        key = next((k for k in sorted(set(stored) | set(expected)) if stored.get(k, ...) != expected.get(k, ...)), "identity")
+        key = next(
+            (k for k in sorted(set(stored) | set(expected)) if stored.get(k, ...) != expected.get(k, ...)), "identity"
+        )
         have = json.dumps(stored[key]) if key in stored else "absent"
         want = json.dumps(expected[key]) if key in expected else "absent"
-        raise MergeflowError(f"{path}: checkpoint of a different run: identity key '{key}' is {_short(have)} in the file, {_short(want)} in this run")
+        raise MergeflowError(
+            f"{path}: checkpoint of a different run: identity key '{key}' is {_short(have)} in the file, "
+            f"{_short(want)} in this run"
+        )
     tensors = load_state_dict(path)
     body = metadata["checkpoint"]
     try:
@@ -134,7 +169,10 @@ def load_checkpoint(path: str | os.PathLike, *, identity: dict) -> Checkpoint:
             records=records,
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise MergeflowError(f"{path}: not a valid regime checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        raise MergeflowError(
+            f"{path}: not a valid regime checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -144,13 +182,23 @@ def _short(text: str, limit: int = 60) -> str:
 # ---------------------------------------------------------------- the resume rule of the regime stage
 def regime_identity(params: Params, regime: str, variant: str, kwargs: dict, layout: Layout) -> dict:
     """What a checkpoint must match to be resumed: the settings and inputs every round depends on."""
-    inputs = [layout.pretrained, *(layout.task_data(t) for t in params.suite.tasks), *(layout.head(t) for t in params.suite.tasks)]
+    inputs = [
+        layout.pretrained,
+        *(layout.task_data(t) for t in params.suite.tasks),
+        *(layout.head(t) for t in params.suite.tasks),
+    ]
     if params.finetune.preserve_features.weight:
         inputs.append(layout.pretrain_corpus)
     stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in inputs}
     return {
-        "regime": regime, "variant": variant, "hyperparameters": kwargs, "seed": params.seed, "tasks": params.suite.tasks,
-        "backbone": params.backbone.model_dump(mode="json"), "finetune": params.finetune.model_dump(mode="json"), "inputs": stamps,
+        "regime": regime,
+        "variant": variant,
+        "hyperparameters": kwargs,
+        "seed": params.seed,
+        "tasks": params.suite.tasks,
+        "backbone": params.backbone.model_dump(mode="json"),
+        "finetune": params.finetune.model_dump(mode="json"),
+        "inputs": stamps,
     }
 
 

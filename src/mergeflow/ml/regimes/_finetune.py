@@ -95,20 +95,34 @@ def finetune_trainer(
             call_cfg = call_cfg.model_copy(update={"lr": budget.adapter.lr})
         steps = total_steps(call_cfg, len(images), call_cfg.optimizer == "gd")
         if budget.schedule_start % steps:
-            raise ValueError(f"{task}: a call of {steps} steps at schedule position {budget.schedule_start}: a schedule's calls must be of equal steps")
+            raise ValueError(
+                f"{task}: a call of {steps} steps at schedule position "
+                f"{budget.schedule_start}: a schedule's calls must be of equal steps"
+            )
         first_round = budget.round - budget.schedule_start // steps
         if first_round < 1:
-            raise ValueError(f"{task}: round {budget.round} at schedule position {budget.schedule_start} would continue a schedule begun before round 1")
+            raise ValueError(
+                f"{task}: round {budget.round} at schedule position "
+                f"{budget.schedule_start} would continue a schedule begun before round 1"
+            )
         backbone = copy.deepcopy(template)
         backbone.net.load_state_dict(state)
         seed = data_seed(seeds[task], first_round)
         if budget.adapter is not None:
             attach(backbone.net, budget.adapter, seed=seed)
         curve = finetune(
-            backbone, copy.deepcopy(heads[task]), images, labels, call_cfg,
-            seed=seed, device=device, desc=f"finetune {task} round {budget.round}",
+            backbone,
+            copy.deepcopy(heads[task]),
+            images,
+            labels,
+            call_cfg,
+            seed=seed,
+            device=device,
+            desc=f"finetune {task} round {budget.round}",
             anchor=anchors.get(task) if anchors is not None else None,
-            start=budget.schedule_start, schedule_length=budget.schedule_length, optimizer_state=carry,
+            start=budget.schedule_start,
+            schedule_length=budget.schedule_length,
+            optimizer_state=carry,
         )
         factors = merge_in(backbone.net) if budget.adapter is not None else {}
         return backbone_state(backbone.cpu()) | {k: v.cpu() for k, v in factors.items()}, curve.optimizer_state

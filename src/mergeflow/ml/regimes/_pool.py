@@ -39,13 +39,24 @@ def _train_in_worker(task: str, state: bytes, budget: Budget, carry: Any) -> tup
 
 class PoolTrainer:
     """``train(task, state, budget, carry)`` and ``train.map(calls)`` on ``workers`` processes of ``threads``
-    threads each (deterministic: their GEMMs', torch on one). Use as a context manager: the workers stop when it closes."""
+    threads each (deterministic: their GEMMs', torch on one). Use as a context manager: the workers stop when it
+    closes."""
 
     def __init__(self, build: Callable[[], Trainer], workers: int, threads: int, deterministic: bool = False):
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(build, threads, deterministic))
+        self._pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(build, threads, deterministic),
+        )
 
     def map(self, calls: Sequence[tuple[str, StateDict, Budget, Any]]) -> list[tuple[StateDict, Any]]:
-        futures = [self._pool.submit(_train_in_worker, task, save_bytes({k: v.contiguous() for k, v in state.items()}), budget, carry) for task, state, budget, carry in calls]
+        futures = [
+            self._pool.submit(
+                _train_in_worker, task, save_bytes({k: v.contiguous() for k, v in state.items()}), budget, carry
+            )
+            for task, state, budget, carry in calls
+        ]
         results = [f.result() for f in futures]
         # safetensors gives the tensors back in an order of its own: restore the caller's
         return [(_in_order(load_bytes(new), state), carry) for (new, carry), (_, state, _, _) in zip(results, calls)]

@@ -12,7 +12,6 @@ from mergeflow.core.io import StateDict
 from mergeflow.ml.regimes._types import Budget, Checkpoint, RegimeResult, RoundRecord, Trainer
 
 
-
 def difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
     """a - b, key by key over b's keys (floating tensors; others are taken from a): tensors a has beyond b (a LoRA
     trainer's factors) are not part of the model's change."""
@@ -37,7 +36,9 @@ def _flat(state: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
     return torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
 
 
-def _norms_and_cosines(vectors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+def _norms_and_cosines(
+    vectors: Mapping[str, Mapping[str, torch.Tensor]],
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
     first = next(iter(vectors.values()))
     keys = [k for k, v in first.items() if v.is_floating_point()]  # one order for every vector, whatever each dict's
     flats = {t: _flat(v, keys) for t, v in vectors.items()}
@@ -74,11 +75,23 @@ def run_rounds(
         start, carries, records, task_states, first = theta0, {t: None for t in tasks}, [], {}, 1
     else:
         if resume.round > n_rounds or list(resume.task_states) != tasks:
-            raise ValueError(f"cannot resume from round {resume.round} of tasks {list(resume.task_states)}: this run has {n_rounds} rounds of {tasks}")
-        start, carries, records, task_states, first = resume.next_start, dict(resume.carries), list(resume.records), dict(resume.task_states), resume.round + 1
+            raise ValueError(
+                f"cannot resume from round {resume.round} of tasks "
+                f"{list(resume.task_states)}: this run has {n_rounds} rounds of {tasks}"
+            )
+        start, carries, records, task_states, first = (
+            resume.next_start,
+            dict(resume.carries),
+            list(resume.records),
+            dict(resume.task_states),
+            resume.round + 1,
+        )
     for r in range(first, n_rounds + 1):
         # every task starts from its own copy, so a trainer that works in place cannot touch the others' start
-        calls = [(task, {k: v.clone() for k, v in start.items()}, budget(r), carries[task] if carry_optimizer else None) for task in tasks]
+        calls = [
+            (task, {k: v.clone() for k, v in start.items()}, budget(r), carries[task] if carry_optimizer else None)
+            for task in tasks
+        ]
         # the round's fine-tunes are independent: a trainer with a ``map`` runs them at once (stages.regime's pool)
         trained = train.map(calls) if hasattr(train, "map") else [train(*call) for call in calls]
         task_states = {}
@@ -89,7 +102,18 @@ def run_rounds(
         update_norms, update_cosines = _norms_and_cosines(updates)
         tv_norms, tv_cosines = _norms_and_cosines({t: difference(s, theta0) for t, s in task_states.items()})
         combined = combine(start, task_states) if combine is not None else None
-        records.append(RoundRecord(r, start, combined, update_norms, update_cosines, tv_norms, tv_cosines, updates if keep_updates else None))
+        records.append(
+            RoundRecord(
+                r,
+                start,
+                combined,
+                update_norms,
+                update_cosines,
+                tv_norms,
+                tv_cosines,
+                updates if keep_updates else None,
+            )
+        )
         start = combined if combined is not None else start
         if on_round_end is not None:
             on_round_end(Checkpoint(r, task_states, start, dict(carries), list(records)))

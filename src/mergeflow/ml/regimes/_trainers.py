@@ -23,7 +23,13 @@ def full_batch_gd_trainer(losses: Mapping[str, Loss], lr: float, *, full_schedul
     state is trained; the carry is unused (GD has no optimiser state)."""
 
     def train(task: str, state: StateDict, budget: Budget, carry: Any) -> tuple[StateDict, Any]:
-        steps = budget.steps if budget.steps is not None else budget.epochs if budget.epochs is not None else full_schedule_steps
+        steps = (
+            budget.steps
+            if budget.steps is not None
+            else budget.epochs
+            if budget.epochs is not None
+            else full_schedule_steps
+        )
         for _ in range(steps):
             params = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in state.items()}
             trained = [k for k, v in params.items() if v.requires_grad]

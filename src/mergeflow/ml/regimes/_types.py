@@ -30,12 +30,19 @@ class Budget:
     adapter: AdapterSpec | None = None
 
     @classmethod
-    def of_steps(cls, steps: int, *, round: int = 1, schedule_start: int = 0, schedule_length: int | None = None) -> Budget:
+    def of_steps(
+        cls, steps: int, *, round: int = 1, schedule_start: int = 0, schedule_length: int | None = None
+    ) -> Budget:
         """``steps`` steps; the schedule spelled out (its own length when not given), so that equal budgets
         compare equal however they were made."""
         if steps < 1:
             raise ValueError(f"a budget of {steps} steps: expected at least 1")
-        return cls(steps=steps, schedule_start=schedule_start, schedule_length=steps if schedule_length is None else schedule_length, round=round)
+        return cls(
+            steps=steps,
+            schedule_start=schedule_start,
+            schedule_length=steps if schedule_length is None else schedule_length,
+            round=round,
+        )
 
 
 Trainer = Callable[[str, "StateDict", Budget, Any], tuple["StateDict", Any]]
@@ -47,7 +54,9 @@ class RoundRecord:
 
     round: int  # 1-based
     start: StateDict  # the state every task trained from in this round
-    combined: StateDict | None  # the round's combination (MIMA's uniform average, ATM's model); None for one-shot regimes
+    combined: (
+        StateDict | None
+    )  # the round's combination (MIMA's uniform average, ATM's model); None for one-shot regimes
     update_norms: dict[str, float]  # ||delta_t||, delta_t = theta_t(r) - start: this round's own change
     update_cosines: dict[tuple[str, str], float]  # cos(delta_a, delta_b) for each pair a < b in task order
     task_vector_norms: dict[str, float]  # ||tau_t||, tau_t = theta_t(r) - theta0: the change since theta0
@@ -69,5 +78,7 @@ class Checkpoint:
 @dataclass
 class RegimeResult:
     task_states: dict[str, StateDict]  # the final task models, theta_t; their vectors theta_t - theta0 go to the merges
-    model: StateDict | None  # the regime's own model (ATM after round R, MIMA's last average); None for one-shot regimes
+    model: (
+        StateDict | None
+    )  # the regime's own model (ATM after round R, MIMA's last average); None for one-shot regimes
     rounds: list[RoundRecord]

@@ -1,4 +1,5 @@
-"""ATM: theta(0) = theta0; for r = 1..R: tau_t(r) = FineTune(theta(r-1), D_t, K) - theta(r-1); theta(r) = theta(r-1) + alpha * sum_t tau_t(r).
+"""ATM: theta(0) = theta0; for r = 1..R: tau_t(r) = FineTune(theta(r-1), D_t, K) - theta(r-1); theta(r) = theta(r-1) + \
+alpha * sum_t tau_t(r).
 
 Alternating tuning and merging: Zhou et al., "ATM: Improving model merging by alternating tuning and merging"
 (arXiv:2411.03055), read through seed 000 ("On Task Vectors and Gradients"): with one full-batch GD step per task
@@ -24,8 +25,12 @@ from mergeflow.ml.regimes import Budget, RegimeSettings, register
 
 class Settings(RegimeSettings):
     # R; one run per R
-    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds"), Field(ge=1)]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
-    steps: int | Literal["epoch"] | None = None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
+    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds"), Field(ge=1)]] = Field(
+        default_factory=lambda: [4], min_length=1, max_length=MAX_GRID
+    )
+    steps: int | Literal["epoch"] | None = (
+        None  # K per round; empty (null): finetune.steps / R (the standard budget); "epoch": one epoch
+    )
     alpha: float | None = Field(None, gt=0)  # theta += alpha * sum of the round's task vectors; empty (null): 1/T
 
     _steps_bound = field_validator("steps", mode="before")(at_most(MAX_STEPS, "steps").func)
@@ -50,7 +55,10 @@ class Settings(RegimeSettings):
     def check_budget(self, regime: str, finetune_steps: int) -> None:
         for r in self.rounds:
             if r < 1 or (self.steps is None and finetune_steps < r):
-                raise ValueError(f"regimes.{regime}.rounds: {r} rounds of finetune.steps / R steps: needs 1 <= R <= finetune.steps = {finetune_steps}")
+                raise ValueError(
+                    f"regimes.{regime}.rounds: {r} rounds of finetune.steps / R "
+                    f"steps: needs 1 <= R <= finetune.steps = {finetune_steps}"
+                )
 
 
 def _step(alpha: float):
@@ -71,9 +79,12 @@ def _step(alpha: float):
 
 @register(
     "atm",
-    paper="Zhou et al. 2024, ATM: Improving model merging by alternating tuning and merging (arXiv:2411.03055); seed 000",
+    paper="Zhou et al. 2024, ATM: Improving model merging by "
+    "alternating tuning and merging (arXiv:2411.03055); seed 000",
     defaults={"rounds": 4, "steps": None, "alpha": None, "keep_updates": True},
-    settings=Settings, methods=("atm", "task_arithmetic", "ties"), own_model=True,
+    settings=Settings,
+    methods=("atm", "task_arithmetic", "ties"),
+    own_model=True,
 )
 def atm(theta0, tasks, train, *, rounds, steps, alpha, keep_updates, on_round_end=None, resume=None):
     from mergeflow.ml.regimes import run_rounds
@@ -83,4 +94,14 @@ def atm(theta0, tasks, train, *, rounds, steps, alpha, keep_updates, on_round_en
     def budget(r):
         return Budget(epochs=1, round=r) if steps is None else Budget.of_steps(steps, round=r)
 
-    return run_rounds(theta0, tasks, train, n_rounds=rounds, budget=budget, combine=_step(alpha), keep_updates=keep_updates, on_round_end=on_round_end, resume=resume)
+    return run_rounds(
+        theta0,
+        tasks,
+        train,
+        n_rounds=rounds,
+        budget=budget,
+        combine=_step(alpha),
+        keep_updates=keep_updates,
+        on_round_end=on_round_end,
+        resume=resume,
+    )

@@ -26,14 +26,28 @@ TARGETS = ("qkv", "proj", "fc1", "fc2")
 
 
 class Settings(RegimeSettings):
-    ranks: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [4, 16, 64], min_length=1, max_length=MAX_GRID)  # r; one set of task vectors per rank
+    ranks: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=lambda: [4, 16, 64], min_length=1, max_length=MAX_GRID
+    )  # r; one set of task vectors per rank
     alpha: float | None = Field(None, gt=0)  # scale alpha / r; empty (null): alpha = r, a scale of 1 at every rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
-    targets: list[str] = Field(default_factory=lambda: list(TARGETS), min_length=1)  # linear layers, by the last part of their name
+    targets: list[str] = Field(
+        default_factory=lambda: list(TARGETS), min_length=1
+    )  # linear layers, by the last part of their name
     lr: float | None = Field(None, gt=0, le=MAX_LR)  # the adapters' learning rate; empty (null): finetune.lr
 
     def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
-        return {f"{regime}_rank{r}": {"rank": r, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets), "lr": self.lr, "steps": None} for r in self.ranks}
+        return {
+            f"{regime}_rank{r}": {
+                "rank": r,
+                "alpha": self.alpha,
+                "dropout": self.dropout,
+                "targets": list(self.targets),
+                "lr": self.lr,
+                "steps": None,
+            }
+            for r in self.ranks
+        }
 
     def check_backbone(self, regime: str, backbone: Any, selected: bool) -> None:
         from mergeflow.config.backbone import linear_layers
@@ -42,7 +56,10 @@ class Settings(RegimeSettings):
             return
         layers = linear_layers(backbone.library, backbone.model)
         if layers is not None and (missing := [t for t in self.targets if t not in layers]):
-            raise ValueError(f"regimes.{regime}.targets: {missing[0]!r} names no linear layer of {backbone.model} (its layers end in {', '.join(layers)})")
+            raise ValueError(
+                f"regimes.{regime}.targets: {missing[0]!r} names no linear layer "
+                f"of {backbone.model} (its layers end in {', '.join(layers)})"
+            )
 
     def adapter(self, variant_kwargs: Mapping[str, Any]) -> AdapterSpec:
         return adapter_spec(**variant_kwargs)
@@ -60,11 +77,21 @@ def adapter_spec(*, rank, alpha, dropout, targets, lr, **_) -> AdapterSpec:
     paper="Hu et al. 2022, LoRA: Low-Rank Adaptation of Large Language Models (arXiv:2106.09685)",
     defaults={"rank": 16, "alpha": None, "dropout": 0.0, "targets": TARGETS, "lr": None, "steps": None},
     # the KnOTS paper's comparison, and TSV-M, on LoRA task vectors
-    settings=Settings, methods=("task_arithmetic", "ties", "tsv_m", "knots"),
+    settings=Settings,
+    methods=("task_arithmetic", "ties", "tsv_m", "knots"),
 )
 def lora(theta0, tasks, train, *, rank, alpha, dropout, targets, lr, steps, on_round_end=None, resume=None):
     from mergeflow.ml.regimes import run_rounds
 
     adapter = adapter_spec(rank=rank, alpha=alpha, dropout=dropout, targets=targets, lr=lr)
     budget = replace(Budget() if steps is None else Budget.of_steps(steps), adapter=adapter)
-    return run_rounds(theta0, tasks, train, n_rounds=1, budget=lambda r: budget, combine=None, on_round_end=on_round_end, resume=resume)
+    return run_rounds(
+        theta0,
+        tasks,
+        train,
+        n_rounds=1,
+        budget=lambda r: budget,
+        combine=None,
+        on_round_end=on_round_end,
+        resume=resume,
+    )

@@ -1,4 +1,5 @@
-"""MIMA: theta_bar(0) = theta0; for i = 1..N: theta_t(i) = FineTune(theta_bar(i-1), D_t, K = S/N); theta_bar(i) = (1/T) sum_t theta_t(i).
+"""MIMA: theta_bar(0) = theta0; for i = 1..N: theta_t(i) = FineTune(theta_bar(i-1), D_t, K = S/N); theta_bar(i) = \
+(1/T) sum_t theta_t(i).
 
 Seed 001, "MIMA: Iterative model averaging and fine-tuning for multi-task learning", Section 4 (eqs. 4-5). After
 round N the task models theta_t(N) are the regime's task models (their vectors theta_t(N) - theta0 go to the
@@ -35,32 +36,68 @@ OPTIMIZER_STATES = ("reset", "carry")
 
 class Settings(RegimeSettings):
     # N, each dividing finetune.steps; one set of task vectors per N
-    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds"), Field(ge=1)]] = Field(default_factory=lambda: [4], min_length=1, max_length=MAX_GRID)
+    rounds: list[Annotated[int, at_most(MAX_STEPS, "rounds"), Field(ge=1)]] = Field(
+        default_factory=lambda: [4], min_length=1, max_length=MAX_GRID
+    )
     schedule: Literal[SCHEDULES] = "one_schedule"  # one lr schedule over S, or a fresh one per round
     optimizer_state: Literal[OPTIMIZER_STATES] = "reset"  # a fresh optimiser per round, or each task's carried over
 
     def variants(self, regime: str, finetune_steps: int) -> dict[str, dict[str, Any]]:
-        return {f"{regime}_n{n}": {"rounds": n, "total_steps": finetune_steps, "schedule": self.schedule, "optimizer_state": self.optimizer_state} for n in self.rounds}
+        return {
+            f"{regime}_n{n}": {
+                "rounds": n,
+                "total_steps": finetune_steps,
+                "schedule": self.schedule,
+                "optimizer_state": self.optimizer_state,
+            }
+            for n in self.rounds
+        }
 
     def check_budget(self, regime: str, finetune_steps: int) -> None:
         for n in self.rounds:
             if n < 1 or finetune_steps % n:
-                raise ValueError(f"regimes.{regime}.rounds: {n} rounds must divide finetune.steps = {finetune_steps} (K = S/N steps a round)")
+                raise ValueError(
+                    f"regimes.{regime}.rounds: {n} rounds must divide "
+                    f"finetune.steps = {finetune_steps} (K = S/N steps a round)"
+                )
 
 
 @register(
     "mima",
     paper="Seed 001: MIMA, Iterative model averaging and fine-tuning for multi-task learning (under review)",
-    defaults={"rounds": 4, "total_steps": None, "schedule": "one_schedule", "optimizer_state": "reset", "keep_updates": False},
-    settings=Settings, methods=("weight_averaging", "task_arithmetic", "ties"), own_model=True,  # seed 001's Table 1: UA, TA, TIES
+    defaults={
+        "rounds": 4,
+        "total_steps": None,
+        "schedule": "one_schedule",
+        "optimizer_state": "reset",
+        "keep_updates": False,
+    },
+    settings=Settings,
+    methods=("weight_averaging", "task_arithmetic", "ties"),
+    own_model=True,  # seed 001's Table 1: UA, TA, TIES
 )
-def mima(theta0, tasks, train, *, rounds, total_steps, schedule, optimizer_state, keep_updates, on_round_end=None, resume=None):
+def mima(
+    theta0,
+    tasks,
+    train,
+    *,
+    rounds,
+    total_steps,
+    schedule,
+    optimizer_state,
+    keep_updates,
+    on_round_end=None,
+    resume=None,
+):
     from mergeflow.ml.regimes import run_rounds, uniform_average
 
     if total_steps is None:
         raise ValueError("mima: total_steps (S, the per-task budget that the rounds split) is required")
     if schedule not in SCHEDULES or optimizer_state not in OPTIMIZER_STATES:
-        raise ValueError(f"mima: schedule in {SCHEDULES} and optimizer_state in {OPTIMIZER_STATES}, got {schedule!r}, {optimizer_state!r}")
+        raise ValueError(
+            f"mima: schedule in {SCHEDULES} and optimizer_state in "
+            f"{OPTIMIZER_STATES}, got {schedule!r}, {optimizer_state!r}"
+        )
     if rounds < 1 or total_steps % rounds:
         raise ValueError(f"mima: {rounds} rounds must divide total_steps = {total_steps} (K = S/N steps each)")
     k = total_steps // rounds
@@ -71,7 +108,14 @@ def mima(theta0, tasks, train, *, rounds, total_steps, schedule, optimizer_state
         return Budget.of_steps(k, round=i, schedule_start=(i - 1) * k, schedule_length=total_steps)
 
     return run_rounds(
-        theta0, tasks, train, n_rounds=rounds, budget=budget,
+        theta0,
+        tasks,
+        train,
+        n_rounds=rounds,
+        budget=budget,
         combine=lambda start, task_states: uniform_average(list(task_states.values())),
-        carry_optimizer=optimizer_state == "carry", keep_updates=keep_updates, on_round_end=on_round_end, resume=resume,
+        carry_optimizer=optimizer_state == "carry",
+        keep_updates=keep_updates,
+        on_round_end=on_round_end,
+        resume=resume,
     )

@@ -117,19 +117,50 @@ from mergeflow.report.summary import percent
 from mergeflow.report.tracking.merges import MERGE_METRICS, merge_metrics, merge_params
 from mergeflow.report.tracking.regimes import ROUND_METRICS, regime_metrics
 from mergeflow.report.tracking.registry import register_best
-from mergeflow.report.tracking.runs import _git_commit, _md5, _Recorder, _sha256, curve_records, fingerprint, lock_stages, locked_md5s, stage_times
+from mergeflow.report.tracking.runs import (
+    _git_commit,
+    _md5,
+    _Recorder,
+    _sha256,
+    curve_records,
+    fingerprint,
+    lock_stages,
+    locked_md5s,
+    stage_times,
+)
 from mergeflow.report.tracking.standard import NOT_RECORDED, RECORDERS, STANDARD_TAGS, Tracked, baseline_run
-from mergeflow.report.tracking.store import experiment_name, fail_abandoned_runs, prepare_store, registered_model_name, tracking_uri
+from mergeflow.report.tracking.store import (
+    experiment_name,
+    fail_abandoned_runs,
+    prepare_store,
+    registered_model_name,
+    tracking_uri,
+)
 from mergeflow.report.tracking.studies import study_note
-from mergeflow.report.tracking.views import ML_EXPERIMENT_KIND, VIEW_KEY, VIEW_NAME, _hyperparameter_names, methods_view, pipeline_note, regimes_view, studies_view, ui_path
+from mergeflow.report.tracking.views import (
+    ML_EXPERIMENT_KIND,
+    VIEW_KEY,
+    VIEW_NAME,
+    _hyperparameter_names,
+    methods_view,
+    pipeline_note,
+    regimes_view,
+    studies_view,
+    ui_path,
+)
+
 
 def _open_experiment(params: Params, root: Path):
     """The experiment track logs to, on the project's store; runs a killed track left RUNNING marked FAILED."""
     import mlflow
     from mlflow import MlflowClient
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # log_model reads its files back: no bars in the stage's log
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its notices (tables and experiment created) are not the stage's news
+    os.environ.setdefault(
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"
+    )  # log_model reads its files back: no bars in the stage's log
+    logging.getLogger("mlflow").setLevel(
+        logging.WARNING
+    )  # its notices (tables and experiment created) are not the stage's news
     uri = tracking_uri(root)
     if notice := prepare_store(uri):
         print(f"warning: {notice}")
@@ -148,8 +179,13 @@ def _open_experiment(params: Params, root: Path):
 
 def _base_tags(root: Path) -> dict[str, str]:
     # every run carries its host and process, so the next track can tell a run still being logged from an abandoned one
-    base = {"mergeflow.host": socket.gethostname(), "mergeflow.pid": str(os.getpid()), "git.commit": _git_commit(root), "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc"),
-            "dvc.lock_md5": _md5(root / "dvc.lock") if (root / "dvc.lock").is_file() else ""}
+    base = {
+        "mergeflow.host": socket.gethostname(),
+        "mergeflow.pid": str(os.getpid()),
+        "git.commit": _git_commit(root),
+        "mergeflow.source": os.environ.get("MERGEFLOW_RUN_SOURCE", "dvc"),
+        "dvc.lock_md5": _md5(root / "dvc.lock") if (root / "dvc.lock").is_file() else "",
+    }
     if os.environ.get("PREFECT__FLOW_RUN_ID"):
         base["prefect.flow_run_id"] = os.environ["PREFECT__FLOW_RUN_ID"]
     return base
@@ -176,16 +212,29 @@ def _pipeline_run(t: Tracked, exp_id: str, base: dict[str, str], registered: dic
         tags |= {"mergeflow.best_method": best_run.data.params["method"], "mergeflow.best_run": best_run.info.run_id}
     if registered:
         tags["mergeflow.registered"] = f"models:/{registered['name']}/{registered['version']}"
-    links = {("standard", m): rec.stage_runs[f"merge@{m}"] for m in params.merge.methods} | {(v, m): r for v, m, r in t.regime_merges}
+    links = {("standard", m): rec.stage_runs[f"merge@{m}"] for m in params.merge.methods} | {
+        (v, m): r for v, m, r in t.regime_merges
+    }
     baselines = [e["method"] for e in t.leaderboard["boards"].get("standard", []) if e["baseline"]]
     links |= {("standard", m): rec.stage_runs[baseline_run(m)] for m in baselines if baseline_run(m) in rec.stage_runs}
     studies = [(name, run_id, client.get_run(run_id).data.metrics) for name, run_id in t.studies]
     tags["mlflow.note.content"] = pipeline_note(exp_id, t.leaderboard, links, studies)
-    run = client.create_run(exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags)
+    run = client.create_run(
+        exp_id, start_time=started, run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=tags
+    )
     pipeline_id = run.info.run_id
     try:
-        logged = {"suite": params.suite.name, "tasks": ",".join(params.suite.tasks), "methods": ",".join(params.merge.methods), "regimes": ",".join(params.regimes.run) or "none", "studies": ",".join(params.studies.run) or "none", "backbone": params.backbone.model}
-        rec.log(pipeline_id, logged, {"probe_avg": percent(t.probe_avg), "individual_avg": percent(t.individual_avg)} | best)
+        logged = {
+            "suite": params.suite.name,
+            "tasks": ",".join(params.suite.tasks),
+            "methods": ",".join(params.merge.methods),
+            "regimes": ",".join(params.regimes.run) or "none",
+            "studies": ",".join(params.studies.run) or "none",
+            "backbone": params.backbone.model,
+        }
+        rec.log(
+            pipeline_id, logged, {"probe_avg": percent(t.probe_avg), "individual_avg": percent(t.individual_avg)} | best
+        )
         client.log_artifacts(pipeline_id, str(layout.results), "results")
         if (root / "dvc.lock").is_file():
             client.log_artifact(pipeline_id, str(root / "dvc.lock"))
@@ -201,7 +250,9 @@ def _saved_views(t: Tracked, exp_id: str) -> None:
     """The UI's saved views (Views > Saved views, opened by ?viewStateShareKey=): the methods ranked, the regimes'
     task models and rounds, the studies' verdicts."""
     client, rec, tasks = t.client, t.rec, t.params.suite.tasks
-    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in t.params.merge.methods] + [run_id for _, _, run_id in t.regime_merges]
+    merge_ids = [rec.stage_runs[f"merge@{m}"] for m in t.params.merge.methods] + [
+        run_id for _, _, run_id in t.regime_merges
+    ]
     client.set_experiment_tag(exp_id, "mlflow.experimentKind", ML_EXPERIMENT_KIND)
     now_ms = int(time.time() * 1000)
     views = {VIEW_KEY: (VIEW_NAME, methods_view(tasks, _hyperparameter_names(client, merge_ids)))}
@@ -209,15 +260,29 @@ def _saved_views(t: Tracked, exp_id: str) -> None:
     for variant, _, run_id in t.regime_merges:
         by_variant.setdefault(variant, []).append(run_id)
     for variant, run_ids in by_variant.items():  # one view per regime variant, its own hyperparameters only
-        views[f"methods.{variant}"] = (f"Methods ranked by test_avg: {variant}", methods_view(tasks, _hyperparameter_names(client, run_ids), variant))
+        views[f"methods.{variant}"] = (
+            f"Methods ranked by test_avg: {variant}",
+            methods_view(tasks, _hyperparameter_names(client, run_ids), variant),
+        )
     regime_ids = [r for n, r in rec.stage_runs.items() if n.startswith("regime@")]
     if regime_ids:
-        names = sorted({k for r in regime_ids for k in client.get_run(r).data.params if k not in ("regime", "variant", "paper")})
+        names = sorted(
+            {k for r in regime_ids for k in client.get_run(r).data.params if k not in ("regime", "variant", "paper")}
+        )
         views["regimes"] = ("Regimes: task models and rounds", regimes_view(tasks, names))
     if t.studies:
-        views["studies"] = ("Studies: verdicts", studies_view(sorted({k for _, r in t.studies for k in client.get_run(r).data.params if k.startswith("verdict.")})))
+        views["studies"] = (
+            "Studies: verdicts",
+            studies_view(
+                sorted({k for _, r in t.studies for k in client.get_run(r).data.params if k.startswith("verdict.")})
+            ),
+        )
     for key, (name, state) in views.items():
-        client.set_experiment_tag(exp_id, f"mlflow.sharedViewState.{key}", json.dumps({"name": name, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)}))
+        client.set_experiment_tag(
+            exp_id,
+            f"mlflow.sharedViewState.{key}",
+            json.dumps({"name": name, "createdAt": now_ms, "updatedAt": now_ms, "state": json.dumps(state)}),
+        )
 
 
 def track(params: Params, layout: Layout = Layout()) -> dict:
@@ -233,22 +298,62 @@ def track(params: Params, layout: Layout = Layout()) -> dict:
     for _, record in RECORDERS:
         record(tracked)
     # the registry stays the standard regime's: its best merged model, comparable from one pipeline run to the next
-    registered = register_best(client, registered_model_name(params), tracked.single_models) if params.tracking.log_checkpoints else None
+    registered = (
+        register_best(client, registered_model_name(params), tracked.single_models)
+        if params.tracking.log_checkpoints
+        else None
+    )
     pipeline_id = _pipeline_run(tracked, exp_id, base, registered, track_started)
     _saved_views(tracked, exp_id)
     path = ui_path(exp_id)
     server = mlflow_ui_base()  # where `mergeflow ui` serves (config.MLFLOW_UI_ENV)
-    print(f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in {experiment.name}; methods ranked by test_avg (every regime): {server}{path}")
+    print(
+        f"MLflow: {len(rec.new_runs)} new runs ({len(rec.stage_runs) + 1 - len(rec.new_runs)} unchanged) in "
+        f"{experiment.name}; methods ranked by test_avg (every regime): {server}{path}"
+    )
     if registered:
         print(f"best merged model: {registered['method']}, models:/{registered['name']}/{registered['version']}")
-    record = {"tracking_uri": mlflow.get_tracking_uri(), "experiment": experiment.name, "experiment_id": exp_id, "run_id": pipeline_id, "ui_path": path, "new_runs": len(rec.new_runs), "registered_model": registered}
+    record = {
+        "tracking_uri": mlflow.get_tracking_uri(),
+        "experiment": experiment.name,
+        "experiment_id": exp_id,
+        "run_id": pipeline_id,
+        "ui_path": path,
+        "new_runs": len(rec.new_runs),
+        "registered_model": registered,
+    }
     write_json(layout.metrics("tracking"), record)
     return record
 
 
 __all__ = [
-    "MERGE_METRICS", "NOT_RECORDED", "RECORDERS", "ML_EXPERIMENT_KIND", "ROUND_METRICS", "STANDARD_TAGS", "VIEW_KEY", "VIEW_NAME", "curve_records", "experiment_name",
-    "fail_abandoned_runs", "fingerprint", "lock_stages", "locked_md5s", "merge_metrics", "merge_params", "methods_view",
-    "pipeline_note", "prepare_store", "register_best", "registered_model_name", "regime_metrics", "regimes_view", "stage_times", "studies_view", "study_note",
-    "track", "tracking_uri", "ui_path",
+    "MERGE_METRICS",
+    "NOT_RECORDED",
+    "RECORDERS",
+    "ML_EXPERIMENT_KIND",
+    "ROUND_METRICS",
+    "STANDARD_TAGS",
+    "VIEW_KEY",
+    "VIEW_NAME",
+    "curve_records",
+    "experiment_name",
+    "fail_abandoned_runs",
+    "fingerprint",
+    "lock_stages",
+    "locked_md5s",
+    "merge_metrics",
+    "merge_params",
+    "methods_view",
+    "pipeline_note",
+    "prepare_store",
+    "register_best",
+    "registered_model_name",
+    "regime_metrics",
+    "regimes_view",
+    "stage_times",
+    "studies_view",
+    "study_note",
+    "track",
+    "tracking_uri",
+    "ui_path",
 ]

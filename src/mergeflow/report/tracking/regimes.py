@@ -26,7 +26,9 @@ ROUND_METRICS = (  # (metric, the round record's key, how its values are summari
 )
 
 
-def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individual_avg: float, times: Mapping | None = None) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
+def regime_metrics(
+    record: Mapping, tasks: list[str], probe_avg: float, individual_avg: float, times: Mapping | None = None
+) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
     """One regime variant's metrics (metrics/regime/<regime>.json's record), percent, and its per-round histories
     (step = round; pairwise cosines and norms summarised over the task pairs and tasks); ``times``: the variant's
     entry of logs/timing/regime/<regime>.json (wall_time_s, rounds_wall_time_s)."""
@@ -40,7 +42,10 @@ def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individu
     if "wall_time_s" in times:
         metrics["wall_time_s"] = float(times["wall_time_s"])
     if storage := record.get("storage_bytes"):  # a task vector on disk (LoRA: its factors), and a full one
-        metrics |= {"task_vector_bytes": float(storage["task_vector"]), "full_task_vector_bytes": float(storage["full_task_vector"])}
+        metrics |= {
+            "task_vector_bytes": float(storage["task_vector"]),
+            "full_task_vector_bytes": float(storage["full_task_vector"]),
+        }
     if own := record.get("model"):
         test = own["average"]["test"]
         metrics |= {
@@ -61,36 +66,75 @@ def regime_metrics(record: Mapping, tasks: list[str], probe_avg: float, individu
     return metrics, history
 
 
-def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hashes, tasks: list[str], individual: Mapping[str, float], probe_avg: float, individual_avg: float, interval: Callable[[str, str], dict] = lambda v, m: {}) -> list[tuple[str, str, str]]:
+def _track_regimes(
+    params: Params,
+    layout: Layout,
+    rec: _Recorder,
+    hashes: _Hashes,
+    tasks: list[str],
+    individual: Mapping[str, float],
+    probe_avg: float,
+    individual_avg: float,
+    interval: Callable[[str, str], dict] = lambda v, m: {},
+) -> list[tuple[str, str, str]]:
     """The training-time regimes' runs: per variant of regime@<r> one run (its task models' accuracies, its own
     model, per-round cosines and norms), and per variant and method of regime_merge@<r> one merge run under the
-    merge convention, with ``interval(variant, method)``'s metrics (the leaderboard's). A regime whose files are missing (not run yet) is left out with a notice. Returns
-    (variant, method, run id) of the merge runs, in order."""
+    merge convention, with ``interval(variant, method)``'s metrics (the leaderboard's). A regime whose files are missing
+    (not run yet) is left out with a notice. Returns (variant, method, run id) of the merge runs, in order."""
     client, log_ckpt = rec.client, params.tracking.log_checkpoints
     merges: list[tuple[str, str, str]] = []
     for r in params.regimes.run:
         metrics_path, timing = layout.metrics("regime", r), layout.timing("regime", r)
         if not (metrics_path.is_file() and timing.is_file()):
-            _notice(f"regime {r} not tracked: {metrics_path if not metrics_path.is_file() else timing} is missing (regime@{r} has not run)")
+            _notice(
+                f"regime {r} not tracked: {metrics_path if not metrics_path.is_file() else timing} "
+                f"is missing (regime@{r} has not run)"
+            )
             continue
         measured, times = read_json(metrics_path), stage_times(timing)
         variants = [v for v in params.regimes.config(r).variants(r, params.finetune.steps) if v in measured["variants"]]
-        if missing := [v for v in params.regimes.config(r).variants(r, params.finetune.steps) if v not in measured["variants"]]:
-            _notice(f"regime {r}: variants {', '.join(missing)} not tracked: not in {metrics_path} (regime@{r} ran with other settings)")
+        if missing := [
+            v for v in params.regimes.config(r).variants(r, params.finetune.steps) if v not in measured["variants"]
+        ]:
+            _notice(
+                f"regime {r}: variants {', '.join(missing)} not tracked: "
+                f"not in {metrics_path} (regime@{r} ran with other settings)"
+            )
         for v in variants:
-            record, model, stats = measured["variants"][v], layout.regime_model(r, v), layout.regime_vectors(r, v) / "stats.json"
+            record, model, stats = (
+                measured["variants"][v],
+                layout.regime_model(r, v),
+                layout.regime_vectors(r, v) / "stats.json",
+            )
             own_model = record.get("model") is not None and model.is_file()
             name = f"regime@{r}/{v}"
             fp = _sha256({"item": name, "record": record, "files": hashes([stats, model] if own_model else [stats])})
-            with rec.run(name, fp, times, {"mergeflow.stage": "regime", "mergeflow.item": r, "regime": r, "variant": v}, run_name=f"regime@{v}") as run_id:
+            with rec.run(
+                name,
+                fp,
+                times,
+                {"mergeflow.stage": "regime", "mergeflow.item": r, "regime": r, "variant": v},
+                run_name=f"regime@{v}",
+            ) as run_id:
                 if run_id:
-                    metrics, history = regime_metrics(record, tasks, probe_avg, individual_avg, read_json(timing).get("variants", {}).get(v))
-                    rec.log(run_id, {"regime": r, "variant": v, "paper": measured["paper"]} | _flatten("", record["hyperparameters"]), metrics, times[1], history)
+                    metrics, history = regime_metrics(
+                        record, tasks, probe_avg, individual_avg, read_json(timing).get("variants", {}).get(v)
+                    )
+                    rec.log(
+                        run_id,
+                        {"regime": r, "variant": v, "paper": measured["paper"]}
+                        | _flatten("", record["hyperparameters"]),
+                        metrics,
+                        times[1],
+                        history,
+                    )
                     client.log_dict(run_id, record, f"regime/{v}.json")  # every round's norms and pairwise cosines
                     if stats.is_file():
                         client.log_artifact(run_id, str(stats), "vectors")
                     if log_ckpt and own_model:
-                        _log_merged_model(rec, run_id, model, hashes([model])[model.relative_to(layout.root).as_posix()], params)
+                        _log_merged_model(
+                            rec, run_id, model, hashes([model])[model.relative_to(layout.root).as_posix()], params
+                        )
 
         merge_timing = layout.timing("regime_merge", r)
         if not merge_timing.is_file():
@@ -103,7 +147,10 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                 run = layout.merge_run(method, r, v)
                 own = method == r  # the regime's own model, evaluated (not merged)
                 if not run.evaluation.is_file() or not (own or run.choice.is_file()):
-                    _notice(f"regime {r}: {v} merged with {method} not tracked: {run.evaluation if not run.evaluation.is_file() else run.choice} is missing")
+                    _notice(
+                        f"regime {r}: {v} merged with {method} not tracked: "
+                        f"{run.evaluation if not run.evaluation.is_file() else run.choice} is missing"
+                    )
                     continue
                 if own and record.get("model") is None:
                     _notice(f"regime {r}: {v} has no model of its own to track as method {method}")
@@ -111,7 +158,14 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                 ev = read_json(run.evaluation)
                 if own:
                     weights = layout.regime_model(r, v)
-                    mm = {"method": method, "kind": ev["kind"], "paper": measured["paper"], "hyperparameters": ev["hyperparameters"], "grid": {}, "val_average": record["model"]["average"]["val"]}
+                    mm = {
+                        "method": method,
+                        "kind": ev["kind"],
+                        "paper": measured["paper"],
+                        "hyperparameters": ev["hyperparameters"],
+                        "grid": {},
+                        "val_average": record["model"]["average"]["val"],
+                    }
                     files = [run.evaluation, weights]
                 else:
                     weights, mm = run.merged, read_json(run.choice)
@@ -119,10 +173,21 @@ def _track_regimes(params: Params, layout: Layout, rec: _Recorder, hashes: _Hash
                 name = f"regime_merge@{r}/{v}/{method}"
                 md5s = hashes(files)
                 fp = _sha256({"item": name, "files": md5s, "val_average": mm["val_average"]})
-                tags = {"mergeflow.stage": "regime_merge", "mergeflow.item": r, "regime": r, "variant": v, "mergeflow.ranked": "yes"}  # the methods views rank it
+                tags = {
+                    "mergeflow.stage": "regime_merge",
+                    "mergeflow.item": r,
+                    "regime": r,
+                    "variant": v,
+                    "mergeflow.ranked": "yes",
+                }  # the methods views rank it
                 with rec.run(name, fp, times, tags, run_name=f"{v}/{method}") as run_id:
                     if run_id:
-                        rec.log(run_id, merge_params(mm, ev), merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | interval(v, method), times[1])
+                        rec.log(
+                            run_id,
+                            merge_params(mm, ev),
+                            merge_metrics(mm, ev, tasks, individual, probe_avg, individual_avg) | interval(v, method),
+                            times[1],
+                        )
                         if not own:
                             client.log_dict(run_id, _val_curve(mm), "curves/val_curve.json")
                             if "learned" in mm:

@@ -30,7 +30,9 @@ def _feature_count(backbone_json: str) -> int:
     from mergeflow.config import BackboneConfig
     from mergeflow.ml.models import new_backbone
 
-    return new_backbone(BackboneConfig(**json.loads(backbone_json)).model_copy(update={"pretrained": None})).num_features
+    return new_backbone(
+        BackboneConfig(**json.loads(backbone_json)).model_copy(update={"pretrained": None})
+    ).num_features
 
 
 def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str, params: Params) -> str:
@@ -50,9 +52,14 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
         uri = holder["mergeflow.model_uri"]
         recorder.client.set_tag(run_id, "mergeflow.weights_in.model", f"runs:/{holder['run_id']}")
     else:
-        requirements = [f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, timm, safetensors, numpy, pydantic, mlflow)]
+        requirements = [
+            f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, timm, safetensors, numpy, pydantic, mlflow)
+        ]
         with contextlib.ExitStack() as stack:
-            backbone = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mergeflow-track-"))) / mlflow_model.BACKBONE
+            backbone = (
+                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mergeflow-track-")))
+                / mlflow_model.BACKBONE
+            )
             backbone.write_text(json.dumps(params.backbone.model_dump(mode="json"), indent=2))
             stack.enter_context(mlflow.start_run(run_id=run_id))
             notices, quiet = logging.getLogger("mlflow.pyfunc"), _NoSignatureNotice()
@@ -60,7 +67,9 @@ def _log_merged_model(recorder: _Recorder, run_id: str, weights: Path, md5: str,
             stack.callback(notices.removeFilter, quiet)
             # and its warning that no input example is given: running the model on one would cost a load per model
             stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)  # after a colour code
+            warnings.filterwarnings(
+                "ignore", message=".*An input example was not provided", category=UserWarning
+            )  # after a colour code
             features = _feature_count(backbone.read_text())
             info = mlflow.pyfunc.log_model(
                 name="model",
@@ -90,12 +99,31 @@ def register_best(client, name: str, merge_runs: Mapping[str, str]) -> dict | No
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description=f"Each pipeline run's best merged model, chosen on validation (the highest val_avg among single-model methods). Load a version, e.g. the first, with `mergeflow.ml.mlflow_model.load_model('models:/{name}/1')`.")
+        client.create_registered_model(
+            name,
+            description="Each pipeline run's best merged model, chosen on validation (the highest val_avg among "
+            "single-model methods). Load a version, e.g. the first, with "
+            f"`mergeflow.ml.mlflow_model.load_model('models:/{name}/1')`.",
+        )
     versions = client.search_model_versions(f"name = '{name}'")
     latest = max(versions, key=lambda v: int(v.version), default=None)
     if latest is not None and latest.run_id == best.info.run_id:
-        return {"name": name, "version": latest.version, "run_id": best.info.run_id, "method": best.data.params["method"]}
-    hyperparameters = {k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")}
-    tags = {"method": best.data.params["method"], "val_avg": f"{best.data.metrics['val_avg']:.2f}", "test_avg": f"{best.data.metrics['test_avg']:.2f}", "run_id": best.info.run_id} | hyperparameters
-    version = client.create_model_version(name, best.data.tags["mergeflow.model_uri"], run_id=best.info.run_id, tags=tags)
+        return {
+            "name": name,
+            "version": latest.version,
+            "run_id": best.info.run_id,
+            "method": best.data.params["method"],
+        }
+    hyperparameters = {
+        k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")
+    }
+    tags = {
+        "method": best.data.params["method"],
+        "val_avg": f"{best.data.metrics['val_avg']:.2f}",
+        "test_avg": f"{best.data.metrics['test_avg']:.2f}",
+        "run_id": best.info.run_id,
+    } | hyperparameters
+    version = client.create_model_version(
+        name, best.data.tags["mergeflow.model_uri"], run_id=best.info.run_id, tags=tags
+    )
     return {"name": name, "version": version.version, "run_id": best.info.run_id, "method": tags["method"]}

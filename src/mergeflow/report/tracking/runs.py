@@ -32,7 +32,9 @@ def _flatten(prefix: str, obj) -> dict[str, str]:
 
 def _git_commit(root: Path) -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -58,7 +60,9 @@ def lock_stages(root: Path) -> dict[str, dict]:
     try:
         return (lockfile.parse(lock.read_text()) or {}).get("stages", {}) or {}
     except yaml.YAMLError as err:
-        raise MergeflowError(f"{lock}: not valid YAML ({str(err).splitlines()[0]}); run 'mergeflow check' to restore it") from None
+        raise MergeflowError(
+            f"{lock}: not valid YAML ({str(err).splitlines()[0]}); run 'mergeflow check' to restore it"
+        ) from None
 
 
 def fingerprint(entry: Mapping | None, files: list[Path], root: Path) -> str:
@@ -67,7 +71,11 @@ def fingerprint(entry: Mapping | None, files: list[Path], root: Path) -> str:
     matches the stage's metrics files (no dvc.lock, or a stage re-run but not yet committed), the md5 of the
     files ``track`` reads for it."""
     recorded = {o["path"]: o.get("md5") for o in (entry or {}).get("outs", [])}
-    current = all(recorded[rel] == _md5(p) for p in files if p.suffix == ".json" and (rel := p.relative_to(root).as_posix()) in recorded)
+    current = all(
+        recorded[rel] == _md5(p)
+        for p in files
+        if p.suffix == ".json" and (rel := p.relative_to(root).as_posix()) in recorded
+    )
     if entry and entry.get("outs") and current:
         outs = {o["path"]: o.get("md5") for o in entry["outs"] if not o["path"].startswith("logs/timing/")}
         return _sha256({"params": entry.get("params", {}), "outs": outs})
@@ -103,7 +111,9 @@ def curve_records(log, source: Path) -> list[dict]:
         return [dict(zip(keys, values)) for values in zip(*(log[k] for k in keys))]
     if isinstance(log, list) and all(isinstance(r, Mapping) and "step" in r for r in log):
         return list(log)
-    raise MergeflowError(f"{source}: a training log is records [{{'step': ..., 'loss': ...}}, ...] or columns {{'step': [...], ...}}")
+    raise MergeflowError(
+        f"{source}: a training log is records [{{'step': ..., 'loss': ...}}, ...] or columns {{'step': [...], ...}}"
+    )
 
 
 def locked_md5s(lock: Mapping[str, dict], root: Path) -> dict[str, str]:
@@ -143,7 +153,9 @@ class _Hashes:
         if self._locked is None:
             self._locked = locked_md5s(self.lock, self.root)
         present = {p: p.relative_to(self.root).as_posix() for p in files if p.is_file()}
-        current = all(rel in self._locked for rel in present.values()) and all(self._locked[rel] == _md5(p) for p, rel in present.items() if p.suffix == ".json")
+        current = all(rel in self._locked for rel in present.values()) and all(
+            self._locked[rel] == _md5(p) for p, rel in present.items() if p.suffix == ".json"
+        )
         return {rel: self._locked[rel] if current else _md5(p) for p, rel in present.items()}
 
 
@@ -157,7 +169,12 @@ class _Recorder:
         self.new_runs: list[str] = []
 
     def _find_run(self, tag: str, value: str):
-        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{tag}` = '{value}' and attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{tag}` = '{value}' and attributes.status = 'FINISHED'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],
+        )
         return runs[0] if runs else None
 
     def find(self, tag: str, value: str) -> str | None:
@@ -165,7 +182,9 @@ class _Recorder:
         return run.info.run_id if run else None
 
     @contextlib.contextmanager
-    def run(self, name: str, fp: str, times: tuple[float, float], tags: Mapping[str, str], run_name: str | None = None) -> Iterator[str | None]:
+    def run(
+        self, name: str, fp: str, times: tuple[float, float], tags: Mapping[str, str], run_name: str | None = None
+    ) -> Iterator[str | None]:
         """A run for stage item ``name`` (a key unique in the pipeline; the UI shows ``run_name``, default
         ``name``) at the stage's real start and end; yields None (nothing to log) when a FINISHED run with
         fingerprint ``fp`` is already there. Such a run gets the tags in ``tags`` it lacks (a run logged by an
@@ -179,7 +198,12 @@ class _Recorder:
             yield None
             return
         started, ended = times
-        run = self.client.create_run(self.experiment_id, start_time=int(started * 1000), run_name=run_name or name, tags={**self.base_tags, **tags, "mergeflow.fingerprint": fp})
+        run = self.client.create_run(
+            self.experiment_id,
+            start_time=int(started * 1000),
+            run_name=run_name or name,
+            tags={**self.base_tags, **tags, "mergeflow.fingerprint": fp},
+        )
         run_id = run.info.run_id
         try:
             yield run_id
@@ -191,14 +215,25 @@ class _Recorder:
         self.stage_runs[name] = run_id
         self.new_runs.append(run_id)
 
-    def log(self, run_id: str, params: Mapping[str, str] = {}, metrics: Mapping[str, float] = {}, at: float | None = None, history: Mapping[str, list[tuple[int, float]]] = {}) -> None:
+    def log(
+        self,
+        run_id: str,
+        params: Mapping[str, str] = {},
+        metrics: Mapping[str, float] = {},
+        at: float | None = None,
+        history: Mapping[str, list[tuple[int, float]]] = {},
+    ) -> None:
         """Parameters, metrics at time ``at`` (the stage's end), and metric histories by step."""
         from mlflow.entities import Metric, Param
 
         ts = int((at or time.time()) * 1000)
-        metrics = {k: round(float(v), 3) if k == "wall_time_s" else v for k, v in metrics.items()}  # ms: the UI shows every digit
+        metrics = {
+            k: round(float(v), 3) if k == "wall_time_s" else v for k, v in metrics.items()
+        }  # ms: the UI shows every digit
         # a metric that is not defined (gap_recovered when the fine-tunes do not beat the probe) is not logged
-        entries = [Metric(k, float(v), ts, 0) for k, v in metrics.items() if v is not None] + [Metric(k, float(v), ts, int(step)) for k, points in history.items() for step, v in points]
+        entries = [Metric(k, float(v), ts, 0) for k, v in metrics.items() if v is not None] + [
+            Metric(k, float(v), ts, int(step)) for k, points in history.items() for step, v in points
+        ]
         params = [Param(k, str(v)) for k, v in params.items()]
         for i in range(0, len(params), 100):  # MLflow's limits per batch: 100 params, 1000 metrics
             self.client.log_batch(run_id, params=params[i : i + 100], synchronous=True)
@@ -207,7 +242,11 @@ class _Recorder:
 
     def stored(self, md5: str) -> dict[str, str] | None:
         """The tags of a FINISHED run whose logged weights include a file with this md5, if any."""
-        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`mergeflow.weights_md5` LIKE '%{md5}%' and attributes.status = 'FINISHED'", max_results=1)
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`mergeflow.weights_md5` LIKE '%{md5}%' and attributes.status = 'FINISHED'",
+            max_results=1,
+        )
         return runs[0].data.tags | {"run_id": runs[0].info.run_id} if runs else None
 
     def weights(self, run_id: str, files: Mapping[Path, str], artifact_path: Callable[[Path], str]) -> None:

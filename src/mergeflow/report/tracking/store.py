@@ -63,10 +63,16 @@ def prepare_store(uri: str) -> str | None:
     runs = 0
     if path.is_file() and path.stat().st_size:
         if not os.access(path, os.R_OK | os.W_OK):
-            raise MergeflowError(f"{path}: the MLflow store cannot be read and written by this user; give it back its permissions (it is left as it is)")
+            raise MergeflowError(
+                f"{path}: the MLflow store cannot be read and written by this "
+                "user; give it back its permissions (it is left as it is)"
+            )
         why, runs = store_problem(path)
         if why is not None:
-            raise MergeflowError(f"{path}: the MLflow store cannot be read whole ({why}); it is left as it is: restore it from a backup, or move it away and run `mergeflow repro` to log every stage anew")
+            raise MergeflowError(
+                f"{path}: the MLflow store cannot be read whole ({why}); it is left as it is: restore it from a "
+                "backup, or move it away and run `mergeflow repro` to log every stage anew"
+            )
     head = _get_latest_schema_revision()
     if path.is_file() and read_one(path, "SELECT version_num FROM alembic_version") == head:
         return None
@@ -78,12 +84,18 @@ def prepare_store(uri: str) -> str | None:
             _migrate(tmp)
         except Exception as err:  # noqa: BLE001 - any failure of a partial schema: start over if nothing is lost
             if runs:
-                raise MergeflowError(f"{path}: MLflow could not upgrade this store of {runs} runs ({str(err).splitlines()[0]}); back it up and run 'mlflow db upgrade {uri}'") from None
+                raise MergeflowError(
+                    f"{path}: MLflow could not upgrade this store of {runs} runs ({str(err).splitlines()[0]}); back it "
+                    f"up and run 'mlflow db upgrade {uri}'"
+                ) from None
             tmp.write_bytes(b"")
             _migrate(tmp)
             aside = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.copyfile(path, aside)
-            notice = f"{path}: a half-migrated MLflow store with no runs (left by a killed run) was set aside as {aside.name} and made anew"
+            notice = (
+                f"{path}: a half-migrated MLflow store with no runs (left by a killed run) was set aside as "
+                f"{aside.name} and made anew"
+            )
     return notice
 
 
@@ -92,7 +104,11 @@ def fail_abandoned_runs(client, experiment_id: str) -> int:
     host = socket.gethostname()
     abandoned = [
         r
-        for r in client.search_runs([experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`mergeflow.host` = '{host}'", max_results=5000)
+        for r in client.search_runs(
+            [experiment_id],
+            filter_string=f"attributes.status = 'RUNNING' and tags.`mergeflow.host` = '{host}'",
+            max_results=5000,
+        )
         if not process_alive(int(r.data.tags.get("mergeflow.pid", "0")))
     ]
     for run in abandoned:

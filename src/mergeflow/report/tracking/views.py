@@ -26,27 +26,76 @@ def methods_view(tasks: list[str], hyperparameters: list[str], variant: str | No
     other way), the method first, then its score with
     the leaderboard's interval, its validation average, the gap recovered, the storage, what it reads, each task's
     score and the hyperparameters (``hyperparameters``: only those the shown runs have)."""
-    metrics = ["test_avg", "test_avg_ci_low", "test_avg_ci_high", "val_avg", "gap_recovered", "normalized_avg", "storage_models", *(f"test_acc.{t}" for t in tasks)]
-    columns = ["params.`method`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), "params.`data`", *(f"params.`{p}`" for p in hyperparameters), "attributes.`Run Name`", "attributes.`Models`"]
+    metrics = [
+        "test_avg",
+        "test_avg_ci_low",
+        "test_avg_ci_high",
+        "val_avg",
+        "gap_recovered",
+        "normalized_avg",
+        "storage_models",
+        *(f"test_acc.{t}" for t in tasks),
+    ]
+    columns = [
+        "params.`method`",
+        "tags.`variant`",
+        *(f"metrics.`{m}`" for m in metrics),
+        "params.`data`",
+        *(f"params.`{p}`" for p in hyperparameters),
+        "attributes.`Run Name`",
+        "attributes.`Models`",
+    ]
     search = "tags.`mergeflow.ranked` = 'yes'"  # merges (but negation) of every regime, and the baselines
     return _view(search + (f" and tags.`variant` = '{variant}'" if variant else ""), "metrics.`test_avg`", columns)
 
 
 def _view(search: str, order_by: str, columns: list[str]) -> dict:
-    return {"searchFilter": search, "orderByKey": order_by, "orderByAsc": False, "startTime": "ALL", "lifecycleFilter": "Active", "modelVersionFilter": "All Runs", "datasetsFilter": [], "selectedColumns": columns, "columnOrder": columns}
+    return {
+        "searchFilter": search,
+        "orderByKey": order_by,
+        "orderByAsc": False,
+        "startTime": "ALL",
+        "lifecycleFilter": "Active",
+        "modelVersionFilter": "All Runs",
+        "datasetsFilter": [],
+        "selectedColumns": columns,
+        "columnOrder": columns,
+    }
 
 
 def regimes_view(tasks: list[str], hyperparameters: list[str]) -> dict:
     """The shared view of the regime runs (one per variant): their task models' and own model's accuracies and
     the last round's cosines and norms (each is a history by round: the run's Model metrics tab plots it)."""
-    metrics = ["individual_avg", "model_test_avg", "model_gap_recovered", "task_vector_cosine_median", "update_cosine_median", "task_vector_norm_mean", "wall_time_s", *(f"individual_acc.{t}" for t in tasks)]
-    columns = ["attributes.`Run Name`", "tags.`regime`", "tags.`variant`", *(f"metrics.`{m}`" for m in metrics), *(f"params.`{p}`" for p in hyperparameters), "attributes.`Models`"]
+    metrics = [
+        "individual_avg",
+        "model_test_avg",
+        "model_gap_recovered",
+        "task_vector_cosine_median",
+        "update_cosine_median",
+        "task_vector_norm_mean",
+        "wall_time_s",
+        *(f"individual_acc.{t}" for t in tasks),
+    ]
+    columns = [
+        "attributes.`Run Name`",
+        "tags.`regime`",
+        "tags.`variant`",
+        *(f"metrics.`{m}`" for m in metrics),
+        *(f"params.`{p}`" for p in hyperparameters),
+        "attributes.`Models`",
+    ]
     return _view("tags.`mergeflow.stage` = 'regime'", "metrics.`individual_avg`", columns)
 
 
 def studies_view(verdicts: list[str]) -> dict:
     """The shared view of the study runs: verdict counts and each claim's verdict."""
-    columns = ["attributes.`Run Name`", "metrics.`holds`", "metrics.`fails`", "metrics.`not_measured`", *(f"params.`{v}`" for v in verdicts)]
+    columns = [
+        "attributes.`Run Name`",
+        "metrics.`holds`",
+        "metrics.`fails`",
+        "metrics.`not_measured`",
+        *(f"params.`{v}`" for v in verdicts),
+    ]
     return _view("tags.`mergeflow.stage` = 'study'", "metrics.`holds`", columns)
 
 
@@ -56,7 +105,12 @@ def ui_path(experiment_id: str) -> str:
     return f"/#/experiments/{experiment_id}/runs?{query}"
 
 
-def pipeline_note(experiment_id: str, leaderboard: Mapping, links: Mapping[tuple[str, str], str], studies: list[tuple[str, str, Mapping]] = ()) -> str:
+def pipeline_note(
+    experiment_id: str,
+    leaderboard: Mapping,
+    links: Mapping[tuple[str, str], str],
+    studies: list[tuple[str, str, Mapping]] = (),
+) -> str:
     """The pipeline run's description (the UI renders it as Markdown): the report's leaderboards
     (results/leaderboard.json), each method linked to its merge run (``links``: (variant, method) -> run id), then
     the studies' verdicts (name, run id, its metrics)."""
@@ -74,7 +128,10 @@ def pipeline_note(experiment_id: str, leaderboard: Mapping, links: Mapping[tuple
     if studies:
         lines += ["", "Studies:", ""]
         for name, run_id, m in studies:
-            lines.append(f"- [{name}](#/experiments/{experiment_id}/runs/{run_id}): {m['holds']:.0f} hold, {m['fails']:.0f} fail, {m['not_measured']:.0f} not measured")
+            lines.append(
+                f"- [{name}](#/experiments/{experiment_id}/runs/{run_id}): {m['holds']:.0f} hold, {m['fails']:.0f} "
+                f"fail, {m['not_measured']:.0f} not measured"
+            )
     return "\n".join(lines)
 
 

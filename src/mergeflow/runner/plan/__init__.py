@@ -11,7 +11,14 @@ The estimate is for ``mergeflow repro`` running one stage after another (as on o
 forked from its stage server: ``work`` says more.
 """
 
-from mergeflow.runner.plan.measure import ModelShape, Throughput, decode_seconds, fastest_time, measure_throughput, model_shape
+from mergeflow.runner.plan.measure import (
+    ModelShape,
+    Throughput,
+    decode_seconds,
+    fastest_time,
+    measure_throughput,
+    model_shape,
+)
 from mergeflow.runner.plan.work import (
     LOAD_BYTES_PER_S,
     STAGE_GAP_S,
@@ -27,10 +34,41 @@ from mergeflow.runner.plan.work import (
     statistics_work,
     vectors_work,
 )
-from mergeflow.runner.plan.report import device_line, machine_memory, make_plan, memory_warning, plan_table, print_plan, project_plan
+from mergeflow.runner.plan.report import (
+    device_line,
+    machine_memory,
+    make_plan,
+    memory_warning,
+    plan_table,
+    print_plan,
+    project_plan,
+)
 
 __all__ = [
-    "LOAD_BYTES_PER_S", "ModelShape", "STAGE_GAP_S", "Throughput", "Work", "compute_seconds", "decode_seconds", "device_line", "fastest_time", "finetune_work",
-    "machine_memory", "make_plan", "measure_throughput", "memory_warning", "merge_work", "model_shape", "overhead_seconds", "peak_bytes", "plan_table", "print_plan",
-    "project_plan", "regime_merge_work", "regime_work", "stage_work", "statistics_work", "vectors_work",
+    "LOAD_BYTES_PER_S",
+    "ModelShape",
+    "STAGE_GAP_S",
+    "Throughput",
+    "Work",
+    "compute_seconds",
+    "decode_seconds",
+    "device_line",
+    "fastest_time",
+    "finetune_work",
+    "machine_memory",
+    "make_plan",
+    "measure_throughput",
+    "memory_warning",
+    "merge_work",
+    "model_shape",
+    "overhead_seconds",
+    "peak_bytes",
+    "plan_table",
+    "print_plan",
+    "project_plan",
+    "regime_merge_work",
+    "regime_work",
+    "stage_work",
+    "statistics_work",
+    "vectors_work",
 ]

@@ -2,8 +2,8 @@
 
 One JSON file per measurement, named by a hash of what the figures depend on (the backbone's architecture, the
 image size and batch sizes, float32, the device's name, the threads, torch's and timm's versions, this machine),
-under ``$XDG_CACHE_HOME/mergeflow/runner/plan`` (``~/.cache/mergeflow/runner/plan``). Written atomically: two plans at once
-leave one whole file. A file that does not read back or names another key is measured again.
+under ``$XDG_CACHE_HOME/mergeflow/runner/plan`` (``~/.cache/mergeflow/runner/plan``). Written atomically: two plans at
+once leave one whole file. A file that does not read back or names another key is measured again.
 """
 
 from __future__ import annotations
@@ -102,11 +102,17 @@ def _read(path: Path, key: dict) -> tuple[Throughput, ModelShape] | None:
     return throughput, shape
 
 
-def cached_throughput(params: Params, *, remeasure: bool = False, directory: Path | None = None, process_start: tuple[float, int] | None = None) -> tuple[Throughput, dict]:
+def cached_throughput(
+    params: Params,
+    *,
+    remeasure: bool = False,
+    directory: Path | None = None,
+    process_start: tuple[float, int] | None = None,
+) -> tuple[Throughput, dict]:
     """The throughput for ``params`` on this machine: from the cache when it holds it (and not ``remeasure``),
     else measured and stored; also measured again when the cached figures were taken on a busy machine and it is
-    idle now (``process_start``: as measure_throughput takes it). Also (dict) where it came from: {"cached": bool, "path": str}; a cache that cannot
-    be written is noted on stderr, and the plan goes on."""
+    idle now (``process_start``: as measure_throughput takes it). Also (dict) where it came from: {"cached": bool,
+    "path": str}; a cache that cannot be written is noted on stderr, and the plan goes on."""
     key = measurement_key(params)
     path = cache_path(key, directory)
     if not remeasure:
@@ -123,6 +129,9 @@ def cached_throughput(params: Params, *, remeasure: bool = False, directory: Pat
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(entry, indent=1) + "\n")
     except (OSError, MergeflowError) as err:  # a read-only or full home: the plan itself still stands
-        print(f"warning: {path}: the measured throughput is not cached ({getattr(err, 'strerror', None) or err})", file=sys.stderr)
+        print(
+            f"warning: {path}: the measured throughput is not cached ({getattr(err, 'strerror', None) or err})",
+            file=sys.stderr,
+        )
         return throughput, {"cached": False, "path": None}
     return throughput, {"cached": False, "path": str(path)}

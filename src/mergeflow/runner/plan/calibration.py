@@ -36,7 +36,7 @@ def read_bench(path: str | Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MergeflowError(f"{path}: not a readable JSON file ({err})") from None
     if not isinstance(result, dict) or result.get("bench") != "gpu":
-        raise MergeflowError(f"{path}: not bench/gpu.py's output (no \"bench\": \"gpu\")")
+        raise MergeflowError(f'{path}: not bench/gpu.py\'s output (no "bench": "gpu")')
     missing = [s for s in SECTIONS if not isinstance(result.get(s), dict)]
     if missing:
         raise MergeflowError(f"{path}: no figures for {', '.join(missing)} (run bench/gpu.py with every section)")
@@ -46,14 +46,23 @@ def read_bench(path: str | Path) -> dict:
 def check_matches(result: dict, params: Params, path: str | Path) -> None:
     """The figures are for params.yaml's backbone and image size, or one line says which differs."""
     if result.get("tiny"):
-        raise MergeflowError(f"{path}: measured with --tiny (a 2-block ViT), not params.yaml's backbone; run bench/gpu.py without --tiny")
-    if architecture(result["model"]) != architecture(params.backbone.model) or result.get("kwargs", {}) != params.backbone.kwargs:
         raise MergeflowError(
-            f"{path}: measured on '{result['model']}' {result.get('kwargs') or ''}, params.yaml's backbone.model is '{params.backbone.model}' {params.backbone.kwargs or ''}; "
+            f"{path}: measured with --tiny (a 2-block ViT), not params.yaml's backbone; run bench/gpu.py without --tiny"
+        )
+    if (
+        architecture(result["model"]) != architecture(params.backbone.model)
+        or result.get("kwargs", {}) != params.backbone.kwargs
+    ):
+        raise MergeflowError(
+            f"{path}: measured on '{result['model']}' {result.get('kwargs') or ''}, params.yaml's backbone.model is "
+            f"'{params.backbone.model}' {params.backbone.kwargs or ''}; "
             f"run bench/gpu.py --model {architecture(params.backbone.model)}"
         )
     if result["image_size"] != params.suite.image_size:
-        raise MergeflowError(f"{path}: measured at {result['image_size']} px, params.yaml's suite.image_size is {params.suite.image_size}")
+        raise MergeflowError(
+            f"{path}: measured at {result['image_size']} px, "
+            f"params.yaml's suite.image_size is {params.suite.image_size}"
+        )
 
 
 def throughput_from_bench(path: str | Path, params: Params) -> Throughput:
@@ -74,7 +83,9 @@ def throughput_from_bench(path: str | Path, params: Params) -> Throughput:
         train_peak_bytes=int(f.get("peak_bytes", 0)),
         forward_peak_bytes=int(fw.get("peak_bytes", 0)),
         base_bytes=0,
-        memory_source="CUDA's peak allocated, from the benchmark" if cuda else "not measured (the benchmark ran on a CPU)",
+        memory_source="CUDA's peak allocated, from the benchmark"
+        if cuda
+        else "not measured (the benchmark ran on a CPU)",
         import_s=float(result.get("stage_import_s") or DEFAULT_IMPORT_S),
         batches={"forward": fw["batch_size"], "train": f["batch_size"]},
         timed_at={"forward": [fw["batch_size"]], "train": [f["batch_size"]]},

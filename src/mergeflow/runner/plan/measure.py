@@ -78,7 +78,9 @@ def model_shape(params: Params) -> ModelShape:
         with torch.device("meta"):
             backbone = new_backbone(params.backbone)
         state = backbone.net.state_dict()
-        matrices = tuple(tuple(v.shape) for k, v in state.items() if v.ndim == 2 and k.endswith("weight") and min(v.shape) > 1)
+        matrices = tuple(
+            tuple(v.shape) for k, v in state.items() if v.ndim == 2 and k.endswith("weight") and min(v.shape) > 1
+        )
         _SHAPES[key] = ModelShape(sum(v.numel() for v in state.values()), matrices, backbone.num_features)
     return _SHAPES[key]
 
@@ -94,11 +96,14 @@ class Throughput:
     example_grad_s: float  # one example's forward + backward at batch 1 (the statistics stage's Fisher)
     param_pass_s: float  # one torch.add over every parameter
     svd_s: float  # one SVD (merging._tensors.svd) of the largest 2-D weight
-    train_peak_bytes: int  # a training step's memory: CUDA's peak allocated; CPU: the peak RSS growth from before the model
+    train_peak_bytes: (
+        int  # a training step's memory: CUDA's peak allocated; CPU: the peak RSS growth from before the model
+    )
     forward_peak_bytes: int  # the same for an evaluation batch
     base_bytes: int  # a stage process's memory before any work (CPU: its RSS after imports, measured; CUDA: 0)
     memory_source: str
-    import_s: float  # a stage process's imports, `python -m mergeflow.cli --help` (under mergeflow repro: once, the stage server's)
+    # a stage process's imports, `python -m mergeflow.cli --help` (under mergeflow repro: once, the stage server's)
+    import_s: float
     batches: dict = field(default_factory=dict)  # the configured batch sizes the speeds are for
     timed_at: dict = field(default_factory=dict)  # the batch sizes actually timed (two: extrapolated to `batches`)
     decode_s: float = 0.0  # one photo-sized JPEG decoded and resized (real data's prepare); 0 when not measured
@@ -106,7 +111,8 @@ class Throughput:
     measured_at: str = ""  # when (UTC), and the 1-minute load average then: how busy the machine was
     load_average: float = 0.0
     busy: bool = False  # the load average was half the cores or more when measured (the figures: bounds)
-    # from a GPU benchmark's figures (mergeflow.runner.plan.calibration); 0: as forward_img_s, train_img_s, LOAD_BYTES_PER_S
+    # from a GPU benchmark's figures (mergeflow.runner.plan.calibration);
+    # 0: as forward_img_s, train_img_s, LOAD_BYTES_PER_S
     search_img_s: float = 0.0  # the validation search's forward passes (bf16 on CUDA)
     adaptation_img_s: float = 0.0  # images a second through AdaMerging's loop (forward and backward through the merge)
     load_bytes_per_s: float = 0.0  # a merge stage reading its task files and task vectors
@@ -119,7 +125,13 @@ def wall_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def fastest_time(fn: Callable[[], object], budget_s: float, most: int = 5, least: int = 2, elapsed: Callable[[Callable[[], object]], float] = wall_seconds) -> float:
+def fastest_time(
+    fn: Callable[[], object],
+    budget_s: float,
+    most: int = 5,
+    least: int = 2,
+    elapsed: Callable[[Callable[[], object]], float] = wall_seconds,
+) -> float:
     """The fastest of at least ``least`` and at most ``most`` calls of ``fn`` (each timed by ``elapsed``), calling
     again while ``budget_s`` has not passed. The fastest, not the mean or median: other work on a shared machine
     only slows a call, and a first call's warm-up (allocations, kernel selection) is slower too."""
@@ -230,7 +242,14 @@ def _call_cost(call: Callable[[], object], stopwatch: Stopwatch, meter: PeakMemo
     return seconds, meter.peak()
 
 
-def batch_cost(make_call: Callable[[int], Callable[[], object]], batch: int, stopwatch: Stopwatch, meter: PeakMemory, *, fixed_call: Callable[[], object] | None = None) -> tuple[float, int, list[int]]:
+def batch_cost(
+    make_call: Callable[[int], Callable[[], object]],
+    batch: int,
+    stopwatch: Stopwatch,
+    meter: PeakMemory,
+    *,
+    fixed_call: Callable[[], object] | None = None,
+) -> tuple[float, int, list[int]]:
     """(seconds, peak bytes, batches timed) of one call at ``batch``; ``make_call(n)`` prepares a call on n
     images. Timed at SMALL_BATCH first, then either at twice it (time: proportional to the batch; memory: the line
     through the two) or, given ``fixed_call``, that part of the call which does not grow with the batch, timed
@@ -305,7 +324,9 @@ def decode_seconds(image_size: int, budget_s: float = 0.3) -> float:
     return fastest_time(once, budget_s, most=20, least=3)
 
 
-def _train_cost(model, images, synced, batch_size: int, stopwatch: Stopwatch, meter: PeakMemory) -> tuple[float, int, list[int]]:
+def _train_cost(
+    model, images, synced, batch_size: int, stopwatch: Stopwatch, meter: PeakMemory
+) -> tuple[float, int, list[int]]:
     """A training step's seconds and peak memory at ``batch_size`` (batch_cost), AdamW's step timed apart; the peak
     extrapolated where a smaller batch was timed. The optimiser's states are freed on return."""
     import torch
@@ -330,7 +351,9 @@ def _train_cost(model, images, synced, batch_size: int, stopwatch: Stopwatch, me
     # what stays whatever the batch: the weights (in memory now) and, float32 each, their gradients and AdamW's
     # two states; the optimiser's step is the same at any batch too: timed alone, it leaves one batch size to time
     stays = meter.now() + 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    train_s, train_peak, train_at = batch_cost(train_call, batch_size, stopwatch, meter, fixed_call=synced(optimizer.step))
+    train_s, train_peak, train_at = batch_cost(
+        train_call, batch_size, stopwatch, meter, fixed_call=synced(optimizer.step)
+    )
     if train_at != [batch_size]:  # extrapolated: the activations (and their gradients) grow
         activations_per_image = max(0, backward_peaks[-1] - stays) / train_at[0]
         train_peak = int(max(train_peak, stays + activations_per_image * batch_size))
@@ -350,7 +373,9 @@ def _inputs(params: Params, model, n: int, device):
     return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, device=device)
 
 
-def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start: tuple[float, int] | None = None) -> Throughput:
+def measure_throughput(
+    params: Params, *, budget_s: float = 0.25, process_start: tuple[float, int] | None = None
+) -> Throughput:
     """Measure the backbone's speeds on runtime.device with the threads the stages use, each figure the fastest
     of a few calls within ``budget_s`` seconds (at least two calls: a big model's take longer). A stage process's
     start (seconds, bytes) is ``process_start`` when the caller has it (this_process_start), else measured."""
@@ -416,8 +441,12 @@ def measure_throughput(params: Params, *, budget_s: float = 0.25, process_start:
         train_peak_bytes=int(max(train_peak - base, n_params * (4 if cuda else 16))),
         forward_peak_bytes=int(max(forward_peak - base, n_params * 4)),
         base_bytes=0 if cuda else int(import_rss),
-        memory_source="CUDA max_memory_allocated of the measured step" if cuda else (
-            "RSS: a stage process's after its imports (measured) + the step's peak RSS growth (at least parameters x 16 B: weights, grads, 2 AdamW states) + the models and data the stage holds"),
+        memory_source="CUDA max_memory_allocated of the measured step"
+        if cuda
+        else (
+            "RSS: a stage process's after its imports (measured) + the step's peak RSS growth (at least parameters x "
+            "16 B: weights, grads, 2 AdamW states) + the models and data the stage holds"
+        ),
         import_s=import_s,
         batches={"forward": params.runtime.eval_batch_size, "train": params.finetune.batch_size},
         timed_at={"forward": forward_at, "train": train_at},

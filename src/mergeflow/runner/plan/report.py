@@ -39,7 +39,16 @@ def machine_memory(tp: Throughput) -> tuple[int | None, str]:
     return total, "RAM"
 
 
-def make_plan(params: Params, nodes, stale: set[str], tp: Throughput, *, include_all: bool = False, memory_bytes: int | None = None, memory_of: str = "RAM") -> dict:
+def make_plan(
+    params: Params,
+    nodes,
+    stale: set[str],
+    tp: Throughput,
+    *,
+    include_all: bool = False,
+    memory_bytes: int | None = None,
+    memory_of: str = "RAM",
+) -> dict:
     """Every stage (``nodes``: graph.StageNode, in order) with whether it will run, its estimate (those
     that will run, or all with ``include_all``), and the total of those that will run. With ``memory_bytes``
     (the machine's), each estimated stage says whether its peak exceeds it, and ``exceeds_memory`` lists them."""
@@ -47,26 +56,65 @@ def make_plan(params: Params, nodes, stale: set[str], tp: Throughput, *, include
     rows, total = [], 0.0
     for node in nodes:
         will_run = node.address in stale
-        row = {"stage": node.address, "will_run": will_run, "estimated": False, "seconds": None, "compute_seconds": None, "overhead_seconds": None, "peak_memory_bytes": None,
-               "exceeds_memory": None, "work": None, "notes": []}
+        row = {
+            "stage": node.address,
+            "will_run": will_run,
+            "estimated": False,
+            "seconds": None,
+            "compute_seconds": None,
+            "overhead_seconds": None,
+            "peak_memory_bytes": None,
+            "exceeds_memory": None,
+            "work": None,
+            "notes": [],
+        }
         if will_run or include_all:
             work = stage_work(params, node.address)
             if work is None:
                 row["notes"] = ["not estimated"]
             else:
-                compute, overhead, peak = compute_seconds(work, tp), overhead_seconds(tp, first=will_run and not any(r["will_run"] and r["estimated"] for r in rows)), peak_bytes(work, tp, n_params)
-                row |= {"estimated": True, "seconds": compute + overhead, "compute_seconds": compute, "overhead_seconds": overhead, "peak_memory_bytes": peak,
-                        "exceeds_memory": None if memory_bytes is None else peak > memory_bytes, "notes": work.notes,
-                        "work": {k: v for k, v in asdict(work).items() if k not in ("notes", "trains") and v}}
+                compute, overhead, peak = (
+                    compute_seconds(work, tp),
+                    overhead_seconds(tp, first=will_run and not any(r["will_run"] and r["estimated"] for r in rows)),
+                    peak_bytes(work, tp, n_params),
+                )
+                row |= {
+                    "estimated": True,
+                    "seconds": compute + overhead,
+                    "compute_seconds": compute,
+                    "overhead_seconds": overhead,
+                    "peak_memory_bytes": peak,
+                    "exceeds_memory": None if memory_bytes is None else peak > memory_bytes,
+                    "notes": work.notes,
+                    "work": {k: v for k, v in asdict(work).items() if k not in ("notes", "trains") and v},
+                }
                 if will_run:
                     total += row["seconds"]
         rows.append(row)
     unestimated = [r["stage"] for r in rows if r["will_run"] and not r["estimated"]]
-    return {"device": tp.device, "throughput": asdict(tp), "parameters": n_params, "stages": rows, "total_seconds": total, "will_run": sum(r["will_run"] for r in rows), "not_estimated": unestimated,
-            "machine_memory_bytes": memory_bytes, "machine_memory_of": memory_of, "exceeds_memory": [r["stage"] for r in rows if r["exceeds_memory"]]}
+    return {
+        "device": tp.device,
+        "throughput": asdict(tp),
+        "parameters": n_params,
+        "stages": rows,
+        "total_seconds": total,
+        "will_run": sum(r["will_run"] for r in rows),
+        "not_estimated": unestimated,
+        "machine_memory_bytes": memory_bytes,
+        "machine_memory_of": memory_of,
+        "exceeds_memory": [r["stage"] for r in rows if r["exceeds_memory"]],
+    }
 
 
-def project_plan(root: str | Path, params: Params, *, include_all: bool = False, throughput: Throughput | None = None, remeasure: bool = False, process_start: tuple[float, int] | None = None) -> dict:
+def project_plan(
+    root: str | Path,
+    params: Params,
+    *,
+    include_all: bool = False,
+    throughput: Throughput | None = None,
+    remeasure: bool = False,
+    process_start: tuple[float, int] | None = None,
+) -> dict:
     """The plan of the DVC project at ``root`` (its stages and which are out of date, as ``dvc status`` says),
     with the throughput given, or this machine's cached one (measured when not cached, or ``remeasure``)."""
     from dvc.repo import Repo
@@ -83,7 +131,9 @@ def project_plan(root: str | Path, params: Params, *, include_all: bool = False,
 
         throughput, source = cached_throughput(params, remeasure=remeasure, process_start=process_start)
     memory, memory_of = machine_memory(throughput)
-    plan = make_plan(params, nodes, stale, throughput, include_all=include_all, memory_bytes=memory, memory_of=memory_of)
+    plan = make_plan(
+        params, nodes, stale, throughput, include_all=include_all, memory_bytes=memory, memory_of=memory_of
+    )
     plan["throughput_source"] = source
     return plan
 
@@ -117,7 +167,10 @@ def device_line(plan: dict) -> str:
     tp = plan["throughput"]
     source = plan.get("throughput_source") or {}
     if tp.get("calibration"):
-        when = f"from {tp['calibration']} (measured {tp['measured_at']}): search {tp['search_img_s']:.0f} img/s, AdaMerging {tp['adaptation_img_s']:.0f} img/s, reading {tp['load_bytes_per_s'] / 1e9:.2f} GB/s"
+        when = (
+            f"from {tp['calibration']} (measured {tp['measured_at']}): search {tp['search_img_s']:.0f} img/s, "
+            f"AdaMerging {tp['adaptation_img_s']:.0f} img/s, reading {tp['load_bytes_per_s'] / 1e9:.2f} GB/s"
+        )
     elif tp.get("measured_at"):
         when = f"measured {tp['measured_at']} at load {tp['load_average']:.1f}"
     else:
@@ -126,9 +179,12 @@ def device_line(plan: dict) -> str:
         when += " (busy: the next plan on an idle machine measures again)"
     kept = f", cached in {source['path']} (--remeasure measures again)" if source.get("path") else ""
     return (
-        f"device {plan['device']}, {tp['threads']} threads; backbone {plan['parameters'] / 1e6:.2f} M parameters: forward {tp['forward_img_s']:.0f} img/s ({_batches(tp, 'forward')}), "
-        f"train {tp['train_img_s']:.0f} img/s ({_batches(tp, 'train')}), per-example gradient {1000 * tp['example_grad_s']:.1f} ms, parameter pass {1000 * tp['param_pass_s']:.2f} ms, "
-        f"SVD {1000 * tp['svd_s']:.1f} ms; stage server's imports {tp['import_s']:.1f} s once, {STAGE_GAP_S:.2f} s between stages; {when}{kept}; memory: {tp['memory_source']}"
+        f"device {plan['device']}, {tp['threads']} threads; backbone {plan['parameters'] / 1e6:.2f} M parameters: "
+        f"forward {tp['forward_img_s']:.0f} img/s ({_batches(tp, 'forward')}), "
+        f"train {tp['train_img_s']:.0f} img/s ({_batches(tp, 'train')}), per-example gradient "
+        f"{1000 * tp['example_grad_s']:.1f} ms, parameter pass {1000 * tp['param_pass_s']:.2f} ms, "
+        f"SVD {1000 * tp['svd_s']:.1f} ms; stage server's imports {tp['import_s']:.1f} s once, {STAGE_GAP_S:.2f} s "
+        f"between stages; {when}{kept}; memory: {tp['memory_source']}"
     )
 
 
@@ -139,7 +195,10 @@ def memory_warning(plan: dict) -> str | None:
         return None
     peaks = {r["stage"]: r["peak_memory_bytes"] for r in plan["stages"]}
     listed = ", ".join(f"{s} ({_size(peaks[s])})" for s in over)
-    return f"warning: {len(over)} {'stages need' if len(over) > 1 else 'stage needs'} more than this machine's {_size(plan['machine_memory_bytes'])} of {plan['machine_memory_of']} (marked !): {listed}"
+    return (
+        f"warning: {len(over)} {'stages need' if len(over) > 1 else 'stage needs'} more than this machine's "
+        f"{_size(plan['machine_memory_bytes'])} of {plan['machine_memory_of']} (marked !): {listed}"
+    )
 
 
 def plan_table(plan: dict):
@@ -147,22 +206,42 @@ def plan_table(plan: dict):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="mergeflow plan (one stage after another, as mergeflow repro on one GPU or 2 cores)", title_justify="left")
+    table = Table(
+        title="mergeflow plan (one stage after another, as mergeflow repro on one GPU or 2 cores)", title_justify="left"
+    )
     table.add_column("stage", no_wrap=True)
     table.add_column("will run")
     table.add_column("est. time", justify="right")
     table.add_column("peak memory", justify="right", no_wrap=True)
     table.add_column("notes", overflow="fold")
     for r in plan["stages"]:
-        peak = Text(_size(r["peak_memory_bytes"]) + " !", style="bold red") if r.get("exceeds_memory") else _size(r["peak_memory_bytes"])
-        table.add_row(r["stage"], "yes" if r["will_run"] else "up to date", _duration(r["seconds"]) if r["estimated"] else ("not estimated" if r["notes"] else "-"), peak, "; ".join(n for n in r["notes"] if n != "not estimated"))
+        peak = (
+            Text(_size(r["peak_memory_bytes"]) + " !", style="bold red")
+            if r.get("exceeds_memory")
+            else _size(r["peak_memory_bytes"])
+        )
+        table.add_row(
+            r["stage"],
+            "yes" if r["will_run"] else "up to date",
+            _duration(r["seconds"]) if r["estimated"] else ("not estimated" if r["notes"] else "-"),
+            peak,
+            "; ".join(n for n in r["notes"] if n != "not estimated"),
+        )
     missing = f"; not estimated: {', '.join(plan['not_estimated'])}" if plan["not_estimated"] else ""
     table.caption = f"total of the {plan['will_run']} stages that will run: {_duration(plan['total_seconds'])}{missing}"
     table.caption_justify = "left"
     return table
 
 
-def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = False, root: str = ".", remeasure: bool = False, calibration: str | None = None) -> int:
+def print_plan(
+    params_path: str,
+    *,
+    include_all: bool = False,
+    as_json: bool = False,
+    root: str = ".",
+    remeasure: bool = False,
+    calibration: str | None = None,
+) -> int:
     """``mergeflow plan``: the table (or JSON) for the project in ``root``."""
     import json
 
@@ -183,7 +262,9 @@ def print_plan(params_path: str, *, include_all: bool = False, as_json: bool = F
         from mergeflow.runner.plan.calibration import throughput_from_bench
 
         throughput = throughput_from_bench(calibration, params)
-    plan = project_plan(root, params, include_all=include_all, throughput=throughput, remeasure=remeasure, process_start=process_start)
+    plan = project_plan(
+        root, params, include_all=include_all, throughput=throughput, remeasure=remeasure, process_start=process_start
+    )
     if as_json:
         print(json.dumps(plan, indent=2))
         return 0

@@ -2,8 +2,8 @@
 
 The estimate is work / measured throughput. The work of each stage is counted from params.yaml in the units the
 stage spends its time in (images through the backbone's forward pass, training images, per-example gradients,
-elementwise passes over the parameters, SVDs); the throughputs are measured on this device (mergeflow.runner.plan.measure) and
-kept per machine (mergeflow.runner.plan.cache). Stages that
+elementwise passes over the parameters, SVDs); the throughputs are measured on this device
+(mergeflow.runner.plan.measure) and kept per machine (mergeflow.runner.plan.cache). Stages that
 do not fit those units (prepare, report, track) take a few named constants, each measured on the 2-core machine
 the default run was made on; studies are not estimated.
 
@@ -102,7 +102,19 @@ class Work:
     notes: list[str] = field(default_factory=list)
 
     def add(self, other: Work) -> Work:
-        for name in ("forward_images", "search_images", "train_images", "adaptation_images", "adaptation_passes", "example_grads", "param_passes", "svds", "load_bytes", "decoded_images", "fixed_s"):
+        for name in (
+            "forward_images",
+            "search_images",
+            "train_images",
+            "adaptation_images",
+            "adaptation_passes",
+            "example_grads",
+            "param_passes",
+            "svds",
+            "load_bytes",
+            "decoded_images",
+            "fixed_s",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.trains |= other.trains
         self.held_models = max(self.held_models, other.held_models)
@@ -150,9 +162,20 @@ def finetune_work(params: Params, task: str | None = None) -> Work:
     features = (s.n_train if probe else 0) + s.n_val + s.n_test + anchor
     d = model_shape(params).features
     newton = params.probe.solver == "newton-cholesky" and d * 10 <= NEWTON_MAX_UNKNOWNS  # (taken as 10 classes)
-    fit_s = len(params.probe.c_grid) * s.n_train * (d * d * PROBE_NEWTON_S_PER_UNIT if newton else params.probe.max_iter * d * PROBE_S_PER_UNIT) if probe else 0
-    return Work(forward_images=features + s.n_val + s.n_test, train_images=steps * per_step, fixed_s=fit_s, trains=bool(steps),
-                held_bytes=_task_bytes(params) / len(s.tasks))
+    fit_s = (
+        len(params.probe.c_grid)
+        * s.n_train
+        * (d * d * PROBE_NEWTON_S_PER_UNIT if newton else params.probe.max_iter * d * PROBE_S_PER_UNIT)
+        if probe
+        else 0
+    )
+    return Work(
+        forward_images=features + s.n_val + s.n_test,
+        train_images=steps * per_step,
+        fixed_s=fit_s,
+        trains=bool(steps),
+        held_bytes=_task_bytes(params) / len(s.tasks),
+    )
 
 
 def merge_work(params: Params, method: str, overrides: dict | None = None) -> Work:
@@ -185,7 +208,8 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         w.search_images += len(values) * val
         w.param_passes += len(values) * tasks
     coefficient = spec.coefficient if spec.coefficient in grid else None
-    # merge.search golden: the swept key's points a golden-section search scores (on a flat curve; a real one, a few more or fewer)
+    # merge.search golden: the swept key's points a golden-section
+    # search scores (on a flat curve; a real one, a few more or fewer)
     swept = swept_key(spec, grid) if params.merge.search == "golden" else None
     scored = len(golden_section(len(grid[swept]), lambda i: 0.0)) if swept else None
     others = math.prod(len(v) for k, v in grid.items() if k not in (coefficient, swept))
@@ -196,11 +220,19 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         calls += others * (2 if coefficient else 1)
     w.forward_images += candidates * val + test
     w.search_images += candidates * val
-    w.param_passes += calls * merge_passes + (candidates * 2 if coefficient else 0) + (candidates + 1) * (tasks if spec.kind == "per_task" else 0)
+    w.param_passes += (
+        calls * merge_passes
+        + (candidates * 2 if coefficient else 0)
+        + (candidates + 1) * (tasks if spec.kind == "per_task" else 0)
+    )
     w.svds = calls * svd_units
     if method == "surgery":  # its base merge at the base's defaults, then features; its own steps are on features
         base = REGISTRY[fixed["base"]]
-        w.add(_adaptation(base.defaults, tasks, calls) if base.reads == "test_inputs" else Work(param_passes=calls * merge_passes))
+        w.add(
+            _adaptation(base.defaults, tasks, calls)
+            if base.reads == "test_inputs"
+            else Work(param_passes=calls * merge_passes)
+        )
         w.forward_images += calls * 2 * test  # the merged and each task's own model on the task's inputs
     elif method == "wemoe":  # AdaMerging's steps, and every image through the MLPs of all T task vectors: forward and
         # the inputs' gradient (the task vectors learn nothing), two forward passes' worth
@@ -224,13 +256,21 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
 def _adaptation(hp, tasks: int, calls: int) -> Work:
     """AdaMerging's Adam steps (``hp``: steps, batch_size) through the merged model, ``calls`` times."""
     images = calls * hp["steps"] * tasks * hp["batch_size"]
-    return Work(train_images=images, adaptation_images=images, adaptation_passes=calls * hp["steps"] * 2 * tasks, trains=True)
+    return Work(
+        train_images=images, adaptation_images=images, adaptation_passes=calls * hp["steps"] * 2 * tasks, trains=True
+    )
 
 
 def statistics_work(params: Params) -> Work:
     """Per task: two diagonal Fishers (one example at a time, forward + backward) and the Grams (a forward pass)."""
     tasks, n = len(params.suite.tasks), min(params.statistics.examples, params.suite.n_train)
-    return Work(example_grads=2 * tasks * n, forward_images=tasks * n, load_bytes=_task_bytes(params), held_bytes=_task_bytes(params), held_models=3)
+    return Work(
+        example_grads=2 * tasks * n,
+        forward_images=tasks * n,
+        load_bytes=_task_bytes(params),
+        held_bytes=_task_bytes(params),
+        held_models=3,
+    )
 
 
 def regime_work(params: Params, regime: str) -> Work:
@@ -240,15 +280,25 @@ def regime_work(params: Params, regime: str) -> Work:
     tasks = len(s.tasks)
     steps, per_step = _finetune_steps(params)
     anchor = cfg.preserve_features.images if cfg.preserve_features.weight > 0 else 0
-    w = Work(forward_images=tasks * anchor, load_bytes=_task_bytes(params), held_bytes=_task_bytes(params), held_models=2 * tasks + 1, trains=True)
+    w = Work(
+        forward_images=tasks * anchor,
+        load_bytes=_task_bytes(params),
+        held_bytes=_task_bytes(params),
+        held_models=2 * tasks + 1,
+        trains=True,
+    )
     threads = params.threads() or os.cpu_count() or 1
-    if params.runtime.device != "cuda" and min(tasks, threads) > 1:  # stages.regime: one process a task, up to the threads
+    if (
+        params.runtime.device != "cuda" and min(tasks, threads) > 1
+    ):  # stages.regime: one process a task, up to the threads
         w.fixed_s += REGIME_POOL_START_S
     one_epoch = total_steps(cfg.model_copy(update={"epochs": 1}), s.n_train, cfg.optimizer == "gd")
     settings = params.regimes.config(regime)
     for kwargs in settings.variants(regime, cfg.steps).values():
         w.train_images += tasks * settings.training_steps(kwargs, steps, one_epoch) * per_step
-        w.forward_images += tasks * (s.n_val + s.n_test) * (3 if REGIMES[regime].own_model else 1)  # + the own model's, every task
+        w.forward_images += (
+            tasks * (s.n_val + s.n_test) * (3 if REGIMES[regime].own_model else 1)
+        )  # + the own model's, every task
     return w
 
 
@@ -286,7 +336,11 @@ def prepare_work(params: Params) -> Work:
     # real data: every image decoded and resized once, the tasks in parallel processes (at most the caps:
     # a smaller dataset takes less); each process holds its task's arrays
     workers = min(len(s.tasks), params.threads() or os.cpu_count() or 1)
-    w = Work(fixed_s=PREPARE_POOL_START_S, decoded_images=images / workers, held_bytes=workers * (s.n_train + s.n_val + s.n_test) * example_bytes(s))
+    w = Work(
+        fixed_s=PREPARE_POOL_START_S,
+        decoded_images=images / workers,
+        held_bytes=workers * (s.n_train + s.n_val + s.n_test) * example_bytes(s),
+    )
     w.notes.append("real data: decoding measured on a 500x375 JPEG; downloads not estimated")
     return w
 
@@ -297,11 +351,20 @@ def pretrain_work(params: Params) -> Work:
         return Work(notes=["loads pretrained weights: read time not estimated"])
     cfg = params.pretrain
     steps = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, s.pretrain_images // cfg.batch_size)
-    return Work(train_images=steps * cfg.batch_size, forward_images=min(2000, s.pretrain_images), trains=True, held_bytes=s.pretrain_images * example_bytes(s))
+    return Work(
+        train_images=steps * cfg.batch_size,
+        forward_images=min(2000, s.pretrain_images),
+        trains=True,
+        held_bytes=s.pretrain_images * example_bytes(s),
+    )
 
 
 def track_work(params: Params) -> Work:
-    checkpoints = (len(params.suite.tasks) + len(params.merge.methods) + 1) * model_shape(params).parameters * 4 if params.tracking.log_checkpoints else 0
+    checkpoints = (
+        (len(params.suite.tasks) + len(params.merge.methods) + 1) * model_shape(params).parameters * 4
+        if params.tracking.log_checkpoints
+        else 0
+    )
     return Work(fixed_s=TRACK_S, load_bytes=checkpoints, notes=["track: an assumed constant, never timed"])
 
 

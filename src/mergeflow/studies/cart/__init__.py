@@ -38,17 +38,68 @@ registered as ``cart``, and the report's body).
 
 from __future__ import annotations
 
-from mergeflow.studies.cart.claims import claim_indexing, claim_interference, claim_rank_curve, claim_ranking, claim_scaling, claim_tradeoff, interior_peak, layer_medians, ranking, rises, rises_to_full, steep_then_flat
+from mergeflow.studies.cart.claims import (
+    claim_indexing,
+    claim_interference,
+    claim_rank_curve,
+    claim_ranking,
+    claim_scaling,
+    claim_tradeoff,
+    interior_peak,
+    layer_medians,
+    ranking,
+    rises,
+    rises_to_full,
+    steep_then_flat,
+)
 from mergeflow.studies.cart.figures import plot_interference, plot_rank_curve, plot_scaling, plot_spectra, plot_tradeoff
 from mergeflow.studies.cart.measure import Bench, draw_subsets, rank_sweep, scaling
 from mergeflow.studies.cart.report import cart_study
 from mergeflow.studies.cart.settings import NAMES, PAPER_8, PAPER_INDEXING, SCALING_METHODS, SEED_ORDER, CartSettings
-from mergeflow.studies.cart.spectra import LayerSpectra, energy_kept, interference, rank_of, reconstruction, spectra, svd_stack
+from mergeflow.studies.cart.spectra import (
+    LayerSpectra,
+    energy_kept,
+    interference,
+    rank_of,
+    reconstruction,
+    spectra,
+    svd_stack,
+)
 
 __all__ = [
-    "Bench", "CartSettings", "LayerSpectra", "NAMES", "PAPER_8", "PAPER_INDEXING", "SCALING_METHODS", "SEED_ORDER",
-    "cart_study", "claim_indexing", "claim_interference", "claim_rank_curve", "claim_ranking", "claim_scaling",
-    "claim_tradeoff", "draw_subsets", "energy_kept", "interference", "interior_peak", "layer_medians",
-    "plot_interference", "plot_rank_curve", "plot_scaling", "plot_spectra", "plot_tradeoff", "rank_of", "rank_sweep",
-    "ranking", "reconstruction", "rises", "rises_to_full", "scaling", "spectra", "steep_then_flat", "svd_stack",
+    "Bench",
+    "CartSettings",
+    "LayerSpectra",
+    "NAMES",
+    "PAPER_8",
+    "PAPER_INDEXING",
+    "SCALING_METHODS",
+    "SEED_ORDER",
+    "cart_study",
+    "claim_indexing",
+    "claim_interference",
+    "claim_rank_curve",
+    "claim_ranking",
+    "claim_scaling",
+    "claim_tradeoff",
+    "draw_subsets",
+    "energy_kept",
+    "interference",
+    "interior_peak",
+    "layer_medians",
+    "plot_interference",
+    "plot_rank_curve",
+    "plot_scaling",
+    "plot_spectra",
+    "plot_tradeoff",
+    "rank_of",
+    "rank_sweep",
+    "ranking",
+    "reconstruction",
+    "rises",
+    "rises_to_full",
+    "scaling",
+    "spectra",
+    "steep_then_flat",
+    "svd_stack",
 ]

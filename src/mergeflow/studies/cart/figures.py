@@ -72,7 +72,10 @@ def plot_tradeoff(layers: list[LayerSpectra], ratios, example: LayerSpectra, kne
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     xs = [100 * r for r in ratios]
     r_med, i_med, _ = layer_medians(layers)
-    for ax, (title, r, i) in zip(axes, [(f"one layer: {example.key}", example.r_centred, example.i_centred), ("median over layers", r_med, i_med)]):
+    for ax, (title, r, i) in zip(
+        axes,
+        [(f"one layer: {example.key}", example.r_centred, example.i_centred), ("median over layers", r_med, i_med)],
+    ):
         ax.plot(xs, r, marker="o", color="#2ca02c", label="R(k) / R(0)")
         ax.set_ylabel("R(k) / R(0) (centred)", color="#2ca02c")
         ax.set_ylim(0, 1.05)
@@ -97,7 +100,9 @@ def plot_scaling(sizes, rows, path: Path) -> None:
             v = [r[m] for r in rows if r["size"] == size]
             mu.append(100 * mean(v))
             se.append(100 * stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0)
-        ax.errorbar([x + 0.06 * (j - 1.5) for x in sizes], mu, yerr=se, marker="o", capsize=3, color=colours[m], label=NAMES[m])
+        ax.errorbar(
+            [x + 0.06 * (j - 1.5) for x in sizes], mu, yerr=se, marker="o", capsize=3, color=colours[m], label=NAMES[m]
+        )
     ax.set_xticks(sizes)
     ax.set_xlabel("number of tasks T (random subsets)")
     ax.set_ylabel("normalized accuracy (%): merged / individual")
@@ -128,8 +133,16 @@ def plot_spectra(layers: list[LayerSpectra], rank_ratio: float, path: Path) -> N
     w = 0.28
     a2.bar([i - w for i in idx], [100 * L.energy_original for L in layers], w, color="#1f77b4", label="original")
     a2.bar(list(idx), [100 * L.energy_centred for L in layers], w, color="#ff7f0e", label="centred")
-    a2.bar([i + w for i in idx], [100 * L.energy_gaussian for L in layers], w, color="#bbbbbb", label="Gaussian matrix, same shape")
-    a2.set_xticks(list(idx), [L.key.replace("blocks.", "b").replace(".weight", "") for L in layers], rotation=70, fontsize=7)
+    a2.bar(
+        [i + w for i in idx],
+        [100 * L.energy_gaussian for L in layers],
+        w,
+        color="#bbbbbb",
+        label="Gaussian matrix, same shape",
+    )
+    a2.set_xticks(
+        list(idx), [L.key.replace("blocks.", "b").replace(".weight", "") for L in layers], rotation=70, fontsize=7
+    )
     a2.set_ylabel(f"energy in the top {100 * rank_ratio:g}% of the rank (%)")
     a2.set_title(f"Energy kept at CART's rank ({100 * rank_ratio:g}%), per layer", fontsize=9)
     a2.legend(fontsize=8, frameon=False)

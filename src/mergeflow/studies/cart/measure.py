@@ -36,7 +36,14 @@ class Bench:
 
         key = (tasks, split)
         if key not in self._evaluators:
-            self._evaluators[key] = MultiTaskEvaluator(self.params.backbone, {t: self.tasks[t] for t in tasks}, self.heads, split, self.device, self.params.runtime.eval_batch_size)
+            self._evaluators[key] = MultiTaskEvaluator(
+                self.params.backbone,
+                {t: self.tasks[t] for t in tasks},
+                self.heads,
+                split,
+                self.device,
+                self.params.runtime.eval_batch_size,
+            )
         return self._evaluators[key]
 
     def evaluate(self, state, tasks: tuple[str, ...], split: str) -> dict[str, float]:
@@ -48,7 +55,9 @@ class Bench:
 
         return REGISTRY[method](self.pretrained, {t: self.vectors[t] for t in tasks}, **hp)
 
-    def best_on_val(self, method: str, tasks: tuple[str, ...], base, lambdas: list[float], **hp) -> tuple[float, dict[str, float], list[float]]:
+    def best_on_val(
+        self, method: str, tasks: tuple[str, ...], base, lambdas: list[float], **hp
+    ) -> tuple[float, dict[str, float], list[float]]:
         """The method is affine in lam (base at 0): one merge at lam = 1, lam chosen on validation, then test.
         Returns (lam, test accuracy per task, validation curve)."""
         unit = self.merge(method, tasks, **hp, lam=1.0)
@@ -105,7 +114,9 @@ def scaling(bench: Bench, individual: dict[str, float], s: CartSettings) -> dict
     # correlation can be) has none, and is left out of the subsets
     scored = [t for t in bench.params.suite.tasks if individual[t] > 0]
     subsets = draw_subsets(scored, s.subset_sizes, s.subsets_per_size, s.seed)
-    ties_fixed = {k: v for k, v in bench.params.merge.overrides("ties").items() if not isinstance(v, list) and k != "lam"}
+    ties_fixed = {
+        k: v for k, v in bench.params.merge.overrides("ties").items() if not isinstance(v, list) and k != "lam"
+    }
     rows = []
     for size, subs in subsets.items():
         for sub in subs:
@@ -114,5 +125,11 @@ def scaling(bench: Bench, individual: dict[str, float], s: CartSettings) -> dict
             accs["task_arithmetic"] = bench.best_on_val("task_arithmetic", sub, bench.pretrained, s.ta_lambdas)[1]
             accs["ties"] = bench.best_on_val("ties", sub, bench.pretrained, s.ties_lambdas, **ties_fixed)[1]
             accs["cart"] = bench.best_on_val("cart", sub, wa, s.cart_lambdas, rank_ratio=s.rank_ratio)[1]
-            rows.append({"size": size, "tasks": list(sub), **{m: _r(mean(a[t] / individual[t] for t in sub)) for m, a in accs.items()}})
+            rows.append(
+                {
+                    "size": size,
+                    "tasks": list(sub),
+                    **{m: _r(mean(a[t] / individual[t] for t in sub)) for m, a in accs.items()},
+                }
+            )
     return {"rows": rows, "sizes": sorted(subsets)}

@@ -7,7 +7,14 @@ from pydantic import Field, model_validator
 from mergeflow.studies import StudySettings
 
 # Seed 002, Table 1 (ViT-B/32, 8 tasks, average absolute accuracy %) and Table 3 (CART-Indexing at 8%, EMR)
-PAPER_8 = {"weight_averaging": 65.9, "task_arithmetic": 69.1, "ties": 72.4, "consensus_ta": 75.2, "cart": 84.7, "individual": 90.5}
+PAPER_8 = {
+    "weight_averaging": 65.9,
+    "task_arithmetic": 69.1,
+    "ties": 72.4,
+    "consensus_ta": 75.2,
+    "cart": 84.7,
+    "individual": 90.5,
+}
 
 
 PAPER_INDEXING = {"cart_indexing": 90.1, "emr": 88.8, "individual": 90.5}
@@ -21,8 +28,17 @@ GLUE_ORDER = ["cart", "task_arithmetic", "ties", "weight_averaging"]
 SEED_ORDER = ["cart", "consensus_ta", "ties", "task_arithmetic", "weight_averaging"]
 
 
-NAMES = {"cart": "CART", "consensus_ta": "Consensus TA", "ties": "TIES", "task_arithmetic": "TA", "weight_averaging": "WA",
-         "low_rank_ta": "LRTA", "cart_indexing": "CART-Indexing", "emr": "EMR", "individual": "individual"}
+NAMES = {
+    "cart": "CART",
+    "consensus_ta": "Consensus TA",
+    "ties": "TIES",
+    "task_arithmetic": "TA",
+    "weight_averaging": "WA",
+    "low_rank_ta": "LRTA",
+    "cart_indexing": "CART-Indexing",
+    "emr": "EMR",
+    "individual": "individual",
+}
 
 
 SCALING_METHODS = ["weight_averaging", "task_arithmetic", "ties", "cart"]
@@ -69,7 +85,12 @@ class CartSettings(StudySettings):
 
     @model_validator(mode="after")
     def _check(self) -> CartSettings:
-        if sorted(set(self.ratios)) != list(self.ratios) or self.ratios[0] != 0.0 or self.ratios[-1] != 1.0 or len(self.ratios) < 3:
+        if (
+            sorted(set(self.ratios)) != list(self.ratios)
+            or self.ratios[0] != 0.0
+            or self.ratios[-1] != 1.0
+            or len(self.ratios) < 3
+        ):
             raise ValueError("ratios: ascending, distinct, from 0.0 to 1.0, with an interior ratio")
         if not all(0 < r < 1 for r in self.ratios[1:-1]):
             raise ValueError("ratios: interior ratios within (0, 1)")

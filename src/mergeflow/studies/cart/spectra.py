@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 def svd_stack(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Singular values [T, r] and right singular vectors [T, r, n] (rows) of T matrices [T, m, n], in float64."""
     import torch
@@ -69,7 +68,9 @@ class LayerSpectra:
     norm_ratio: float = float("nan")  # mean over tasks of ||theta_t - theta_avg||_F / ||tau_t||_F
 
 
-def spectra(pretrained, task_vectors, tasks: list[str], ratios: list[float], rank_ratio: float, seed: int = 0) -> list[LayerSpectra]:
+def spectra(
+    pretrained, task_vectors, tasks: list[str], ratios: list[float], rank_ratio: float, seed: int = 0
+) -> list[LayerSpectra]:
     import torch
 
     from mergeflow.ml.merging import is_matrix
@@ -88,14 +89,22 @@ def spectra(pretrained, task_vectors, tasks: list[str], ratios: list[float], ran
         k8 = rank_of(theta0.shape, rank_ratio)
         g = torch.linalg.svdvals(torch.randn(tuple(theta0.shape), generator=gen, dtype=torch.float64))[None]
         ec, eo = sc**2, so**2
-        out.append(LayerSpectra(
-            key, tuple(theta0.shape), ranks,
-            [interference(sc, vc, k) for k in ranks], [interference(so, vo, k) for k in ranks],
-            [reconstruction(sc, k) / r0 if r0 > 0 else 0.0 for k in ranks],
-            energy_kept(sc, k8), energy_kept(so, k8), energy_kept(g, k8),
-            [0.0] + (ec.cumsum(1) / ec.sum(1, keepdim=True)).mean(0).tolist(),
-            [0.0] + (eo.cumsum(1) / eo.sum(1, keepdim=True)).mean(0).tolist(),
-            [interference(sc, vc, k, top_only=True) for k in ranks], [interference(so, vo, k, top_only=True) for k in ranks],
-            float((centred.flatten(1).norm(dim=1) / taus.flatten(1).norm(dim=1).clamp_min(1e-300)).mean()),
-        ))
+        out.append(
+            LayerSpectra(
+                key,
+                tuple(theta0.shape),
+                ranks,
+                [interference(sc, vc, k) for k in ranks],
+                [interference(so, vo, k) for k in ranks],
+                [reconstruction(sc, k) / r0 if r0 > 0 else 0.0 for k in ranks],
+                energy_kept(sc, k8),
+                energy_kept(so, k8),
+                energy_kept(g, k8),
+                [0.0] + (ec.cumsum(1) / ec.sum(1, keepdim=True)).mean(0).tolist(),
+                [0.0] + (eo.cumsum(1) / eo.sum(1, keepdim=True)).mean(0).tolist(),
+                [interference(sc, vc, k, top_only=True) for k in ranks],
+                [interference(so, vo, k, top_only=True) for k in ranks],
+                float((centred.flatten(1).norm(dim=1) / taus.flatten(1).norm(dim=1).clamp_min(1e-300)).mean()),
+            )
+        )
     return out

@@ -45,18 +45,95 @@ The study is a package, a module per part: ``settings``, ``metric`` (the measure
 
 from __future__ import annotations
 
-from mergeflow.studies.ctl.claims import claim_addition, claim_average, claim_barrier, claim_coef, claim_ctl, claim_negation, claim_scratch, claim_stitching, quartiles, small_against_baseline, summarise
-from mergeflow.studies.ctl.figures import ALPHA_COLOURS, plot_arithmetic, plot_barrier, plot_ctl, plot_scratch, plot_stitching
-from mergeflow.studies.ctl.measure import Suite, choose_pairs, choose_subset, measure_average, measure_negation, measure_pair, measure_stitching, pipeline_lam, train_pair
-from mergeflow.studies.ctl.metric import Probe, addition_terms, average_terms, combine, cosine_rows, ctl_terms, linearity, loss_barrier, mix, negation_terms, recovery
+from mergeflow.studies.ctl.claims import (
+    claim_addition,
+    claim_average,
+    claim_barrier,
+    claim_coef,
+    claim_ctl,
+    claim_negation,
+    claim_scratch,
+    claim_stitching,
+    quartiles,
+    small_against_baseline,
+    summarise,
+)
+from mergeflow.studies.ctl.figures import (
+    ALPHA_COLOURS,
+    plot_arithmetic,
+    plot_barrier,
+    plot_ctl,
+    plot_scratch,
+    plot_stitching,
+)
+from mergeflow.studies.ctl.measure import (
+    Suite,
+    choose_pairs,
+    choose_subset,
+    measure_average,
+    measure_negation,
+    measure_pair,
+    measure_stitching,
+    pipeline_lam,
+    train_pair,
+)
+from mergeflow.studies.ctl.metric import (
+    Probe,
+    addition_terms,
+    average_terms,
+    combine,
+    cosine_rows,
+    ctl_terms,
+    linearity,
+    loss_barrier,
+    mix,
+    negation_terms,
+    recovery,
+)
 from mergeflow.studies.ctl.report import ctl_at, ctl_study
 from mergeflow.studies.ctl.settings import PAPER, CtlSettings, State
 
 __all__ = [
-    "ALPHA_COLOURS", "CtlSettings", "PAPER", "Probe", "State", "Suite", "addition_terms", "average_terms",
-    "choose_pairs", "choose_subset", "claim_addition", "claim_average", "claim_barrier", "claim_coef", "claim_ctl",
-    "claim_negation", "claim_scratch", "claim_stitching", "combine", "cosine_rows", "ctl_at", "ctl_study",
-    "ctl_terms", "linearity", "loss_barrier", "measure_average", "measure_negation", "measure_pair",
-    "measure_stitching", "mix", "negation_terms", "pipeline_lam", "plot_arithmetic", "plot_barrier", "plot_ctl",
-    "plot_scratch", "plot_stitching", "quartiles", "recovery", "small_against_baseline", "summarise", "train_pair",
+    "ALPHA_COLOURS",
+    "CtlSettings",
+    "PAPER",
+    "Probe",
+    "State",
+    "Suite",
+    "addition_terms",
+    "average_terms",
+    "choose_pairs",
+    "choose_subset",
+    "claim_addition",
+    "claim_average",
+    "claim_barrier",
+    "claim_coef",
+    "claim_ctl",
+    "claim_negation",
+    "claim_scratch",
+    "claim_stitching",
+    "combine",
+    "cosine_rows",
+    "ctl_at",
+    "ctl_study",
+    "ctl_terms",
+    "linearity",
+    "loss_barrier",
+    "measure_average",
+    "measure_negation",
+    "measure_pair",
+    "measure_stitching",
+    "mix",
+    "negation_terms",
+    "pipeline_lam",
+    "plot_arithmetic",
+    "plot_barrier",
+    "plot_ctl",
+    "plot_scratch",
+    "plot_stitching",
+    "quartiles",
+    "recovery",
+    "small_against_baseline",
+    "summarise",
+    "train_pair",
 ]

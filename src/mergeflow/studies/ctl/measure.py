@@ -13,7 +13,16 @@ from typing import Any, TYPE_CHECKING
 
 
 from mergeflow.config import task_seed
-from mergeflow.studies.ctl.metric import Probe, addition_terms, average_terms, combine, ctl_terms, linearity, mix, negation_terms
+from mergeflow.studies.ctl.metric import (
+    Probe,
+    addition_terms,
+    average_terms,
+    combine,
+    ctl_terms,
+    linearity,
+    mix,
+    negation_terms,
+)
 from mergeflow.studies.ctl.settings import State
 
 if TYPE_CHECKING:
@@ -90,7 +99,11 @@ class Suite:
     def tau(self, t: str) -> State:
         import torch
 
-        return {k: self.thetas[t][k].to(torch.float64) - self.theta0[k].to(torch.float64) for k in self.theta0 if self.theta0[k].is_floating_point()}
+        return {
+            k: self.thetas[t][k].to(torch.float64) - self.theta0[k].to(torch.float64)
+            for k in self.theta0
+            if self.theta0[k].is_floating_point()
+        }
 
     def edit(self, parts: Sequence[tuple[float, str]]) -> State:
         """theta0 + sum_k w_k tau_k."""
@@ -99,14 +112,18 @@ class Suite:
         out = {}
         for k, v in self.theta0.items():
             if v.is_floating_point():
-                acc = v.to(torch.float64) + sum(w * (self.thetas[t][k].to(torch.float64) - v.to(torch.float64)) for w, t in parts)
+                acc = v.to(torch.float64) + sum(
+                    w * (self.thetas[t][k].to(torch.float64) - v.to(torch.float64)) for w, t in parts
+                )
                 out[k] = acc.to(v.dtype)
             else:
                 out[k] = v.clone()
         return out
 
 
-def measure_pair(probe: Probe, suite: Suite, i: str, j: str, alphas: Sequence[float], lam: float, n: int) -> dict[str, Any]:
+def measure_pair(
+    probe: Probe, suite: Suite, i: str, j: str, alphas: Sequence[float], lam: float, n: int
+) -> dict[str, Any]:
     """Claims 1, 2, 4 and 6 on one pair, on D_i u D_j: per layer the terms of CTL at each alpha and of addition, and
     the losses along the path (alpha = 0 is theta_j, 1 is theta_i)."""
     x, rows = suite.x([i, j], n)
@@ -121,7 +138,13 @@ def measure_pair(probe: Probe, suite: Suite, i: str, j: str, alphas: Sequence[fl
     f_2i, _ = probe.run(suite.edit([(2 * lam, i)]), x)
     f_2j, _ = probe.run(suite.edit([(2 * lam, j)]), x)
     addition = [addition_terms(f_sum[L], f_2i[L], f_2j[L]) for L in range(len(fi))]
-    per_task = {t: {"theta_i": suite.loss(out_i[sl], [(t, slice(0, sl.stop - sl.start))], n), "theta_j": suite.loss(out_j[sl], [(t, slice(0, sl.stop - sl.start))], n)} for t, sl in rows}
+    per_task = {
+        t: {
+            "theta_i": suite.loss(out_i[sl], [(t, slice(0, sl.stop - sl.start))], n),
+            "theta_j": suite.loss(out_j[sl], [(t, slice(0, sl.stop - sl.start))], n),
+        }
+        for t, sl in rows
+    }
     return {"ctl": ctl, "addition": addition, "losses": dict(sorted(losses.items())), "per_task": per_task}
 
 
@@ -133,8 +156,12 @@ def measure_negation(probe: Probe, suite: Suite, t: str, lam: float, n: int) -> 
     fm, _ = probe.run(suite.edit([(-lam, t)]), x)
     ft, _ = probe.run(suite.thetas[t], x)
     eq3 = [negation_terms(f0[L], fp[L], fm[L]) for L in range(len(f0))]
-    eq4 = [linearity(fm[L], combine([(2.0, f0[L]), (-1.0, fp[L])]))[0] for L in range(len(f0))]  # f(theta0) - Delta = 2 f(theta0) - f(theta0 + lam tau)
-    first = [linearity(fm[L], combine([(1.0 + lam, f0[L]), (-lam, ft[L])]))[0] for L in range(len(f0))]  # f(theta0) - lam (f(theta_t) - f(theta0))
+    eq4 = [
+        linearity(fm[L], combine([(2.0, f0[L]), (-1.0, fp[L])]))[0] for L in range(len(f0))
+    ]  # f(theta0) - Delta = 2 f(theta0) - f(theta0 + lam tau)
+    first = [
+        linearity(fm[L], combine([(1.0 + lam, f0[L]), (-lam, ft[L])]))[0] for L in range(len(f0))
+    ]  # f(theta0) - lam (f(theta_t) - f(theta0))
     return {"eq3": eq3, "eq4": eq4, "first_order": first}
 
 
@@ -159,12 +186,39 @@ def measure_stitching(probe: Probe, suite: Suite, i: str, j: str, lam: float, la
         "theta0": probe.run(suite.theta0, x, keep=[])[1],
     }
     (ti, si), (tj, sj) = rows
-    acc = {name: (_head_acc(o[si], suite.heads[ti], suite.test[ti][1][:n]), _head_acc(o[sj], suite.heads[tj], suite.test[tj][1][:n])) for name, o in outs.items()}
-    return {"pair": [i, j], "layer": layer, "avg_i": acc["avg"][0], "avg_j": acc["avg"][1], "own_i": acc["stitch_i"][0], "own_j": acc["stitch_j"][1],
-            "other_i": acc["stitch_j"][0], "other_j": acc["stitch_i"][1], "ta_i": acc["ta"][0], "ta_j": acc["ta"][1], "theta0_i": acc["theta0"][0], "theta0_j": acc["theta0"][1]}
+    acc = {
+        name: (
+            _head_acc(o[si], suite.heads[ti], suite.test[ti][1][:n]),
+            _head_acc(o[sj], suite.heads[tj], suite.test[tj][1][:n]),
+        )
+        for name, o in outs.items()
+    }
+    return {
+        "pair": [i, j],
+        "layer": layer,
+        "avg_i": acc["avg"][0],
+        "avg_j": acc["avg"][1],
+        "own_i": acc["stitch_i"][0],
+        "own_j": acc["stitch_j"][1],
+        "other_i": acc["stitch_j"][0],
+        "other_j": acc["stitch_i"][1],
+        "ta_i": acc["ta"][0],
+        "ta_j": acc["ta"][1],
+        "theta0_i": acc["theta0"][0],
+        "theta0_j": acc["theta0"][1],
+    }
 
 
-def train_pair(params, suite: Suite, train: Mapping[str, tuple[torch.Tensor, torch.Tensor]], init: State, pair: Sequence[str], steps: int | None, device, label: str) -> dict[str, State]:
+def train_pair(
+    params,
+    suite: Suite,
+    train: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    init: State,
+    pair: Sequence[str],
+    steps: int | None,
+    device,
+    label: str,
+) -> dict[str, State]:
     """Each task of ``pair`` trained from ``init`` with the pipeline's fine-tune schedule (finetune.*, its steps or
     ``steps``), no feature anchor, the task's head frozen, the task's seed: the same data order for both inits."""
     from mergeflow.ml.models import backbone_state, build_backbone
@@ -178,6 +232,15 @@ def train_pair(params, suite: Suite, train: Mapping[str, tuple[torch.Tensor, tor
     for t in pair:
         model = build_backbone(params.backbone, {k: v.clone() for k, v in init.items()}, source=label)
         x, y = train[t]
-        finetune_loop(model, copy.deepcopy(suite.heads[t]), x, y, cfg, seed=task_seed(params.seed, t), device=device, desc=f"study ctl {label} {t}")
+        finetune_loop(
+            model,
+            copy.deepcopy(suite.heads[t]),
+            x,
+            y,
+            cfg,
+            seed=task_seed(params.seed, t),
+            device=device,
+            desc=f"study ctl {label} {t}",
+        )
         out[t] = {k: v.cpu() for k, v in backbone_state(model.cpu()).items()}
     return out

@@ -59,7 +59,8 @@ def ctl_terms(f_mix: torch.Tensor, f_i: torch.Tensor, f_j: torch.Tensor, alpha: 
 
 
 def average_terms(f_avg: torch.Tensor, fs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Claim 3 (seed eq. 1): f(mean theta) against mean f(theta_t); baseline mean_t (1 - cos(f(mean theta), f(theta_t)))."""
+    """Claim 3 (seed eq. 1): f(mean theta) against mean f(theta_t); baseline mean_t (1 - cos(f(mean theta),
+    f(theta_t)))."""
     import torch
 
     k = len(fs)
@@ -68,7 +69,8 @@ def average_terms(f_avg: torch.Tensor, fs: Sequence[torch.Tensor]) -> dict[str, 
 
 
 def addition_terms(f_sum: torch.Tensor, f_2i: torch.Tensor, f_2j: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Claim 4 (seed eq. 2): f(theta0 + lam (tau_i + tau_j)) against (f(theta0 + 2 lam tau_i) + f(theta0 + 2 lam tau_j)) / 2."""
+    """Claim 4 (seed eq. 2): f(theta0 + lam (tau_i + tau_j)) against (f(theta0 + 2 lam tau_i) + f(theta0 + 2 lam tau_j))
+    / 2."""
     d, coef = linearity(f_sum, combine([(0.5, f_2i), (0.5, f_2j)]))
     return {"d": d, "coef": coef, "baseline": 1.0 - cosine_rows(f_2i, f_2j)}
 
@@ -144,8 +146,15 @@ class Probe:
         self.target.load_state_dict(dict(state))
 
     @no_grad
-    def run(self, state: Mapping[str, torch.Tensor] | None, x: torch.Tensor, *, replace: tuple[int, torch.Tensor] | None = None,
-            keep: Sequence[int] | None = None, raw: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def run(
+        self,
+        state: Mapping[str, torch.Tensor] | None,
+        x: torch.Tensor,
+        *,
+        replace: tuple[int, torch.Tensor] | None = None,
+        keep: Sequence[int] | None = None,
+        raw: bool = False,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(f_l for l in ``keep`` (default all), each [N, features] in the model's dtype (at least float32), and the
         model's output) on ``x``; ``raw``: every token's output instead of the pooled feature (a text model's padded
         to x's length: a batch's tokens are cut after its longest example);
@@ -172,7 +181,9 @@ class Probe:
                     if text and not raw:
                         feats[i].append(_wide(self.pools[i](output)).cpu())
                     else:
-                        tokens = torch.nn.functional.pad(hidden, (0, 0, 0, x.shape[1] - hidden.shape[1])) if text else hidden
+                        tokens = (
+                            torch.nn.functional.pad(hidden, (0, 0, 0, x.shape[1] - hidden.shape[1])) if text else hidden
+                        )
                         feats[i].append(_wide(tokens).reshape(len(tokens), -1).cpu())
                 return output
 

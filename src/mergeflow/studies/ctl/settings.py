@@ -11,7 +11,10 @@ from mergeflow.studies import StudySettings
 if TYPE_CHECKING:
     import torch
 
-PAPER = "Seed 003: Zhou, Chen, Chen, Zhang, Yan 2024, Cross-Task Linearity Emerges in the Pretraining-Finetuning Paradigm (arXiv:2402.03660)"
+PAPER = (
+    "Seed 003: Zhou, Chen, Chen, Zhang, Yan 2024, Cross-Task Linearity "
+    "Emerges in the Pretraining-Finetuning Paradigm (arXiv:2402.03660)"
+)
 
 
 State = dict[str, "torch.Tensor"]
@@ -22,10 +25,16 @@ class CtlSettings(StudySettings):
     default suite and 2 CPU cores."""
 
     examples: int = Field(128, ge=2)  # per task: the first n of its test split (D_i u D_j holds 2n) for claims 1-6
-    pairs: int | None = Field(8, ge=1)  # task pairs measured: n of all pairs, drawn with the pipeline's seed (suite order kept); empty (null): all
-    alphas: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75], min_length=1)  # claim 1's alpha (0.5 must be one: claims 6 and 8)
+    pairs: int | None = Field(
+        8, ge=1
+    )  # task pairs measured: n of all pairs, drawn with the pipeline's seed (suite order kept); empty (null): all
+    alphas: list[float] = Field(
+        default_factory=lambda: [0.25, 0.5, 0.75], min_length=1
+    )  # claim 1's alpha (0.5 must be one: claims 6 and 8)
     lam: float = Field(0.3, gt=0)  # claims 4, 5, 7: lambda when metrics/merge/task_arithmetic.json is absent
-    average_sizes: list[int] = Field(default_factory=lambda: [3, 4, 5], min_length=1)  # claim 3: k models averaged (one subset each; k above the task count dropped)
+    average_sizes: list[int] = Field(
+        default_factory=lambda: [3, 4, 5], min_length=1
+    )  # claim 3: k models averaged (one subset each; k above the task count dropped)
     average_seed: int = 0  # claim 3: seed of the subsets' draw
     stitch_layer: int | None = Field(None, ge=0)  # claim 7: block index; empty: the middle block, depth // 2 - 1
     stitch_examples: int = Field(200, ge=1)  # claim 7: test examples per task, the first n (capped at the split)
@@ -45,7 +54,11 @@ class CtlSettings(StudySettings):
 
     @model_validator(mode="after")
     def _check(self) -> CtlSettings:
-        if any(not 0 < a < 1 for a in self.alphas) or 0.5 not in self.alphas or sorted(set(self.alphas)) != list(self.alphas):
+        if (
+            any(not 0 < a < 1 for a in self.alphas)
+            or 0.5 not in self.alphas
+            or sorted(set(self.alphas)) != list(self.alphas)
+        ):
             raise ValueError("alphas: ascending, distinct, within (0, 1), and 0.5 among them")
         if sorted(set(self.average_sizes)) != list(self.average_sizes) or min(self.average_sizes) < 2:
             raise ValueError("average_sizes: ascending, distinct, each at least 2")

@@ -26,15 +26,62 @@ The study is a package, a module per part: ``settings``, ``measure`` (claims 1-5
 from __future__ import annotations
 
 from mergeflow.studies.gradients.figures import plot_gaps, plot_minibatch, plot_trajectory
-from mergeflow.studies.gradients.measure import _flat, atm_identity, cosine, directional_curvature, epoch_updates, errors, float32_floor, gd_steps, log_slope, loss_gradient, minibatch_cosines, one_epoch_identity, sub, ta_mt_gaps, trajectory_claim
-from mergeflow.studies.gradients.pipeline import BASELINES, _pipeline_claim_6, _pipeline_claim_7, claim_atm_budget, claim_one_epoch_merge, one_epoch_rows
+from mergeflow.studies.gradients.measure import (
+    _flat,
+    atm_identity,
+    cosine,
+    directional_curvature,
+    epoch_updates,
+    errors,
+    float32_floor,
+    gd_steps,
+    log_slope,
+    loss_gradient,
+    minibatch_cosines,
+    one_epoch_identity,
+    sub,
+    ta_mt_gaps,
+    trajectory_claim,
+)
+from mergeflow.studies.gradients.pipeline import (
+    BASELINES,
+    _pipeline_claim_6,
+    _pipeline_claim_7,
+    claim_atm_budget,
+    claim_one_epoch_merge,
+    one_epoch_rows,
+)
 from mergeflow.studies.gradients.report import gradients
 from mergeflow.studies.gradients.settings import PAPER, GradFn, GradientsSettings, State
 
 __all__ = [
-    "BASELINES", "GradFn", "GradientsSettings", "PAPER", "State", "_flat", "_pipeline_claim_6", "_pipeline_claim_7",
-    "atm_identity", "claim_atm_budget", "claim_one_epoch_merge", "cosine", "directional_curvature", "epoch_updates",
-    "errors", "float32_floor", "gd_steps", "gradients", "log_slope", "loss_gradient", "minibatch_cosines",
-    "one_epoch_identity", "one_epoch_rows", "plot_gaps", "plot_minibatch", "plot_trajectory", "sub", "ta_mt_gaps",
+    "BASELINES",
+    "GradFn",
+    "GradientsSettings",
+    "PAPER",
+    "State",
+    "_flat",
+    "_pipeline_claim_6",
+    "_pipeline_claim_7",
+    "atm_identity",
+    "claim_atm_budget",
+    "claim_one_epoch_merge",
+    "cosine",
+    "directional_curvature",
+    "epoch_updates",
+    "errors",
+    "float32_floor",
+    "gd_steps",
+    "gradients",
+    "log_slope",
+    "loss_gradient",
+    "minibatch_cosines",
+    "one_epoch_identity",
+    "one_epoch_rows",
+    "plot_gaps",
+    "plot_minibatch",
+    "plot_trajectory",
+    "sub",
+    "ta_mt_gaps",
     "trajectory_claim",
 ]

@@ -22,7 +22,9 @@ def plot_minibatch(cosines: Mapping[int, Mapping[str, float]], sign_cos: Mapping
     tasks = list(cosines[steps[0]])
     for t in tasks:
         ax.plot(steps, [cosines[s][t] for s in steps], marker="o", lw=1, alpha=0.7, label=t)
-    ax.plot(steps, [sum(cosines[s].values()) / len(tasks) for s in steps], color="black", lw=2.2, marker="s", label="mean")
+    ax.plot(
+        steps, [sum(cosines[s].values()) / len(tasks) for s in steps], color="black", lw=2.2, marker="s", label="mean"
+    )
     ax.axhline(sum(sign_cos.values()) / len(sign_cos), color="grey", ls="--", lw=1, label="mean cos(sign g, g)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(steps, [str(s) for s in steps])

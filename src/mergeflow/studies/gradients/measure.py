@@ -39,9 +39,14 @@ def float32_floor(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> flo
     return float(((torch.nextafter(x, torch.full_like(x, math.inf)) - x).to(torch.float64) / 2).norm())
 
 
-def errors(measured: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], theta0: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+def errors(
+    measured: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    theta0: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, float]:
     """max |measured - expected|, ‖measured - expected‖ / ‖expected‖ over the keys of ``expected`` (updates
-    from ``theta0``); with ``theta0``, also ``ulps``: ‖measured - expected‖ over the float32 floor of theta0 + expected."""
+    from ``theta0``); with ``theta0``, also ``ulps``: ‖measured - expected‖ over the float32 floor of theta0 +
+    expected."""
     import torch
 
     keys = list(expected)
@@ -55,9 +60,19 @@ def errors(measured: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Te
     return out
 
 
-def loss_gradient(backbone, head: nn.Linear, images: torch.Tensor, labels: torch.Tensor, state: Mapping[str, torch.Tensor], *, chunk: int = 256, dtype: torch.dtype | None = None) -> State:
+def loss_gradient(
+    backbone,
+    head: nn.Linear,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    *,
+    chunk: int = 256,
+    dtype: torch.dtype | None = None,
+) -> State:
     """grad Lbar_t(state) by plain autograd, independently of the training loop: the mean cross-entropy of
-    ``head`` (frozen) on ``backbone.net`` holding ``state`` (cast to ``dtype``, float32 by default), summed over chunks of examples and
+    ``head`` (frozen) on ``backbone.net`` holding ``state`` (cast to ``dtype``, float32 by default), summed over chunks
+    of examples and
     divided by their number. ``backbone`` is a mergeflow Backbone (its input normalisation is used, then cast)."""
     import torch
     from torch import nn
@@ -74,12 +89,21 @@ def loss_gradient(backbone, head: nn.Linear, images: torch.Tensor, labels: torch
         x = backbone.normalise(images[i : i + chunk]).to(dtype)
         logits = backbone.embed(torch.func.functional_call(net, params, (x,))) @ weight.T + bias
         loss = nn.functional.cross_entropy(logits, labels[i : i + chunk], reduction="sum")
-        for k, g in zip(trainable & set(params), torch.autograd.grad(loss, [params[k] for k in trainable & set(params)])):
+        for k, g in zip(
+            trainable & set(params), torch.autograd.grad(loss, [params[k] for k in trainable & set(params)])
+        ):
             total[k] += g
     return {k: g / n for k, g in total.items()}
 
 
-def gd_steps(state0: Mapping[str, torch.Tensor], grad_fns: Sequence[GradFn], lr: float, steps: int, *, first: Sequence[State] | None = None) -> list[State]:
+def gd_steps(
+    state0: Mapping[str, torch.Tensor],
+    grad_fns: Sequence[GradFn],
+    lr: float,
+    steps: int,
+    *,
+    first: Sequence[State] | None = None,
+) -> list[State]:
     """``steps`` full-batch GD steps theta <- theta - lr * sum_f f(theta) (constant step size); returns the
     states after each step (the first is after one step). ``first``: the gradients at ``state0``, if known."""
     state = {k: v.detach().clone() for k, v in state0.items() if v.is_floating_point()}
@@ -91,9 +115,12 @@ def gd_steps(state0: Mapping[str, torch.Tensor], grad_fns: Sequence[GradFn], lr:
     return out
 
 
-def one_epoch_identity(theta0: State, tasks: Sequence[str], trainer, grads: Mapping[str, State], *, eta: float, alpha: float) -> dict[str, Any]:
+def one_epoch_identity(
+    theta0: State, tasks: Sequence[str], trainer, grads: Mapping[str, State], *, eta: float, alpha: float
+) -> dict[str, Any]:
     """Claim 1: the one_epoch regime through ``trainer`` (full-batch GD, lr ``eta``) against -eta * ``grads[t]``
-    (grad Lbar_t(theta0)), per task; and theta0 + alpha * sum_t tau_t(1) against theta0 - alpha * eta * sum_t grads[t]."""
+    (grad Lbar_t(theta0)), per task; and theta0 + alpha * sum_t tau_t(1) against theta0 - alpha * eta * sum_t
+    grads[t]."""
     from mergeflow.ml.regimes import REGISTRY
 
     result = REGISTRY["one_epoch"](theta0, tasks, trainer)
@@ -101,20 +128,44 @@ def one_epoch_identity(theta0: State, tasks: Sequence[str], trainer, grads: Mapp
     per_task = {t: errors(taus[t], {k: -eta * g for k, g in grads[t].items()}, theta0) for t in tasks}
     ta = {k: v + alpha * sum(taus[t][k] for t in tasks) for k, v in theta0.items() if v.is_floating_point()}
     mt = {k: v - alpha * eta * sum(grads[t][k] for t in tasks) for k, v in theta0.items() if v.is_floating_point()}
-    return {"tasks": per_task, "multitask": errors(sub(ta, theta0), sub(mt, theta0), theta0), "tau_norms": {t: float(_flat(taus[t]).norm()) for t in tasks}}
+    return {
+        "tasks": per_task,
+        "multitask": errors(sub(ta, theta0), sub(mt, theta0), theta0),
+        "tau_norms": {t: float(_flat(taus[t]).norm()) for t in tasks},
+    }
 
 
-def atm_identity(theta0: State, tasks: Sequence[str], trainer, grad_fns: Mapping[str, GradFn], *, eta: float, alpha: float, rounds: int) -> list[dict[str, float]]:
+def atm_identity(
+    theta0: State,
+    tasks: Sequence[str],
+    trainer,
+    grad_fns: Mapping[str, GradFn],
+    *,
+    eta: float,
+    alpha: float,
+    rounds: int,
+) -> list[dict[str, float]]:
     """Claim 2: ATM (the registered regime, ``trainer`` = one full-batch GD step at ``eta`` per task per round)
     against ``rounds`` multi-task GD steps at alpha * eta; per round, the errors of theta_ATM(r) - theta0."""
     from mergeflow.ml.regimes import REGISTRY
 
     result = REGISTRY["atm"](theta0, tasks, trainer, rounds=rounds, steps=1, alpha=alpha, keep_updates=False)
     mt = gd_steps(theta0, [grad_fns[t] for t in tasks], alpha * eta, rounds)
-    return [{"round": r + 1, **errors(sub(rec.combined, theta0), sub(mt[r], theta0), theta0)} for r, rec in enumerate(result.rounds)]
+    return [
+        {"round": r + 1, **errors(sub(rec.combined, theta0), sub(mt[r], theta0), theta0)}
+        for r, rec in enumerate(result.rounds)
+    ]
 
 
-def ta_mt_gaps(theta0: State, grad_fns: Mapping[str, GradFn], *, eta: float, alpha: float, epochs: int, grads0: Mapping[str, State] | None = None) -> list[dict[str, float]]:
+def ta_mt_gaps(
+    theta0: State,
+    grad_fns: Mapping[str, GradFn],
+    *,
+    eta: float,
+    alpha: float,
+    epochs: int,
+    grads0: Mapping[str, State] | None = None,
+) -> list[dict[str, float]]:
     """Theorem 1: per task ``epochs`` full-batch GD steps at ``eta``, merged by task arithmetic (alpha), against
     ``epochs`` multi-task GD steps at alpha * eta; per epoch k, ‖theta_TA(k) - theta_MT(k)‖ and ‖theta_MT(k) - theta0‖.
     ``grads0``: each task's gradient at theta0, if known (shared by every step size)."""
@@ -123,12 +174,24 @@ def ta_mt_gaps(theta0: State, grad_fns: Mapping[str, GradFn], *, eta: float, alp
     mt = gd_steps(theta0, list(grad_fns.values()), alpha * eta, epochs, first=[g0[t] for t in grad_fns])
     out = []
     for k in range(epochs):
-        ta = {key: v + alpha * sum(per_task[t][k][key] - v for t in grad_fns) for key, v in theta0.items() if v.is_floating_point()}
-        out.append({"epoch": k + 1, "gap": float((_flat(ta) - _flat(mt[k])).norm()), "mt_step": float((_flat(mt[k]) - _flat(theta0)).norm())})
+        ta = {
+            key: v + alpha * sum(per_task[t][k][key] - v for t in grad_fns)
+            for key, v in theta0.items()
+            if v.is_floating_point()
+        }
+        out.append(
+            {
+                "epoch": k + 1,
+                "gap": float((_flat(ta) - _flat(mt[k])).norm()),
+                "mt_step": float((_flat(mt[k]) - _flat(theta0)).norm()),
+            }
+        )
     return out
 
 
-def directional_curvature(grad_fn: GradFn, state: Mapping[str, torch.Tensor], grad: Mapping[str, torch.Tensor], *, eps: float = 1e-5) -> float:
+def directional_curvature(
+    grad_fn: GradFn, state: Mapping[str, torch.Tensor], grad: Mapping[str, torch.Tensor], *, eps: float = 1e-5
+) -> float:
     """u' H u along u = grad / ‖grad‖ (the loss's sharpness in the gradient's direction), by a central-free
     finite difference of the gradient: (grad(state - eps u) - grad(state)) . (-u) / eps."""
     keys = list(grad)
@@ -144,7 +207,9 @@ def log_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-def minibatch_cosines(theta0: State, tasks: Sequence[str], trainers: Mapping[int, Any], grads: Mapping[str, State]) -> dict[int, dict[str, float]]:
+def minibatch_cosines(
+    theta0: State, tasks: Sequence[str], trainers: Mapping[int, Any], grads: Mapping[str, State]
+) -> dict[int, dict[str, float]]:
     """Claim 4: per key of ``trainers`` (steps per epoch -> a trainer), one epoch of the one_epoch regime, and
     cos(tau_t(1), -grads[t]) per task."""
     from mergeflow.ml.regimes import REGISTRY
@@ -152,7 +217,9 @@ def minibatch_cosines(theta0: State, tasks: Sequence[str], trainers: Mapping[int
     out = {}
     for steps, trainer in trainers.items():
         result = REGISTRY["one_epoch"](theta0, tasks, trainer)
-        out[steps] = {t: cosine(_flat(sub(result.task_states[t], theta0), list(grads[t])), -_flat(grads[t])) for t in tasks}
+        out[steps] = {
+            t: cosine(_flat(sub(result.task_states[t], theta0), list(grads[t])), -_flat(grads[t])) for t in tasks
+        }
     return out
 
 
@@ -168,7 +235,9 @@ def epoch_updates(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, lis
     }
 
 
-def trajectory_claim(per_task: Mapping[str, Mapping[str, list[float]]], *, threshold: float, cosine_epochs: int) -> tuple[bool, dict[str, dict[str, bool]]]:
+def trajectory_claim(
+    per_task: Mapping[str, Mapping[str, list[float]]], *, threshold: float, cosine_epochs: int
+) -> tuple[bool, dict[str, dict[str, bool]]]:
     """Claim 5's verdict per task: g_1 has the largest norm; cos(g_1, g_k) > threshold for 2 <= k <= cosine_epochs;
     ‖tau(k)‖ increases with k. Holds when all three hold for every task."""
     checks = {}

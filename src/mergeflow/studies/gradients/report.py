@@ -12,7 +12,19 @@ from mergeflow.config import task_seed
 from mergeflow.core.errors import MergeflowError
 from mergeflow.studies import Claim, StudyContext, StudyResult, register
 from mergeflow.studies.gradients.figures import plot_gaps, plot_minibatch, plot_trajectory
-from mergeflow.studies.gradients.measure import _flat, atm_identity, cosine, directional_curvature, epoch_updates, log_slope, loss_gradient, minibatch_cosines, one_epoch_identity, ta_mt_gaps, trajectory_claim
+from mergeflow.studies.gradients.measure import (
+    _flat,
+    atm_identity,
+    cosine,
+    directional_curvature,
+    epoch_updates,
+    log_slope,
+    loss_gradient,
+    minibatch_cosines,
+    one_epoch_identity,
+    ta_mt_gaps,
+    trajectory_claim,
+)
 from mergeflow.studies.gradients.pipeline import _pipeline_claim_6, _pipeline_claim_7, one_epoch_rows
 from mergeflow.studies.gradients.settings import PAPER, GradFn, GradientsSettings
 
@@ -54,7 +66,9 @@ class _Setup:
         import torch
 
         x, y = self.train_set(t, n)
-        return lambda state: loss_gradient(self.backbone, self.heads[t], x, y, state, chunk=self.s.chunk, dtype=dtype or torch.float32)
+        return lambda state: loss_gradient(
+            self.backbone, self.heads[t], x, y, state, chunk=self.s.chunk, dtype=dtype or torch.float32
+        )
 
 
 def _setup(context: StudyContext) -> _Setup:
@@ -70,18 +84,40 @@ def _setup(context: StudyContext) -> _Setup:
     subset = list(s.tasks) if s.tasks is not None else all_tasks[:4]
     unknown = [t for t in subset if t not in all_tasks]
     if unknown:
-        raise MergeflowError(f"studies.gradients.tasks: unknown task '{unknown[0]}' (suite.tasks: {', '.join(all_tasks)})")
+        raise MergeflowError(
+            f"studies.gradients.tasks: unknown task '{unknown[0]}' (suite.tasks: {', '.join(all_tasks)})"
+        )
     theta0 = load_state_dict(layout.pretrained)
     backbone = build_backbone(params.backbone, theta0, source=str(layout.pretrained))
     tasks = {t: data_mod.load_task(layout.task_data(t), params.suite.image_size) for t in all_tasks}
-    heads = {t: load_head(layout.head(t), backbone.num_features, num_classes=len(tasks[t].classes), classes_source=str(layout.task_data(t))) for t in all_tasks}
+    heads = {
+        t: load_head(
+            layout.head(t),
+            backbone.num_features,
+            num_classes=len(tasks[t].classes),
+            classes_source=str(layout.task_data(t)),
+        )
+        for t in all_tasks
+    }
     seeds = {t: task_seed(params.seed, t) for t in all_tasks}
     sets = {t: (tasks[t].train.inputs[: s.examples], tasks[t].train.labels[: s.examples]) for t in all_tasks}
-    gd_cfg = params.finetune.model_copy(update={"optimizer": "gd", "lr": s.gd_lr, "weight_decay": 0.0, "warmup_steps": 0, "epochs": 1, "momentum": 0.0,
-                                                "preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0})})
-    # on the CPU whatever runtime.device is: on CUDA the trainer autocasts to bfloat16, and the identities are float32 ones
+    gd_cfg = params.finetune.model_copy(
+        update={
+            "optimizer": "gd",
+            "lr": s.gd_lr,
+            "weight_decay": 0.0,
+            "warmup_steps": 0,
+            "epochs": 1,
+            "momentum": 0.0,
+            "preserve_features": params.finetune.preserve_features.model_copy(update={"weight": 0.0}),
+        }
+    )
+    # on the CPU whatever runtime.device is: on CUDA the trainer
+    # autocasts to bfloat16, and the identities are float32 ones
     gd_trainer = finetune_trainer(params.backbone, heads, sets, gd_cfg, seeds=seeds, device=torch.device("cpu"))
-    return _Setup(params, layout, s, context.device, theta0, backbone, tasks, heads, seeds, sets, subset, all_tasks, gd_trainer)
+    return _Setup(
+        params, layout, s, context.device, theta0, backbone, tasks, heads, seeds, sets, subset, all_tasks, gd_trainer
+    )
 
 
 def _claim_identities(u: _Setup, grads: dict) -> tuple[Claim, dict, Claim, list]:
@@ -94,18 +130,42 @@ def _claim_identities(u: _Setup, grads: dict) -> tuple[Claim, dict, Claim, list]
     worst_rel = max(e["relative"] for e in ident["tasks"].values())
     c1_holds = worst <= s.identity_ulps and ident["multitask"]["ulps"] <= s.identity_ulps
     claim1 = Claim(
-        "000.1", "One epoch of full-batch GD gives tau_t(1) = -eta grad Lbar_t(theta0), and theta0 + alpha sum_t tau_t(1) is one multi-task GD step at alpha eta",
-        c1_holds, {"eta": s.gd_lr, "alpha": alpha_all, "examples": s.examples, "tasks": ident["tasks"], "multitask": ident["multitask"], "identity_ulps": s.identity_ulps},
-        f"{len(u.all_tasks)} tasks, {s.examples} examples each, float32: worst error {worst:.2f} float32 floors (relative {_sci(worst_rel)}), "
-        f"multi-task step {ident['multitask']['ulps']:.2f} floors (relative {_sci(ident['multitask']['relative'])}); holds at <= {s.identity_ulps:g} floors",
+        "000.1",
+        "One epoch of full-batch GD gives tau_t(1) = -eta grad Lbar_t(theta0), and theta0 + alpha sum_t tau_t(1) is "
+        "one multi-task GD step at alpha eta",
+        c1_holds,
+        {
+            "eta": s.gd_lr,
+            "alpha": alpha_all,
+            "examples": s.examples,
+            "tasks": ident["tasks"],
+            "multitask": ident["multitask"],
+            "identity_ulps": s.identity_ulps,
+        },
+        f"{len(u.all_tasks)} tasks, {s.examples} examples each, float32: worst error {worst:.2f} float32 floors "
+        f"(relative {_sci(worst_rel)}), "
+        f"multi-task step {ident['multitask']['ulps']:.2f} floors (relative {_sci(ident['multitask']['relative'])}); "
+        f"holds at <= {s.identity_ulps:g} floors",
     )
     alpha_sub = s.alpha if s.alpha is not None else 1 / len(u.subset)
-    atm_rounds = atm_identity(u.theta0, u.subset, u.gd_trainer, {t: u.grad_fn(t, s.examples) for t in u.subset}, eta=s.gd_lr, alpha=alpha_sub, rounds=s.atm_rounds)
+    atm_rounds = atm_identity(
+        u.theta0,
+        u.subset,
+        u.gd_trainer,
+        {t: u.grad_fn(t, s.examples) for t in u.subset},
+        eta=s.gd_lr,
+        alpha=alpha_sub,
+        rounds=s.atm_rounds,
+    )
     c2_holds = all(r["ulps"] <= s.identity_ulps * r["round"] for r in atm_rounds)
     claim2 = Claim(
-        "000.2", f"ATM with one full-batch GD step per task per round equals R multi-task GD steps at alpha eta (R = {s.atm_rounds})",
-        c2_holds, {"eta": s.gd_lr, "alpha": alpha_sub, "tasks": u.subset, "rounds": atm_rounds, "identity_ulps": s.identity_ulps},
-        f"{len(u.subset)} tasks, float32: error of theta_ATM(r) per round {', '.join(format(r['ulps'], '.2f') for r in atm_rounds)} float32 floors "
+        "000.2",
+        "ATM with one full-batch GD step per task per round equals "
+        f"R multi-task GD steps at alpha eta (R = {s.atm_rounds})",
+        c2_holds,
+        {"eta": s.gd_lr, "alpha": alpha_sub, "tasks": u.subset, "rounds": atm_rounds, "identity_ulps": s.identity_ulps},
+        f"{len(u.subset)} tasks, float32: error of theta_ATM(r) per round "
+        f"{', '.join(format(r['ulps'], '.2f') for r in atm_rounds)} float32 floors "
         f"(relative {', '.join(_sci(r['relative']) for r in atm_rounds)}); holds at <= {s.identity_ulps:g} x r floors",
     )
     return claim1, ident, claim2, atm_rounds
@@ -121,16 +181,32 @@ def _claim_gap(u: _Setup) -> tuple[Claim, dict, float, dict]:
     fns64 = {t: u.grad_fn(t, s.gap_examples, torch.float64) for t in u.subset}
     grads64 = {t: f(theta0_64) for t, f in fns64.items()}
     sharpness = {t: directional_curvature(fns64[t], theta0_64, grads64[t]) for t in u.subset}
-    gaps = {eta: ta_mt_gaps(theta0_64, fns64, eta=eta, alpha=alpha_sub, epochs=s.gap_epochs, grads0=grads64) for eta in sorted(s.gap_lrs)}
+    gaps = {
+        eta: ta_mt_gaps(theta0_64, fns64, eta=eta, alpha=alpha_sub, epochs=s.gap_epochs, grads0=grads64)
+        for eta in sorted(s.gap_lrs)
+    }
     etas = sorted(gaps)
     slope = log_slope(etas, [gaps[e][-1]["gap"] for e in etas])
     # the gap's shrink factor from each step size to the next smaller one (eta^2: the square of the eta ratio)
-    ratios = [{"eta": [hi, lo], "eta_ratio": hi / lo, "gap_ratio": gaps[hi][-1]["gap"] / gaps[lo][-1]["gap"]} for lo, hi in zip(etas, etas[1:])]
+    ratios = [
+        {"eta": [hi, lo], "eta_ratio": hi / lo, "gap_ratio": gaps[hi][-1]["gap"] / gaps[lo][-1]["gap"]}
+        for lo, hi in zip(etas, etas[1:])
+    ]
     low, high = s.slope_range
     claim3 = Claim(
-        "000.3", f"After k = {s.gap_epochs} GD epochs, ‖theta_TA(k) - theta_MT(k)‖ scales as eta^2",
-        low <= slope <= high, {"etas": etas, "gaps": {str(e): g for e, g in gaps.items()}, "slope": slope, "ratios": ratios, "sharpness": sharpness, "slope_range": [low, high]},
-        f"{len(u.subset)} tasks, {s.gap_examples} examples each, float64: the gap shrinks " + ", ".join(f"{r['gap_ratio']:.0f}x for eta {r['eta'][0]:g} -> {r['eta'][1]:g}" for r in ratios)
+        "000.3",
+        f"After k = {s.gap_epochs} GD epochs, ‖theta_TA(k) - theta_MT(k)‖ scales as eta^2",
+        low <= slope <= high,
+        {
+            "etas": etas,
+            "gaps": {str(e): g for e, g in gaps.items()},
+            "slope": slope,
+            "ratios": ratios,
+            "sharpness": sharpness,
+            "slope_range": [low, high],
+        },
+        f"{len(u.subset)} tasks, {s.gap_examples} examples each, float64: the gap shrinks "
+        + ", ".join(f"{r['gap_ratio']:.0f}x for eta {r['eta'][0]:g} -> {r['eta'][1]:g}" for r in ratios)
         + f"; log-slope {slope:.2f} (holds in [{low}, {high}])",
     )
     return claim3, gaps, slope, sharpness
@@ -146,7 +222,9 @@ def _claim_minibatch(u: _Setup, grads: dict) -> tuple[Claim, dict, dict]:
     trainers = {}
     for b in sorted(s.batch_sizes, reverse=True):
         cfg = params.finetune.model_copy(update={"optimizer": "adamw", "batch_size": b, "epochs": 1, "warmup_steps": 0})
-        trainers[max(1, s.examples // min(b, s.examples))] = finetune_trainer(params.backbone, u.heads, {t: u.sets[t] for t in u.subset}, cfg, seeds=u.seeds, device=u.device)
+        trainers[max(1, s.examples // min(b, s.examples))] = finetune_trainer(
+            params.backbone, u.heads, {t: u.sets[t] for t in u.subset}, cfg, seeds=u.seeds, device=u.device
+        )
     cos4 = minibatch_cosines(u.theta0, u.subset, trainers, grads)
     sign_cos = {t: cosine(torch.sign(_flat(grads[t])), _flat(grads[t])) for t in u.subset}
     steps4 = sorted(cos4)
@@ -154,15 +232,25 @@ def _claim_minibatch(u: _Setup, grads: dict) -> tuple[Claim, dict, dict]:
     below_one = all(c < 1 - 1e-6 for v in cos4.values() for c in v.values())
     falling = all(b < a for a, b in zip(means4, means4[1:]))
     claim4 = Claim(
-        "000.4", "Under minibatch AdamW, cos(tau_t(1), -grad Lbar_t(theta0)) < 1 and it falls as the steps per epoch grow",
-        below_one and falling, {"steps_per_epoch": steps4, "cosines": {str(k): v for k, v in cos4.items()}, "mean": means4, "sign_cosine": sign_cos},
-        f"mean cosine over {len(u.subset)} tasks at {', '.join(map(str, steps4))} steps/epoch: {', '.join(f'{m:.3f}' for m in means4)}; all < 1: {'yes' if below_one else 'no'}; strictly falling: {'yes' if falling else 'no'}",
+        "000.4",
+        "Under minibatch AdamW, cos(tau_t(1), -grad Lbar_t(theta0)) < 1 and it falls as the steps per epoch grow",
+        below_one and falling,
+        {
+            "steps_per_epoch": steps4,
+            "cosines": {str(k): v for k, v in cos4.items()},
+            "mean": means4,
+            "sign_cosine": sign_cos,
+        },
+        f"mean cosine over {len(u.subset)} tasks at {', '.join(map(str, steps4))} steps/epoch: "
+        f"{', '.join(f'{m:.3f}' for m in means4)}; all < 1: {'yes' if below_one else 'no'}; strictly falling: "
+        f"{'yes' if falling else 'no'}",
     )
     return claim4, cos4, sign_cos
 
 
 def _claim_trajectory(u: _Setup) -> tuple[Claim, dict, dict, int, int]:
-    """Claim 5: per-epoch updates of the pipeline's fine-tune (its optimiser, lr, weight decay, batch, feature anchor)."""
+    """Claim 5: per-epoch updates of the pipeline's fine-tune (its optimiser, lr, weight decay, batch, feature
+    anchor)."""
     from mergeflow.core.io import LazyStateDict
     from mergeflow.ml.models import backbone_state
     from mergeflow.ml.training import FeatureAnchor, finetune as finetune_loop
@@ -180,26 +268,68 @@ def _claim_trajectory(u: _Setup) -> tuple[Claim, dict, dict, int, int]:
     corpus = LazyStateDict(u.layout.pretrain_corpus)["images"] if preserve.weight > 0 else None
     for t in u.subset:
         model = copy.deepcopy(u.backbone)
-        anchor = FeatureAnchor.build(u.backbone, corpus, preserve, seed=u.seeds[t], device=u.device, eval_batch_size=params.runtime.eval_batch_size) if corpus is not None else None
+        anchor = (
+            FeatureAnchor.build(
+                u.backbone,
+                corpus,
+                preserve,
+                seed=u.seeds[t],
+                device=u.device,
+                eval_batch_size=params.runtime.eval_batch_size,
+            )
+            if corpus is not None
+            else None
+        )
         states = [backbone_state(model)]
         x, y = u.train_set(t, n5)
-        finetune_loop(model, copy.deepcopy(u.heads[t]), x, y, cfg5, seed=u.seeds[t], device=u.device, desc=f"study gradients {t}",
-                      on_epoch_end=lambda k, m=model: states.append(backbone_state(m)), anchor=anchor)
+        finetune_loop(
+            model,
+            copy.deepcopy(u.heads[t]),
+            x,
+            y,
+            cfg5,
+            seed=u.seeds[t],
+            device=u.device,
+            desc=f"study gradients {t}",
+            on_epoch_end=lambda k, m=model: states.append(backbone_state(m)),
+            anchor=anchor,
+        )
         trajectories[t] = epoch_updates([{k: v.cpu() for k, v in st.items()} for st in states])
     holds5, checks5 = trajectory_claim(trajectories, threshold=s.cosine_threshold, cosine_epochs=s.cosine_epochs)
     failing = {t: [k for k, ok in c.items() if not ok] for t, c in checks5.items() if not all(c.values())}
     shares = [u_["update_norms"][0] / sum(u_["update_norms"]) for u_ in trajectories.values()]
     claim5 = Claim(
-        "000.5", f"The first epoch's update has the largest norm, cos(g_1, g_k) > {s.cosine_threshold} for k <= {s.cosine_epochs}, and ‖tau_t(k)‖ grows with k",
-        holds5, {"epochs": s.trajectory_epochs, "examples": n5, "warmup_steps": warmup, "steps_per_epoch": per_epoch, "tasks": trajectories, "checks": checks5},
-        f"{len(u.subset)} tasks, {s.trajectory_epochs} epochs of {per_epoch} steps: epoch 1's share of sum ‖g_k‖ {min(shares):.2f}-{max(shares):.2f}, "
-        f"lowest cos(g_1, g_k<={s.cosine_epochs}) {min(min(u_['cos_first'][1:s.cosine_epochs]) for u_ in trajectories.values()):.2f}; "
-        + ("all three hold for every task" if holds5 else "fails: " + "; ".join(f"{t} ({', '.join(v)})" for t, v in failing.items())),
+        "000.5",
+        f"The first epoch's update has the largest norm, cos(g_1, g_k) > {s.cosine_threshold} for k <= "
+        f"{s.cosine_epochs}, and ‖tau_t(k)‖ grows with k",
+        holds5,
+        {
+            "epochs": s.trajectory_epochs,
+            "examples": n5,
+            "warmup_steps": warmup,
+            "steps_per_epoch": per_epoch,
+            "tasks": trajectories,
+            "checks": checks5,
+        },
+        f"{len(u.subset)} tasks, {s.trajectory_epochs} epochs of {per_epoch} steps: epoch 1's share of sum ‖g_k‖ "
+        f"{min(shares):.2f}-{max(shares):.2f}, "
+        f"lowest cos(g_1, g_k<={s.cosine_epochs}) "
+        f"{min(min(u_['cos_first'][1 : s.cosine_epochs]) for u_ in trajectories.values()):.2f}; "
+        + (
+            "all three hold for every task"
+            if holds5
+            else "fails: " + "; ".join(f"{t} ({', '.join(v)})" for t, v in failing.items())
+        ),
     )
     return claim5, trajectories, checks5, warmup, per_epoch
 
 
-@register("gradients", paper=PAPER, title="On Task Vectors and Gradients: task vectors as (approximate) gradients", settings=GradientsSettings)
+@register(
+    "gradients",
+    paper=PAPER,
+    title="On Task Vectors and Gradients: task vectors as (approximate) gradients",
+    settings=GradientsSettings,
+)
 def gradients(context: StudyContext) -> StudyResult:
     params, layout, s = context.params, context.layout, context.settings
     started = time.perf_counter()
@@ -231,70 +361,183 @@ def gradients(context: StudyContext) -> StudyResult:
     timings["total"] = time.perf_counter() - started
     # to the stage's log, not the report: the report's bytes must not change with the machine's load
     print("study gradients: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), flush=True)
-    body = _body(s, u.subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, warmup, per_epoch, one_epoch_rows(params, layout))
+    body = _body(
+        s,
+        u.subset,
+        ident,
+        atm_rounds,
+        gaps,
+        slope,
+        sharpness,
+        cos4,
+        sign_cos,
+        trajectories,
+        checks5,
+        claim6,
+        claim7,
+        figures,
+        warmup,
+        per_epoch,
+        one_epoch_rows(params, layout),
+    )
     return StudyResult([claim1, claim2, claim3, claim4, claim5, claim6, claim7], body, figures)
 
 
-def _body(s, subset, ident, atm_rounds, gaps, slope, sharpness, cos4, sign_cos, trajectories, checks5, claim6, claim7, figures, warmup, per_epoch, rows6) -> str:
+def _body(
+    s,
+    subset,
+    ident,
+    atm_rounds,
+    gaps,
+    slope,
+    sharpness,
+    cos4,
+    sign_cos,
+    trajectories,
+    checks5,
+    claim6,
+    claim7,
+    figures,
+    warmup,
+    per_epoch,
+    rows6,
+) -> str:
     lines = [
         "## Task vectors as gradients under full-batch GD (claims 1-2)",
         "",
-        f"Each task's backbone is trained through the pipeline's trainer (`regimes._finetune.finetune_trainer`, regime `one_epoch`) with "
-        f"`optimizer: gd`, lr eta = {s.gd_lr}, no weight decay or warm-up, on the first {s.examples} training examples; the gradient is "
-        f"computed apart, by autograd of the mean cross-entropy under the task's frozen head in chunks of {s.chunk}. Float32 throughout, so "
-        "the errors are set against the float32 floor ‖ulp(theta)/2‖, the error of merely storing the exact result: tau_t(1) is a small "
+        f"Each task's backbone is trained through the pipeline's trainer "
+        f"(`regimes._finetune.finetune_trainer`, regime `one_epoch`) with "
+        f"`optimizer: gd`, lr eta = {s.gd_lr}, no weight decay or warm-up, "
+        f"on the first {s.examples} training examples; the gradient is "
+        "computed apart, by autograd of the mean cross-entropy under the "
+        f"task's frozen head in chunks of {s.chunk}. Float32 throughout, so "
+        "the errors are set against the float32 floor ‖ulp(theta)/2‖, the "
+        "error of merely storing the exact result: tau_t(1) is a small "
         "difference of two float32 models (relative floor below).",
         "",
         "| task | max abs error | relative error | relative floor | error / floor | norm of tau_t(1) |",
         "|---|---|---|---|---|---|",
     ]
     for t, e in ident["tasks"].items():
-        lines.append(f"| {t} | {_sci(e['max_abs'])} | {_sci(e['relative'])} | {_sci(e['floor_relative'])} | {e['ulps']:.2f} | {ident['tau_norms'][t]:.4g} |")
+        lines.append(
+            f"| {t} | {_sci(e['max_abs'])} | {_sci(e['relative'])} | {_sci(e['floor_relative'])} | {e['ulps']:.2f} | "
+            f"{ident['tau_norms'][t]:.4g} |"
+        )
     mt = ident["multitask"]
-    lines += [f"| theta0 + alpha sum tau_t vs one multi-task step | {_sci(mt['max_abs'])} | {_sci(mt['relative'])} | {_sci(mt['floor_relative'])} | {mt['ulps']:.2f} | |", ""]
-    lines += [f"ATM (regime `atm`, steps=1, alpha = 1/{len(subset)}) against {s.atm_rounds} multi-task GD steps (own loop, same gradients' route) on {', '.join(subset)}:", "",
-              "| round | max abs error | relative error of theta(r) - theta0 | relative floor | error / floor |", "|---|---|---|---|---|"]
-    lines += [f"| {r['round']} | {_sci(r['max_abs'])} | {_sci(r['relative'])} | {_sci(r['floor_relative'])} | {r['ulps']:.2f} |" for r in atm_rounds]
+    lines += [
+        f"| theta0 + alpha sum tau_t vs one multi-task step | {_sci(mt['max_abs'])} | {_sci(mt['relative'])} | "
+        f"{_sci(mt['floor_relative'])} | {mt['ulps']:.2f} | |",
+        "",
+    ]
+    lines += [
+        f"ATM (regime `atm`, steps=1, alpha = 1/{len(subset)}) against {s.atm_rounds} multi-task GD steps (own loop, "
+        f"same gradients' route) on {', '.join(subset)}:",
+        "",
+        "| round | max abs error | relative error of theta(r) - theta0 | relative floor | error / floor |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['round']} | {_sci(r['max_abs'])} | {_sci(r['relative'])} "
+        f"| {_sci(r['floor_relative'])} | {r['ulps']:.2f} |"
+        for r in atm_rounds
+    ]
     etas = sorted(gaps)
-    lines += ["", "## The TA - multi-task gap is second order in eta (claim 3)", "",
-              f"Float64 full-batch GD at a constant step size (the theorem's setting), {s.gap_examples} examples per task on {', '.join(subset)}; "
-              f"TA = theta0 + alpha sum_t tau_t(k), MT = k GD steps at alpha eta on sum_t Lbar_t. At k = 1 the gap is the identity of claim 1 in float64. "
-              "The step sizes are small because the loss is sharp: its curvature along the gradient, u'Hu, is "
-              + ", ".join(f"{sharpness[t]:.3g} ({t})" for t in subset)
-              + "; the expansion in eta needs eta u'Hu well below 1.", "",
-              "| eta | " + " | ".join(f"gap, k={g['epoch']}" for g in gaps[etas[0]]) + f" | norm of theta_MT({s.gap_epochs}) - theta0 |",
-              "|---|" + "---|" * (len(gaps[etas[0]]) + 1)]
+    lines += [
+        "",
+        "## The TA - multi-task gap is second order in eta (claim 3)",
+        "",
+        "Float64 full-batch GD at a constant step size (the theorem's "
+        f"setting), {s.gap_examples} examples per task on {', '.join(subset)}; "
+        f"TA = theta0 + alpha sum_t tau_t(k), MT = k GD steps at alpha eta on sum_t Lbar_t. At k = 1 the gap is the "
+        f"identity of claim 1 in float64. "
+        "The step sizes are small because the loss is sharp: its curvature along the gradient, u'Hu, is "
+        + ", ".join(f"{sharpness[t]:.3g} ({t})" for t in subset)
+        + "; the expansion in eta needs eta u'Hu well below 1.",
+        "",
+        "| eta | "
+        + " | ".join(f"gap, k={g['epoch']}" for g in gaps[etas[0]])
+        + f" | norm of theta_MT({s.gap_epochs}) - theta0 |",
+        "|---|" + "---|" * (len(gaps[etas[0]]) + 1),
+    ]
     for e in etas:
         lines.append(f"| {e:g} | " + " | ".join(_sci(g["gap"]) for g in gaps[e]) + f" | {gaps[e][-1]['mt_step']:.3g} |")
-    lines += ["", f"Fitted log-slope of the gap at k = {s.gap_epochs}: **{slope:.2f}** (2 is eta^2).", "", f"![eta scaling]({figures[2]})", "",
-              "## Minibatch AdamW: one epoch is no longer the gradient (claim 4)", "",
-              f"One epoch of AdamW (the pipeline's lr and weight decay, no warm-up, no feature anchor) on the same {s.examples} examples, "
-              f"at batch sizes {', '.join(map(str, sorted(s.batch_sizes, reverse=True)))}; cosine of tau_t(1) with the full-batch negative gradient. "
-              "Adam's first step is about -lr sign(g), so one step already has the cosine of sign(g) with g (last row).", "",
-              "| steps / epoch | " + " | ".join(subset) + " | mean |", "|---|" + "---|" * (len(subset) + 1)]
+    lines += [
+        "",
+        f"Fitted log-slope of the gap at k = {s.gap_epochs}: **{slope:.2f}** (2 is eta^2).",
+        "",
+        f"![eta scaling]({figures[2]})",
+        "",
+        "## Minibatch AdamW: one epoch is no longer the gradient (claim 4)",
+        "",
+        "One epoch of AdamW (the pipeline's lr and weight decay, no "
+        f"warm-up, no feature anchor) on the same {s.examples} examples, "
+        f"at batch sizes {', '.join(map(str, sorted(s.batch_sizes, reverse=True)))}; cosine of tau_t(1) with the "
+        "full-batch negative gradient. "
+        "Adam's first step is about -lr sign(g), so one step already has the cosine of sign(g) with g (last row).",
+        "",
+        "| steps / epoch | " + " | ".join(subset) + " | mean |",
+        "|---|" + "---|" * (len(subset) + 1),
+    ]
     for k in sorted(cos4):
         v = cos4[k]
         lines.append(f"| {k} | " + " | ".join(f"{v[t]:.3f}" for t in subset) + f" | {sum(v.values()) / len(v):.3f} |")
-    lines.append("| cos(sign g, g) | " + " | ".join(f"{sign_cos[t]:.3f}" for t in subset) + f" | {sum(sign_cos.values()) / len(sign_cos):.3f} |")
-    lines += ["", f"![cosine vs steps per epoch]({figures[0]})", "", "## The first epoch dominates the trajectory (claim 5)", "",
-              f"The pipeline's fine-tune settings (optimizer, lr, weight decay, batch size, feature anchor) for {s.trajectory_epochs} epochs on the first "
-              f"{s.trajectory_examples} training examples ({per_epoch} steps an epoch; warm-up {warmup} steps, the share of the first epoch it has in the "
-              "pipeline's run on the whole split; cosine decay over all epochs, so later epochs' learning rates are smaller by construction). "
-              "g_k = theta(k) - theta(k-1).", "",
-              "| task | share of sum ‖g_k‖, k = 1.. | cos(g_1, g_k), k = 2.. | ‖tau(k)‖, k = 1.. | first largest | aligned | grows |", "|---|---|---|---|---|---|---|"]
+    lines.append(
+        "| cos(sign g, g) | "
+        + " | ".join(f"{sign_cos[t]:.3f}" for t in subset)
+        + f" | {sum(sign_cos.values()) / len(sign_cos):.3f} |"
+    )
+    lines += [
+        "",
+        f"![cosine vs steps per epoch]({figures[0]})",
+        "",
+        "## The first epoch dominates the trajectory (claim 5)",
+        "",
+        "The pipeline's fine-tune settings (optimizer, lr, weight decay, batch size, feature anchor) for "
+        f"{s.trajectory_epochs} epochs on the first "
+        f"{s.trajectory_examples} training examples ({per_epoch} steps an epoch; warm-up {warmup} steps, the share of "
+        "the first epoch it has in the "
+        "pipeline's run on the whole split; cosine decay over all epochs, "
+        "so later epochs' learning rates are smaller by construction). "
+        "g_k = theta(k) - theta(k-1).",
+        "",
+        "| task | share of sum ‖g_k‖, k = 1.. | cos(g_1, g_k), k = "
+        "2.. | ‖tau(k)‖, k = 1.. | first largest | aligned | grows |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t, u in trajectories.items():
         total = sum(u["update_norms"])
         c = checks5[t]
-        lines.append(f"| {t} | {', '.join(f'{n / total:.2f}' for n in u['update_norms'])} | {', '.join(f'{x:.2f}' for x in u['cos_first'][1:])} | "
-                     f"{', '.join(f'{x:.3g}' for x in u['tau_norms'])} | {'yes' if c['first_largest'] else 'no'} | {'yes' if c['aligned'] else 'no'} | {'yes' if c['tau_grows'] else 'no'} |")
-    lines += ["", f"![per-epoch updates]({figures[1]})", "", "## From the pipeline's regimes (claims 6-7)", "", "| claim | verdict | measured |", "|---|---|---|"]
+        lines.append(
+            f"| {t} | {', '.join(f'{n / total:.2f}' for n in u['update_norms'])} | "
+            f"{', '.join(f'{x:.2f}' for x in u['cos_first'][1:])} | "
+            f"{', '.join(f'{x:.3g}' for x in u['tau_norms'])} | {'yes' if c['first_largest'] else 'no'} | "
+            f"{'yes' if c['aligned'] else 'no'} | {'yes' if c['tau_grows'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"![per-epoch updates]({figures[1]})",
+        "",
+        "## From the pipeline's regimes (claims 6-7)",
+        "",
+        "| claim | verdict | measured |",
+        "|---|---|---|",
+    ]
     for c in (claim6, claim7):
         lines.append(f"| {c.id} | {c.verdict} | {c.detail} |")
     if rows6:
-        lines += ["", "Each merge of the one-epoch task vectors (regime `one_epoch`: one epoch of the pipeline's fine-tune per task) against the same "
-                  "method on the converged ones (test average, %, hyperparameters chosen on validation for each):", "",
-                  "| method | one epoch | converged | difference |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Each merge of the one-epoch task vectors (regime `one_epoch`: "
+            "one epoch of the pipeline's fine-tune per task) against the same "
+            "method on the converged ones (test average, %, hyperparameters chosen on validation for each):",
+            "",
+            "| method | one epoch | converged | difference |",
+            "|---|---|---|---|",
+        ]
         for m, one, full in rows6:
             diff = f"{100 * (one - full):+.1f}" if one is not None and full is not None else "-"
-            lines.append(f"| {m} | {_pct(one) if one is not None else '-'} | {_pct(full) if full is not None else '-'} | {diff} |")
+            lines.append(
+                f"| {m} | {_pct(one) if one is not None else '-'} | "
+                f"{_pct(full) if full is not None else '-'} | {diff} |"
+            )
     return "\n".join(lines) + "\n"

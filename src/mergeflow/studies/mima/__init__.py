@@ -6,7 +6,8 @@ for the round counts in ``regimes.mima.rounds``.
 Claims (the seed's numbers are its Table 1, Figure 5 and Appendix C):
 
 1. At N = 1 the pairwise cosines of the task vectors tau_t are near 0-0.1, and their median rises with N (Fig. 5).
-2. Related tasks (MNIST / SVHN there, digits / house_numbers here) have a higher N = 1 cosine than the other pairs (Fig. 10).
+2. Related tasks (MNIST / SVHN there, digits / house_numbers here) have a higher N = 1 cosine than the other pairs (Fig.
+   10).
 3. UA accuracy rises with N while the individual models' accuracy changes little (Table 1, Fig. 8).
 4. The gap individual - UA shrinks with N (Fig. 6); task arithmetic's and TIES' advantage over UA shrinks with N
    (Fig. 4a); task arithmetic's chosen lambda falls toward 1/T (Table 2; lambda = 1/T is UA).

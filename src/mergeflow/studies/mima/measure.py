@@ -15,7 +15,8 @@ REGIME = "mima"
 ROLES = {"ua": "weight_averaging", "ta": "task_arithmetic", "ties": "ties"}  # UA = uniform average of the theta_t
 ROLE_NAMES = {"ua": "UA", "ta": "TA", "ties": "TIES", "individual": "individual"}
 
-# Seed 001, Table 1, ViT-B/32 (8 tasks), average absolute test accuracy (fractions), and Table 2 (task arithmetic's lambda)
+# Seed 001, Table 1, ViT-B/32 (8 tasks), average absolute test
+# accuracy (fractions), and Table 2 (task arithmetic's lambda)
 PAPER_VIT_B32 = {
     1: {"individual": 0.902, "ua": 0.658, "ta": 0.706, "ties": 0.736, "ta_lam": 0.25},
     2: {"individual": 0.898, "ua": 0.742, "ta": 0.772, "ties": 0.781, "ta_lam": 0.2},
@@ -78,7 +79,12 @@ class Point:
         if self.cosine is None or self.tasks is None:
             return {}
         t = self.tasks
-        return {(t[i], t[j]): float(self.cosine[i][j]) for i in range(len(t)) for j in range(i + 1, len(t)) if math.isfinite(self.cosine[i][j])}
+        return {
+            (t[i], t[j]): float(self.cosine[i][j])
+            for i in range(len(t))
+            for j in range(i + 1, len(t))
+            if math.isfinite(self.cosine[i][j])
+        }
 
 
 def _json(path: Path) -> Any | None:
@@ -144,7 +150,9 @@ def _variant(context: StudyContext, n: int, record: dict) -> Point:
         point.missing.append(f"individual accuracies of {name} in metrics/regime/{REGIME}.json")
     model = record.get("model") or {}
     if isinstance((model.get("average") or {}).get("test"), (int, float)):
-        point.accuracy["ua"] = float(model["average"]["test"])  # MIMA's last uniform average; the weight_averaging merge, when run, replaces it
+        point.accuracy["ua"] = float(
+            model["average"]["test"]
+        )  # MIMA's last uniform average; the weight_averaging merge, when run, replaces it
     _read_merges(point, layout, {role: layout.merge_run(method, REGIME, name) for role, method in ROLES.items()})
     return point
 
@@ -156,7 +164,10 @@ def collect(context: StudyContext) -> tuple[list[Point], list[str]]:
     ran = REGIME in params.regimes.run
     rounds = sorted(set(params.regimes.config("mima").rounds)) if ran else []
     if not ran:
-        notes.append("regime mima is not in regimes.run: only N = 1 (the standard fine-tune) is available; run e.g. `dvc exp run -S 'regimes.run=[mima]' -S 'regimes.mima.rounds=[2,4,8]'`")
+        notes.append(
+            "regime mima is not in regimes.run: only N = 1 (the standard fine-tune) is available; run e.g. `dvc exp "
+            "run -S 'regimes.run=[mima]' -S 'regimes.mima.rounds=[2,4,8]'`"
+        )
     regime_path = layout.metrics("regime", REGIME)
     variants = ((_json(regime_path) or {}).get("variants") or {}) if ran else {}
     if ran and not variants:
@@ -172,7 +183,9 @@ def collect(context: StudyContext) -> tuple[list[Point], list[str]]:
         if f"{REGIME}_n{n}" in variants:
             points.append(_variant(context, n, variants[f"{REGIME}_n{n}"]))
         elif variants:
-            notes.append(f"variant {REGIME}_n{n} is missing from {_rel(layout, regime_path)}: run `dvc repro regime@{REGIME}`")
+            notes.append(
+                f"variant {REGIME}_n{n} is missing from {_rel(layout, regime_path)}: run `dvc repro regime@{REGIME}`"
+            )
     for p in points:
         if p.missing:
             notes.append(f"N = {p.n} ({p.source}): missing " + ", ".join(p.missing))

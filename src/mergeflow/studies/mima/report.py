@@ -6,7 +6,17 @@ from pathlib import Path
 from statistics import median
 
 from mergeflow.studies import StudyContext, StudyResult, register
-from mergeflow.studies.mima.claims import claim_advantage, claim_cosines, claim_gap, claim_lambda, claim_related, claim_rounds, claim_ua_individual, pct, quartiles
+from mergeflow.studies.mima.claims import (
+    claim_advantage,
+    claim_cosines,
+    claim_gap,
+    claim_lambda,
+    claim_related,
+    claim_rounds,
+    claim_ua_individual,
+    pct,
+    quartiles,
+)
 from mergeflow.studies.mima.figures import plot_accuracy, plot_cosines, plot_rounds
 from mergeflow.studies.mima.measure import PAPER_T, PAPER_VIT_B32, MimaSettings, Point, collect
 
@@ -14,7 +24,10 @@ from mergeflow.studies.mima.measure import PAPER_T, PAPER_VIT_B32, MimaSettings,
 def _accuracy_table(points: list[Point]) -> str:
     ours = {p.n: p for p in points}
     ns = sorted(set(ours) | set(PAPER_VIT_B32))
-    head = "| N | source | UA ours | UA seed | TA ours | TA seed | TIES ours | TIES seed | individual ours | individual seed | TA λ ours | TA λ seed |"
+    head = (
+        "| N | source | UA ours | UA seed | TA ours | TA seed | TIES ours | TIES seed | individual ours | individual "
+        "seed | TA λ ours | TA λ seed |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for n in ns:
         p, paper = ours.get(n), PAPER_VIT_B32.get(n, {})
@@ -23,7 +36,12 @@ def _accuracy_table(points: list[Point]) -> str:
         cells = [str(n), p.source if p else "not run"]
         for role in ("ua", "ta", "ties"):
             cells += [pct(acc.get(role)), pct(paper.get(role))]
-        cells += [pct(p.individual_average if p else None), pct(paper.get("individual")), "—" if lam is None else f"{lam:g}", "—" if "ta_lam" not in paper else f"{paper['ta_lam']:g}"]
+        cells += [
+            pct(p.individual_average if p else None),
+            pct(paper.get("individual")),
+            "—" if lam is None else f"{lam:g}",
+            "—" if "ta_lam" not in paper else f"{paper['ta_lam']:g}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -37,7 +55,10 @@ def _cosine_table(points: list[Point], s: MimaSettings) -> str:
             continue
         q1, med, q3 = quartiles(list(pairs.values()))
         rel = pairs.get((a, b), pairs.get((b, a)))
-        lines.append(f"| {p.n} | {len(pairs)} | {med:.3f} | {q1:.3f} – {q3:.3f} | {min(pairs.values()):.3f} | {max(pairs.values()):.3f} | {'—' if rel is None else f'{rel:.3f}'} |")
+        lines.append(
+            f"| {p.n} | {len(pairs)} | {med:.3f} | {q1:.3f} – {q3:.3f} | {min(pairs.values()):.3f} | "
+            f"{max(pairs.values()):.3f} | {'—' if rel is None else f'{rel:.3f}'} |"
+        )
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
@@ -59,8 +80,12 @@ def _rounds_table(point: Point) -> str:
     return "\n".join(lines) + "\n"
 
 
-@register("mima", paper="Seed 001: MIMA, Iterative model averaging and fine-tuning for multi-task learning (under review)",
-          title="MIMA: does iterated averaging align task vectors and close the merging gap?", settings=MimaSettings)
+@register(
+    "mima",
+    paper="Seed 001: MIMA, Iterative model averaging and fine-tuning for multi-task learning (under review)",
+    title="MIMA: does iterated averaging align task vectors and close the merging gap?",
+    settings=MimaSettings,
+)
 def mima_study(context: StudyContext) -> StudyResult:
     s: MimaSettings = context.settings
     points, notes = collect(context)
@@ -87,16 +112,22 @@ def mima_study(context: StudyContext) -> StudyResult:
         figures.append(rounds_name)
 
     n1 = points[0]
+    standard = "the standard fine-tune (vectors/, metrics/finetune/, metrics/evaluate/)"
+    n1_is = "the regime variant `mima_n1`" if n1.source != "standard fine-tune" else standard
     body = [
-        f"N = 1 is {'the regime variant `mima_n1`' if n1.source != 'standard fine-tune' else 'the standard fine-tune (vectors/, metrics/finetune/, metrics/evaluate/)'}: "
-        "the seed's \"N = 1 corresponds to the standard, independent fine-tuning baseline\". Every N has the same per-task budget "
-        f"S = finetune.steps = {context.params.finetune.steps} steps, K = S/N a round. UA is the uniform average of the task models "
+        f"N = 1 is {n1_is}: "
+        "the seed's \"N = 1 corresponds to the standard, independent "
+        'fine-tuning baseline". Every N has the same per-task budget '
+        f"S = finetune.steps = {context.params.finetune.steps} steps, K "
+        "= S/N a round. UA is the uniform average of the task models "
         "(weight_averaging); TA and TIES choose their hyperparameters on validation. Accuracies are test averages over "
         f"our {n_tasks} tasks; the seed's are ViT-B/32 on its {PAPER_T} tasks (Table 1; TA's λ from Table 2).",
         "",
         f"Rules: a sequence over N ascending (or over rounds) *rises* when no step goes down by more than the slack "
-        f"(accuracy {100 * s.accuracy_slack:g} points, cosine {s.cosine_slack:g}) and the last value is above the first; *shrinks* is the mirror. "
-        "A claim needs two round counts with its numbers (claim 5: two rounds of the largest N), else it is *not measured*.",
+        f"(accuracy {100 * s.accuracy_slack:g} points, cosine {s.cosine_slack:g}) and the last value is above the "
+        "first; *shrinks* is the mirror. "
+        "A claim needs two round counts with its numbers (claim 5: "
+        "two rounds of the largest N), else it is *not measured*.",
         "",
     ]
     if notes:
@@ -110,9 +141,14 @@ def mima_study(context: StudyContext) -> StudyResult:
     if "cosine_by_n.png" in figures:
         body += ["![pairwise cosines per N](cosine_by_n.png)", ""]
     if round_point is not None:
-        body += [f"## Per-round updates and task vectors, N = {round_point.n}", "",
-                 "δ_t(i) = θ_t(i) − θ̄(i−1), the round's update; τ_t(i) = θ_t(i) − θ0 (seed 001, eqs. 5 and 8; Appendix C.2).", "",
-                 _rounds_table(round_point)]
+        body += [
+            f"## Per-round updates and task vectors, N = {round_point.n}",
+            "",
+            "δ_t(i) = θ_t(i) − θ̄(i−1), the round's update; τ_t(i) "
+            "= θ_t(i) − θ0 (seed 001, eqs. 5 and 8; Appendix C.2).",
+            "",
+            _rounds_table(round_point),
+        ]
         if rounds_name in figures:
             body += [f"![per-round cosines]({rounds_name})", ""]
     return StudyResult(claims=claims, body="\n".join(body), figures=figures)

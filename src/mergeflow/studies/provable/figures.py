@@ -47,7 +47,14 @@ def plot_addition(m: Measurements, s: ProvableSettings, path: Path, *, low_rank:
     panels = [(l1, "task 1 loss"), (l2, "task 2 loss"), (both, f"max of the two (white line: ≤ {s.small_loss:g})")]
     for ax, (z, title) in zip(axes, panels):
         mesh = ax.pcolormesh(xe, ye, z, cmap="viridis", vmin=0, vmax=vmax, shading="flat")
-        ax.contour(m.lambdas, m.alphas, [[float(max(a, b) <= s.small_loss) for a, b in zip(r1, r2)] for r1, r2 in zip(l1, l2)], levels=[0.5], colors="white", linewidths=1.5)
+        ax.contour(
+            m.lambdas,
+            m.alphas,
+            [[float(max(a, b) <= s.small_loss) for a, b in zip(r1, r2)] for r1, r2 in zip(l1, l2)],
+            levels=[0.5],
+            colors="white",
+            linewidths=1.5,
+        )
         ax.plot([1 - a for a in m.alphas], m.alphas, color="#ff4040", ls="--", lw=1.2, label="λ = 1 − α (Theorem 1)")
         ax.axvline(0, color="#bbbbbb", lw=0.8, ls=":")
         ax.set_xlim(xe[0], xe[-1])
@@ -57,7 +64,9 @@ def plot_addition(m: Measurements, s: ProvableSettings, path: Path, *, low_rank:
     axes[0].legend(loc="lower left", fontsize=8, framealpha=0.8)
     fig.colorbar(mesh, ax=axes, label="mean hinge test loss", shrink=0.9)
     kind = f"rank-{s.low_rank} task vectors" if low_rank else "full task vectors"
-    fig.suptitle(f"Task addition and negation over (α, λ), {kind} (seed 004, Theorems 1-2; its Fig. 1 as a map)", fontsize=11)
+    fig.suptitle(
+        f"Task addition and negation over (α, λ), {kind} (seed 004, Theorems 1-2; its Fig. 1 as a map)", fontsize=11
+    )
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
@@ -91,8 +100,11 @@ def plot_ood(m: Measurements, s: ProvableSettings, path: Path) -> None:
         ax.set_xlabel("λ2")
     axes[0].set_ylabel("λ1")
     fig.colorbar(mesh, ax=list(axes), label=f"target hinge loss (clipped at {vmax:g})", shrink=0.9)
-    fig.suptitle(f"Out of domain: Ψ0 + λ1 ΔΨ1 + λ2 ΔΨ2 on μ' = γ1 μ1 + γ2 μ2 + κ μ⊥ (seed 004, Theorem 3, its Fig. 2)\n"
-                 f"Red hatched: (7) holds; white: loss ≤ {s.small_loss:g}; ×: closed form (75); ●: Ψ0", fontsize=10)
+    fig.suptitle(
+        f"Out of domain: Ψ0 + λ1 ΔΨ1 + λ2 ΔΨ2 on μ' = γ1 μ1 + γ2 μ2 + κ μ⊥ (seed 004, Theorem 3, its Fig. 2)\n"
+        f"Red hatched: (7) holds; white: loss ≤ {s.small_loss:g}; ×: closed form (75); ●: Ψ0",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
@@ -123,9 +135,14 @@ def plot_spectra(m: Measurements, s: ProvableSettings, path: Path, k: int = 6) -
 def plot_real(m: RealMeasurements, s: ProvableSettings, path: Path) -> None:
     """Test accuracy of Psi0 + dPsi1 + lambda dPsi2 on T1 and T2 over lambda, per pair (the seed's Fig. 1)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(m.pairs), figsize=(4.3 * len(m.pairs), 3.7), layout="constrained", sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(m.pairs), figsize=(4.3 * len(m.pairs), 3.7), layout="constrained", sharey=True, squeeze=False
+    )
     for ax, p in zip(axes[0], m.pairs):
-        for acc, ft, colour_, name in ((p.acc1, p.finetuned1, "#1f77b4", f"T1 (r_o = {s.real_r_t1:g})"), (p.acc2, p.finetuned2, "#d62728", f"T2 (r_o = {p.r_o:g})")):
+        for acc, ft, colour_, name in (
+            (p.acc1, p.finetuned1, "#1f77b4", f"T1 (r_o = {s.real_r_t1:g})"),
+            (p.acc2, p.finetuned2, "#d62728", f"T2 (r_o = {p.r_o:g})"),
+        ):
             ax.plot(m.lambdas, [100 * v for v in acc], marker="o", ms=3, color=colour_, label=name)
             ax.axhline(100 * ft, color=colour_, ls="--", lw=0.9)
             ax.axhspan(100 * ft - s.real_keep, 100 * ft, color=colour_, alpha=0.08, lw=0)
@@ -137,7 +154,11 @@ def plot_real(m: RealMeasurements, s: ProvableSettings, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
     axes[0][0].set_ylabel("test accuracy %")
-    fig.suptitle(f"Real digits coloured red / green (seed 004, Table 1 and Fig. 1): dashed, each fine-tuned model; band, within {s.real_keep:g} points of it", fontsize=10)
+    fig.suptitle(
+        "Real digits coloured red / green (seed 004, Table 1 and Fig. 1): dashed, each fine-tuned model; band, within "
+        f"{s.real_keep:g} points of it",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
@@ -147,7 +168,9 @@ def plot_real_ood(o: RealOod, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.6, 4.6), layout="constrained")
     e = _edges(o.lambdas)
-    mesh = ax.pcolormesh(e, e, [[100 * v for v in row] for row in o.acc], cmap="viridis", vmin=0, vmax=100, shading="flat")
+    mesh = ax.pcolormesh(
+        e, e, [[100 * v for v in row] for row in o.acc], cmap="viridis", vmin=0, vmax=100, shading="flat"
+    )
     (l1, l2), (b1, b2, _) = o.chosen(), o.test_best()
     ax.plot([0], [0], marker="o", color="black", ms=5, label="Ψ0")
     ax.plot([0, 1], [1, 0], ls="none", marker="s", mfc="none", mec="white", ms=8, label="Ψ*_T1 (1, 0), Ψ*_T2 (0, 1)")
@@ -157,6 +180,10 @@ def plot_real_ood(o: RealOod, path: Path) -> None:
     ax.set_xlabel("λ2"), ax.set_ylabel("λ1")
     ax.legend(fontsize=7, loc="lower left", framealpha=0.8)
     fig.colorbar(mesh, ax=ax, label="T' test accuracy %")
-    ax.set_title(f"Out of domain on the real digits: r_o = {o.r_o[0]:g}, {o.r_o[1]:g} → T' {o.r_o[2]:g}\n(seed 004, Table 2 and Fig. 2 (A))", fontsize=10)
+    ax.set_title(
+        f"Out of domain on the real digits: r_o = {o.r_o[0]:g}, "
+        f"{o.r_o[1]:g} → T' {o.r_o[2]:g}\n(seed 004, Table 2 and Fig. 2 (A))",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

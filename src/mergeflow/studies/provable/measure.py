@@ -9,7 +9,29 @@ from dataclasses import dataclass
 from typing import Any, TYPE_CHECKING
 
 
-from mergeflow.studies.provable.model import Params, alignment, closed_form_lambdas, delta, evaluate, finetune, forward, grid, hinge, impossible, init_model, irrelevant_directions, make_data, merge, ood_condition, patterns, residual, second_alignment, target_pattern, top_energy, truncate_params
+from mergeflow.studies.provable.model import (
+    Params,
+    alignment,
+    closed_form_lambdas,
+    delta,
+    evaluate,
+    finetune,
+    forward,
+    grid,
+    hinge,
+    impossible,
+    init_model,
+    irrelevant_directions,
+    make_data,
+    merge,
+    ood_condition,
+    patterns,
+    residual,
+    second_alignment,
+    target_pattern,
+    top_energy,
+    truncate_params,
+)
 from mergeflow.studies.provable.settings import ProvableSettings
 
 if TYPE_CHECKING:
@@ -32,8 +54,17 @@ class FineTune:
         wl, wr = alignment(W, self.mu)
         _, vr = alignment(V, self.mu)
         vbar = irrelevant_directions(self.mu.shape[0]).sum(0)
-        return {"energy_W": top_energy(W), "energy_V": top_energy(V), "align_W_left": wl, "align_W_right": wr, "align_V_right": vr,
-                "residual1_W": residual(W, 1), "residual1_V": residual(V, 1), "residual2_V": residual(V, 2), "second_V_irrelevant_mean": second_alignment(V, vbar)}
+        return {
+            "energy_W": top_energy(W),
+            "energy_V": top_energy(V),
+            "align_W_left": wl,
+            "align_W_right": wr,
+            "align_V_right": vr,
+            "residual1_W": residual(W, 1),
+            "residual1_V": residual(V, 1),
+            "residual2_V": residual(V, 2),
+            "second_V_irrelevant_mean": second_alignment(V, vbar),
+        }
 
 
 @dataclass
@@ -65,10 +96,14 @@ class Measurements:
 
 
 def _test_set(mu: torch.Tensor, irrelevant: torch.Tensor, s: ProvableSettings, gen: torch.Generator):
-    return make_data(mu, irrelevant, s.test_examples, tokens=s.tokens, relevant=s.relevant, confusion=s.confusion, gen=gen)
+    return make_data(
+        mu, irrelevant, s.test_examples, tokens=s.tokens, relevant=s.relevant, confusion=s.confusion, gen=gen
+    )
 
 
-def addition_map(theta0: Params, a: torch.Tensor, d1: Params, d2: Params, lambdas: Sequence[float], test1, test2) -> tuple[list[float], list[float]]:
+def addition_map(
+    theta0: Params, a: torch.Tensor, d1: Params, d2: Params, lambdas: Sequence[float], test1, test2
+) -> tuple[list[float], list[float]]:
     """Test losses on tasks 1 and 2 of theta0 + d1 + lambda d2 for each lambda."""
     import torch
 

@@ -49,14 +49,25 @@ def irrelevant_directions(d: int) -> torch.Tensor:
     return torch.eye(d)[RESERVED:]
 
 
-def make_data(mu: torch.Tensor, irrelevant: torch.Tensor, n: int, *, tokens: int, relevant: int, confusion: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(
+    mu: torch.Tensor,
+    irrelevant: torch.Tensor,
+    n: int,
+    *,
+    tokens: int,
+    relevant: int,
+    confusion: int,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """n samples (X: n x P x d, y: n) of Definition 2: y = +-1 equally likely; ``relevant`` tokens y mu,
     ``confusion`` tokens -y mu, the rest drawn uniformly from the rows of ``irrelevant``; positions shuffled."""
     import torch
 
     y = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
     rest = tokens - relevant - confusion
-    sign = torch.cat([torch.ones(n, relevant), -torch.ones(n, confusion), torch.zeros(n, rest)], dim=1) * y[:, None]  # n x P
+    sign = (
+        torch.cat([torch.ones(n, relevant), -torch.ones(n, confusion), torch.zeros(n, rest)], dim=1) * y[:, None]
+    )  # n x P
     idx = torch.randint(0, irrelevant.shape[0], (n, rest), generator=gen)
     X = sign[:, :, None] * mu[None, None, :]
     X[:, relevant + confusion :] = irrelevant[idx]
@@ -102,7 +113,14 @@ def hinge(f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.clamp(1 - y * f, min=0)
 
 
-def finetune(theta0: Params, a: torch.Tensor, mu: torch.Tensor, irrelevant: torch.Tensor, s: ProvableSettings, gen: torch.Generator) -> Params:
+def finetune(
+    theta0: Params,
+    a: torch.Tensor,
+    mu: torch.Tensor,
+    irrelevant: torch.Tensor,
+    s: ProvableSettings,
+    gen: torch.Generator,
+) -> Params:
     """``s.steps`` SGD steps of size ``s.lr`` on the mean hinge loss of fresh mini-batches of ``s.batch``
     samples of the task with pattern ``mu``; a is frozen. Returns the fine-tuned W, V."""
     import torch

@@ -1,5 +1,6 @@
 """The seed's Colored-MNIST experiment (its Section 4.1) on the pipeline's real digits: the colouring, the backbone's
-last block(s) fine-tuned under one shared probe, alpha-hat, and the addition, negation and out-of-domain measurements."""
+last block(s) fine-tuned under one shared probe, alpha-hat, and the addition, negation and out-of-domain
+measurements."""
 
 from __future__ import annotations
 
@@ -77,7 +78,9 @@ def _tail_class() -> type:
             self.blocks = torch.nn.Sequential(*[copy.deepcopy(b) for b in list(net.blocks)[len(net.blocks) - blocks :]])
             self.norm = copy.deepcopy(net.norm)
             self.fc_norm = copy.deepcopy(net.fc_norm)
-            self._pool = [net.pool]  # parameter-free (global average over the patch tokens here); a list: not a submodule
+            self._pool = [
+                net.pool
+            ]  # parameter-free (global average over the patch tokens here); a list: not a submodule
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             return self.fc_norm(self._pool[0](self.norm(self.blocks(tokens))))
@@ -92,7 +95,10 @@ def split_backbone(backbone: Any, blocks: int) -> tuple[Any, torch.nn.Module]:
     net = backbone.net
     for name in ("blocks", "patch_embed", "_pos_embed", "norm", "fc_norm", "pool"):
         if not hasattr(net, name):
-            raise MergeflowError(f"study provable: the real-data part splits a timm VisionTransformer; backbone '{type(net).__name__}' has no '{name}'")
+            raise MergeflowError(
+                "study provable: the real-data part splits a timm "
+                f"VisionTransformer; backbone '{type(net).__name__}' has no '{name}'"
+            )
     frozen = list(net.blocks)[: max(0, len(net.blocks) - blocks)]
 
     @torch.no_grad()
@@ -165,7 +171,8 @@ class RealOod:
         return getattr(self, grid)[i][j]
 
     def chosen(self) -> tuple[float, float]:
-        """The (lambda1, lambda2) of the best validation accuracy (the first on ties, lambda1 then lambda2 ascending)."""
+        """The (lambda1, lambda2) of the best validation accuracy (the first on ties, lambda1 then lambda2
+        ascending)."""
         best = max(((v, -i, -j) for i, row in enumerate(self.val_acc) for j, v in enumerate(row)))
         return self.lambdas[-best[1]], self.lambdas[-best[2]]
 
@@ -197,12 +204,16 @@ def real_skip_reason(params: Any, layout: Any, s: ProvableSettings) -> str | Non
     if layout is None or not hasattr(params, "suite"):
         return "no pipeline outputs given (the study ran without a layout)"
     if s.real_task not in params.suite.tasks:
-        return f"task '{s.real_task}' is not in suite.tasks ({', '.join(params.suite.tasks)}): the seed's Colored-MNIST needs real digits"
+        return (
+            f"task '{s.real_task}' is not in suite.tasks "
+            f"({', '.join(params.suite.tasks)}): the seed's Colored-MNIST needs real digits"
+        )
     return None
 
 
 def measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
-    """Every real-data measurement, on one CPU thread (as ``measure``: reproducible whatever the machine), restored after."""
+    """Every real-data measurement, on one CPU thread (as ``measure``: reproducible whatever the machine), restored
+    after."""
     import torch
 
     threads = torch.get_num_threads()
@@ -228,10 +239,18 @@ def _real_inputs(params: Any, layout: Any, s: ProvableSettings) -> tuple[Any, An
     tokens = {}
     for split in ("train", "val", "test"):
         images = data.split(split).inputs
-        tokens[split] = {c: _tokens(prefix, colour(images, torch.full((len(images),), c == "red"))) for c in ("red", "green")}
+        tokens[split] = {
+            c: _tokens(prefix, colour(images, torch.full((len(images),), c == "red"))) for c in ("red", "green")
+        }
     check = data.test.inputs[:8]
-    if not torch.allclose(tail0(prefix(colour(check, torch.ones(8, dtype=torch.bool)))), backbone(colour(check, torch.ones(8, dtype=torch.bool))), atol=1e-5):
-        raise MergeflowError("study provable: the split backbone (frozen prefix + tail) does not reproduce the backbone")
+    if not torch.allclose(
+        tail0(prefix(colour(check, torch.ones(8, dtype=torch.bool)))),
+        backbone(colour(check, torch.ones(8, dtype=torch.bool))),
+        atol=1e-5,
+    ):
+        raise MergeflowError(
+            "study provable: the split backbone (frozen prefix + tail) does not reproduce the backbone"
+        )
     return data, tail0, tokens, len(backbone.net.blocks)
 
 
@@ -242,13 +261,25 @@ def _real_ood(s: ProvableSettings, tasks: list[RealTask], alpha_between, tail0, 
 
     a, b, target = tasks
     lams = grid(s.real_ood_lambda_min, s.real_ood_lambda_max, s.real_ood_lambda_step)
-    x, y, n = torch.cat([target.test[0], target.val[0]]), torch.cat([target.test[1], target.val[1]]), len(target.test[1])
+    x, y, n = (
+        torch.cat([target.test[0], target.val[0]]),
+        torch.cat([target.test[1], target.val[1]]),
+        len(target.test[1]),
+    )
     acc, val_acc = [], []
     for l1 in lams:
         rows = [tail_outputs(tail0, merge(theta0, [a.delta, b.delta], [l1, l2]), head, x).argmax(1) == y for l2 in lams]
         acc.append([float(r[:n].float().mean()) for r in rows])
         val_acc.append([float(r[n:].float().mean()) for r in rows])
-    return RealOod(tuple(s.real_ood_r), alpha_between(a, b), (alpha_between(a, target), alpha_between(b, target)), target.accuracy, lams, acc, val_acc)
+    return RealOod(
+        tuple(s.real_ood_r),
+        alpha_between(a, b),
+        (alpha_between(a, target), alpha_between(b, target)),
+        target.accuracy,
+        lams,
+        acc,
+        val_acc,
+    )
 
 
 def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
@@ -272,7 +303,15 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
     with torch.no_grad():
         tr, ytr, _ = coloured("train", 0.5, 7)
         va, yva, _ = coloured("val", 0.5, 8)
-        probe = fit_probe(tail0(tr), ytr, tail0(va), yva, ProbeConfig(c_grid=s.real_probe_c, max_iter=s.real_probe_max_iter), seed=seed, num_classes=2)
+        probe = fit_probe(
+            tail0(tr),
+            ytr,
+            tail0(va),
+            yva,
+            ProbeConfig(c_grid=s.real_probe_c, max_iter=s.real_probe_max_iter),
+            seed=seed,
+            num_classes=2,
+        )
     head = probe.head.requires_grad_(False)
 
     cfg = params.finetune
@@ -289,12 +328,29 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
         def loss_fn(idx: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(head(model(x[idx])), y[idx])
 
-        train_loop(model, loss_fn, len(x), cfg, optimizer=cfg.optimizer, momentum=cfg.momentum, seed=seed * 1_000_003 + round(r_o * 1000), device=torch.device("cpu"), desc=f"provable: finetune r_o={r_o:g}")
+        train_loop(
+            model,
+            loss_fn,
+            len(x),
+            cfg,
+            optimizer=cfg.optimizer,
+            momentum=cfg.momentum,
+            seed=seed * 1_000_003 + round(r_o * 1000),
+            device=torch.device("cpu"),
+            desc=f"provable: finetune r_o={r_o:g}",
+        )
         model.eval()
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         test, val = coloured("test", r_o, 1)[:2], coloured("val", r_o, 2)[:2]
-        tasks[r_o] = RealTask(r_o, test, val, share, delta(state, theta0), _accuracy(tail_outputs(tail0, state, head, test[0]), test[1]),
-                              _accuracy(tail_outputs(tail0, theta0, head, test[0]), test[1]))
+        tasks[r_o] = RealTask(
+            r_o,
+            test,
+            val,
+            share,
+            delta(state, theta0),
+            _accuracy(tail_outputs(tail0, state, head, test[0]), test[1]),
+            _accuracy(tail_outputs(tail0, theta0, head, test[0]), test[1]),
+        )
         return tasks[r_o]
 
     def finetuned(t: RealTask) -> Params:
@@ -302,8 +358,12 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
 
     def alpha_between(a: RealTask, b: RealTask) -> float:
         fa, fb = finetuned(a), finetuned(b)
-        return alpha_hat(tail_outputs(tail0, fa, head, a.test[0]), tail_outputs(tail0, fb, head, a.test[0]),
-                         tail_outputs(tail0, fa, head, b.test[0]), tail_outputs(tail0, fb, head, b.test[0]))
+        return alpha_hat(
+            tail_outputs(tail0, fa, head, a.test[0]),
+            tail_outputs(tail0, fb, head, a.test[0]),
+            tail_outputs(tail0, fa, head, b.test[0]),
+            tail_outputs(tail0, fb, head, b.test[0]),
+        )
 
     lambdas = grid(s.real_lambda_min, s.real_lambda_max, s.real_lambda_step)
     t1 = task(s.real_r_t1)
@@ -313,13 +373,30 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
         x, y, n1 = torch.cat([t1.test[0], t2.test[0]]), torch.cat([t1.test[1], t2.test[1]]), len(t1.test[1])
         acc1, acc2 = [], []
         for lam in lambdas:
-            pred = tail_outputs(tail0, merge(theta0, [t1.delta, t2.delta], [1.0, lam]), head, x).argmax(1) == y  # both test sets in one pass
+            pred = (
+                tail_outputs(tail0, merge(theta0, [t1.delta, t2.delta], [1.0, lam]), head, x).argmax(1) == y
+            )  # both test sets in one pass
             acc1.append(float(pred[:n1].float().mean()))
             acc2.append(float(pred[n1:].float().mean()))
         pairs.append(RealPair(relation, t2.r_o, alpha_between(t1, t2), acc1, acc2, t1.accuracy, t2.accuracy))
 
-    ood = None if s.real_ood_r is None else _real_ood(s, [task(r) for r in s.real_ood_r], alpha_between, tail0, theta0, head)
+    ood = (
+        None
+        if s.real_ood_r is None
+        else _real_ood(s, [task(r) for r in s.real_ood_r], alpha_between, tail0, theta0, head)
+    )
 
     images = {split: len(data.split(split).labels) for split in ("train", "val", "test")}
-    return RealMeasurements(s.real_task, min(s.real_blocks, depth), depth, total_steps(cfg, images["train"]), images, {"C": probe.c, "val_accuracy": probe.val_accuracy},
-                            lambdas, tasks, pairs, ood, time.perf_counter() - start)
+    return RealMeasurements(
+        s.real_task,
+        min(s.real_blocks, depth),
+        depth,
+        total_steps(cfg, images["train"]),
+        images,
+        {"C": probe.c, "val_accuracy": probe.val_accuracy},
+        lambdas,
+        tasks,
+        pairs,
+        ood,
+        time.perf_counter() - start,
+    )

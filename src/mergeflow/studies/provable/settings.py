@@ -7,10 +7,14 @@ from pydantic import Field, PositiveInt, model_validator
 
 from mergeflow.studies import StudySettings
 
-PAPER = "Seed 004: Li, Zhang, Zhang, Chen, Liu, Wang: When is task vector provably effective for model editing? A generalization analysis of nonlinear Transformers (ICLR 2025)"
+PAPER = (
+    "Seed 004: Li, Zhang, Zhang, Chen, Liu, Wang: When is task vector provably effective for model editing? A "
+    "generalization analysis of nonlinear Transformers (ICLR 2025)"
+)
 
 
-RESERVED = 3  # e0, e1, e2: the patterns' span (mu1, mu2 and the out-of-domain target's mu_perp); irrelevant tokens use the rest
+# e0, e1, e2: the patterns' span (mu1, mu2 and the out-of-domain target's mu_perp); irrelevant tokens use the rest
+RESERVED = 3
 
 
 RELATIONS = ("irrelevant", "aligned", "contradictory")  # the real-data pairs, in the seed's Table 1 order
@@ -18,7 +22,8 @@ RELATIONS = ("irrelevant", "aligned", "contradictory")  # the real-data pairs, i
 
 class ProvableSettings(StudySettings):
     """Defaults: about 10 fine-tunes of 200 steps and a few thousand evaluations, seconds on 2 CPU cores (the synthetic
-    part); the real digits add 5 fine-tunes of the backbone's last block and about 170 merged models, about 35 s on one core."""
+    part); the real digits add 5 fine-tunes of the backbone's last block and about 170 merged models, about 35 s on one
+    core."""
 
     # ---- thresholds (fixed before any number was seen; the report states each)
     # claim 1: every fine-tuned model's test accuracy must reach this (Theorem 1: Theta(eps) error)
@@ -61,7 +66,9 @@ class ProvableSettings(StudySettings):
     lr: float = Field(1.0, gt=0)  # SGD step size eta
     batch: PositiveInt = 64  # B, fresh samples per step
     steps: PositiveInt = 200  # T, SGD steps per fine-tune
-    test_examples: PositiveInt = 256  # test samples per task (losses and accuracies; each evaluation's cost is linear in it)
+    test_examples: PositiveInt = (
+        256  # test samples per task (losses and accuracies; each evaluation's cost is linear in it)
+    )
     # task relations alpha = mu1^T mu2 of the addition / negation maps (one fine-tune of task 2 each); must hold 0
     alphas: list[float] = Field(default_factory=lambda: [-0.8, -0.6, -0.4, -0.2, 0.0, 0.2, 0.4, 0.6, 0.8], min_length=2)
     # lambda grid of claims 2-3: from lambda_min to lambda_max (both included) by lambda_step
@@ -70,7 +77,9 @@ class ProvableSettings(StudySettings):
     lambda_step: float = Field(0.1, gt=0)
     # out-of-domain targets (gamma1, gamma2), gamma1^2 + gamma2^2 <= 1; the seed's Section 4.1 case is near the first;
     # a pair with both gammas equal and negative is the case Theorem 3 proves impossible
-    ood_targets: list[tuple[float, float]] = Field(default_factory=lambda: [(0.8, -0.55), (0.6, 0.6), (0.9, 0.3), (-0.6, 0.7), (-0.65, -0.65)], min_length=1)
+    ood_targets: list[tuple[float, float]] = Field(
+        default_factory=lambda: [(0.8, -0.55), (0.6, 0.6), (0.9, 0.3), (-0.6, 0.7), (-0.65, -0.65)], min_length=1
+    )
     # (lambda1, lambda2) grid of claim 4: the seed's [-2, 3] (Table 2, Fig. 2), by ood_lambda_step
     ood_lambda_min: float = -2.0
     ood_lambda_max: float = 3.0
@@ -82,19 +91,23 @@ class ProvableSettings(StudySettings):
     # thresholds, in accuracy points, fixed before any real-data number was seen and set so that the seed's own Table 1
     # satisfies claims 7-8: a task is *kept* when the merged model's accuracy is within real_keep of its fine-tuned
     # model's (the seed's largest gap on a success: 5.65; on its contradictory multi-task failure: 16.70 and 33.72) and
-    # *forgotten* when it falls by at least real_forget (the seed's unlearning successes: 45.24 and 89.85; aligned: 5.18)
+    # *forgotten* when it falls by at least real_forget (the
+    # seed's unlearning successes: 45.24 and 89.85; aligned: 5.18)
     real_keep: float = Field(10.0, gt=0)
     real_forget: float = Field(25.0, gt=0)
-    # claim 9: the (lambda1, lambda2) chosen on the validation split must beat both single task vectors on T' (test) by this
+    # claim 9: the (lambda1, lambda2) chosen on the validation
+    # split must beat both single task vectors on T' (test) by this
     real_ood_gain: float = Field(1.0, ge=0)
     # r_o (proportion of red among odd digits; r_e = 1 - r_o among even ones): T1's, and T2's per relation (the seed's)
     real_r_t1: float = Field(0.95, ge=0, le=1)
-    real_r_t2: dict[str, float] = Field(default_factory=lambda: {"irrelevant": 0.5, "aligned": 0.9, "contradictory": 0.05})
+    real_r_t2: dict[str, float] = Field(
+        default_factory=lambda: {"irrelevant": 0.5, "aligned": 0.9, "contradictory": 0.05}
+    )
     # Table 2: r_o of T1, T2 and the target T' (the seed's 0.85, 0.05, 0.9); empty: not run
     real_ood_r: tuple[float, float, float] | None = (0.85, 0.05, 0.9)
     real_blocks: PositiveInt = 1  # the backbone's last blocks fine-tuned (with its final norms); the rest stays frozen
-    # the lambda grid of Table 1 (the seed's {-1, -0.8, ..., 2}) and Table 2's (lambda1, lambda2) grid: the seed's [-2, 3], by 0.5
-    # rather than its 0.2 (121 merged models instead of 676: each costs about 0.07 s on one core)
+    # the lambda grid of Table 1 (the seed's {-1, -0.8, ..., 2}) and Table 2's (lambda1, lambda2) grid: the seed's [-2,
+    # 3], by 0.5 rather than its 0.2 (121 merged models instead of 676: each costs about 0.07 s on one core)
     real_lambda_min: float = -1.0
     real_lambda_max: float = 2.0
     real_lambda_step: float = Field(0.2, gt=0)
@@ -115,7 +128,9 @@ class ProvableSettings(StudySettings):
         if self.real_lambda_min >= self.real_lambda_max or self.real_ood_lambda_min >= self.real_ood_lambda_max:
             raise ValueError("real lambda grids: min must be below max")
         if self.confusion >= self.relevant:
-            raise ValueError(f"confusion {self.confusion} must be below relevant {self.relevant} (the label is the majority sign)")
+            raise ValueError(
+                f"confusion {self.confusion} must be below relevant {self.relevant} (the label is the majority sign)"
+            )
         if self.relevant + self.confusion > self.tokens:
             raise ValueError(f"relevant + confusion = {self.relevant + self.confusion} exceeds tokens {self.tokens}")
         if self.small_loss >= self.large_loss:
