@@ -129,9 +129,10 @@ def _pct(v) -> str:
     return "—" if v is None else f"{100 * v:.1f}"
 
 
-def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated, ind_avg, n_eval, cosine) -> str:
+def _intro(context, s: CartSettings, layers, n_eval) -> list[str]:
+    """The suite, the matrices and the rank kept, the lambda grids; the thresholds."""
     k8 = {L.shape: rank_of(L.shape, s.rank_ratio) for L in layers}
-    b = [
+    return [
         f"Our suite: {len(context.params.suite.tasks)} tasks, backbone `{context.params.backbone.model}` "
         f"{context.params.backbone.kwargs}; "
         f"{len(layers)} matrices (attention qkv/proj, MLP fc1/fc2), min(m, n) = {sorted({min(sh) for sh in k8})}, so "
@@ -150,6 +151,12 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
         f"and median I(k) rises from {100 * s.knee_ratio:g}% on; CART-Indexing "
         f"≤ {100 * s.indexing_tolerance:g} points below individual.",
         "",
+    ]
+
+
+def _rank_curve_section(s: CartSettings, sweep, evaluated) -> list[str]:
+    """Section 1: CART's and LRTA's accuracy (and chosen lambda) per rank ratio, against WA and TA."""
+    return [
         "## 1. Accuracy against the rank ratio (seed Fig. 1)",
         "",
         "| ratio (%) | " + " | ".join(f"{100 * r:g}" for r in s.ratios) + " |",
@@ -165,15 +172,19 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
         "",
         "![accuracy against rank ratio](rank_curve.png)",
         "",
+    ]
+
+
+def _interference_section(s: CartSettings, layers) -> list[str]:
+    """Section 2: the median over matrices of I(k), original and centred, and of R(k)/R(0), per ratio."""
+    r_med, i_c, i_o = layer_medians(layers)
+    return [
         "## 2. Row-space interference I(k) and reconstruction error R(k) (seed Figs. 2, 3, 8)",
         "",
         "Per matrix; the median over matrices by ratio:",
         "",
         "| ratio (%) | " + " | ".join(f"{100 * r:g}" for r in s.ratios) + " |",
         "|---|" + "---|" * len(s.ratios),
-    ]
-    r_med, i_c, i_o = layer_medians(layers)
-    b += [
         "| I(k) original | " + " | ".join(f"{v:.2f}" for v in i_o) + " |",
         "| I(k) centred | " + " | ".join(f"{v:.2f}" for v in i_c) + " |",
         "| R(k)/R(0) centred | " + " | ".join(f"{v:.3f}" for v in r_med) + " |",
@@ -182,6 +193,12 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
         "",
         "![R(k) and I(k)](tradeoff.png)",
         "",
+    ]
+
+
+def _indexing_section(evaluated, ind_avg) -> list[str]:
+    """Section 3: CART-Indexing and EMR against the individual models, beside the seed's."""
+    return [
         "## 3. CART-Indexing (seed Table 3)",
         "",
         "| | ours | seed (ViT-B/32, 8 tasks) |",
@@ -191,37 +208,51 @@ def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated
         f"| EMR | {_pct(evaluated.get('emr'))} | {PAPER_INDEXING['emr']} |",
         "",
     ]
-    b += ["## 4. Scaling with the number of tasks (seed Fig. 7)", ""]
-    if sizes:
-        b += [
-            "Normalized accuracy (merged / individual, %), mean ± standard error over the subsets "
-            f"({s.subsets_per_size} random subsets per T, seed {s.seed}; the full suite is one subset):",
-            "",
-            "| T | subsets | " + " | ".join(NAMES[m] for m in SCALING_METHODS) + " |",
-            "|---|---|" + "---|" * len(SCALING_METHODS),
-        ]
-        for n in sizes:
-            rows = [r for r in scale["rows"] if r["size"] == n]
 
-            def cell(m):
-                v = [r[m] for r in rows]
-                se = stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0
-                return f"{100 * mean(v):.1f} ± {100 * se:.1f}"
 
-            b.append(f"| {n} | {len(rows)} | " + " | ".join(cell(m) for m in SCALING_METHODS) + " |")
-        b += [
-            "",
-            "At T = 2 CART is weight averaging whatever its rank and "
-            "λ: the two centred vectors are ±(τ1 − τ2)/2, so their "
-            "rank-k truncations cancel in the sum. The verdict takes "
-            "the drop from the smallest T to the largest, as set before "
-            "the numbers; the claim's detail also gives the drop from the second size.",
-            "",
-            "![scaling with T](scaling.png)",
-            "",
-        ]
-    else:
-        b += ["Not measured: metrics/finetune is missing.", ""]
+def _scaling_section(s: CartSettings, scale, sizes) -> list[str]:
+    """Section 4: each method's normalised accuracy per number of tasks (mean ± standard error over subsets)."""
+    b = ["## 4. Scaling with the number of tasks (seed Fig. 7)", ""]
+    if not sizes:
+        return b + ["Not measured: metrics/finetune is missing.", ""]
+    b += [
+        "Normalized accuracy (merged / individual, %), mean ± standard error over the subsets "
+        f"({s.subsets_per_size} random subsets per T, seed {s.seed}; the full suite is one subset):",
+        "",
+        "| T | subsets | " + " | ".join(NAMES[m] for m in SCALING_METHODS) + " |",
+        "|---|---|" + "---|" * len(SCALING_METHODS),
+    ]
+    for n in sizes:
+        rows = [r for r in scale["rows"] if r["size"] == n]
+
+        def cell(m):
+            v = [r[m] for r in rows]
+            se = stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0
+            return f"{100 * mean(v):.1f} ± {100 * se:.1f}"
+
+        b.append(f"| {n} | {len(rows)} | " + " | ".join(cell(m) for m in SCALING_METHODS) + " |")
+    return b + [
+        "",
+        "At T = 2 CART is weight averaging whatever its rank and "
+        "λ: the two centred vectors are ±(τ1 − τ2)/2, so their "
+        "rank-k truncations cancel in the sum. The verdict takes "
+        "the drop from the smallest T to the largest, as set before "
+        "the numbers; the claim's detail also gives the drop from the second size.",
+        "",
+        "![scaling with T](scaling.png)",
+        "",
+    ]
+
+
+def _body(context, s: CartSettings, sweep, layers, scale, sizes, norm, evaluated, ind_avg, n_eval, cosine) -> str:
+    """The report's body, its sections in order (``norm`` goes to claim 4, not into the body)."""
+    b = (
+        _intro(context, s, layers, n_eval)
+        + _rank_curve_section(s, sweep, evaluated)
+        + _interference_section(s, layers)
+        + _indexing_section(evaluated, ind_avg)
+        + _scaling_section(s, scale, sizes)
+    )
     return "\n".join(b + _ranking_section(context, s, sweep, layers, evaluated, cosine))
 
 

@@ -40,7 +40,7 @@ lam is metrics/merge/task_arithmetic.json's chosen ``hyperparameters.lam`` when 
 
 The study is a package, a module per part: ``settings``, ``metric`` (the measure and the forward hooks),
 ``measure`` (the measurements on the pipeline's models), ``claims`` (the summaries and the verdicts),
-``figures`` and ``report`` (the study function, registered as ``ctl``, and the report's body).
+``figures``, ``_sections`` (the report's sections) and ``report`` (the study function, registered as ``ctl``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Study ``ctl``: the study function, registered as ``ctl``, and the report's body."""
+"""Study ``ctl``: the study function, registered as ``ctl``, and its steps (``_sections`` writes the report's
+body)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,19 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from statistics import mean
 from typing import Any, TYPE_CHECKING
 
 
 from mergeflow.core.errors import MergeflowError
 from mergeflow.studies import StudyContext, StudyResult, register
+from mergeflow.studies.ctl._sections import (
+    AverageTerms,
+    Design,
+    NegationTerms,
+    PairTerms,
+    ScratchTerms,
+    report_body,
+)
 from mergeflow.studies.ctl.claims import (
     _r,
     claim_addition,
@@ -119,23 +127,25 @@ def _measure_scratch(
     data: dict,
     heads: dict,
     theta0,
-    pair8: tuple[str, str],
-    n: int,
+    d: Design,
     device,
-) -> tuple[dict, dict, dict]:
-    """Claim 8's measurements: the pair trained from a random init and, on the same schedule, from theta0; the
-    CTL terms at alpha = 0.5 of those two and of the pipeline's fine-tunes (by name, in the plot's order), each
-    model's test accuracy, and each pair's distance relative to its init's norm."""
+) -> ScratchTerms:
+    """Claim 8's measurements: the pair (the setting's, else the first pair) trained from a random init and, on the
+    same schedule, from theta0; the CTL terms at alpha = 0.5 of those two and of the pipeline's fine-tunes (by name,
+    in the plot's order), each model's test accuracy, and each pair's distance relative to its init's norm."""
     import torch
 
     from mergeflow.ml.models import build_backbone
 
+    pair8 = tuple(s.scratch_pair) if s.scratch_pair is not None else d.pairs[0]
+    for t in pair8:
+        params.check_task(t)
     train = {t: (data[t].train.inputs, data[t].train.labels) for t in pair8}
     torch.manual_seed(params.seed)
     random_init = {k: v.detach().clone() for k, v in build_backbone(params.backbone).net.state_dict().items()}
     from_scratch = train_pair(params, suite, train, random_init, pair8, s.scratch_steps, device, "scratch")
     from_theta0 = train_pair(params, suite, train, theta0, pair8, s.scratch_steps, device, "from-theta0")
-    x8, _ = suite.x(list(pair8), n)
+    x8, _ = suite.x(list(pair8), d.n)
     terms = {
         "random init": ctl_at(probe, from_scratch[pair8[0]], from_scratch[pair8[1]], x8, 0.5),
         "from θ0, same schedule": ctl_at(probe, from_theta0[pair8[0]], from_theta0[pair8[1]], x8, 0.5),
@@ -151,7 +161,97 @@ def _measure_scratch(
         name: _r(_distance(states[pair8[0]], states[pair8[1]]) / _norm(init))
         for name, states, init in (("scratch", from_scratch, random_init), ("finetuned", from_theta0, theta0))
     }
-    return terms, acc8, rel8
+    scratch, control, pipeline8 = (_by_layer([terms[k]]) for k in ("random init", "from θ0, same schedule", "pipeline"))
+    return ScratchTerms(pair8, terms, scratch, control, pipeline8, acc8, rel8)
+
+
+def _design(params, layout, s: CtlSettings, suite: Suite, probe: Probe) -> Design:
+    """The stitching block (checked against the backbone's depth), lambda, the pairs and the examples per task."""
+    tasks = list(params.suite.tasks)
+    depth = len(probe.layers)
+    layer = s.stitch_layer if s.stitch_layer is not None else max(0, depth // 2 - 1)
+    if layer >= depth:
+        raise MergeflowError(f"studies.ctl.stitch_layer: block {layer} does not exist (the backbone has {depth})")
+    lam, lam_source = pipeline_lam(layout, s.lam)
+    pairs = choose_pairs(tasks, s.pairs, params.seed)
+    n = min(s.examples, *(len(suite.test[t][1]) for t in tasks))
+    m_st = min(s.stitch_examples, *(len(suite.test[t][1]) for t in tasks))
+    return Design(probe.reading, depth, layer, lam, lam_source, pairs, n, m_st)
+
+
+def _measure_pairs(probe: Probe, suite: Suite, s: CtlSettings, d: Design) -> PairTerms:
+    """Claims 1, 2, 4 and 6: every pair along alpha, its addition and its loss path."""
+    measured = {p: measure_pair(probe, suite, *p, s.alphas, d.lam, d.n) for p in d.pairs}
+    per_alpha = {a: _by_layer([m["ctl"][a] for m in measured.values()]) for a in s.alphas}
+    addition = _by_layer([m["addition"] for m in measured.values()])
+    barriers = [loss_barrier(m["losses"][1.0], m["losses"][0.5], m["losses"][0.0]) for m in measured.values()]
+    return PairTerms(measured, per_alpha, addition, barriers)
+
+
+def _measure_negations(probe: Probe, suite: Suite, tasks: list[str], d: Design) -> NegationTerms:
+    """Claim 5, per task: eq. 3's terms, and eq. 4 and its first-order form per layer (shown, not judged)."""
+    import torch
+
+    neg = {t: measure_negation(probe, suite, t, d.lam, d.n) for t in tasks}
+    negation = _by_layer([v["eq3"] for v in neg.values()])
+    eq4 = [float(torch.cat([v["eq4"][L] for v in neg.values()]).mean()) for L in range(d.depth)]
+    first_order = [float(torch.cat([v["first_order"][L] for v in neg.values()]).mean()) for L in range(d.depth)]
+    return NegationTerms(neg, negation, eq4, first_order)
+
+
+def _measure_averages(probe: Probe, suite: Suite, tasks: list[str], s: CtlSettings, d: Design) -> AverageTerms:
+    """Claim 3: the average of each subset size's models (sizes above the suite's are left out)."""
+    subsets = {k: choose_subset(tasks, k, s.average_seed) for k in s.average_sizes if k <= len(tasks)}
+    avg_terms = {k: measure_average(probe, suite, sub, d.n) for k, sub in subsets.items()}
+    return AverageTerms(subsets, avg_terms, {k: _by_layer([v]) for k, v in avg_terms.items()})
+
+
+def _claims(s: CtlSettings, d: Design, p: PairTerms, neg: NegationTerms, avg: AverageTerms, stitch, sc: ScratchTerms):
+    """The eight verdicts, in the claims' order (claim 6 reads claim 1's)."""
+    c1 = claim_ctl(p.per_alpha, s)
+    return [
+        c1,
+        claim_coef(p.per_alpha, s),
+        claim_average(avg.per_k, s),
+        claim_addition(p.addition, s, d.lam),
+        claim_negation(neg.negation, s, d.lam),
+        claim_barrier(p.barriers, c1.holds, s),
+        claim_stitching(stitch, s),
+        claim_scratch(sc.pair, sc.scratch, sc.control, sc.acc, s, sc.rel),
+    ]
+
+
+def _plot(
+    out: Path, s: CtlSettings, d: Design, p: PairTerms, neg: NegationTerms, avg: AverageTerms, stitch, sc, names
+) -> list[str]:
+    """The five figures, written into ``out``; their file names in the report's order."""
+    figures = ["ctl.png", "arithmetic.png", "barrier.png", "stitching.png", "scratch.png"]
+    out.mkdir(parents=True, exist_ok=True)
+    plot_ctl(
+        p.per_alpha,
+        {a: _coefs([m["ctl"][a] for m in p.measured.values()]) for a in s.alphas},
+        len(d.pairs),
+        out / figures[0],
+        names,
+    )
+    coefs = {
+        "average": {k: _coefs([v]) for k, v in avg.terms.items()},
+        "addition": _coefs([m["addition"] for m in p.measured.values()]),
+        "negation": _coefs([v["eq3"] for v in neg.by_task.values()]),
+    }
+    plot_arithmetic(avg.per_k, p.addition, neg.negation, coefs, d.lam, out / figures[1], names)
+    plot_barrier({f"{i} / {j}": m["losses"] for (i, j), m in p.measured.items()}, out / figures[2])
+    plot_stitching(stitch, out / figures[3])
+    plot_scratch(
+        sc.scratch,
+        sc.control,
+        sc.pipeline,
+        {k: _coefs([v]) for k, v in sc.terms.items()},
+        sc.pair,
+        out / figures[4],
+        names,
+    )
+    return figures
 
 
 @register(
@@ -161,127 +261,35 @@ def _measure_scratch(
     settings=CtlSettings,
 )
 def ctl_study(context: StudyContext) -> StudyResult:
-    import torch
-
     params, layout, s, device = context.params, context.layout, context.settings, context.device
     started = time.perf_counter()
     timings: dict[str, float] = {}
     tasks = list(params.suite.tasks)
     theta0, data, heads, suite, probe = _load(params, layout, device)
-    depth = len(probe.layers)
-    layer = s.stitch_layer if s.stitch_layer is not None else max(0, depth // 2 - 1)
-    if layer >= depth:
-        raise MergeflowError(f"studies.ctl.stitch_layer: block {layer} does not exist (the backbone has {depth})")
-    lam, lam_source = pipeline_lam(layout, s.lam)
-    pairs = choose_pairs(tasks, s.pairs, params.seed)
-    n = min(s.examples, *(len(suite.test[t][1]) for t in tasks))
+    d = _design(params, layout, s, suite, probe)
 
-    # claims 1, 2, 4, 6
     t0 = time.perf_counter()
-    measured = {p: measure_pair(probe, suite, *p, s.alphas, lam, n) for p in pairs}
-    per_alpha = {a: _by_layer([m["ctl"][a] for m in measured.values()]) for a in s.alphas}
-    addition = _by_layer([m["addition"] for m in measured.values()])
-    barriers = [loss_barrier(m["losses"][1.0], m["losses"][0.5], m["losses"][0.0]) for m in measured.values()]
+    pair_terms = _measure_pairs(probe, suite, s, d)  # claims 1, 2, 4, 6
     timings["pairs"] = time.perf_counter() - t0
-
-    # claim 5, per task
     t0 = time.perf_counter()
-    neg = {t: measure_negation(probe, suite, t, lam, n) for t in tasks}
-    negation = _by_layer([v["eq3"] for v in neg.values()])
-    eq4 = [float(torch.cat([v["eq4"][L] for v in neg.values()]).mean()) for L in range(depth)]
-    first_order = [float(torch.cat([v["first_order"][L] for v in neg.values()]).mean()) for L in range(depth)]
+    neg = _measure_negations(probe, suite, tasks, d)  # claim 5
     timings["negation"] = time.perf_counter() - t0
-
-    # claim 3
     t0 = time.perf_counter()
-    subsets = {k: choose_subset(tasks, k, s.average_seed) for k in s.average_sizes if k <= len(tasks)}
-    avg_terms = {k: measure_average(probe, suite, sub, n) for k, sub in subsets.items()}
-    per_k = {k: _by_layer([v]) for k, v in avg_terms.items()}
+    avg = _measure_averages(probe, suite, tasks, s, d)  # claim 3
     timings["averaging"] = time.perf_counter() - t0
-
-    # claim 7
     t0 = time.perf_counter()
-    m_st = min(s.stitch_examples, *(len(suite.test[t][1]) for t in tasks))
-    stitch = [measure_stitching(probe, suite, i, j, lam, layer, m_st) for i, j in pairs]
+    stitch = [measure_stitching(probe, suite, i, j, d.lam, d.layer, d.m_st) for i, j in d.pairs]  # claim 7
     timings["stitching"] = time.perf_counter() - t0
-
-    # claim 8
     t0 = time.perf_counter()
-    pair8 = tuple(s.scratch_pair) if s.scratch_pair is not None else pairs[0]
-    for t in pair8:
-        params.check_task(t)
-    terms8, acc8, rel8 = _measure_scratch(params, s, suite, probe, data, heads, theta0, pair8, n, device)
-    scratch, control, pipeline8 = (
-        _by_layer([terms8[k]]) for k in ("random init", "from θ0, same schedule", "pipeline")
-    )
+    sc = _measure_scratch(params, s, suite, probe, data, heads, theta0, d, device)  # claim 8
     timings["scratch"] = time.perf_counter() - t0
 
-    c1 = claim_ctl(per_alpha, s)
-    claims = [
-        c1,
-        claim_coef(per_alpha, s),
-        claim_average(per_k, s),
-        claim_addition(addition, s, lam),
-        claim_negation(negation, s, lam),
-        claim_barrier(barriers, c1.holds, s),
-        claim_stitching(stitch, s),
-        claim_scratch(pair8, scratch, control, acc8, s, rel8),
-    ]
-
-    figures = ["ctl.png", "arithmetic.png", "barrier.png", "stitching.png", "scratch.png"]
-    out = Path(context.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_ctl(
-        per_alpha,
-        {a: _coefs([m["ctl"][a] for m in measured.values()]) for a in s.alphas},
-        len(pairs),
-        out / figures[0],
-        probe.names,
-    )
-    coefs = {
-        "average": {k: _coefs([v]) for k, v in avg_terms.items()},
-        "addition": _coefs([m["addition"] for m in measured.values()]),
-        "negation": _coefs([v["eq3"] for v in neg.values()]),
-    }
-    plot_arithmetic(per_k, addition, negation, coefs, lam, out / figures[1], probe.names)
-    plot_barrier({f"{i} / {j}": m["losses"] for (i, j), m in measured.items()}, out / figures[2])
-    plot_stitching(stitch, out / figures[3])
-    plot_scratch(
-        scratch, control, pipeline8, {k: _coefs([v]) for k, v in terms8.items()}, pair8, out / figures[4], probe.names
-    )
+    claims = _claims(s, d, pair_terms, neg, avg, stitch, sc)
+    figures = _plot(Path(context.out_dir), s, d, pair_terms, neg, avg, stitch, sc, probe.names)
     timings["total"] = time.perf_counter() - started
     # to the stage's log, not the report: the report's bytes must not change with the machine's load
     print("study ctl: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), flush=True)
-    body = _body(
-        params,
-        s,
-        probe.reading,
-        depth,
-        layer,
-        lam,
-        lam_source,
-        pairs,
-        n,
-        m_st,
-        measured,
-        per_alpha,
-        per_k,
-        subsets,
-        addition,
-        negation,
-        eq4,
-        first_order,
-        barriers,
-        stitch,
-        pair8,
-        scratch,
-        control,
-        pipeline8,
-        acc8,
-        rel8,
-        claims,
-    )
-    return StudyResult(claims, body, figures)
+    return StudyResult(claims, report_body(params, s, d, pair_terms, neg, avg, stitch, sc), figures)
 
 
 def _norm(state: Mapping[str, torch.Tensor]) -> float:
@@ -298,205 +306,3 @@ def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> f
             float((a[k].to(torch.float64) - b[k].to(torch.float64)).pow(2).sum()) for k in a if a[k].is_floating_point()
         )
     )
-
-
-def _row(label: str, values: Sequence[float], fmt: str = ".3g") -> str:
-    return f"| {label} | " + " | ".join(format(v, fmt) for v in values) + " |"
-
-
-def _body(
-    params,
-    s: CtlSettings,
-    reading: str,
-    depth,
-    layer,
-    lam,
-    lam_source,
-    pairs,
-    n,
-    m_st,
-    measured,
-    per_alpha,
-    per_k,
-    subsets,
-    addition,
-    negation,
-    eq4,
-    first_order,
-    barriers,
-    stitch,
-    pair8,
-    scratch,
-    control,
-    pipeline8,
-    acc8,
-    rel8,
-    claims,
-) -> str:
-    head = "| | " + " | ".join(f"block {L}" for L in range(depth)) + " |"
-    sep = "|---|" + "---|" * depth
-    steps8 = s.scratch_steps if s.scratch_steps is not None else params.finetune.steps
-    every_pair = s.pairs is None or len(pairs) == len(params.suite.tasks) * (len(params.suite.tasks) - 1) // 2
-    drawn = "all" if every_pair else f"drawn with seed {params.seed}"
-    b = [
-        f"Our suite: {len(params.suite.tasks)} tasks, backbone `{params.backbone.model}` {params.backbone.kwargs} "
-        f"({depth} blocks); f_l is {reading}. "
-        f"{len(pairs)} task pairs ({drawn}): "
-        + ", ".join(f"{i}/{j}" for i, j in pairs)
-        + f". D_t: the first {n} test examples of task t (D_i ∪ D_j: {2 * n}). λ = {lam:g}, from {lam_source}.",
-        "",
-        'Thresholds (settings, fixed before the numbers): a d_l is "near 0" when its mean is at most '
-        f'{s.ctl_ratio:g} × the mean baseline at every layer (and every α or k); coef is "≈ 1" when its median is '
-        f"within 1 ± {s.coef_tolerance:g} at every layer; "
-        f"LMC fails when the mean barrier at α = 0.5 exceeds {s.barrier_tolerance:g} nats; stitching holds when the "
-        f"averaged features recover ≥ {s.stitch_recovery:g} "
-        'of the own-task over other-task accuracy gap; without pretraining CTL is "much weaker" when its mean d_l at '
-        f"α = 0.5 is ≥ {s.weaker_factor:g}× the fine-tuned pair's. "
-        "The seed gives figures, not thresholds: these are ours. The times are in the stage's log.",
-        "",
-        "## 1–2. Cross-task linearity and its coefficient (seed Sec. 4.1, Figs. 2–3)",
-        "",
-        "Mean over all pairs' examples of d_l = 1 − cos(f_l(αθi + (1−α)θj), αf_l(θi) + (1−α)f_l(θj)), against the "
-        "baseline 1 − cos(f_l(θi), f_l(θj)), and the median coef:",
-        "",
-        head,
-        sep,
-    ]
-    for a, Ls in per_alpha.items():
-        b.append(_row(f"d, α = {a:g}", [L["d"] for L in Ls]))
-    b.append(_row("baseline", [L["baseline"] for L in per_alpha[0.5]]))
-    for a, Ls in per_alpha.items():
-        b.append(_row(f"median coef, α = {a:g}", [L["coef_median"] for L in Ls], ".3f"))
-    b += [
-        "",
-        "![cross-task linearity](ctl.png)",
-        "",
-        "## 3. Averaging several models (seed Sec. 4.2, eq. 1, Figs. 5–6)",
-        "",
-        "f_l(mean θ) against mean f_l(θt) on the union of the k tasks' D_t; baseline mean_t (1 − cos(f_l(mean θ), "
-        "f_l(θt))). The seed averages models fine-tuned "
-        "on one task with different hyperparameters; ours are fine-tuned on different tasks (its Lemma 2, CTL for "
-        "several models). Subsets (seed "
-        f"{s.average_seed}): " + "; ".join(f"k = {k}: {', '.join(sub)}" for k, sub in subsets.items()) + ".",
-        "",
-        head,
-        sep,
-    ]
-    for k, Ls in per_k.items():
-        b += [
-            _row(f"d, k = {k}", [L["d"] for L in Ls]),
-            _row(f"baseline, k = {k}", [L["baseline"] for L in Ls]),
-            _row(f"median coef, k = {k}", [L["coef_median"] for L in Ls], ".3f"),
-        ]
-    b += [
-        "",
-        "## 4–5. Task arithmetic in feature space (seed Sec. 4.3, eqs. 2–4, Figs. 7–8)",
-        "",
-        f"Addition on D_i ∪ D_j of every pair; negation on D_t of every task; λ = {lam:g}.",
-        "",
-        head,
-        sep,
-        _row("addition d: f(θ0 + λ(τi+τj)) vs ½f(θ0+2λτi) + ½f(θ0+2λτj)", [L["d"] for L in addition]),
-        _row("addition baseline: 1 − cos(f(θ0+2λτi), f(θ0+2λτj))", [L["baseline"] for L in addition]),
-        _row("addition median coef", [L["coef_median"] for L in addition], ".3f"),
-        _row("negation d (eq. 3): f(θ0) vs ½f(θ0+λτi) + ½f(θ0−λτi)", [L["d"] for L in negation]),
-        _row("negation baseline: 1 − cos(f(θ0+λτi), f(θ0−λτi))", [L["baseline"] for L in negation]),
-        _row("negation median coef", [L["coef_median"] for L in negation], ".3f"),
-        _row("eq. 4 (shown): 1 − cos(f(θ0−λτi), f(θ0) − Δ), Δ = f(θ0+λτi) − f(θ0)", eq4),
-        _row("first order (shown): 1 − cos(f(θ0−λτi), f(θ0) − λ(f(θi) − f(θ0)))", first_order),
-        "",
-        "![task arithmetic in feature space](arithmetic.png)",
-        "",
-        "## 6. The loss barrier: linearity without linear mode connectivity (seed Sec. 4.1)",
-        "",
-        "Loss on D_i ∪ D_j, each example scored by its own task's head (the "
-        "pipeline's frozen heads), along θα = αθi + (1−α)θj; the barrier is "
-        "L(θ0.5) − ½(L(θi) + L(θj)). Per task, the loss of each end "
-        "model on that task's images shows why the endpoints differ.",
-        "",
-        "| pair | L(θj) | "
-        + " | ".join(f"L(θ{a:g})" for a in s.alphas)
-        + " | L(θi) | barrier | L_i(θi) | L_i(θj) | L_j(θi) | L_j(θj) |",
-        "|---|---|" + "---|" * len(s.alphas) + "---|---|---|---|---|---|",
-    ]
-    for ((i, j), m), bar in zip(measured.items(), barriers):
-        L = m["losses"]
-        pt = m["per_task"]
-        b.append(
-            f"| {i} / {j} | {L[0.0]:.4f} | "
-            + " | ".join(f"{L[a]:.4f}" for a in s.alphas)
-            + f" | {L[1.0]:.4f} | {bar:+.4f} | "
-            f"{pt[i]['theta_i']:.3f} | {pt[i]['theta_j']:.3f} | {pt[j]['theta_i']:.3f} | {pt[j]['theta_j']:.3f} |"
-        )
-    b += [
-        "",
-        f"Mean barrier {mean(barriers):+.4f} nats. With an exact CTL and equal coefficient, the logits along the path "
-        "are the interpolated logits and "
-        "cross-entropy is convex in them, so the loss on any dataset lies below the chord (the seed's Lemma 1): a "
-        "barrier needs CTL to be inexact.",
-        "",
-        "![loss along the path](barrier.png)",
-        "",
-        f"## 7. Stitching averaged features at block {layer} (seed Sec. 4.3, Fig. 9)",
-        "",
-        f"θ0's blocks after block {layer} (then its norm and pooling, then task t's head) fed the features of θ0 + λτ; "
-        f"the first {m_st} test examples of each task. "
-        "Accuracies (%):",
-        "",
-        "| pair | stitched avg on D_i | on D_j | stitched f(θ0+λτi) on D_i | on D_j | stitched f(θ0+λτj) on D_i | on "
-        "D_j | θ0+λ(τi+τj) on D_i | on D_j | θ0 on D_i | on D_j |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in stitch:
-        b.append(
-            f"| {r['pair'][0]} / {r['pair'][1]} | "
-            + " | ".join(
-                f"{100 * r[k]:.1f}"
-                for k in (
-                    "avg_i",
-                    "avg_j",
-                    "own_i",
-                    "other_j",
-                    "other_i",
-                    "own_j",
-                    "ta_i",
-                    "ta_j",
-                    "theta0_i",
-                    "theta0_j",
-                )
-            )
-            + " |"
-        )
-    b += [
-        "",
-        "![stitching](stitching.png)",
-        "",
-        "## 8. Without pretraining (seed Sec. 5, App. B.3, Fig. 11)",
-        "",
-        f"The pair {pair8[0]} / {pair8[1]} trained twice with the pipeline's fine-tune schedule "
-        f"({params.finetune.optimizer}, lr {params.finetune.lr:g}, {steps8} steps of "
-        f"{params.finetune.batch_size}), with no feature anchor, each task's head from models/heads frozen: once from "
-        f"a common random init (seed {params.seed}), once "
-        "from θ0. The seed trains its scratch models independently (and then aligns them by permutation); ours share "
-        "their init, which favours linearity: "
-        "the seed's setting is the harder test, ours isolates "
-        "pretraining from the shared init. d_l at α = 0.5 on D_i ∪ D_j:",
-        "",
-        head,
-        sep,
-        _row("d, random init", [L["d"] for L in scratch]),
-        _row("d, from θ0 (same schedule)", [L["d"] for L in control]),
-        _row("d, the pipeline's models", [L["d"] for L in pipeline8]),
-        _row("baseline, random init", [L["baseline"] for L in scratch]),
-        _row("baseline, from θ0", [L["baseline"] for L in control]),
-        _row("median coef, random init", [L["coef_median"] for L in scratch], ".3f"),
-        _row("median coef, from θ0", [L["coef_median"] for L in control], ".3f"),
-        "",
-        "Test accuracy (%): "
-        + "; ".join(f"{name}: " + ", ".join(f"{t} {100 * v:.1f}" for t, v in a.items()) for name, a in acc8.items())
-        + f". ‖θi − θj‖ / ‖init‖: random init {rel8['scratch']:.4f}, from θ0 {rel8['finetuned']:.4f}.",
-        "",
-        "![without pretraining](scratch.png)",
-        "",
-    ]
-    return "\n".join(b)

@@ -19,8 +19,8 @@ The measurements are small pure functions (``loss_gradient``, ``gd_steps``, ``on
 claims 6-7 are pure functions of the metrics dictionaries (``claim_one_epoch_merge``, ``claim_atm_budget``).
 
 The study is a package, a module per part: ``settings``, ``measure`` (claims 1-5's measurements), ``pipeline``
-(claims 6-7 from the pipeline's outputs), ``figures`` and ``report`` (the study function, registered as
-``gradients``, and the report's body).
+(claims 6-7 from the pipeline's outputs), ``figures``, ``_sections`` (the report's sections) and ``report`` (the
+study function, registered as ``gradients``).
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ The measurements are small pure functions (``make_data``, ``init_model``, ``forw
 
 The study is a package, a module per part: ``settings`` (every setting and threshold), ``model`` (the synthetic
 setting: data, model, fine-tuning, low rank, out of domain), ``measure`` (its measurements), ``real`` (the real
-digits), ``claims`` (the verdicts), ``figures`` and ``report`` (the report's body and the study function,
-registered as ``provable``).
+digits), ``claims`` (the verdicts), ``figures``, ``_sections`` (the report's sections) and ``report`` (the study
+function, registered as ``provable``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TYPE_CHECKING
 
 
@@ -282,28 +282,41 @@ def _real_ood(s: ProvableSettings, tasks: list[RealTask], alpha_between, tail0, 
     )
 
 
-def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
+@dataclass
+class _Colouring:
+    """Colours a split's digits for a task: which are red (drawn with a seed from ``seed``, r_o and ``salt``), and
+    the frozen part's tokens of each image in its colour."""
+
+    seed: int
+    data: Any
+    tokens: dict[str, dict[str, torch.Tensor]]  # split -> colour -> tokens of every image
+    labels: dict[str, torch.Tensor]  # split -> parity
+
+    def __call__(self, split: str, r_o: float, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, parity labels, red mask) of ``split`` coloured with r_o."""
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + round(r_o * 1000) * 10 + salt)
+        red = red_mask(self.data.split(split).labels, r_o, gen)
+        return (
+            torch.where(red[:, None, None], self.tokens[split]["red"], self.tokens[split]["green"]),
+            self.labels[split],
+            red,
+        )
+
+
+def _shared_head(coloured: _Colouring, tail0: torch.nn.Module, s: ProvableSettings, seed: int) -> Any:
+    """The shared, frozen binary head: the pipeline's probe on Psi0's features of digits coloured independently of
+    parity."""
     import torch
 
     from mergeflow.config import ProbeConfig
-    from mergeflow.ml.training import fit_probe, total_steps, train_loop
+    from mergeflow.ml.training import fit_probe
 
-    start = time.perf_counter()
-    seed = int(params.seed)
-    data, tail0, tokens, depth = _real_inputs(params, layout, s)
-    theta0 = {k: v.detach().clone() for k, v in tail0.state_dict().items()}
-    labels = {split: parity(data.split(split).labels) for split in ("train", "val", "test")}
-
-    def coloured(split: str, r_o: float, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + round(r_o * 1000) * 10 + salt)
-        red = red_mask(data.split(split).labels, r_o, gen)
-        return torch.where(red[:, None, None], tokens[split]["red"], tokens[split]["green"]), labels[split], red
-
-    # the shared, frozen binary head: the pipeline's probe on Psi0's features of digits coloured independently of parity
     with torch.no_grad():
         tr, ytr, _ = coloured("train", 0.5, 7)
         va, yva, _ = coloured("val", 0.5, 8)
-        probe = fit_probe(
+        return fit_probe(
             tail0(tr),
             ytr,
             tail0(va),
@@ -312,18 +325,32 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
             seed=seed,
             num_classes=2,
         )
-    head = probe.head.requires_grad_(False)
 
-    cfg = params.finetune
-    tasks: dict[float, RealTask] = {}
 
-    def task(r_o: float) -> RealTask:
-        if r_o in tasks:
-            return tasks[r_o]
-        x, y, red = coloured("train", r_o, 0)
+@dataclass
+class _RealTasks:
+    """The coloured parity tasks by r_o, each fine-tuned (from theta0, under the shared head) on first use."""
+
+    coloured: _Colouring
+    tail0: Any
+    theta0: Params
+    head: Any
+    cfg: Any  # the pipeline's finetune settings
+    seed: int
+    tasks: dict[float, RealTask] = field(default_factory=dict)
+
+    def task(self, r_o: float) -> RealTask:
+        import torch
+
+        from mergeflow.ml.training import train_loop
+
+        if r_o in self.tasks:
+            return self.tasks[r_o]
+        x, y, red = self.coloured("train", r_o, 0)
         odd = y == 1
         share = {"odd": float(red[odd].float().mean()), "even": float(red[~odd].float().mean())}
-        model = copy.deepcopy(tail0).train()
+        model = copy.deepcopy(self.tail0).train()
+        head, cfg = self.head, self.cfg
 
         def loss_fn(idx: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(head(model(x[idx])), y[idx])
@@ -335,55 +362,73 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
             cfg,
             optimizer=cfg.optimizer,
             momentum=cfg.momentum,
-            seed=seed * 1_000_003 + round(r_o * 1000),
+            seed=self.seed * 1_000_003 + round(r_o * 1000),
             device=torch.device("cpu"),
             desc=f"provable: finetune r_o={r_o:g}",
         )
         model.eval()
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        test, val = coloured("test", r_o, 1)[:2], coloured("val", r_o, 2)[:2]
-        tasks[r_o] = RealTask(
+        test, val = self.coloured("test", r_o, 1)[:2], self.coloured("val", r_o, 2)[:2]
+        self.tasks[r_o] = RealTask(
             r_o,
             test,
             val,
             share,
-            delta(state, theta0),
-            _accuracy(tail_outputs(tail0, state, head, test[0]), test[1]),
-            _accuracy(tail_outputs(tail0, theta0, head, test[0]), test[1]),
+            delta(state, self.theta0),
+            _accuracy(tail_outputs(self.tail0, state, head, test[0]), test[1]),
+            _accuracy(tail_outputs(self.tail0, self.theta0, head, test[0]), test[1]),
         )
-        return tasks[r_o]
+        return self.tasks[r_o]
 
-    def finetuned(t: RealTask) -> Params:
-        return merge(theta0, [t.delta], [1.0])
+    def finetuned(self, t: RealTask) -> Params:
+        return merge(self.theta0, [t.delta], [1.0])
 
-    def alpha_between(a: RealTask, b: RealTask) -> float:
-        fa, fb = finetuned(a), finetuned(b)
+    def alpha_between(self, a: RealTask, b: RealTask) -> float:
+        fa, fb = self.finetuned(a), self.finetuned(b)
         return alpha_hat(
-            tail_outputs(tail0, fa, head, a.test[0]),
-            tail_outputs(tail0, fb, head, a.test[0]),
-            tail_outputs(tail0, fa, head, b.test[0]),
-            tail_outputs(tail0, fb, head, b.test[0]),
+            tail_outputs(self.tail0, fa, self.head, a.test[0]),
+            tail_outputs(self.tail0, fb, self.head, a.test[0]),
+            tail_outputs(self.tail0, fa, self.head, b.test[0]),
+            tail_outputs(self.tail0, fb, self.head, b.test[0]),
         )
+
+
+def _real_pair(run: _RealTasks, t1: RealTask, relation: str, r_o: float, lambdas: list[float]) -> RealPair:
+    """T1 and the T2 of ``relation`` (fine-tuned here if new): theta0 + delta1 + lambda delta2 on both test sets,
+    per lambda, and alpha-hat."""
+    import torch
+
+    t2 = run.task(r_o)
+    x, y, n1 = torch.cat([t1.test[0], t2.test[0]]), torch.cat([t1.test[1], t2.test[1]]), len(t1.test[1])
+    acc1, acc2 = [], []
+    for lam in lambdas:
+        pred = (
+            tail_outputs(run.tail0, merge(run.theta0, [t1.delta, t2.delta], [1.0, lam]), run.head, x).argmax(1) == y
+        )  # both test sets in one pass
+        acc1.append(float(pred[:n1].float().mean()))
+        acc2.append(float(pred[n1:].float().mean()))
+    return RealPair(relation, t2.r_o, run.alpha_between(t1, t2), acc1, acc2, t1.accuracy, t2.accuracy)
+
+
+def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurements:
+    from mergeflow.ml.training import total_steps
+
+    start = time.perf_counter()
+    seed = int(params.seed)
+    data, tail0, tokens, depth = _real_inputs(params, layout, s)
+    theta0 = {k: v.detach().clone() for k, v in tail0.state_dict().items()}
+    labels = {split: parity(data.split(split).labels) for split in ("train", "val", "test")}
+    coloured = _Colouring(seed, data, tokens, labels)
+    probe = _shared_head(coloured, tail0, s, seed)
+    run = _RealTasks(coloured, tail0, theta0, probe.head.requires_grad_(False), params.finetune, seed)
 
     lambdas = grid(s.real_lambda_min, s.real_lambda_max, s.real_lambda_step)
-    t1 = task(s.real_r_t1)
-    pairs = []
-    for relation in RELATIONS:
-        t2 = task(s.real_r_t2[relation])
-        x, y, n1 = torch.cat([t1.test[0], t2.test[0]]), torch.cat([t1.test[1], t2.test[1]]), len(t1.test[1])
-        acc1, acc2 = [], []
-        for lam in lambdas:
-            pred = (
-                tail_outputs(tail0, merge(theta0, [t1.delta, t2.delta], [1.0, lam]), head, x).argmax(1) == y
-            )  # both test sets in one pass
-            acc1.append(float(pred[:n1].float().mean()))
-            acc2.append(float(pred[n1:].float().mean()))
-        pairs.append(RealPair(relation, t2.r_o, alpha_between(t1, t2), acc1, acc2, t1.accuracy, t2.accuracy))
-
+    t1 = run.task(s.real_r_t1)
+    pairs = [_real_pair(run, t1, relation, s.real_r_t2[relation], lambdas) for relation in RELATIONS]
     ood = (
         None
         if s.real_ood_r is None
-        else _real_ood(s, [task(r) for r in s.real_ood_r], alpha_between, tail0, theta0, head)
+        else _real_ood(s, [run.task(r) for r in s.real_ood_r], run.alpha_between, tail0, theta0, run.head)
     )
 
     images = {split: len(data.split(split).labels) for split in ("train", "val", "test")}
@@ -391,11 +436,11 @@ def _measure_real(params: Any, layout: Any, s: ProvableSettings) -> RealMeasurem
         s.real_task,
         min(s.real_blocks, depth),
         depth,
-        total_steps(cfg, images["train"]),
+        total_steps(params.finetune, images["train"]),
         images,
         {"C": probe.c, "val_accuracy": probe.val_accuracy},
         lambdas,
-        tasks,
+        run.tasks,
         pairs,
         ood,
         time.perf_counter() - start,
