@@ -1,14 +1,13 @@
 """What `mergeflow track` records in MLflow, on a copy of the session's tiny reference run (whose `dvc repro`
 already ran track once): one metric convention for every merge run (the training-time regimes' too), the regimes'
-variants and the studies' verdicts as their files say, nothing logged twice, merged models that load back in one
-call, the registry's best model, and the stages' real times."""
+variants and the studies' verdicts as their files say, nothing logged twice, and the stages' real times (what its
+store gives back, the merged models, the registry's best and the UI: tests/test_tracking_models.py)."""
 
 import hashlib
 import json
 import shutil
 import sqlite3
 import statistics
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from mlflow import MlflowClient
 
 from mergeflow.params import apply_overrides
 from mergeflow.core.io import load_state_dict
-from mergeflow.ml.mlflow_model import load_model, load_timm
+from mergeflow.ml.mlflow_model import load_model
 from mergeflow.report.tracking import MERGE_METRICS, stage_times
 
 from .conftest import copy_project, run
@@ -40,9 +39,9 @@ def _rebase_store(db: Path, old: Path, new: Path) -> None:
                     )
 
 
-@pytest.fixture(scope="module")
-def tracked(tiny_reference, tiny_env, tmp_path_factory):
-    """(root, env, client, experiment id): a copy of the reference run and its MLflow store."""
+def _tracked_copy(tiny_reference, tiny_env, tmp_path_factory):
+    """(root, env, client, experiment id): a copy of the reference run and its MLflow store, tracked (each module
+    that reads a store tracks a copy of its own: tests/test_tracking_models.py too)."""
     ref, _ = tiny_reference
     root = copy_project(ref, tmp_path_factory.mktemp("tracking") / "project")
     _rebase_store(root / "mlflow.db", ref.resolve(), root.resolve())
@@ -51,6 +50,12 @@ def tracked(tiny_reference, tiny_env, tmp_path_factory):
     )  # what ran after the reference's track (a study, when track does not depend on it)
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     return root, tiny_env, client, client.get_experiment_by_name("mergeflow/embedded").experiment_id
+
+
+@pytest.fixture(scope="module")
+def tracked(tiny_reference, tiny_env, tmp_path_factory):
+    """(root, env, client, experiment id): a copy of the reference run and its MLflow store."""
+    return _tracked_copy(tiny_reference, tiny_env, tmp_path_factory)
 
 
 def _runs(client, exp_id, stage=None):
@@ -363,77 +368,6 @@ def test_runs_start_and_end_at_the_stages_times(tracked):
             assert r.info.start_time == int(_read(root, str(timing.relative_to(root)))["started"] * 1000)
 
 
-def test_merged_model_loads_back_in_one_call(tracked):
-    root, _, client, exp_id = tracked
-    for r in _runs(client, exp_id, "merge").values():
-        method = r.data.tags["mergeflow.item"]
-        if r.data.params["kind"] != "model":
-            assert "mergeflow.model_uri" not in r.data.tags, method  # per-task stores and negation are not one model
-            continue
-        state = load_model(f"runs:/{r.info.run_id}/model", f"sqlite:///{root / 'mlflow.db'}").net.state_dict()
-        expected = load_state_dict(root / f"merged/{method}.safetensors")
-        assert state.keys() == expected.keys(), method
-        for key, tensor in expected.items():
-            assert torch.equal(state[key], tensor), (method, key)
-
-
-def test_a_merged_model_says_what_it_takes(tracked):
-    """Its MLflow signature: uint8 images [N, H, W, 3] in, float32 features [N, D] out; pyfunc refuses float
-    images; the timm model and its preprocessing give the same features as load_model's module."""
-    import mlflow
-    import numpy as np
-
-    root, _, client, exp_id = tracked
-    run_id = next(r.info.run_id for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] == "model")
-    uri, store = f"runs:/{run_id}/model", f"sqlite:///{root / 'mlflow.db'}"
-    mlflow.set_tracking_uri(store)
-    width = TINY["backbone"]["kwargs"]["embed_dim"]
-    sig = mlflow.models.get_model_info(uri).signature.to_dict()
-    assert json.loads(sig["inputs"]) == [
-        {"type": "tensor", "tensor-spec": {"dtype": "uint8", "shape": [-1, -1, -1, 3]}}
-    ]
-    assert json.loads(sig["outputs"]) == [{"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, width]}}]
-    images = torch.randint(0, 256, (3, 32, 32, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    module = load_model(uri, store)
-    net, preprocess = load_timm(uri, store)
-    with torch.no_grad():
-        expected = module(images)
-        assert expected.shape == (3, width) and torch.allclose(net(preprocess(images)), expected)
-        assert preprocess(images).shape == (3, 3, 32, 32) and preprocess(images).dtype == torch.float32
-        # the preprocessing by hand (backbone.input_norm: center):
-        # NCHW in [0, 1], each channel centred, one scale an image
-        x = images.permute(0, 3, 1, 2).double() / 255
-        by_hand = (x - x.mean(dim=(2, 3), keepdim=True)) / (x.std(dim=(1, 2, 3), keepdim=True) + 0.05)
-        assert torch.allclose(preprocess(images).double(), by_hand, atol=1e-5) and torch.allclose(
-            net(by_hand.float()), expected, atol=1e-5
-        )
-    pyfunc = mlflow.pyfunc.load_model(uri)
-    assert np.allclose(pyfunc.predict(images.numpy()), expected.numpy(), atol=1e-6)
-    with pytest.raises(Exception, match="uint8"):
-        pyfunc.predict(images.numpy().astype(np.float32))
-
-
-def test_registry_holds_the_best_merged_model_on_validation(tracked):
-    _, _, client, exp_id = tracked
-    singles = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] == "model"]
-    top = max(r.data.metrics["val_avg"] for r in singles)
-    versions = client.search_model_versions("name = 'mergeflow-embedded'")
-    latest = max(versions, key=lambda v: int(v.version))
-    best = next(r for r in singles if r.info.run_id == latest.run_id)  # a tie goes to the method listed first
-    assert best.data.metrics["val_avg"] == top and latest.tags["method"] == best.data.params["method"]
-    assert (
-        latest.tags["val_avg"] == f"{top:.2f}"
-        and "(its version number" not in client.get_registered_model("mergeflow-embedded").description
-    )
-    assert {
-        k: latest.tags[k]
-        for k in best.data.params
-        if k not in ("method", "kind", "paper") and not k.startswith("grid.")
-    } == {
-        k: v for k, v in best.data.params.items() if k not in ("method", "kind", "paper") and not k.startswith("grid.")
-    }
-
-
 def test_runs_logged_before_regimes_get_the_standard_tag(tracked):
     """A store from a track that knew no regimes: its standard runs are tagged when track meets them again, and
     nothing is logged again."""
@@ -509,87 +443,3 @@ def test_regimes_and_studies_that_did_not_run_are_left_out(tiny_reference, tiny_
     stages = [r.data.tags["mergeflow.stage"] for r in _runs(client, exp_id).values()]
     assert stages.count("regime") == sum(len(p.regimes.config(r).variants(r, p.finetune.steps)) for r in p.regimes.run)
     assert "regime_merge" not in stages and "study" not in stages and stages.count("pipeline") == 1
-
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def test_ui_serves_the_views_and_stops_with_its_server(tracked, tmp_path):
-    """`mergeflow ui` on the copy's store says when it answers, and SIGTERM to it ends its server too (a process
-    group of its own). With Chromium (Debian's; CI installs it), the headless rendering of the standard fine-tune's
-    view: the methods, the baselines and their scores are in the cells a researcher reads (the pipeline run's
-    description is test_merge_runs_share_one_metric_convention's)."""
-    import re
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
-
-    root, env, client, exp_id = tracked
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mergeflow.cli", "ui", "--port", str(port)],
-        cwd=root,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        lines = []
-        for line in server.stderr:  # until it says it answers (or exits)
-            lines.append(line)
-            if "ready in" in line:
-                break
-        assert (
-            f"sqlite:///{root / 'mlflow.db'}" in lines[0]
-            and "ready in" in lines[-1]
-            and f"http://127.0.0.1:{port}" in lines[-1]
-        ), lines
-        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).status == 200
-        if CHROMIUM is None:
-            warnings.warn("no Chromium: the MLflow pages were not rendered (Debian: apt-get install chromium)")
-            return
-        chromium = [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--virtual-time-budget=20000",
-            "--dump-dom",
-            "--window-size=4000,1200",
-        ]  # wide: the grid renders only the columns in view
-
-        def page(path: str) -> str:
-            dom = subprocess.run(
-                [*chromium, f"http://127.0.0.1:{port}/{path}"], capture_output=True, text=True, timeout=600
-            ).stdout
-            return re.sub(r"<[^>]+>", "\n", dom)  # the text of the cells, one per line
-
-        cells = {
-            c.strip()
-            for c in page(
-                f"#/experiments/{exp_id}/runs?viewStateShareKey=methods.standard&workflowType=machine_learning"
-            ).splitlines()
-            if c.strip()
-        }
-        merges = [r for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] != "negation"]
-        for r in merges:  # each method's row: its name and its test_avg as the table prints it
-            assert r.data.params["method"] in cells, r.data.params["method"]
-            assert f"{r.data.metrics['test_avg']:g}" in cells, (r.data.params["method"], r.data.metrics["test_avg"])
-        assert (
-            "test_avg_ci_low" in cells and "task_negation" not in cells and "Individual" in cells
-        )  # a baseline's run among them
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=120) == 0  # the server, stopped, exited cleanly, and the command with it
-    with pytest.raises(OSError):  # nothing serves there any more
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)

@@ -110,7 +110,7 @@ def architecture(shapes: Shapes) -> dict[str, Fact] | None:
 
 
 # timm's plain ViTs by name: vit_<size>_patch<P>[_clip[_quickgelu]]_<image size>[.<weights tag>], each size's
-# (width, depth) as timm builds it (tests/test_check_sources.py builds every such timm model to compare)
+# (width, depth) as timm builds it (tests/test_check_sources_checkpoints.py builds every such timm model to compare)
 VIT_SIZES = {
     "tiny": (192, 12),
     "small": (384, 12),
