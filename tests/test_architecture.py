@@ -50,6 +50,7 @@ LAYER = {
     "mergeflow.ml.text_models": "models",  # the text backbone: a transformers encoder, features only
     "mergeflow.ml.seq2seq_models": "models",  # the text-to-text backbone: an encoder-decoder read at its first token
     "mergeflow.ml.training": "training",  # probe, fine-tuning, pretraining loops
+    "mergeflow.ml.probes": "training",  # the linear probe on theta0's features (logistic, ridge)
     "mergeflow.ml.text_training": "training",  # the text backbone's masked-LM pretraining
     "mergeflow.ml.regimes": "training",  # training-time regimes: other ways to make the task models
     "mergeflow.ml.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge
@@ -239,7 +240,7 @@ def test_no_import_circle():
     [
         ("mergeflow.cli", "flows.serve", True, False),  # inside a function: still an import (the CLI may run the flows)
         (
-            "mergeflow.ml.data.benchmark",
+            "mergeflow.ml.data._benchmark_datasets",
             "mergeflow.ml.data.prompts",
             False,
             False,

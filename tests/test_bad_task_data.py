@@ -20,7 +20,7 @@ from mergeflow.core.errors import MergeflowError
 from mergeflow.core.io import save_state_dict
 from mergeflow.ml.models import build_backbone, load_head
 from mergeflow.pipeline.stages import Layout
-from mergeflow.ml.training import fit_probe
+from mergeflow.ml.probes import fit_probe
 from tests.profiles import tiny_params
 
 SIZES = {"train": 12, "val": 4, "test": 6}

@@ -276,7 +276,7 @@ def test_a_large_seed_reaches_the_probe_within_scikit_learns_range():
     import torch
 
     from mergeflow.config import ProbeConfig
-    from mergeflow.ml.training import fit_probe
+    from mergeflow.ml.probes import fit_probe
 
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 3, generator=gen), torch.arange(40) % 2

@@ -18,7 +18,7 @@ from mergeflow.ml.data.text import special_ids, write_text_corpus, write_text_ta
 from mergeflow.ml.models import build_backbone, new_backbone
 from mergeflow.ml.statistics import fisher_diagonal, input_grams
 from mergeflow.ml.text_training import mask_tokens, pretrain_masked_lm
-from mergeflow.ml.training import fit_probe
+from mergeflow.ml.probes import fit_probe
 
 IDS = special_ids()
 TINY_TEXT = BackboneConfig(

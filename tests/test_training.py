@@ -10,7 +10,8 @@ from sklearn.linear_model import LogisticRegression
 
 from mergeflow.config import BackboneConfig, FinetuneConfig, PreserveFeaturesConfig, ProbeConfig
 from mergeflow.ml.models import backbone_state, build_backbone, make_head
-from mergeflow.ml.training import FeatureAnchor, batches, extract_features, finetune, fit_probe, warmup_cosine
+from mergeflow.ml.probes import fit_probe
+from mergeflow.ml.training import FeatureAnchor, batches, extract_features, finetune, warmup_cosine
 
 TINY = BackboneConfig(kwargs={"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2})
 
@@ -191,7 +192,7 @@ def test_the_probe_reaches_the_optimum_so_last_bits_barely_move_it():
     + |W|^2 / 2, by hand in float64) vanishes; features perturbed by 1e-6 (last bits) then move the head by well
     under 1e-3 (L-BFGS stopped on its path moved the default suite's heads by ~1e-2)."""
     from mergeflow.config import ProbeConfig
-    from mergeflow.ml.training import fit_probe
+    from mergeflow.ml.probes import fit_probe
 
     g = torch.Generator().manual_seed(0)
     centres = 1.5 * torch.randn(4, 16, generator=g)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import os
 import shutil
 import time
@@ -20,15 +19,13 @@ from mergeflow.pipeline import imports
 from mergeflow.config import Params, task_seed as _task_seed
 from mergeflow.ml.data import load_tasks as _load_tasks
 from mergeflow.core.errors import MergeflowError
-from mergeflow.ml.evaluation import mean
-from mergeflow.core.io import LazyStateDict, load_state_dict, save_state_dict, tensor_specs
+from mergeflow.core.io import load_state_dict, save_state_dict, tensor_specs
 from mergeflow.core.files import atomic_path, write_json
 from mergeflow.core.layout import Layout
 from mergeflow.ml.merging import REGISTRY
 from mergeflow.core.parent_death import process_pool
 from mergeflow.core.hub import hub_access
 from mergeflow.ml.models import (
-    Backbone,
     backbone_metadata,
     backbone_state,
     build_backbone,
@@ -37,22 +34,20 @@ from mergeflow.ml.models import (
     load_heads as _load_heads,
     select_device,
 )
-from mergeflow.ml.lora import split_factors
 from mergeflow.ml.regimes import regime_identity, resume_from
 from mergeflow.report.plots import plot_cosine_heatmap
-from mergeflow.ml.task_vectors import save_task_vectors, statistics as vector_statistics, task_vector
+from mergeflow.ml.task_vectors import statistics as vector_statistics, task_vector
 from mergeflow.ml.training import (
-    FeatureAnchor,
     Timer,
     extract_features,
     finetune as finetune_loop,
-    fit_probe,
     head_predictions,
     head_score,
     pretrain as pretrain_loop,
-    score,
     seed_everything,
 )
+from mergeflow.pipeline._finetune import feature_anchor as _feature_anchor, frozen_head, imported_model, save_finetune
+from mergeflow.pipeline._regime import regime_trainer, save_variant, variant_record
 
 
 def _setup(params: Params, seed: int) -> torch.device:
@@ -204,92 +199,6 @@ def _pretrain_text(params: Params, layout: Layout, device: torch.device):
 
 
 # ---------------------------------------------------------------- finetune
-def _feature_anchor(
-    params: Params, layout: Layout, backbone: Backbone, seed: int, device: torch.device
-) -> FeatureAnchor | None:
-    cfg = params.finetune.preserve_features
-    if cfg.weight == 0:
-        return None
-    lazy_corpus = LazyStateDict(layout.pretrain_corpus)
-    data_mod.check_corpus(lazy_corpus.specs(), str(layout.pretrain_corpus), params.suite.image_size)
-    corpus = lazy_corpus["images"]
-    if len(corpus) == 0:
-        raise MergeflowError(
-            f"{layout.pretrain_corpus}: finetune.preserve_features needs pretraining-corpus images and this corpus is "
-            "empty (a pretrained backbone has none); set finetune.preserve_features.weight to 0"
-        )
-    return FeatureAnchor.build(
-        backbone, corpus, cfg, seed=seed, device=device, eval_batch_size=params.runtime.eval_batch_size
-    )
-
-
-def _frozen_head(
-    params: Params, task: str, data: data_mod.TaskData, feats: dict[str, torch.Tensor], seed: int, device: torch.device
-):
-    """The task's frozen head and its record: a linear probe fitted on theta0's features (C chosen on val), CLIP's
-    zero-shot head from the task's class names and prompt templates, or a text-to-text model's verbalizer (its
-    answers' logits)."""
-    if params.finetune.head == "verbalizer":
-        from mergeflow.ml.seq2seq_models import verbalizer_head
-
-        if data.answers is None:
-            raise MergeflowError(
-                f"finetune.head: verbalizer reads a text-to-text task's answer words, and {task}'s file names none "
-                "(suite.source: text2text writes them)"
-            )
-        return verbalizer_head(feats["val"].shape[1], data.answers), {
-            "head": "verbalizer",
-            "answers": data.answers,
-        }  # the features: the vocabulary's logits
-    if params.finetune.head == "zeroshot":
-        from mergeflow.ml import zeroshot
-        from mergeflow.ml.data import benchmark
-
-        # the papers' templates for a benchmark dataset; your own data: CLIP's generic one
-        templates = (
-            benchmark.templates(task) if params.suite.source == "torchvision" else list(benchmark.GENERIC_TEMPLATES)
-        )
-        with hub_access(params.downloads()):
-            text = zeroshot.text_model(params.backbone, seed=seed)
-        head = zeroshot.zeroshot_head(
-            text, zeroshot.open_clip_architecture(params.backbone.model), data.classes, templates, device=device
-        )
-        return head, {"head": "zeroshot", "templates": len(templates)}
-    probe = fit_probe(
-        feats["train"],
-        data.train.labels,
-        feats["val"],
-        data.val.labels,
-        params.probe,
-        seed=seed,
-        num_classes=len(data.classes),
-        metric=data.metric,
-    )
-    print(probe.convergence_line(task))
-    return probe.head, {"head": "probe", "C": probe.c}
-
-
-def _imported(params: Params, task: str, backbone: Backbone) -> Backbone:
-    """The published fine-tune finetune.checkpoints names for ``task``, in the backbone's naming and checked
-    against it (mergeflow.ml.checkpoints)."""
-    from mergeflow.ml import checkpoints
-
-    spec = params.finetune.checkpoints[task]
-    try:
-        path = checkpoints.resolve_source(spec, download=params.downloads())
-    except MergeflowError as err:
-        raise MergeflowError(f"finetune.checkpoints.{task}: {err}") from None
-    theta0 = backbone_state(backbone)
-    # a checkpoint without CLIP's projection (FusionBench's) keeps theta0's: its task vector there is zero
-    state = checkpoints.read_checkpoint(
-        path,
-        reference=theta0,
-        projection_from=theta0 if params.backbone.embedding == "clip" else None,
-        source=f"finetune.checkpoints.{task}: {spec}",
-    )
-    return build_backbone(params.backbone, state, source=spec)
-
-
 def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
     """The task's frozen head (a linear probe on theta0's features, or CLIP's zero-shot head), then fine-tune the
     backbone under it, or import a published fine-tune (finetune.checkpoints)."""
@@ -303,11 +212,11 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
         # the probe fits on train's features; a zero-shot head needs only val's and test's (its accuracy on theta0)
         featured = data_mod.SPLITS if params.finetune.head == "probe" else EVALUATED
         feats = {s: extract_features(backbone, data.split(s).inputs, batch_size=bs, device=device) for s in featured}
-        head, head_record = _frozen_head(params, task, data, feats, seed, device)
+        head, head_record = frozen_head(params, task, data, feats, seed, device)
         probe_acc = {s: head_score(head, feats[s], data.split(s).labels, data.metric) for s in ("val", "test")}
         epoch_states: dict[int, dict] = {}
         if task in params.finetune.checkpoints:
-            model, curve = _imported(params, task, backbone), None
+            model, curve = imported_model(params, task, backbone), None
         else:
             model = copy.deepcopy(backbone)
 
@@ -341,27 +250,7 @@ def finetune(params: Params, task: str, layout: Layout = Layout()) -> dict:
         }
     # a path changed in params.yaml: DVC records the new file after the run (written once the inputs proved good)
     imports.sync(params, layout.root, [task])
-    meta = backbone_metadata(params.backbone) | {"task": task}
-    save_state_dict(layout.finetuned(task), backbone_state(model.cpu()), meta)
-    save_state_dict(layout.predictions("finetune", task), predictions, {"task": task, "metric": data.metric})
-    save_state_dict(
-        layout.head(task),
-        {"weight": head.weight.detach().cpu(), "bias": head.bias.detach().cpu()},
-        {"task": task, "classes": json.dumps(data.classes)},
-    )
-    with atomic_path(layout.epochs(task), directory=True) as tmp:
-        for epoch, state in epoch_states.items():
-            save_state_dict(tmp / f"epoch{epoch:03d}.safetensors", state, meta | {"epoch": str(epoch)})
-        # what the folder holds, also when finetune.checkpoint_every_epoch is off (DVC warns on an empty output)
-        write_json(
-            tmp / "epochs.json",
-            {
-                "task": task,
-                "checkpoint_every_epoch": params.finetune.checkpoint_every_epoch,
-                "epochs": sorted(epoch_states),
-            },
-        )
-    write_json(layout.log("finetune", task), curve.records() if curve else [])
+    save_finetune(params, task, layout, data, model, head, predictions, epoch_states, curve)
     metrics = {
         "task": task,
         "steps": len(curve.step) if curve else 0,
@@ -494,102 +383,6 @@ def sources(params: Params, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- regime
-def _pairs(cosines: dict[tuple[str, str], float]) -> dict[str, float]:
-    return {f"{a}|{b}": c for (a, b), c in cosines.items()}
-
-
-def regime_trainer(params: Params, layout: Layout, device: str):
-    """The regimes' trainer (regimes._finetune.finetune_trainer) on the pipeline's data: each task's training split,
-    its probe head (frozen) and seed, and the feature-preservation anchor the standard fine-tune uses, so that a
-    one-round regime of finetune.steps is that fine-tune."""
-    from mergeflow.ml.regimes import LazyAnchors, finetune_trainer
-
-    tasks = _load_tasks(params, layout)
-    backbone = load_backbone(params.backbone, layout.pretrained)
-    heads = _load_heads(params, layout, backbone.num_features, tasks)
-    seeds = {t: _task_seed(params.seed, t) for t in tasks}
-    anchors = LazyAnchors(tasks, lambda t: _feature_anchor(params, layout, backbone, seeds[t], torch.device(device)))
-    return finetune_trainer(
-        params.backbone,
-        heads,
-        {t: (d.train.inputs, d.train.labels) for t, d in tasks.items()},
-        params.finetune,
-        seeds=seeds,
-        device=torch.device(device),
-        anchors=anchors,
-    )
-
-
-def _variant_record(params: Params, result, kwargs: dict, tasks: dict, heads: dict, device) -> dict:
-    """A variant's metrics: its task models' accuracies, its own model's (where it has one), per-round norms and
-    cosines."""
-    bs = params.runtime.eval_batch_size
-
-    def accuracies(state, task):
-        model = build_backbone(params.backbone, split_factors(state)[0])
-        return {
-            s: score(
-                model,
-                heads[task],
-                tasks[task].split(s).inputs,
-                tasks[task].split(s).labels,
-                batch_size=bs,
-                device=device,
-                metric=tasks[task].metric,
-            )
-            for s in ("val", "test")
-        }
-
-    individual = {t: accuracies(result.task_states[t], t) for t in tasks}
-    own = None
-    if result.model is not None:
-        own_acc = {s: {t: accuracies(result.model, t)[s] for t in tasks} for s in ("val", "test")}
-        own = {"accuracy": own_acc, "average": {s: mean(own_acc[s].values()) for s in own_acc}}
-    return {
-        "hyperparameters": kwargs,
-        "individual": individual,
-        "individual_average": {s: mean(individual[t][s] for t in tasks) for s in ("val", "test")},
-        "model": own,
-        "rounds": [
-            {
-                "round": r.round,
-                "update_norms": r.update_norms,
-                "update_cosines": _pairs(r.update_cosines),
-                "task_vector_norms": r.task_vector_norms,
-                "task_vector_cosines": _pairs(r.task_vector_cosines),
-            }
-            for r in result.rounds
-        ],
-    }
-
-
-def _save_variant(
-    params: Params, layout: Layout, folder, name: str, variant: str, result, theta0, record: dict, cfg
-) -> None:
-    """A variant's task vectors (LoRA's as their factors) and their statistics, its own model, ATM's per-round
-    updates, into ``folder``; its vectors' storage into ``record``."""
-    meta = {"regime": name, "variant": variant}
-    tvs, storage = save_task_vectors(
-        folder / "vectors",
-        theta0,
-        result.task_states,
-        adapter=cfg.adapter(record["hyperparameters"]),
-        meta=meta,
-        pretrained_name=str(layout.pretrained),
-    )
-    record["storage_bytes"] = storage
-    write_json(folder / "vectors" / "stats.json", vector_statistics(theta0, tvs))
-    if result.model is not None:
-        save_state_dict(folder / "model.safetensors", result.model, backbone_metadata(params.backbone) | meta)
-    for rec in result.rounds:
-        for t, update in (rec.updates or {}).items():
-            save_state_dict(
-                folder / "updates" / f"round{rec.round}" / f"{t}.safetensors",
-                update,
-                meta | {"task": t, "round": str(rec.round)},
-            )
-
-
 def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
     """Stage regime@<name>: every variant of one training-time regime (mergeflow.ml.regimes; MIMA and ATM make one per
     round count), through the pipeline's own fine-tune from theta0 under each task's probe head (the standard
@@ -645,13 +438,13 @@ def regime(params: Params, name: str, layout: Layout = Layout()) -> dict:
             with Timer() as variant_timer:
                 result = REGIMES[name](theta0, list(tasks), train, on_round_end=on_round_end, resume=resume, **kwargs)
 
-            variants_out[variant] = _variant_record(params, result, kwargs, tasks, heads, device)
+            variants_out[variant] = variant_record(params, result, kwargs, tasks, heads, device)
             # apart from the metrics, whose bytes must not change with the machine's load (logs/timing)
             variant_times[variant] = {"wall_time_s": variant_timer.seconds, "rounds_wall_time_s": round_times}
             results[variant] = result
     with atomic_path(layout.regime(name), directory=True) as tmp:
         for variant, result in results.items():
-            _save_variant(params, layout, tmp / variant, name, variant, result, theta0, variants_out[variant], cfg)
+            save_variant(params, layout, tmp / variant, name, variant, result, theta0, variants_out[variant], cfg)
     metrics = {"regime": name, "paper": REGIMES[name].paper, "variants": variants_out}
     write_json(layout.metrics("regime", name), metrics)
     write_json(layout.timing("regime", name), timer.record() | {"variants": variant_times})

@@ -31,6 +31,31 @@ BASE = Choice(("cart", "ta", "iso_cts"))
 COMMON = "common subspace"  # ``kept``'s entry for Iso-CTS's shared components
 
 
+def _components(stack, rank_ratio: float, isotropic_fraction: float | None, device):
+    """One matrix's components, its tasks' directions stacked in ``stack``: ((u, s, vh), the task owning each
+    component (Iso-CTS's, the common ones as len(stack)) or None, the masks' starting logits)."""
+    import torch
+
+    from mergeflow.ml.merging._tensors import svd
+    from mergeflow.ml.merging.iso import iso_cts_factors
+
+    if isotropic_fraction is not None:  # one basis for all tasks: the common columns, then each task's
+        u, v, sigma, owner = iso_cts_factors(stack, isotropic_fraction)
+        factors = (
+            u.to(device),
+            sigma.to(device) * torch.ones(owner.shape, dtype=u.dtype, device=device),
+            v.T.to(device),
+        )
+        owners = torch.where(owner < 0, len(stack), owner).to(device)
+        return factors, owners, torch.full(owner.shape, 0.1, dtype=u.dtype, device=device)
+    parts = [svd(d) for d in stack]
+    u, s, vh = (torch.stack([p[i] for p in parts]).to(device) for i in range(3))
+    kept = int(rank_ratio * s.shape[1] + 1e-9)  # the authors' int(): floor
+    start = torch.full(s.shape, -0.1, dtype=s.dtype, device=device)
+    start[:, :kept] = 0.1
+    return (u, s, vh), None, start
+
+
 def parametrisation(rank_ratio: float, init: float, temperature: float, isotropic_fraction: float | None = None):
     """``adapt``'s parametrise: the merged tensors as functions of the masks' logits and the layer-wise λ. With
     ``isotropic_fraction`` (``base: iso_cts``) each matrix's components are Iso-CTS's (at that common space fraction),
@@ -41,8 +66,7 @@ def parametrisation(rank_ratio: float, init: float, temperature: float, isotropi
     class MaskedComponents(nn.Module):
         def __init__(self, base, directions, device):
             super().__init__()
-            from mergeflow.ml.merging._tensors import is_matrix, svd
-            from mergeflow.ml.merging.iso import iso_cts_factors
+            from mergeflow.ml.merging._tensors import is_matrix
 
             self.tasks = list(directions)
             self.keys = [k for k in base if k in directions[self.tasks[0]]]
@@ -53,22 +77,9 @@ def parametrisation(rank_ratio: float, init: float, temperature: float, isotropi
                 if not is_matrix(k, base[k]):
                     self.stacked[k] = stack.to(device)
                     continue
-                if isotropic_fraction is not None:  # one basis for all tasks: the common columns, then each task's
-                    u, v, sigma, owner = iso_cts_factors(stack, isotropic_fraction)
-                    self.factors[k] = (
-                        u.to(device),
-                        sigma.to(device) * torch.ones(owner.shape, dtype=u.dtype, device=device),
-                        v.T.to(device),
-                    )
-                    self.owners[k] = torch.where(owner < 0, len(self.tasks), owner).to(device)
-                    start = torch.full(owner.shape, 0.1, dtype=u.dtype, device=device)
-                else:
-                    parts = [svd(d) for d in stack]
-                    u, s, vh = (torch.stack([p[i] for p in parts]).to(device) for i in range(3))
-                    self.factors[k] = (u, s, vh)
-                    kept = int(rank_ratio * s.shape[1] + 1e-9)  # the authors' int(): floor
-                    start = torch.full(s.shape, -0.1, dtype=s.dtype, device=device)
-                    start[:, :kept] = 0.1
+                self.factors[k], owners, start = _components(stack, rank_ratio, isotropic_fraction, device)
+                if owners is not None:
+                    self.owners[k] = owners
                 logits[k.replace(".", "/")] = nn.Parameter(start)
             self.logits = nn.ParameterDict(logits)
             dtype = next(iter(self.base.values())).dtype

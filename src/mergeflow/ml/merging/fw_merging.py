@@ -46,6 +46,75 @@ def _cross_entropy_gradient(objective, params, inputs, labels, batch_size):
     return total, {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
 
 
+def _vertex_norms(theta0, task_vectors, corners):
+    """[vertex, tensor]: the norm of each vertex's tensor, theta0 + corners @ the task vectors' tensors."""
+    import torch
+
+    from mergeflow.ml.merging._tensors import as_compute
+
+    tasks = list(task_vectors)
+    norms = torch.zeros(len(corners), len(theta0), dtype=torch.float64)
+    for j, k in enumerate(theta0):
+        taus = torch.stack([as_compute(task_vectors[t][k]) for t in tasks]).flatten(1)
+        points = theta0[k].flatten()[None] + corners.to(taus.dtype) @ taus
+        norms[:, j] = points.double().norm(dim=1)
+    return norms
+
+
+def _training_sample(data, tasks, examples, seed):
+    """({task: inputs}, {task: labels}): ``examples`` of each task's training examples, drawn in one seeded order."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    inputs, labels = {}, {}
+    for t in tasks:
+        images, y = data.objective.inputs["train"][t], data.train_labels[t]
+        order = torch.randperm(len(y), generator=generator)[:examples]
+        inputs[t], labels[t] = images[order], y[order]
+    return inputs, labels
+
+
+def _alignments(grad, theta0, task_vectors, corners, vertex_norms=None):
+    """[vertex, tensor]: <g_p, v_p> for every vertex v and tensor p, as <g_p, theta0_p> + corners @ <g_p, tau_t,p>;
+    with ``vertex_norms``, the cosines (tensor_cosine) instead."""
+    import torch
+
+    from mergeflow.ml.merging._tensors import as_compute
+
+    tasks = list(task_vectors)
+    products = torch.zeros(len(corners), len(theta0), dtype=torch.float64)
+    grad_norms = torch.zeros(len(theta0), dtype=torch.float64)
+    for j, k in enumerate(theta0):
+        g = grad[k].detach().cpu().flatten().double()
+        grad_norms[j] = g.norm()
+        with_tau = torch.stack([as_compute(task_vectors[t][k]).flatten().double() @ g for t in tasks])
+        products[:, j] = float(theta0[k].flatten().double() @ g) + corners @ with_tau
+    if vertex_norms is None:
+        return products
+    scale = grad_norms[None] * vertex_norms
+    return torch.where(
+        scale > 0, products / scale.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(products)
+    )
+
+
+def _learned(coefficients, keys, tasks, layer_wise, losses, chosen, labels) -> dict:
+    """The merge's record for ``data.learned``: its coefficients (per tensor, or one per task), the cross-entropy
+    and the vertex chosen at each step, the examples read per task."""
+    names = keys if layer_wise else ["all"]
+    shown = coefficients if layer_wise else coefficients[:, :1]
+    return {
+        "layer_wise": layer_wise,
+        "split": "train",
+        "coefficients": {
+            t: {n: round(float(shown[i, j]), 6) for j, n in enumerate(names)} for i, t in enumerate(tasks)
+        },
+        "entropy": losses,  # the plot's objective per step: here the mean cross-entropy
+        "objective": "cross-entropy",
+        "selected": chosen,
+        "examples": {t: len(y) for t, y in labels.items()},
+    }
+
+
 @register(
     "fw_merging",
     paper="Chen et al. 2025, FW-Merging: Scaling Model Merging with "
@@ -117,35 +186,16 @@ def fw_merging(
         }
 
     # each vertex's tensors' norms and the task vectors' tensors, read once per step through the inner products
-    vertex_norms = torch.zeros(len(vertices), len(keys), dtype=torch.float64)
-    for j, k in enumerate(keys):
-        taus = torch.stack([as_compute(task_vectors[t][k]) for t in tasks]).flatten(1)
-        points = theta0[k].flatten()[None] + corners.to(taus.dtype) @ taus
-        vertex_norms[:, j] = points.double().norm(dim=1)
-    generator = torch.Generator().manual_seed(seed)
-    inputs, labels = {}, {}
-    for t in tasks:
-        images, y = objective.inputs["train"][t], data.train_labels[t]
-        order = torch.randperm(len(y), generator=generator)[:examples]
-        inputs[t], labels[t] = images[order], y[order]
+    vertex_norms = _vertex_norms(theta0, task_vectors, corners)
+    inputs, labels = _training_sample(data, tasks, examples, seed)
     losses, chosen = [], []
     began = time.perf_counter()
     for step in range(steps):
         loss, grad = _cross_entropy_gradient(objective, model(coefficients), inputs, labels, batch_size)
         losses.append(round(loss, 6))  # the mean over every task's examples
-        # <g_p, v_p> for every vertex v and tensor p: <g_p, theta0_p> + corners @ <g_p, tau_t,p>
-        products = torch.zeros(len(vertices), len(keys), dtype=torch.float64)
-        grad_norms = torch.zeros(len(keys), dtype=torch.float64)
-        for j, k in enumerate(keys):
-            g = grad[k].detach().cpu().flatten().double()
-            grad_norms[j] = g.norm()
-            with_tau = torch.stack([as_compute(task_vectors[t][k]).flatten().double() @ g for t in tasks])
-            products[:, j] = float(theta0[k].flatten().double() @ g) + corners @ with_tau
-        if alignment == "tensor_cosine":
-            scale = grad_norms[None] * vertex_norms
-            products = torch.where(
-                scale > 0, products / scale.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(products)
-            )
+        products = _alignments(
+            grad, theta0, task_vectors, corners, vertex_norms if alignment == "tensor_cosine" else None
+        )
         gamma = 2.0 / (step + 2) * step_size * scaling
         if granularity == "task":
             best = int(products.sum(1).argmin())
@@ -157,21 +207,7 @@ def fw_merging(
             chosen.append({v: int((best == i).sum()) for i, v in enumerate(vertices)})
         coefficients = coefficients + gamma * (target - coefficients)
     seconds = time.perf_counter() - began
-    names = keys if granularity == "layer" else ["all"]
-    shown = coefficients if granularity == "layer" else coefficients[:, :1]
-    data.learned.append(
-        {
-            "layer_wise": granularity == "layer",
-            "split": "train",
-            "coefficients": {
-                t: {n: round(float(shown[i, j]), 6) for j, n in enumerate(names)} for i, t in enumerate(tasks)
-            },
-            "entropy": losses,  # the plot's objective per step: here the mean cross-entropy
-            "objective": "cross-entropy",
-            "selected": chosen,
-            "examples": {t: len(y) for t, y in labels.items()},
-        }
-    )
+    data.learned.append(_learned(coefficients, keys, tasks, granularity == "layer", losses, chosen, labels))
     record_timing(data, steps, seconds, objective.device)
     with torch.no_grad():
         return {k: v.to(pretrained[k].dtype) for k, v in model(coefficients).items()}

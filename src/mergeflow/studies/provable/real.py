@@ -311,7 +311,7 @@ def _shared_head(coloured: _Colouring, tail0: torch.nn.Module, s: ProvableSettin
     import torch
 
     from mergeflow.config import ProbeConfig
-    from mergeflow.ml.training import fit_probe
+    from mergeflow.ml.probes import fit_probe
 
     with torch.no_grad():
         tr, ytr, _ = coloured("train", 0.5, 7)
