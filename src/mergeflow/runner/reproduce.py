@@ -201,6 +201,48 @@ def _metrics(root: Path, scratch: Path, stage: str, recorded_lock: dict) -> list
     return out
 
 
+def _check_targets(targets: list[str], nodes, recorded_lock: dict) -> None:
+    """One line unless every target is a stage of dvc.yaml with a run recorded in dvc.lock to compare with."""
+    known = {n.address for n in nodes}
+    for t in targets:
+        if t not in known:
+            raise MergeflowError(
+                f"mergeflow reproduce: dvc.yaml has no stage '{t}' (stages: "
+                f"{', '.join(sorted(known)[:12])}{', ...' if len(known) > 12 else ''})"
+            )
+        if t not in (recorded_lock.get("stages") or {}):
+            raise MergeflowError(
+                f"mergeflow reproduce: {lockfile.LOCKFILE} records no run of '{t}' to compare with (run it first)"
+            )
+
+
+def _rerun(scratch: Path, targets: list[str], nodes, echo) -> list[str]:
+    """Run the targets in ``scratch``, forced, and the upstream stages the copy lacks (DVC would restore the targets
+    from the cache); returns the stages that ran, in order. One line when the re-run fails."""
+    status = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--json"], cwd=scratch, capture_output=True, text=True
+    )
+    stale = set(json.loads(status.stdout or "{}")) if status.returncode == 0 else set()
+    upstream = _upstream(nodes, targets)
+    order = [n.address for n in nodes if n.address in targets or (n.address in upstream and n.address in stale)]
+    echo(f"re-running {', '.join(order)} in {scratch}")
+    env = os.environ | {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    }  # the stages' `mergeflow`
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergeflow.cli", "repro", "--force", "--single-item", "--no-run-cache", *order],
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    ran = re.findall(r"^Running stage '([^']+)'", proc.stdout, flags=re.M)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        raise MergeflowError(f"mergeflow reproduce: the re-run failed in {scratch}: {tail[0]}")
+    return ran
+
+
 def reproduce(
     root: str | Path = ".",
     stages: list[str] | None = None,
@@ -222,44 +264,13 @@ def reproduce(
     params = load_params(root / "params.yaml")
     targets = stages or default_stages(params)
     nodes = stage_graph(root)
-    known = {n.address for n in nodes}
-    for t in targets:
-        if t not in known:
-            raise MergeflowError(
-                f"mergeflow reproduce: dvc.yaml has no stage '{t}' (stages: "
-                f"{', '.join(sorted(known)[:12])}{', ...' if len(known) > 12 else ''})"
-            )
-        if t not in (recorded_lock.get("stages") or {}):
-            raise MergeflowError(
-                f"mergeflow reproduce: {lockfile.LOCKFILE} records no run of '{t}' to compare with (run it first)"
-            )
+    _check_targets(targets, nodes, recorded_lock)
     keep = scratch is not None
     scratch = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="mergeflow-reproduce-"))
     try:
         scratch.mkdir(parents=True, exist_ok=True)
         prepare_scratch(root, scratch, targets, nodes)
-        # the targets, forced, and the upstream stages the copy lacks (DVC would restore the targets from the cache)
-        status = subprocess.run(
-            [sys.executable, "-m", "dvc", "status", "--json"], cwd=scratch, capture_output=True, text=True
-        )
-        stale = set(json.loads(status.stdout or "{}")) if status.returncode == 0 else set()
-        upstream = _upstream(nodes, targets)
-        order = [n.address for n in nodes if n.address in targets or (n.address in upstream and n.address in stale)]
-        echo(f"re-running {', '.join(order)} in {scratch}")
-        env = os.environ | {
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        }  # the stages' `mergeflow`
-        proc = subprocess.run(
-            [sys.executable, "-m", "mergeflow.cli", "repro", "--force", "--single-item", "--no-run-cache", *order],
-            cwd=scratch,
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        ran = re.findall(r"^Running stage '([^']+)'", proc.stdout, flags=re.M)
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
-            raise MergeflowError(f"mergeflow reproduce: the re-run failed in {scratch}: {tail[0]}")
+        ran = _rerun(scratch, targets, nodes, echo)
         rerun_lock = lockfile.parse((scratch / lockfile.LOCKFILE).read_text(encoding="utf-8")) or {}
         report = Report(scratch=scratch, ran=ran)
         for stage in ran:

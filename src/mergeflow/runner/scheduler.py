@@ -93,25 +93,74 @@ def run_graph(
     stage whose upstream stages in this run are settled is asked first whether it still has to run (DVC's status
     of that stage, now that they ran): one that has not is up to date, and counts as settled for what waits on it."""
     outcome = RunOutcome([n.address for n in nodes])
-    # of the stages ready at once, those more stages wait on start first (vectors before a regime: 24 merges wait)
-    waiting = {n.address: n for n in sorted(nodes, key=lambda n: -len(_downstream(nodes, n.address)))}
-    futures: dict = {}
-    running: dict[str, int] = {}  # address -> its cores
-    finished: queue.Queue = queue.Queue()
+    starts = _Starts(nodes, outcome, submit, limit, cores, capacity, must_run)
+    starts.submit_ready()
+    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) + len(outcome.up_to_date) < len(nodes):
+        try:
+            address, future = starts.finished.get(timeout=0.5)
+        except queue.Empty:
+            if stopping():
+                if on_stop is not None:
+                    on_stop()
+                    on_stop = None
+                starts.submit_ready()  # what still waits will not start
+            continue
+        starts.running.pop(address, None)
+        try:
+            result = future.result()
+        except StageNotStarted:  # it waited (for a GPU) while the run was being stopped
+            outcome.not_run[address] = "the run was stopped"
+        except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
+            outcome.failed[address] = err
+        else:
+            starts.submit_ready(committing=address)  # DVC's commit hashes the outputs: the next stage need not wait
+            commit(result["stage"])
+            outcome.done.append(address)
+        starts.submit_ready()
+    return outcome
 
-    def fits(node: StageNode) -> bool:
-        if limit is not None and len(running) >= limit:
+
+class _Starts:
+    """run_graph's stages that wait to start, and the starting of those that are ready and fit beside the running
+    ones; each started stage's future is put on ``finished`` as (address, future) when it is done."""
+
+    def __init__(
+        self,
+        nodes: list[StageNode],
+        outcome: RunOutcome,
+        submit: Callable[[StageNode, list], object],
+        limit: int | None,
+        cores: Callable[[StageNode], int] | None,
+        capacity: int | None,
+        must_run: Callable[[StageNode], bool] | None,
+    ) -> None:
+        self.outcome = outcome
+        # of the stages ready at once, those more stages wait on start first (vectors before a regime: 24 merges wait)
+        self.waiting = {n.address: n for n in sorted(nodes, key=lambda n: -len(_downstream(nodes, n.address)))}
+        self.submit, self.limit, self.cores, self.capacity, self.must_run = submit, limit, cores, capacity, must_run
+        self.futures: dict = {}
+        self.running: dict[str, int] = {}  # address -> its cores
+        self.finished: queue.Queue = queue.Queue()
+
+    def fits(self, node: StageNode) -> bool:
+        if self.limit is not None and len(self.running) >= self.limit:
             return False
-        return not running or cores is None or capacity is None or sum(running.values()) + cores(node) <= capacity
+        return (
+            not self.running
+            or self.cores is None
+            or self.capacity is None
+            or sum(self.running.values()) + self.cores(node) <= self.capacity
+        )
 
-    def submit_ready(committing: str | None = None) -> None:
+    def submit_ready(self, committing: str | None = None) -> None:
         """Start what is ready; ``committing``: a finished stage not yet committed, whose downstream stages wait
         for its commit (and keep their turn: none after them starts first)."""
+        outcome, futures, must_run = self.outcome, self.futures, self.must_run
         changed = True
         while changed:  # a stage recorded as not run makes the stages after it not run
             changed = False
             full = False  # a ready stage did not fit: none after it may take its place
-            for address, node in list(waiting.items()):
+            for address, node in list(self.waiting.items()):
                 upstream = [u for u in node.upstream if u in outcome.planned]
                 blocked = next((u for u in upstream if u in outcome.failed or u in outcome.not_run), None)
                 if blocked or stopping():
@@ -125,41 +174,16 @@ def run_graph(
                     continue
                 elif all(outcome.settled(u) for u in upstream) and must_run is not None and not must_run(node):
                     outcome.up_to_date.append(address)
-                elif all(outcome.settled(u) for u in upstream) and not full and fits(node):
-                    future = submit(node, [futures[u] for u in upstream if u in futures])
+                elif all(outcome.settled(u) for u in upstream) and not full and self.fits(node):
+                    future = self.submit(node, [futures[u] for u in upstream if u in futures])
                     futures[address] = future
-                    running[address] = cores(node) if cores else 1
-                    future.add_done_callback(lambda f, a=address: finished.put((a, f)))
+                    self.running[address] = self.cores(node) if self.cores else 1
+                    future.add_done_callback(lambda f, a=address: self.finished.put((a, f)))
                 else:
                     full = full or all(outcome.settled(u) for u in upstream)
                     continue
-                del waiting[address]
+                del self.waiting[address]
                 changed = True
-
-    submit_ready()
-    while len(outcome.done) + len(outcome.failed) + len(outcome.not_run) + len(outcome.up_to_date) < len(nodes):
-        try:
-            address, future = finished.get(timeout=0.5)
-        except queue.Empty:
-            if stopping():
-                if on_stop is not None:
-                    on_stop()
-                    on_stop = None
-                submit_ready()  # what still waits will not start
-            continue
-        running.pop(address, None)
-        try:
-            result = future.result()
-        except StageNotStarted:  # it waited (for a GPU) while the run was being stopped
-            outcome.not_run[address] = "the run was stopped"
-        except Exception as err:  # noqa: BLE001 - reported by address; stages that do not depend on it go on
-            outcome.failed[address] = err
-        else:
-            submit_ready(committing=address)  # DVC's commit hashes the outputs: the next stage need not wait for it
-            commit(result["stage"])
-            outcome.done.append(address)
-        submit_ready()
-    return outcome
 
 
 def stage_cores(root: str | Path) -> tuple[Callable[[StageNode], int] | None, int]:
@@ -254,51 +278,72 @@ def repro(
             f"{len(to_run)} of {len(nodes)} stages to run, up to "
             f"{min(workers, len(to_run), len(gpus) or workers)} at once on {where}"
         )
+        one = _stage_runner(devices, root, stage_env, servers)
+        with _stopping_on_signals(), ThreadPoolExecutor(workers, thread_name_prefix="stage") as pool:
+            outcome = run_graph(
+                to_run,
+                lambda node, _: pool.submit(one, node),
+                lambda address: commit_stage(repo, address),
+                limit=workers,
+                cores=cores,
+                capacity=capacity,
+                must_run=still_changed(repo, changed | set(force)),
+            )
+    return _report(outcome, len(to_run))
 
-        def one(node: StageNode) -> dict:
-            with devices.lease() as device_env:
-                if stopping():  # it waited for a GPU while the run was being stopped
-                    raise StageNotStarted(node.address)
-                _say(
-                    f"Running stage '{node.address}'"
-                    + (f" on GPU {device_env[CUDA_DEVICES_ENV]}:" if device_env else ":")
-                )
-                started = time.monotonic()
-                result = run_stage(
-                    node,
-                    root,
-                    stage_env | served_env(device_env, servers),
-                    echo=lambda line, stream: _say(f"[{node.address}] {line}", stream),
-                )
-            _say(f"[{node.address}] done in {time.monotonic() - started:.1f} s")
-            return result
 
-        previous = (
-            {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-            if threading.current_thread() is threading.main_thread()
-            else {}
-        )
-        try:
-            with ThreadPoolExecutor(workers, thread_name_prefix="stage") as pool:
-                outcome = run_graph(
-                    to_run,
-                    lambda node, _: pool.submit(one, node),
-                    lambda address: commit_stage(repo, address),
-                    limit=workers,
-                    cores=cores,
-                    capacity=capacity,
-                    must_run=still_changed(repo, changed | set(force)),
-                )
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+def _stage_runner(
+    devices: DevicePool, root: Path, stage_env: dict[str, str], servers: dict[str, str | None]
+) -> Callable[[StageNode], dict]:
+    """What a pool thread runs for one stage: on a GPU of its own where there are GPUs (forked from that GPU's
+    server), each line it prints shown after ``[<stage>]``; its result is run_stage's."""
+
+    def one(node: StageNode) -> dict:
+        with devices.lease() as device_env:
+            if stopping():  # it waited for a GPU while the run was being stopped
+                raise StageNotStarted(node.address)
+            _say(
+                f"Running stage '{node.address}'" + (f" on GPU {device_env[CUDA_DEVICES_ENV]}:" if device_env else ":")
+            )
+            started = time.monotonic()
+            result = run_stage(
+                node,
+                root,
+                stage_env | served_env(device_env, servers),
+                echo=lambda line, stream: _say(f"[{node.address}] {line}", stream),
+            )
+        _say(f"[{node.address}] done in {time.monotonic() - started:.1f} s")
+        return result
+
+    return one
+
+
+@contextlib.contextmanager
+def _stopping_on_signals():
+    """SIGINT and SIGTERM stop the run (_stop) while the context lasts, where this is the main thread (only it
+    may set handlers); the previous handlers are back afterwards."""
+    previous = (
+        {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _report(outcome: RunOutcome, planned: int) -> int:
+    """Say what the run of ``planned`` stages did (its failures and what did not run on stderr) and return the exit
+    status: 130 when it was stopped, 1 when a stage failed or did not run, else 0."""
     for address in outcome.failed:
         _say(f"failed: {address}, {outcome.status(address)}: {outcome.error_line(address)}", sys.stderr)
     if outcome.not_run:
         _say(f"not run: {'; '.join(f'{a} ({why})' for a, why in outcome.not_run.items())}", sys.stderr)
     if stopping():
         _say(
-            f"stopped: {len(outcome.done)} of {len(to_run)} stages "
+            f"stopped: {len(outcome.done)} of {planned} stages "
             "completed and are recorded in dvc.lock; the rest run next time",
             sys.stderr,
         )

@@ -360,6 +360,45 @@ def _train_cost(
     return train_s, train_peak, train_at
 
 
+def _forward_cost(
+    model, images, synced, batch_size: int, stopwatch: Stopwatch, meter: PeakMemory
+) -> tuple[float, int, list[int]]:
+    """An evaluation batch's seconds and peak memory at ``batch_size`` (batch_cost): the model in eval mode, no
+    gradients."""
+    import torch
+
+    def forward_call(n):
+        x = images(n)
+
+        def call():
+            with torch.no_grad():
+                model(x)
+
+        return synced(call)
+
+    model.eval()
+    return batch_cost(forward_call, batch_size, stopwatch, meter)
+
+
+def _parameter_costs(params: Params, model, images, synced, stopwatch: Stopwatch) -> tuple[float, float, float]:
+    """The seconds of what scales with the parameters: one example's gradient at batch 1, one torch.add over every
+    parameter, one SVD (merging._tensors.svd) of the largest 2-D weight."""
+    import torch
+
+    from mergeflow.ml.merging import svd
+
+    model.eval()
+    weights = [p for p in model.parameters() if p.requires_grad]  # CLIP's projection bias is frozen
+    x1 = images(1)
+    example_s = stopwatch.time(synced(lambda: torch.autograd.grad(model(x1).sum(), weights)))
+    detached = [p.detach() for p in weights]
+    pass_s = stopwatch.time(synced(lambda: [torch.add(w, w) for w in detached]))
+    shape = model_shape(params)
+    matrix = torch.randn(*shape.largest_matrix)
+    svd_s = stopwatch.time(synced(lambda: svd(matrix)))
+    return example_s, pass_s, svd_s
+
+
 def _inputs(params: Params, model, n: int, device):
     """``n`` random inputs of the suite's kind: uint8 images, or token ids with words in the first half of each row
     and padding after (a pair's typical length)."""
@@ -383,7 +422,6 @@ def measure_throughput(
 
     import torch
 
-    from mergeflow.ml.merging import svd
     from mergeflow.ml.models import build_backbone, select_device
     from mergeflow.ml.training import seed_everything
 
@@ -405,28 +443,11 @@ def measure_throughput(
             return fn
         return lambda: (fn(), torch.cuda.synchronize())
 
-    def forward_call(n):
-        x = images(n)
-
-        def call():
-            with torch.no_grad():
-                model(x)
-
-        return synced(call)
-
-    model.eval()
-    forward_s, forward_peak, forward_at = batch_cost(forward_call, params.runtime.eval_batch_size, stopwatch, meter)
-
+    forward_s, forward_peak, forward_at = _forward_cost(
+        model, images, synced, params.runtime.eval_batch_size, stopwatch, meter
+    )
     train_s, train_peak, train_at = _train_cost(model, images, synced, params.finetune.batch_size, stopwatch, meter)
-    model.eval()
-    weights = [p for p in model.parameters() if p.requires_grad]  # CLIP's projection bias is frozen
-    x1 = images(1)
-    example_s = stopwatch.time(synced(lambda: torch.autograd.grad(model(x1).sum(), weights)))
-    detached = [p.detach() for p in weights]
-    pass_s = stopwatch.time(synced(lambda: [torch.add(w, w) for w in detached]))
-    shape = model_shape(params)
-    matrix = torch.randn(*shape.largest_matrix)
-    svd_s = stopwatch.time(synced(lambda: svd(matrix)))
+    example_s, pass_s, svd_s = _parameter_costs(params, model, images, synced, stopwatch)
     cuda = device.type == "cuda"
     base = 0 if cuda else before_model  # CPU: the growth over the process before the model
     import_s, import_rss = process_start or stage_process_start()
