@@ -1,5 +1,5 @@
-"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner (running, \
-gpus)."""
+"""Prefect task: run one stage of dvc.yaml, and log what it printed. All logic lives in mergeflow.runner
+(running, gpus)."""
 
 import sys
 import time

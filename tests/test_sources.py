@@ -1,6 +1,5 @@
-"""mergeflow.pipeline.sources: the files a merge follows from, read from the imports; and what DVC re-runs when one \
-method's
-module changes (only the merges whose modules import it)."""
+"""mergeflow.pipeline.sources: the files a merge follows from, read from the imports; and what DVC re-runs when
+one method's module changes (only the merges whose modules import it)."""
 
 import hashlib
 import json
@@ -153,3 +152,30 @@ def test_a_study_and_a_regime_follow_from_their_own_modules(repo_root):
     assert "sources/regime_merge/${item}.json" in stages["regime_merge"]["do"]["deps"] and not [
         d for d in stages["regime_merge"]["do"]["deps"] if d.startswith("src/")
     ]
+
+
+def test_a_replicate_follows_the_files_of_the_methods_it_merges(tmp_path, repo_root):
+    """sources/replicate.json holds the files of merge.methods' methods alone (what every replicate@<seed> merges
+    with): a method outside merge.methods is not in it; and dvc.yaml makes replicate@ depend on it, not on the
+    whole merging folder."""
+    import yaml
+
+    from mergeflow.params import load_params
+    from mergeflow.pipeline import stages
+
+    params = load_params(repo_root / "params.yaml")
+    methods = ["ties", "task_arithmetic"]
+    params = params.model_copy(update={"merge": params.merge.model_copy(update={"methods": methods})})
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "mergeflow").symlink_to(repo_root / "src" / "mergeflow")
+    layout = stages.Layout(project)
+    stages.sources(params, layout)
+    replicate = json.loads(layout.replicate_sources.read_text())
+    expected = {}
+    for method in methods:
+        expected |= json.loads(layout.method_sources(method).read_text())
+    assert replicate == expected and "mergeflow/ml/merging/ties.py" in replicate
+    assert "mergeflow/ml/merging/model_stock.py" not in replicate
+    deps = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["replicate"]["do"]["deps"]
+    assert "sources/replicate.json" in deps and not [d for d in deps if d.startswith("src/mergeflow/ml/merging")]

@@ -1,6 +1,5 @@
-"""The stage server (mergeflow.runner.stage_server): a stage forked from it writes the same bytes as the stage run in \
-its
-own process, its exit status and error line come back unchanged, and it dies with its command."""
+"""The stage server (mergeflow.runner.stage_server): a stage forked from it writes the same bytes as the stage run
+in its own process, its exit status and error line come back unchanged, and it dies with its command."""
 
 import hashlib
 import signal

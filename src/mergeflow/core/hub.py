@@ -1,5 +1,5 @@
-"""The Hugging Face hub's one switch: whether a stage may download (weights, tokenizers) or reads the local cache \
-only."""
+"""The Hugging Face hub's one switch: whether a stage may download (weights, tokenizers) or reads the local
+cache only."""
 
 from __future__ import annotations
 

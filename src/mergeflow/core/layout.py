@@ -112,6 +112,11 @@ class Layout:
         """The source files that regime_merge@<regime> follows from: its methods' (regimes.methods) and LoRA's."""
         return self.sources / "regime_merge" / f"{regime}.json"
 
+    @property
+    def replicate_sources(self) -> Path:
+        """The merging files that every replicate@<seed> follows from: those of the methods in merge.methods."""
+        return self.sources / "replicate.json"
+
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self._p("metrics", f"{stage}.json") if name is None else self._p("metrics", stage, f"{name}.json")
 

@@ -7,8 +7,8 @@ writes, for every registered method,
 ``sources/merge/<method>.json`` ({file: md5} of those files). ``merge@<method>`` depends on its own file, not on
 the whole of src/mergeflow/ml/merging: the stage re-runs on any change there (a second), and DVC re-runs only the
 merges whose file changed. Modules outside ``mergeflow.ml.merging`` are not followed, as before (the stage code is
-not a merge's dependency). The regime merges (their methods are params), the studies and the replicates look
-methods up by name at run time and still depend on the folder.
+not a merge's dependency). The regime merges and the replicates follow the files of the methods params.yaml gives
+them (regimes.methods, merge.methods); a study that looks methods up by name follows the whole folder.
 """
 
 from __future__ import annotations

@@ -349,8 +349,9 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
 def sources(params: Params, layout: Layout = Layout()) -> dict:
     """What each merge's, study's and regime's bytes follow from (mergeflow.pipeline.sources):
     sources/merge/<method>.json, sources/study/<name>.json, sources/regime/<name>.json for every registered one, and
-    sources/regime_merge/<name>.json for each regime with the methods params.yaml gives it (regimes.methods), each
-    {file: md5}: a change to one method re-runs only the merges that use it."""
+    sources/regime_merge/<name>.json for each regime with the methods params.yaml gives it (regimes.methods), and
+    sources/replicate.json for merge.methods (what every replicate@<seed> merges with), each {file: md5}: a change to
+    one method re-runs only the merges that use it."""
     from mergeflow.ml.regimes import REGISTRY as REGIMES
     from mergeflow.pipeline.sources import (
         digest,
@@ -374,6 +375,8 @@ def sources(params: Params, layout: Layout = Layout()) -> dict:
         )
         for r in runnable
     }
+    merged = {f for m in params.merge.methods if m in REGISTRY for f in files[layout.method_sources(m)]}
+    files[layout.replicate_sources] = sorted(merged)
     with atomic_path(layout.sources, directory=True) as tmp:
         for out, found in files.items():
             path = tmp / out.relative_to(layout.sources)
