@@ -14,17 +14,14 @@ See docs/scaling.md; ``python -m flows.serve`` (``mergeflow serve``) schedules t
 # no `from __future__ import annotations`: a served run gets the flow pickled by value, and Prefect builds its
 # parameter model from the signature; string annotations (Runner) would not resolve there
 
-import argparse
 import concurrent.futures
 import contextlib
-import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -32,17 +29,10 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from mergeflow.runner.checkouts import check_source, pull_dependencies, pull_outputs, record_stage, source
 from mergeflow.runner.checks import check_project
-from mergeflow.config.environment import MLFLOW_UI_ENV, mlflow_ui_base, mlflow_ui_port
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError, first_line
-from mergeflow.runner.arguments import (
-    DASK_CONNECT_TIMEOUT_S,
-    check_dask_imports,
-    check_workers,
-    local_cluster,
-    probe_dask_scheduler,
-    workers_argument,
-)
+from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, workers_argument
+from mergeflow.runner.flow_options import OneLineParser, Runner, add_runner_arguments, check_runner
 from mergeflow.runner.graph import (
     StageNode,
     changed_stages,
@@ -55,35 +45,13 @@ from mergeflow.runner.graph import (
 )
 from mergeflow.runner.running import PipelineFailed, quiet_failure_tracebacks, stop_stages, stopping
 from mergeflow.runner.lifetime import watch_children
-from mergeflow.runner.remote import default_remote, push_outputs
+from mergeflow.runner.run_summary import failure_markdown, push_section, success_markdown
 from mergeflow.runner.scheduler import RunOutcome, run_graph, stage_cores, stage_gpus
 from mergeflow.runner.stage_server import SERVER_ENV, running_server, running_servers
 from mergeflow.runner.verify import check_outputs
 from tasks.stages import run_stage_task, stop_worker_stages
 
 quiet_failure_tracebacks()  # a failed stage or bad input is its one line in the logs, not a traceback
-
-Runner = Literal["thread", "dask"]
-RUNNERS: tuple[str, ...] = ("thread", "dask")
-
-
-def check_runner(runner: str, dask_address: str | None = None, worker_checkouts: bool = False) -> None:
-    """Refuse an unknown runner, or a Dask address or worker checkouts without the Dask runner or prefect-dask
-    (one line each)."""
-    if runner not in RUNNERS:
-        raise MergeflowError(f"unknown runner {runner!r}: choose one of {', '.join(RUNNERS)}")
-    if dask_address and runner != "dask":
-        raise MergeflowError(f"a Dask scheduler address ({dask_address}) needs --runner dask")
-    if worker_checkouts and runner != "dask":
-        raise MergeflowError("worker checkouts need --runner dask")
-    if runner == "dask":
-        try:
-            import prefect_dask  # noqa: F401
-        except ImportError:
-            raise MergeflowError("--runner dask needs prefect-dask (pip install prefect-dask)") from None
-        if dask_address:  # an unreachable scheduler: one line now, not Dask's traceback after its retries
-            probe_dask_scheduler(dask_address)
-            check_dask_imports(dask_address)  # and one that cannot unpickle the stages: one line, not ten failures
 
 
 def make_task_runner(runner: str, workers: int, dask_address: str | None = None) -> TaskRunner:
@@ -180,13 +148,7 @@ def pipeline(
         nodes = stage_graph(repo)
         changed, stale = _stale(repo, nodes, root)
         env = {"MERGEFLOW_RUN_SOURCE": "prefect", "PREFECT__FLOW_RUN_ID": str(flow_run.get_id() or "")}
-        # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
-        # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
-        gpus = [] if dask_address else stage_gpus(root)
-        workers = workers or len(gpus) or max(1, os.cpu_count() or 1)  # stages at once: one per GPU, else per core
-        if gpus and runner == "dask" and not dask_address:
-            workers = min(workers, len(gpus))
-        gpu_workers = workers if gpus and runner == "dask" else None
+        gpus, workers, gpu_workers = _stage_slots(root, workers, runner, dask_address)
         to_run = [n for n in nodes if n.address in stale]
         logger.info(
             "%d of %d stages to run: %s", len(to_run), len(nodes), ", ".join(n.address for n in to_run) or "none"
@@ -201,74 +163,109 @@ def pipeline(
                 workers,
                 f", GPUs {', '.join(gpus)}" if gpus else "",
             )
-
-            def parameters(node: StageNode) -> dict:
-                checkout = (
-                    {"source": source(root, commit)} if commit else {}
-                )  # dvc.lock as it is now, upstream recorded
-                return {
-                    "node": node,
-                    "root": root,
-                    "env": env | served,
-                    "gpus": gpus,
-                    "gpu_workers": gpu_workers,
-                    "servers": servers,
-                } | checkout
-
-            def record(address: str) -> None:
-                if commit and address not in here:
-                    record_stage(root, address, futures[address].result())
-                    repo._reset()  # dvc.lock changed behind DVC's back: its index is read again
-                else:
-                    commit_stage(repo, address)
-
-            # with worker checkouts, a stage with no outputs (track) runs here, where MLflow's store is, on its
-            # inputs pulled from the remote
-            here = {n.address for n in to_run if commit and not n.outs}
-
-            def run_here(node: StageNode) -> concurrent.futures.Future:
-                future = concurrent.futures.Future()
-                try:
-                    pull_dependencies(repo, node.address)
-                    future.set_result(run_stage_task(**(parameters(node) | {"source": None})))
-                except Exception as err:  # noqa: BLE001 - the outcome names it, as a worker's failure
-                    future.set_exception(err)
-                return future
-
-            with contextlib.ExitStack() as stack:
-                # on this machine (a thread pool, or a LocalCluster's workers) the stages fork from one process that
-                # has imported torch and timm (mergeflow.runner.stage_server); where there are GPUs, from one per GPU
-                servers = stack.enter_context(running_servers(gpus))
-                address = stack.enter_context(running_server()) if not dask_address and not gpus else None
-                served = {SERVER_ENV: address} if address else {}
-                task_runner = _enter_task_runner(stack, runner, workers, dask_address)
-                futures: dict = {}
-
-                def submit(node: StageNode, upstream: list):
-                    # wait_for on finished futures: no waiting, but the UI draws the graph's edges
-                    futures[node.address] = (
-                        run_here(node)
-                        if node.address in here
-                        else task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
-                    )
-                    return futures[node.address]
-
-                on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
-                # on this machine's CPU, as many stages as their threads leave cores for; on GPUs, one a GPU
-                cores, capacity = stage_cores(root) if runner == "thread" and not gpus else (None, None)
-                outcome = run_graph(
-                    to_run,
-                    submit,
-                    record,
-                    None if dask_address else workers,
-                    on_stop,
-                    cores,
-                    capacity,
-                    still_changed(repo, changed),
-                )
-            if commit:  # the outputs the workers pushed, into this working tree
-                pull_outputs(repo, [a for a in outcome.done if a not in here])
+            outcome = _run_stages(
+                repo, to_run, changed, root, commit, env, gpus, workers, gpu_workers, runner, dask_address
+            )
     return _finish(outcome, len(nodes), len(to_run), root)
+
+
+def _stage_slots(
+    root: str, workers: int | None, runner: Runner, dask_address: str | None
+) -> tuple[list[str], int, int | None]:
+    """(the GPUs the stages share, the stages at once, the LocalCluster's workers when each takes a GPU of its own)."""
+    # one stage per GPU: the GPUs this machine shows, handed out by the thread pool's process or, on a
+    # LocalCluster of one worker per GPU, each worker its own; an existing cluster's workers bring their own
+    gpus = [] if dask_address else stage_gpus(root)
+    workers = workers or len(gpus) or max(1, os.cpu_count() or 1)  # stages at once: one per GPU, else per core
+    if gpus and runner == "dask" and not dask_address:
+        workers = min(workers, len(gpus))
+    return gpus, workers, workers if gpus and runner == "dask" else None
+
+
+def _run_here(repo, node: StageNode, parameters: Callable[[StageNode], dict]) -> concurrent.futures.Future:
+    """A stage run in this process on its inputs pulled from the DVC remote (with worker checkouts, a stage without
+    outputs), as a done future: its result, or its error as a worker's failure would be."""
+    future = concurrent.futures.Future()
+    try:
+        pull_dependencies(repo, node.address)
+        future.set_result(run_stage_task(**(parameters(node) | {"source": None})))
+    except Exception as err:  # noqa: BLE001 - the outcome names it, as a worker's failure
+        future.set_exception(err)
+    return future
+
+
+def _run_stages(
+    repo,
+    to_run: list[StageNode],
+    changed: set[str],
+    root: str,
+    commit: str | None,
+    env: dict,
+    gpus: list[str],
+    workers: int,
+    gpu_workers: int | None,
+    runner: Runner,
+    dask_address: str | None,
+) -> RunOutcome:
+    """Run ``to_run`` on the task runner, each stage once those before it complete, each recorded in dvc.lock as it
+    completes (scheduler.run_graph); with worker checkouts (``commit``), the outputs pulled into this tree after."""
+
+    def parameters(node: StageNode) -> dict:
+        checkout = {"source": source(root, commit)} if commit else {}  # dvc.lock as it is now, upstream recorded
+        return {
+            "node": node,
+            "root": root,
+            "env": env | served,
+            "gpus": gpus,
+            "gpu_workers": gpu_workers,
+            "servers": servers,
+        } | checkout
+
+    def record(address: str) -> None:
+        if commit and address not in here:
+            record_stage(root, address, futures[address].result())
+            repo._reset()  # dvc.lock changed behind DVC's back: its index is read again
+        else:
+            commit_stage(repo, address)
+
+    # with worker checkouts, a stage with no outputs (track) runs here, where MLflow's store is, on its
+    # inputs pulled from the remote
+    here = {n.address for n in to_run if commit and not n.outs}
+
+    with contextlib.ExitStack() as stack:
+        # on this machine (a thread pool, or a LocalCluster's workers) the stages fork from one process that
+        # has imported torch and timm (mergeflow.runner.stage_server); where there are GPUs, from one per GPU
+        servers = stack.enter_context(running_servers(gpus))
+        address = stack.enter_context(running_server()) if not dask_address and not gpus else None
+        served = {SERVER_ENV: address} if address else {}
+        task_runner = _enter_task_runner(stack, runner, workers, dask_address)
+        futures: dict = {}
+
+        def submit(node: StageNode, upstream: list):
+            # wait_for on finished futures: no waiting, but the UI draws the graph's edges
+            futures[node.address] = (
+                _run_here(repo, node, parameters)
+                if node.address in here
+                else task_runner.submit(run_stage_task, parameters(node), wait_for=upstream)
+            )
+            return futures[node.address]
+
+        on_stop = _stop_on_dask(task_runner, futures) if runner == "dask" else None
+        # on this machine's CPU, as many stages as their threads leave cores for; on GPUs, one a GPU
+        cores, capacity = stage_cores(root) if runner == "thread" and not gpus else (None, None)
+        outcome = run_graph(
+            to_run,
+            submit,
+            record,
+            None if dask_address else workers,
+            on_stop,
+            cores,
+            capacity,
+            still_changed(repo, changed),
+        )
+    if commit:  # the outputs the workers pushed, into this working tree
+        pull_outputs(repo, [a for a in outcome.done if a not in here])
+    return outcome
 
 
 def _checked(
@@ -345,112 +342,8 @@ def _finish(outcome: RunOutcome, stages: int, to_run: int, root: str) -> list[st
 
 
 # ---------------------------------------------------------------- the flow run's Markdown artifact
+# (its Markdown: mergeflow.runner.run_summary)
 SUMMARY_ARTIFACT_KEY = "mergeflow-summary"
-
-
-def mlflow_run_url(tracking: dict, base: str | None = None) -> str:
-    """The MLflow UI's page of the run that ``tracking`` (metrics/tracking.json) names."""
-    return f"{base or mlflow_ui_base()}/#/experiments/{tracking['experiment_id']}/runs/{tracking['run_id']}"
-
-
-def _mlflow_section(root: Path) -> str:
-    try:
-        tracking = json.loads((root / "metrics" / "tracking.json").read_text())
-        url = mlflow_run_url(tracking)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return (
-            "No MLflow run to link: metrics/tracking.json is missing or "
-            f"incomplete ({type(err).__name__}); the track stage writes it."
-        )
-    base = mlflow_ui_base()
-    port = mlflow_ui_port()
-    return (
-        f"MLflow run [{tracking['run_id']}]({url}) in experiment "
-        f"{tracking.get('experiment', tracking['experiment_id'])}, "
-        f"store `{tracking.get('tracking_uri', '?')}`.\n\n"
-        f"The link opens while the MLflow UI serves that store at {base}: run `mergeflow ui --port {port}` in `{root}` "
-        f"(set {MLFLOW_UI_ENV} when your MLflow UI runs elsewhere)."
-    )
-
-
-def push_section(root: Path) -> tuple[str, str | None]:
-    """Where the results are: pushed to the default DVC remote (`dvc push`: only what the remote lacks goes), or
-    this machine's cache when no remote is set. Returns the artifact's section and the push's error, if any."""
-    try:
-        remote = default_remote(root)
-        if remote is None:
-            return (
-                f"In this machine's DVC cache only (`{root}/.dvc/cache`): no DVC remote is set. `mergeflow remote add "
-                "URL` sets one, and each run then pushes its outputs there.",
-                None,
-            )
-        sent = push_outputs(root, remote=remote)
-    except MergeflowError as err:
-        return (
-            f"**Not pushed**: {err}. The outputs are in this machine's "
-            "DVC cache; `dvc push` sends them once the remote answers.",
-            str(err),
-        )
-    return (
-        f"Pushed to the DVC remote **{remote.name}** (`{remote.url}`): {sent} files sent, the rest were there already. "
-        f"With this dvc.lock (commit it), `dvc pull` on any clone restores every output of this run."
-    ), None
-
-
-def success_markdown(root: Path, ran: list[str], stages: int, stored: str | None = None) -> str:
-    """The artifact of a completed run: which stages ran, results/summary.md, the MLflow run's link, and where
-    the outputs are stored (``stored``, push_section's)."""
-    if ran:
-        head = (
-            f"**Ran in this flow run** ({len(ran)} of {stages} stages): "
-            f"{', '.join(ran)}. The other stages were up to date."
-        )
-    else:
-        head = (
-            f"**Nothing ran in this flow run**: all {stages} stages were up to date. The results below are the current "
-            "ones, from an earlier run."
-        )
-    try:
-        table = (root / "results" / "summary.md").read_text().strip()
-    except OSError:
-        table = "results/summary.md is missing (the report stage writes it)."
-    stored = f"\n## Outputs\n\n{stored}\n" if stored else ""
-    return (
-        f"# mergeflow pipeline: completed\n\n{head}\n\n## Results (results/summary.md)\n\n{table}\n\n## MLflow\n\n"
-        f"{_mlflow_section(root)}\n{stored}"
-    )
-
-
-def failure_markdown(outcome: RunOutcome | None, error: str | None = None, stages: int | None = None) -> str:
-    """The artifact of a failed run: each failed stage with its one-line error, the stages that never started and
-    those that completed; or ``error`` when the run stopped before any stage (bad configuration)."""
-    lines = ["# mergeflow pipeline: failed", ""]
-    if outcome is None:
-        return (
-            "\n".join(
-                lines
-                + [
-                    "The run stopped before any stage, on:",
-                    "",
-                    f"    {error}",
-                    "",
-                    "`mergeflow check` checks the configuration.",
-                ]
-            )
-            + "\n"
-        )
-    lines += ["## Failed", ""] + [f"- **{a}**, {outcome.status(a)}: `{outcome.error_line(a)}`" for a in outcome.failed]
-    if outcome.not_run:
-        lines += ["", "## Not run", ""] + [f"- **{a}**: {why}" for a, why in outcome.not_run.items()]
-    lines += ["", "## Completed", ""]
-    if outcome.done:
-        lines += [
-            f"{', '.join(outcome.done)} ({len(outcome.done)} of the {len(outcome.planned)} stages to run, of {stages} "
-            "in all): recorded in dvc.lock, so the next run starts from there."
-        ]
-    else:
-        lines += [f"None of the {len(outcome.planned)} stages to run (of {stages} in all)."]
-    return "\n".join(lines) + "\n"
 
 
 def publish_summary(markdown: str) -> None:
@@ -473,35 +366,6 @@ def _stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)
     stopped = stop_stages()
     print(f"mergeflow: {signal.Signals(signum).name}: stopped {stopped} running stages", file=sys.stderr)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad argument is the project's one line, ``error: <what>``, and exit status 2 (argparse's
-    own prints the usage first, over several lines)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (--help lists the options)\n")
-
-
-def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--runner",
-        choices=RUNNERS,
-        default="thread",
-        help="where stages run: a thread pool here (default) or a Dask cluster",
-    )
-    parser.add_argument(
-        "--dask-address",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="with --runner dask: an existing cluster's scheduler (default: a LocalCluster of --workers processes)",
-    )
-    parser.add_argument(
-        "--worker-checkouts",
-        action="store_true",
-        help="with --runner dask: each worker runs stages in a checkout of its own, inputs and outputs moved by the "
-        "DVC remote (no shared file system)",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

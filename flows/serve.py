@@ -20,7 +20,8 @@ DEPLOYMENT = "scheduled"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from flows.pipeline import OneLineParser, add_runner_arguments, workers_argument
+    from mergeflow.runner.arguments import workers_argument
+    from mergeflow.runner.flow_options import OneLineParser, add_runner_arguments
 
     parser = OneLineParser(
         prog="mergeflow serve",
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     from mergeflow.core.errors import MergeflowError
     from mergeflow.runner.arguments import check_schedule
     from mergeflow.runner.graph import check_repo
-    from flows.pipeline import check_runner, pipeline
+    from flows.pipeline import pipeline
+    from mergeflow.runner.flow_options import check_runner
 
     try:  # the same checks as a run's, once now: a deployment that would fail every night is refused here
         check_runner(args.runner, args.dask_address)

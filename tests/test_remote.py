@@ -420,7 +420,7 @@ def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_e
 def test_a_flow_run_says_where_its_outputs_went(tmp_path, tiny_env):
     """The flow's summary artifact: this machine's cache when no remote is set; what `dvc push` sent to the remote;
     a push that fails is named, and fails the run (flows.pipeline raises on the error)."""
-    from flows.pipeline import push_section
+    from mergeflow.runner.run_summary import push_section
 
     run("git init -q && dvc init -q && echo weights > model.bin && dvc add -q model.bin", tmp_path, tiny_env)
     text, error = push_section(tmp_path)

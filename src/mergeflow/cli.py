@@ -3,6 +3,9 @@
 Under DVC and the Prefect flow a stage takes its task or method from DVC_STAGE (finetune@<task>, merge@<method>),
 so no name from params.yaml is ever pasted into a shell command. Bad input or configuration prints one line,
 ``error: <what, where>``, and exits with status 2; a transient failure exits with status 75 (see mergeflow.core.errors).
+
+This module parses the command line; what each command then does is mergeflow.runner.commands' (a stage's,
+mergeflow.runner.stage_command's).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from mergeflow import __version__
 from mergeflow.core.errors import MergeflowError, TransientError
 from mergeflow.core.stage_table import STAGES
+from mergeflow.runner.commands import run_command
 
 
 DESCRIPTION = """Model merging, end to end: fine-tune one backbone per task, merge the task vectors with each
@@ -89,26 +93,10 @@ def _choices(argv: list[str]) -> tuple[str, str, str]:
     return tasks, methods_help, studies_help
 
 
-def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _add_stage_commands(sub, argv: list[str]) -> None:
+    """A command per stage of the stage table, its task, method or study an option or argument (help lists
+    the choices params.yaml and the registries give)."""
     tasks, methods_help, studies_help = _choices(argv)
-
-    parser = argparse.ArgumentParser(
-        prog="mergeflow", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--version", action="version", version=f"mergeflow {__version__}", help="print the version and exit"
-    )
-    parser.add_argument(
-        "--params", default="params.yaml", metavar="FILE", help="the configuration file (default: params.yaml)"
-    )
-    parser.add_argument(
-        "--download",
-        action="store_true",
-        help="download missing datasets and weights (torchvision, the Hugging Face hub); anywhere on the line, e.g. "
-        "`mergeflow repro --download`",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     items = {
         "task": tasks,
         "method": methods_help,
@@ -128,6 +116,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                 metavar=item.option.upper(),
                 help=text,
             )
+
+
+def _add_listing_commands(sub) -> None:
+    """What params.yaml runs and what a run would take: regimes, methods, plan."""
     sub.add_parser(
         "regimes",
         help="the training-time regimes and studies: what params.yaml runs, and each regime's variants",
@@ -167,6 +159,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="estimate from a GPU benchmark's figures (python bench/gpu.py "
         "--json JSON on that machine) instead of measuring here",
     )
+
+
+def _add_checking_commands(sub) -> None:
+    """The outputs and the configuration checked, and the stale stages run: verify, reproduce, check, repro."""
     sub.add_parser(
         "verify",
         help="hash every output dvc.lock records again from its bytes; name each file that changed or is missing",
@@ -222,6 +218,10 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="stages at once (default: one per GPU, each stage a GPU to itself; else one per CPU core)",
     )
+
+
+def _add_result_commands(sub) -> None:
+    """The results looked at, shared and scheduled: ui, compare, remote, serve."""
     ui = sub.add_parser(
         "ui",
         help="the MLflow UI on the store `track` logs to (opens the Prefect summary's link)",
@@ -283,336 +283,33 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="schedule the pipeline: a Prefect deployment served from "
         "here (--cron EXPR or --interval SECONDS; serve --help)",
     )
+
+
+def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command's parser, a subparser a command; ``argv`` decides whether help reads params.yaml (_choices)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    parser = argparse.ArgumentParser(
+        prog="mergeflow", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"mergeflow {__version__}", help="print the version and exit"
+    )
+    parser.add_argument(
+        "--params", default="params.yaml", metavar="FILE", help="the configuration file (default: params.yaml)"
+    )
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help="download missing datasets and weights (torchvision, the Hugging Face hub); anywhere on the line, e.g. "
+        "`mergeflow repro --download`",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_stage_commands(sub, argv)
+    _add_listing_commands(sub)
+    _add_checking_commands(sub)
+    _add_result_commands(sub)
     return parser
-
-
-def _stage_item(given: str | None, stage: str, what: str) -> str:
-    """The task or method a stage runs on: the option, else DVC_STAGE's '<stage>@<name>'."""
-    if given is not None:
-        return given
-    address = os.environ.get("DVC_STAGE", "")
-    prefix, _, name = address.partition("@")
-    if prefix != stage or not name:
-        raise MergeflowError(
-            f"{stage}: no --{what} given, and DVC_STAGE ({address or 'unset'}) is not {stage}@<{what}>"
-        )
-    return name
-
-
-def _methods(args: argparse.Namespace) -> int:
-    if args.list:
-        from mergeflow.ml.merging import REGISTRY
-        from mergeflow.params import load_params
-
-        tasks = len(load_params(args.params).suite.tasks)
-        print(f"[{','.join(sorted(name for name, m in REGISTRY.items() if m.tasks in (None, tasks)))}]")
-        return 0
-    return print_methods(args.params)
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from mergeflow.runner.plan import print_plan
-
-    return print_plan(
-        args.params, include_all=args.all, as_json=args.json, remeasure=args.remeasure, calibration=args.calibration
-    )
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from mergeflow.runner.compare import compare, compare_leaderboards
-
-    if args.revisions:
-        if len(args.revisions) != 2:
-            raise MergeflowError(
-                f"compare: two revisions or none, not {len(args.revisions)} ({' '.join(args.revisions)})"
-            )
-        print(compare_leaderboards(*args.revisions))
-        return 0
-    print(compare(args.metric, args.all, args.md))
-    return 0
-
-
-def _remote(args: argparse.Namespace) -> int:
-    from mergeflow.runner.remote import add_remote, default_remote
-
-    if args.remote_command == "add":
-        remote = add_remote(args.url, args.name, args.endpoint_url)
-        print(
-            f"default remote: {remote}, in .dvc/config (commit it); `dvc "
-            "push` sends the run's outputs there, `dvc pull` restores them"
-        )
-    else:
-        remote = default_remote()
-        print(
-            f"default remote: {remote}"
-            if remote
-            else "no DVC remote: the outputs live in this machine's cache only (`mergeflow remote add URL`)"
-        )
-    return 0
-
-
-def _reproduce(args: argparse.Namespace) -> int:
-    from mergeflow.runner.reproduce import reproduce
-
-    report = reproduce(".", args.stages or None, args.tolerance, args.scratch)
-    if failures := report.failures():
-        expected = "the same bytes expected" if report.expect_bytes else f"tolerance {report.tolerance:g} points"
-        print(
-            f"error: not reproduced ({expected}): {'; '.join(failures[:8])}{'; ...' if len(failures) > 8 else ''}",
-            file=sys.stderr,
-        )
-        return 1
-    print(
-        f"ok: {'every output the same bytes, ' if report.expect_bytes else ''}every "
-        f"metric within {report.tolerance:g} points"
-    )
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from mergeflow.runner.verify import verify
-
-    print(verify("."))
-    return 0
-
-
-def _lost_track_notice() -> bool:
-    """Whether MLflow's store lost track's runs (they are logged again), saying so."""
-    from pathlib import Path
-
-    from mergeflow.core.mlflow_store import tracked_runs_lost
-
-    if lost := tracked_runs_lost(Path.cwd()):
-        print(f"track: {lost}: logging every stage to MLflow again")
-    return bool(lost)
-
-
-def _check_or_repro(args: argparse.Namespace) -> int:
-    from mergeflow.runner.checks import check_project
-
-    params, notices = check_project(".", args.params)
-    for notice in notices:
-        print(f"warning: {notice}", file=sys.stderr)
-    if args.command == "check":
-        print(
-            f"ok: {args.params} and dvc.yaml checked ({len(params.suite.tasks)} "
-            f"tasks, {len(params.merge.methods)} methods)"
-        )
-        return 0
-    from dvc.cli import main as dvc_main
-
-    from mergeflow.core.lockfile import atomic_dvc_writes
-    from mergeflow.runner.stage_server import SERVER_ENV, running_server
-
-    if not args.dvc_args:  # the whole pipeline, stages at once (the scheduler starts the stage servers)
-        from mergeflow.runner.scheduler import repro
-
-        force = {"track"} if _lost_track_notice() else set()
-        with atomic_dvc_writes():
-            return repro(".", args.workers, force)
-    # the stages fork from one process that has imported torch and timm (seconds saved a stage)
-    with atomic_dvc_writes(), running_server() as address:
-        if address:
-            os.environ[SERVER_ENV] = address
-        status = dvc_main(["repro", *args.dvc_args])
-        if (
-            status == 0 and not [a for a in args.dvc_args if not a.startswith("-")] and _lost_track_notice()
-        ):  # the whole pipeline
-            status = dvc_main(["repro", "--force", "--single-item", "track"])
-        return status
-
-
-def _stage(args: argparse.Namespace) -> int:
-    from mergeflow.runner.lifetime import die_with_parent
-
-    die_with_parent()  # before the seconds of torch's import: a launcher killed meanwhile takes the stage with it
-    from mergeflow.core.files import sweep_temporaries
-    from mergeflow.params import load_params
-    from mergeflow.pipeline import stages
-
-    sweep_temporaries(stages.Layout().output_roots)  # what interrupted writes left (of processes now gone)
-
-    params = load_params(args.params)
-    item = STAGES[args.command].item.option if STAGES[args.command].item else None
-    if item:  # the stage's address, by hand as under DVC: its share of the cores (Params.stage_share) follows from it
-        name = _stage_item(getattr(args, item), args.command, item)
-        os.environ["DVC_STAGE"] = f"{args.command}@{name}"
-    if args.command == "track":
-        from mergeflow.report.tracking import track
-
-        track(params)
-        return 0
-    from mergeflow.core.reproducibility.machine import describe, record_stage, summary
-
-    device = configure_stage(params)
-    address = f"{args.command}@{name}" if item else args.command
-    machine = describe(in_use=True, device=device)
-    print(f"{address}: {summary(machine)}", flush=True)
-    if args.command == "replicate":
-        if not name.isdecimal():
-            raise MergeflowError(f"replicate: seed {name!r} is not a whole number (seeds in {args.params})")
-        stages.replicate(params, int(name))
-    elif item:
-        getattr(stages, args.command)(params, name)
-    else:
-        getattr(stages, args.command)(params)
-    record_stage(".", address, machine)  # what wrote its outputs (provenance.json)
-    return 0
-
-
-# every command but the stages (core.stage_table: _stage runs each) and serve (main hands it to flows.serve)
-COMMANDS = {
-    "methods": _methods,
-    "regimes": lambda args: print_regimes(args.params),
-    "ui": lambda args: mlflow_ui(args.port, args.host),
-    "plan": _plan,
-    "compare": _compare,
-    "remote": _remote,
-    "reproduce": _reproduce,
-    "verify": _verify,
-    "check": _check_or_repro,
-    "repro": _check_or_repro,
-}
-
-
-def run_command(args: argparse.Namespace) -> int:
-    return COMMANDS.get(args.command, _stage)(args)
-
-
-def _value(v) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def _values(values, most: int = 8) -> str:
-    """A grid, its middle elided when long: [0.05, 0.1, 0.15, ..., 1] (20 values)."""
-    shown = [_value(v) for v in values]
-    if len(shown) > most:
-        return f"[{', '.join(shown[:3])}, ..., {shown[-1]}] ({len(shown)} values)"
-    return f"[{', '.join(shown)}]"
-
-
-def _space(fixed: dict, grid: dict, per_task: dict, method=None) -> str:
-    """One method's hyperparameters, one a line: a grid searched on validation, a grid searched per task, or a
-    fixed value; with ``method``, each one's default (the value used without validation data) and allowed values."""
-    from mergeflow.ml.merging import ANY_NUMBER
-
-    def name(k: str) -> str:
-        if method is None:
-            return k
-        allowed = method.ranges.get(k)
-        return f"{k}={_value(method.defaults[k])}" + (
-            f" ({allowed})" if allowed is not None and allowed != ANY_NUMBER else ""
-        )
-
-    lines = [f"{name(k)}{',' if method else ''} grid {_values(v)}" for k, v in grid.items()]
-    lines += [f"{name(k)}{',' if method else ''} per-task grid {_values(v)}" for k, v in per_task.items()]
-    lines += [name(k) if method else f"{k}={_value(v)}" for k, v in fixed.items() if k not in per_task]
-    return "\n".join(lines) or "(no hyperparameters)"
-
-
-def methods_table(params, source: str = "params.yaml"):
-    """A rich Table: each method, whether merge.methods runs it, the hyperparameters ``params`` makes effective
-    (Params.merge.overrides through the method's search_space) and the paper's defaults and grids."""
-    from rich.table import Table
-
-    from mergeflow.ml.merging import DATA, REGISTRY
-
-    table = Table(
-        title=f"merging methods (* = in merge.methods of {source})"
-        if params
-        else "merging methods: the papers' defaults",
-        show_lines=True,
-        title_justify="left",
-    )
-    table.add_column("method", no_wrap=True)
-    if params:
-        table.add_column(f"effective ({source})", overflow="fold", ratio=1)
-    table.add_column("paper's defaults", overflow="fold", ratio=1)
-    for name in sorted(REGISTRY):
-        method = REGISTRY[name]
-        fixed, grid = method.search_space()
-        paper = _space(fixed, grid, method.per_task_space(), method)
-        kind = "" if method.kind == "model" else f"\n({method.kind.replace('_', '-')})"
-        kind += f"\n(reads {DATA[method.reads]})" if method.reads else ""
-        if not params:
-            table.add_row(f"{name}{kind}", f"{paper}\n[dim]{method.paper}[/dim]")
-            continue
-        overrides = params.merge.overrides(name)
-        fixed, grid = method.search_space(overrides)
-        effective = _space(fixed, grid, method.per_task_space(overrides))
-        marked = f"{name} *" if name in params.merge.methods else name
-        table.add_row(
-            f"{marked}{kind}",
-            effective if overrides else f"{effective}\n[dim](the defaults)[/dim]",
-            f"{paper}\n[dim]{method.paper}[/dim]",
-        )
-    return table
-
-
-def print_methods(params_path: str) -> int:
-    from rich.console import Console
-
-    from mergeflow.params import load_params
-
-    try:
-        params = load_params(params_path)
-    except MergeflowError as err:  # the registry's own defaults still help
-        print(f"warning: {err}; showing the papers' defaults only", file=sys.stderr)
-        params = None
-    console = Console(width=min(Console().width, 120), highlight=False)
-    console.print(methods_table(params, params_path))
-    return 0
-
-
-def print_regimes(params_path: str) -> int:
-    """Each regime: its paper and defaults; for those regimes.run lists, the variants (with the keyword arguments
-    the regime function gets) and the methods they are merged with. Then the studies."""
-    from mergeflow.params import load_params
-    from mergeflow.ml.regimes import REGISTRY as REGIMES
-    from mergeflow.studies import REGISTRY as STUDIES
-
-    import shutil
-    import textwrap
-
-    def say(text: str, indent: int) -> None:  # wrapped to the terminal, continued lines indented further
-        print(
-            textwrap.fill(
-                text,
-                shutil.get_terminal_size((100, 24)).columns,
-                initial_indent=" " * indent,
-                subsequent_indent=" " * (indent + 4),
-                break_on_hyphens=False,
-            )
-        )
-
-    params = load_params(params_path)
-    print(f"regimes (standard is finetune's; * = in regimes.run of {params_path}):")
-    for name, regime in sorted(REGIMES.items()):
-        running = name in params.regimes.run
-        say(f"{name}{' *' if running else ''}: {regime.formula}", 2)
-        say(f"[{regime.paper}]", 6)
-        if running:
-            for variant, kwargs in params.regimes.config(name).variants(name, params.finetune.steps).items():
-                shown = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "one epoch per task"
-                say(f"{variant}: {shown}; merged with {', '.join(params.regimes.methods_of(name))}", 6)
-    print("studies (* = in studies.run):")
-    for name, spec in sorted(STUDIES.items()):
-        say(f"{name}{' *' if name in params.studies.run else ''}: {spec.title}", 2)
-        say(f"[{spec.paper}]", 6)
-    return 0
-
-
-def mlflow_ui(port: int, host: str) -> int:
-    """``mlflow ui`` on the store ``track`` logs to, so that the Prefect summary artifact's link opens."""
-    from pathlib import Path
-
-    from mergeflow.config.environment import mlflow_ui_port
-    from mergeflow.report.tracking import tracking_uri
-    from mergeflow.runner.ui import serve
-
-    return serve(
-        tracking_uri(Path.cwd()), host, mlflow_ui_port() if port is None else port
-    )  # the port track's and the Prefect summary's links name
 
 
 def _allow_downloads(argv: list[str] | None) -> list[str]:
@@ -649,16 +346,6 @@ def _params_path(argv: list[str]) -> str:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--params", default="params.yaml")
     return pre.parse_known_args(argv)[0].params
-
-
-def configure_stage(params) -> str:
-    """This stage process's kernels and threads (mergeflow.core.reproducibility.configure), before any stage work; its
-    device ('cpu' or 'cuda')."""
-    from mergeflow.core.devices import cuda_devices
-    from mergeflow.core.reproducibility import configure
-
-    configure(params.runtime.deterministic, params.threads())
-    return "cuda" if params.runtime.device != "cpu" and cuda_devices() else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
