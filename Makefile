@@ -16,7 +16,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # every command compile again what it imports); the install compiles what the stages import first (below)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install lock pipeline flow test test-faults reproduce bench clean-outputs plots-template
+.PHONY: install lock pipeline flow test test-faults test-deploy reproduce bench clean-outputs plots-template
 
 # The locked packages, hash-checked, into a new venv whenever the lock changes (no stale packages survive).
 # --no-deps: the lock already lists every package; `pip check` below checks that the set is complete
@@ -74,10 +74,15 @@ test: install
 	$(BIN)/ruff format --check -q src flows tasks tests bench
 	$(BIN)/ruff check src flows tasks tests bench
 	$(BIN)/mergeflow check
-	$(BIN)/pytest -q -m "not faults" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q -m "not faults and not deploy" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 test-faults: install
 	$(BIN)/pytest -q -m faults -n auto --maxprocesses 4 --dist load
+
+# the deployments, a minute or more each (CI runs them after make test): Dask workers in checkouts of their own, a
+# served schedule, the GPU lease's script dry-run on the CPU
+test-deploy: install
+	$(BIN)/pytest -q -m deploy -n auto --maxprocesses 4 --dist load
 
 # the pretraining, a fine-tune and a merge re-run in a scratch copy (on a fresh clone: with every stage upstream of
 # them, minutes): the bytes dvc.lock records, on any x86-64 machine (mergeflow reproduce; CI runs it)

@@ -59,6 +59,7 @@ def test_the_merge_stage_reads_what_it_wrote_and_searches_the_whole_grid(tiny):
     assert parts == pytest.approx(m["total_s"], rel=0.05)
 
 
+@pytest.mark.deploy
 def test_the_session_script_keeps_the_benchmark_and_the_cuda_tests_output(tmp_path):
     """bench/gpu_session.sh, the one call a short GPU lease makes, dry-run on the CPU: the benchmark's JSON (what
     `mergeflow plan --calibration` reads), its table, and the CUDA tests' log (all skipped here), each in OUT."""

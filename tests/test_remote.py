@@ -312,6 +312,7 @@ def test_a_stage_a_worker_ran_is_recorded_whole(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.deploy
 def test_dask_workers_run_stages_in_checkouts_of_their_own(committed_run, tiny_env, prefect_server, tmp_path):
     """`--runner dask --workers 2 --worker-checkouts` (a LocalCluster of 2 worker processes) on the pushed reference
     run with merge.ties.k = 0.1: exactly merge@ties, report and track run; each stage but track runs in a Dask

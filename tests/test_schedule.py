@@ -233,6 +233,7 @@ def _check_limit_of_one(deployment: dict) -> None:
 
 # ---------------------------------------------------------------- scheduled runs
 @pytest.mark.e2e
+@pytest.mark.deploy
 def test_served_deployment_runs_on_its_schedule(tmp_path, tiny_reference, tiny_env, prefect_server):
     """`mergeflow serve --interval 5` on an up-to-date project: the deployment has the parameters given and a
     concurrency limit of 1; its scheduled runs complete, each in seconds, recording no stage ("nothing to do"),
