@@ -438,3 +438,28 @@ def test_cli_plan_remeasure_reaches_the_cache_and_json_has_the_memory_fields(mon
         and plan["machine_memory_bytes"] > 0
         and isinstance(plan["exceeds_memory"], list)
     )
+
+
+def test_nothing_to_run_measures_nothing(monkeypatch, capsys, repo_root):
+    """With every stage up to date, `mergeflow plan` says so without measuring this machine (seconds it would
+    spend for no estimate); --all still measures, to estimate every stage."""
+    from mergeflow.runner import graph
+    from mergeflow.runner.plan import cache
+
+    asked = []
+
+    def cached(params, **_):
+        asked.append(True)
+        return FAKE, {"cached": True, "path": "/x/throughput.json"}
+
+    monkeypatch.setattr(cache, "cached_throughput", cached)
+    monkeypatch.setattr(graph, "stale_stages", lambda repo, nodes: set())
+    monkeypatch.chdir(repo_root)
+    assert main(["plan"]) == 0 and asked == []
+    out = capsys.readouterr().out
+    assert "total of the 0 stages that will run: 0.0 s" in out and "nothing to run, nothing measured" in out
+    assert main(["plan", "--json"]) == 0 and asked == []
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["will_run"] == 0 and plan["throughput"] is None and plan["device"] is None
+    assert main(["plan", "--all", "--json"]) == 0 and asked == [True]
+    assert json.loads(capsys.readouterr().out)["throughput"]["device"] == FAKE.device

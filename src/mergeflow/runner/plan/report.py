@@ -43,7 +43,7 @@ def make_plan(
     params: Params,
     nodes,
     stale: set[str],
-    tp: Throughput,
+    tp: Throughput | None,
     *,
     include_all: bool = False,
     memory_bytes: int | None = None,
@@ -51,7 +51,8 @@ def make_plan(
 ) -> dict:
     """Every stage (``nodes``: graph.StageNode, in order) with whether it will run, its estimate (those
     that will run, or all with ``include_all``), and the total of those that will run. With ``memory_bytes``
-    (the machine's), each estimated stage says whether its peak exceeds it, and ``exceeds_memory`` lists them."""
+    (the machine's), each estimated stage says whether its peak exceeds it, and ``exceeds_memory`` lists them.
+    ``tp`` may be None only when nothing is estimated (no stage will run, and not ``include_all``)."""
     n_params = model_shape(params).parameters
     rows, total = [], 0.0
     for node in nodes:
@@ -93,8 +94,8 @@ def make_plan(
         rows.append(row)
     unestimated = [r["stage"] for r in rows if r["will_run"] and not r["estimated"]]
     return {
-        "device": tp.device,
-        "throughput": asdict(tp),
+        "device": tp.device if tp else None,
+        "throughput": asdict(tp) if tp else None,
         "parameters": n_params,
         "stages": rows,
         "total_seconds": total,
@@ -126,6 +127,8 @@ def project_plan(
         nodes = stage_graph(repo)
         stale = stale_stages(repo, nodes)
     source = {"cached": False, "path": None}
+    if not stale and not include_all and throughput is None:  # nothing to estimate: nothing measured either
+        return make_plan(params, nodes, stale, None) | {"throughput_source": source}
     if throughput is None:
         from mergeflow.runner.plan.cache import cached_throughput
 
@@ -273,5 +276,8 @@ def print_plan(
     warning = memory_warning(plan)
     if warning:
         console.print(Text(warning, style="bold red"))
+    if plan["throughput"] is None:
+        console.print("nothing to run, nothing measured (`mergeflow plan --all` estimates every stage)")
+        return 0
     console.print(device_line(plan), soft_wrap=False)
     return 0
