@@ -327,4 +327,4 @@ def test_entropy_falls_on_the_embedded_suite_and_the_pipeline_records_what_was_l
         and "| standard | fisher | train stats |" in summary
     )
     stats = json.loads((root / "metrics" / "statistics.json").read_text())
-    assert stats["examples"] == dict.fromkeys(params.suite.tasks, 32)
+    assert stats["examples"] == dict.fromkeys(params.suite.tasks, 32) and stats["read_by"] == ["fisher", "regmean"]

@@ -179,3 +179,29 @@ def test_a_replicate_follows_the_files_of_the_methods_it_merges(tmp_path, repo_r
     assert "mergeflow/ml/merging/model_stock.py" not in replicate
     deps = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["replicate"]["do"]["deps"]
     assert "sources/replicate.json" in deps and not [d for d in deps if d.startswith("src/mergeflow/ml/merging")]
+
+
+def test_statistics_are_computed_only_when_a_method_reads_them(tmp_path, repo_root):
+    """sources/statistics.json says whether a method of merge.methods reads the statistics (fisher, regmean: yes;
+    ties alone: no); with none, the statistics stage computes nothing and reads no input (an empty project here),
+    leaving an empty folder; dvc.yaml makes the stage follow that file."""
+    import yaml
+
+    from mergeflow.params import load_params
+    from mergeflow.pipeline import stages
+
+    params = load_params(repo_root / "params.yaml")
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "mergeflow").symlink_to(repo_root / "src" / "mergeflow")
+    layout = stages.Layout(project)
+    for methods, needed in ((["ties", "fisher", "regmean"], True), (["ties", "task_arithmetic"], False)):
+        chosen = params.model_copy(update={"merge": params.merge.model_copy(update={"methods": methods})})
+        stages.sources(chosen, layout)
+        assert json.loads(layout.statistics_needed.read_text()) == {"needed": needed}
+    assert stages.statistics(chosen, layout) == {"examples": {}, "read_by": []}
+    folder = layout.statistics(params.suite.tasks[0]).parent
+    assert folder.is_dir() and not any(folder.iterdir())
+    assert json.loads(layout.metrics("statistics").read_text()) == {"examples": {}, "read_by": []}
+    deps = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["statistics"]["deps"]
+    assert "sources/statistics.json" in deps

@@ -113,6 +113,11 @@ class Layout:
         return self.sources / "regime_merge" / f"{regime}.json"
 
     @property
+    def statistics_needed(self) -> Path:
+        """Whether any method of merge.methods reads the statistics stage's outputs ({"needed": bool})."""
+        return self.sources / "statistics.json"
+
+    @property
     def replicate_sources(self) -> Path:
         """The merging files that every replicate@<seed> follows from: those of the methods in merge.methods."""
         return self.sources / "replicate.json"

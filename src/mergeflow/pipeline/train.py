@@ -291,14 +291,28 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- statistics
+def statistics_readers(params: Params) -> list[str]:
+    """The methods of merge.methods that read the statistics stage's outputs (Fisher merging, RegMean, ...)."""
+    return [m for m in params.merge.methods if m in REGISTRY and REGISTRY[m].reads == "train_statistics"]
+
+
 def statistics(params: Params, layout: Layout = Layout()) -> dict:
     """Per task, what data-aware methods read (mergeflow.ml.statistics): the diagonal Fisher of the fine-tuned model
     with its head (labels sampled from the model, and the true labels) and the Gram of every linear layer's inputs,
     on the first statistics.examples training examples. Once per task here, so that a merge hyperparameter change
-    does not recompute them."""
+    does not recompute them. When no method of merge.methods reads them, nothing is computed: the folder is left
+    empty (the stage follows sources/statistics.json, which says whether any does)."""
     from mergeflow.ml.metrics import is_regression
     from mergeflow.ml.statistics import fisher_diagonal, input_grams
 
+    if not statistics_readers(params):
+        with Timer() as timer, atomic_path(layout.statistics(params.suite.tasks[0]).parent, directory=True):
+            pass
+        metrics = {"examples": {}, "read_by": []}
+        write_json(layout.metrics("statistics"), metrics)
+        write_json(layout.timing("statistics"), timer.record() | {"tasks": {}})
+        print("statistics: no method of merge.methods reads them; nothing computed", flush=True)
+        return metrics
     device = _setup(params, params.seed)
     tasks = _load_tasks(params, layout, ("train",))  # the statistics are of training examples
     heads = _load_heads(params, layout, build_backbone(params.backbone).num_features, tasks)
@@ -339,7 +353,7 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
                 f"{task_timer.seconds:.1f} s",
                 flush=True,
             )
-    metrics = {"examples": sizes}
+    metrics = {"examples": sizes, "read_by": statistics_readers(params)}
     write_json(layout.metrics("statistics"), metrics)
     write_json(layout.timing("statistics"), timer.record() | {"tasks": times})
     return metrics
@@ -351,7 +365,8 @@ def sources(params: Params, layout: Layout = Layout()) -> dict:
     sources/merge/<method>.json, sources/study/<name>.json, sources/regime/<name>.json for every registered one, and
     sources/regime_merge/<name>.json for each regime with the methods params.yaml gives it (regimes.methods), and
     sources/replicate.json for merge.methods (what every replicate@<seed> merges with), each {file: md5}: a change to
-    one method re-runs only the merges that use it."""
+    one method re-runs only the merges that use it; and sources/statistics.json, whether any method of merge.methods
+    reads the statistics stage's outputs."""
     from mergeflow.ml.regimes import REGISTRY as REGIMES
     from mergeflow.pipeline.sources import (
         digest,
@@ -378,6 +393,8 @@ def sources(params: Params, layout: Layout = Layout()) -> dict:
     merged = {f for m in params.merge.methods if m in REGISTRY for f in files[layout.method_sources(m)]}
     files[layout.replicate_sources] = sorted(merged)
     with atomic_path(layout.sources, directory=True) as tmp:
+        # whether the statistics stage has work: a yes or no, so that swapping one reader for another re-runs nothing
+        write_json(tmp / layout.statistics_needed.name, {"needed": bool(statistics_readers(params))})
         for out, found in files.items():
             path = tmp / out.relative_to(layout.sources)
             path.parent.mkdir(exist_ok=True)
