@@ -184,7 +184,7 @@ def test_a_replicate_follows_the_files_of_the_methods_it_merges(tmp_path, repo_r
 def test_statistics_are_computed_only_when_a_method_reads_them(tmp_path, repo_root):
     """sources/statistics.json says whether a method of merge.methods reads the statistics (fisher, regmean: yes;
     ties alone: no); with none, the statistics stage computes nothing and reads no input (an empty project here),
-    leaving an empty folder; dvc.yaml makes the stage follow that file."""
+    leaving a note in its folder; dvc.yaml makes the stage follow that file."""
     import yaml
 
     from mergeflow.params import load_params
@@ -201,7 +201,7 @@ def test_statistics_are_computed_only_when_a_method_reads_them(tmp_path, repo_ro
         assert json.loads(layout.statistics_needed.read_text()) == {"needed": needed}
     assert stages.statistics(chosen, layout) == {"examples": {}, "read_by": []}
     folder = layout.statistics(params.suite.tasks[0]).parent
-    assert folder.is_dir() and not any(folder.iterdir())
+    assert [f.name for f in folder.iterdir()] == ["README.md"] and "computed none" in (folder / "README.md").read_text()
     assert json.loads(layout.metrics("statistics").read_text()) == {"examples": {}, "read_by": []}
     deps = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["statistics"]["deps"]
     assert "sources/statistics.json" in deps

@@ -291,6 +291,13 @@ def vectors(params: Params, layout: Layout = Layout()) -> dict:
 
 
 # ---------------------------------------------------------------- statistics
+# what the statistics folder holds when nothing reads it (a note, not an empty folder DVC warns about)
+NO_STATISTICS = (
+    "No method of merge.methods reads per-task statistics (Fisher merging, RegMean), so the stage computed none.\n"
+    "Add one to merge.methods and `dvc repro` computes them here.\n"
+)
+
+
 def statistics_readers(params: Params) -> list[str]:
     """The methods of merge.methods that read the statistics stage's outputs (Fisher merging, RegMean, ...)."""
     return [m for m in params.merge.methods if m in REGISTRY and REGISTRY[m].reads == "train_statistics"]
@@ -300,14 +307,14 @@ def statistics(params: Params, layout: Layout = Layout()) -> dict:
     """Per task, what data-aware methods read (mergeflow.ml.statistics): the diagonal Fisher of the fine-tuned model
     with its head (labels sampled from the model, and the true labels) and the Gram of every linear layer's inputs,
     on the first statistics.examples training examples. Once per task here, so that a merge hyperparameter change
-    does not recompute them. When no method of merge.methods reads them, nothing is computed: the folder is left
-    empty (the stage follows sources/statistics.json, which says whether any does)."""
+    does not recompute them. When no method of merge.methods reads them, nothing is computed: the folder holds a
+    note saying so (the stage follows sources/statistics.json, which says whether any does)."""
     from mergeflow.ml.metrics import is_regression
     from mergeflow.ml.statistics import fisher_diagonal, input_grams
 
     if not statistics_readers(params):
-        with Timer() as timer, atomic_path(layout.statistics(params.suite.tasks[0]).parent, directory=True):
-            pass
+        with Timer() as timer, atomic_path(layout.statistics(params.suite.tasks[0]).parent, directory=True) as tmp:
+            (tmp / "README.md").write_text(NO_STATISTICS)
         metrics = {"examples": {}, "read_by": []}
         write_json(layout.metrics("statistics"), metrics)
         write_json(layout.timing("statistics"), timer.record() | {"tasks": {}})
