@@ -285,6 +285,29 @@ def _add_result_commands(sub) -> None:
     )
 
 
+def _add_merge_checkpoints(sub) -> None:
+    """merge-checkpoints: any checkpoint files merged with a registered method, outside the pipeline."""
+    command = sub.add_parser(
+        "merge-checkpoints",
+        help="merge a base and fine-tuned checkpoints (safetensors files or Hugging Face folders) with one method",
+        description="Merge fine-tuned checkpoints onto their base with a registered method at fixed options (the "
+        "rest at its defaults), outside the pipeline: no data, no DVC. Each checkpoint is a safetensors file or a "
+        "folder holding model.safetensors or Hugging Face's shards; the merge is written as one safetensors file "
+        "in the base's dtypes, with the method, options and inputs in its metadata. Methods that read data refuse.",
+    )
+    command.add_argument("--method", required=True, help="a registered method (`mergeflow methods --list`)")
+    command.add_argument("--base", required=True, metavar="CHECKPOINT", help="the pretrained checkpoint, theta0")
+    command.add_argument("finetuned", nargs="+", metavar="CHECKPOINT", help="the fine-tuned checkpoints")
+    command.add_argument("-o", "--output", required=True, metavar="FILE", help="the merged .safetensors file")
+    command.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a hyperparameter's value (e.g. --set lam=0.3; `mergeflow methods` lists each method's), repeatable",
+    )
+
+
 def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command's parser, a subparser a command; ``argv`` decides whether help reads params.yaml (_choices)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -309,6 +332,7 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_listing_commands(sub)
     _add_checking_commands(sub)
     _add_result_commands(sub)
+    _add_merge_checkpoints(sub)
     return parser
 
 

@@ -136,6 +136,17 @@ def _check_or_repro(args: argparse.Namespace) -> int:
         return status
 
 
+def _merge_checkpoints(args: argparse.Namespace) -> int:
+    from mergeflow.pipeline.checkpoint_merge import merge_checkpoints, parse_options
+
+    record = merge_checkpoints(args.method, args.base, args.finetuned, parse_options(args.set), args.output)
+    print(
+        f"{args.output}: {record['method']} of {len(record['finetuned'])} fine-tunes onto {record['base']} "
+        f"({', '.join(f'{k}={v}' for k, v in sorted(record['options'].items()))})"
+    )
+    return 0
+
+
 # every command but the stages (core.stage_table: run_stage runs each) and serve (main hands it to flows.serve)
 COMMANDS = {
     "methods": _methods,
@@ -148,6 +159,7 @@ COMMANDS = {
     "verify": _verify,
     "check": _check_or_repro,
     "repro": _check_or_repro,
+    "merge-checkpoints": _merge_checkpoints,
 }
 
 
