@@ -90,6 +90,7 @@ def test_a_sharded_folder_reads_as_its_single_file(checkpoints, tmp_path):
         (["--method", "ties", "--set", "kk=0.1"], "error: --set kk: unknown hyperparameter (allowed: "),
         (["--method", "ties", "--set", "k=2"], "error: --set k: expected a fraction"),
         (["--method", "ties", "--set", "k"], "error: --set k: expected key=value"),
+        (["--method", "task_negation"], "error: --method task_negation: negates one fine-tune's task vector, given 3"),
     ],
 )
 def test_what_files_alone_cannot_merge_is_one_line_and_writes_nothing(checkpoints, tmp_path, capsys, argv, message):
@@ -109,3 +110,23 @@ def test_a_checkpoint_of_another_shape_names_the_tensor(checkpoints, tmp_path, c
     assert main(argv) == 2
     assert "tensor 'blocks.0.weight' has shape (4, 4), expected (4, 3)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_pipelines_merge_comes_out_of_its_checkpoint_files(tiny_reference, tmp_path):
+    """TIES on the tiny reference run's checkpoints at the hyperparameters its merge stage chose gives the stage's
+    merged model (to float32 rounding: the stage forms lam's value by interpolating between lam = 0 and 1)."""
+    root = tiny_reference[0]
+    chosen = json.loads((root / "metrics" / "merge" / "ties.json").read_text())["hyperparameters"]
+    tasks = ["digits", "house_numbers", "count"]
+    out = tmp_path / "ties.safetensors"
+    merge_checkpoints(
+        "ties",
+        root / "models" / "pretrained.safetensors",
+        [root / "models" / "finetuned" / f"{t}.safetensors" for t in tasks],
+        chosen,
+        out,
+    )
+    merged, stage = load_state_dict(out), load_state_dict(root / "merged" / "ties.safetensors")
+    assert set(merged) == set(stage)
+    for k in stage:
+        torch.testing.assert_close(merged[k], stage[k], rtol=0, atol=1e-6)

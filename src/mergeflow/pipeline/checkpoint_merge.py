@@ -20,7 +20,6 @@ import torch
 from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.io import LazyStateDict, check_compatible, save_state_dict, tensor_specs
 from mergeflow.ml.merging import DATA, REGISTRY, MergeMethod, validate_overrides
-from mergeflow.ml.task_vectors import task_vector
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -53,6 +52,42 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {key: shard.specs()[key] for key, shard in self._where.items()}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a merge computes a tensor in: float64 stays float64, every other dtype becomes float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class InComputeDtype(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors in their compute dtype (mergeflow.ml.task_vectors' convention), each read when asked."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self._state = state
+        self._specs = {k: (shape, compute_dtype(dtype)) for k, (shape, dtype) in tensor_specs(state).items()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._state[key].to(self._specs[key][1])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._specs)
+
+
+class TaskVector(InComputeDtype):
+    """tau = theta_t - theta0 in the compute dtype, each tensor formed when asked (read from both files)."""
+
+    def __init__(self, theta0: InComputeDtype, finetuned: Mapping[str, torch.Tensor]):
+        super().__init__(finetuned)
+        self._theta0 = theta0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return super().__getitem__(key) - self._theta0[key]
 
 
 def read_checkpoint(path: str | Path) -> Mapping[str, torch.Tensor]:
@@ -101,6 +136,8 @@ def checked_method(name: str, n_models: int, options: Mapping[str, Any]) -> Merg
     if spec.kind in ("per_task", "routed"):
         what = "one model per task" if spec.kind == "per_task" else "a network that routes each input"
         raise MergeflowError(f"--method {name}: gives {what}, not one merged checkpoint; run it in the pipeline")
+    if spec.kind == "negation" and n_models != 1:
+        raise MergeflowError(f"--method {name}: negates one fine-tune's task vector, given {n_models} fine-tunes")
     if spec.tasks is not None and n_models != spec.tasks:
         raise MergeflowError(f"--method {name}: merges exactly {spec.tasks} fine-tuned models, given {n_models}")
     grids = sorted(k for k, v in options.items() if isinstance(v, list))
@@ -134,16 +171,15 @@ def merge_checkpoints(
         model = read_checkpoint(path)
         check_compatible(theta0_lazy, model, reference_name=str(base), other_name=str(path), dtypes=False)
         models[name] = model
-    theta0 = {k: theta0_lazy[k] for k in theta0_lazy}
     dtypes = {k: dtype for k, (_, dtype) in tensor_specs(theta0_lazy).items()}
-    taus = {}
-    for name, model in models.items():  # one fine-tune in memory at a time beside theta0
-        tuned = {k: model[k] for k in model}
-        taus[name] = task_vector(theta0, tuned, pretrained_name=str(base), finetuned_name=name)
-        del tuned
-    compute = {k: v.to(torch.float64 if v.dtype == torch.float64 else torch.float32) for k, v in theta0.items()}
-    merged = spec(compute, taus, **options)
-    written = {k: _as_base(merged[k], dtypes[k]) for k in theta0}
+    # read tensor by tensor as the method asks: an element-wise merge holds a few tensors at a time, not the models
+    theta0 = InComputeDtype(theta0_lazy)
+    taus = {name: TaskVector(theta0, model) for name, model in models.items()}
+    try:
+        merged = spec(theta0, taus, **options)
+    except ValueError as err:  # what the method itself refuses in these inputs
+        raise MergeflowError(f"--method {method}: {str(err).splitlines()[0]}") from None
+    written = {k: _as_base(merged[k], dtypes[k]) for k in dtypes}
     record = {
         "method": method,
         "options": {**spec.defaults, **options},
