@@ -130,3 +130,46 @@ def test_the_pipelines_merge_comes_out_of_its_checkpoint_files(tiny_reference, t
     assert set(merged) == set(stage)
     for k in stage:
         torch.testing.assert_close(merged[k], stage[k], rtol=0, atol=1e-6)
+
+
+def test_a_yaml_config_merges_as_the_flags_do(checkpoints, tmp_path, capsys):
+    """--config: the same merge written as YAML (paths relative to the file) gives the flags' bytes."""
+    flags = tmp_path / "flags.safetensors"
+    argv = ["merge-checkpoints", "--method", "ties", "--set", "k=0.5", "--base", str(checkpoints["base"])]
+    assert main([*argv, str(checkpoints["digits"]), str(checkpoints["signs-hf"]), "-o", str(flags)]) == 0
+    config = tmp_path / "merge.yaml"
+    config.write_text(
+        "method: ties\nbase: base.safetensors\nmodels: [digits.safetensors, signs-hf]\noptions: {k: 0.5}\n"
+        "output: from-yaml.safetensors\n"
+    )
+    assert main(["merge-checkpoints", "--config", str(config)]) == 0
+    assert (tmp_path / "from-yaml.safetensors").is_file()
+    merged, expected = load_state_dict(tmp_path / "from-yaml.safetensors"), load_state_dict(flags)
+    assert all(torch.equal(merged[k], expected[k]) for k in expected)
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("method: ties\nbase: b\nmodels: [a]\noutput: o\nmodel: [c]\n", "model: unknown key; did you mean models"),
+        ("method: ties\nbase: b\noutput: o\n", "models: missing"),
+        ("method: ties\nbase: b\nmodels: a\noutput: o\n", "models: expected a list of paths"),
+        ("- ties\n", "expected a mapping of method, base, models, options, output"),
+    ],
+)
+def test_a_bad_config_is_one_line_naming_the_key(tmp_path, capsys, text, message):
+    config = tmp_path / "merge.yaml"
+    config.write_text(text)
+    assert main(["merge-checkpoints", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config}: {message}") and err.count("\n") == 1, err
+
+
+def test_config_and_flags_together_or_neither_are_refused(checkpoints, tmp_path, capsys):
+    config = tmp_path / "merge.yaml"
+    config.write_text("method: ties\nbase: b\nmodels: [a]\noutput: o\n")
+    assert main(["merge-checkpoints", "--config", str(config), "--method", "ties"]) == 2
+    assert "says everything; give it alone" in capsys.readouterr().err
+    assert main(["merge-checkpoints", "--method", "ties", str(checkpoints["digits"]), "-o", "x"]) == 2
+    assert capsys.readouterr().err == "error: merge-checkpoints: --base is required (or --config FILE)\n"

@@ -295,10 +295,15 @@ def _add_merge_checkpoints(sub) -> None:
         "folder holding model.safetensors or Hugging Face's shards; the merge is written as one safetensors file "
         "in the base's dtypes, with the method, options and inputs in its metadata. Methods that read data refuse.",
     )
-    command.add_argument("--method", required=True, help="a registered method (`mergeflow methods --list`)")
-    command.add_argument("--base", required=True, metavar="CHECKPOINT", help="the pretrained checkpoint, theta0")
-    command.add_argument("finetuned", nargs="+", metavar="CHECKPOINT", help="the fine-tuned checkpoints")
-    command.add_argument("-o", "--output", required=True, metavar="FILE", help="the merged .safetensors file")
+    command.add_argument("--method", help="a registered method (`mergeflow methods --list`)")
+    command.add_argument("--base", metavar="CHECKPOINT", help="the pretrained checkpoint, theta0")
+    command.add_argument("finetuned", nargs="*", metavar="CHECKPOINT", help="the fine-tuned checkpoints")
+    command.add_argument("-o", "--output", metavar="FILE", help="the merged .safetensors file")
+    command.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the merge as YAML instead (method, base, models, options, output; paths relative to the file)",
+    )
     command.add_argument(
         "--set",
         action="append",

@@ -1,11 +1,12 @@
-"""Merging checkpoint files outside the pipeline (`mergeflow merge-checkpoints`): a base and N fine-tuned
-checkpoints merged with a registered method at fixed options, no data and no DVC.
+"""Merging checkpoint files outside the pipeline (`mergeflow merge-checkpoints`): a base and N fine-tuned checkpoints
+merged with a registered method at fixed options, no data and no DVC.
 
-A checkpoint is a safetensors file, or a folder holding ``model.safetensors`` or Hugging Face's shards
-(``model.safetensors.index.json`` and the files its ``weight_map`` names), read lazily. The task vectors are
-theta_t - theta0 in float32 (float64 where a tensor is), as the pipeline's; the merged tensors are written in the
-base's dtypes, as one safetensors file with the method, its options and the inputs in its metadata. Methods that
-read data (statistics, inputs), give one model per task or route inputs refuse in one line: they need the pipeline.
+The same can be written as a YAML file (``read_config``). A checkpoint is a safetensors file, or a folder holding
+``model.safetensors`` or Hugging Face's shards (``model.safetensors.index.json`` and the files its ``weight_map``
+names), read lazily. The task vectors are theta_t - theta0 in float32 (float64 where a tensor is), as the
+pipeline's; the merged tensors are written in the base's dtypes, as one safetensors file with the method, its
+options and the inputs in its metadata. Methods that read data (statistics, inputs), give one model per task or
+route inputs refuse in one line: they need the pipeline.
 """
 
 from __future__ import annotations
@@ -148,6 +149,37 @@ def checked_method(name: str, n_models: int, options: Mapping[str, Any]) -> Merg
     except ValueError as err:
         raise MergeflowError(str(err).replace("--set.", "--set ", 1)) from None
     return spec
+
+
+CONFIG_KEYS = {"method": str, "base": str, "models": list, "options": dict, "output": str}
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A merge written as YAML (mergekit's way): method, base, models (a list), options (a mapping, optional) and
+    output; relative paths are the file's folder's. Each missing, unknown or mistyped key refused in one line."""
+    from mergeflow.core.yaml_files import read_yaml
+
+    path = Path(path)
+    config = read_yaml(path)
+    if not isinstance(config, dict):
+        raise MergeflowError(f"{path}: expected a mapping of {', '.join(CONFIG_KEYS)}")
+    for key in config:
+        if key not in CONFIG_KEYS:
+            raise MergeflowError(
+                f"{path}: {key}: unknown key; {did_you_mean(key, list(CONFIG_KEYS))}expected {', '.join(CONFIG_KEYS)}"
+            )
+    config.setdefault("options", {})
+    for key, kind in CONFIG_KEYS.items():
+        if key not in config:
+            raise MergeflowError(f"{path}: {key}: missing")
+        if not isinstance(config[key], kind) or (kind is list and not all(isinstance(m, str) for m in config[key])):
+            raise MergeflowError(f"{path}: {key}: expected {'a list of paths' if kind is list else kind.__name__}")
+    here = path.parent
+    return config | {
+        "base": here / config["base"],
+        "models": [here / m for m in config["models"]],
+        "output": here / config["output"],
+    }
 
 
 def _task_names(paths: list[Path]) -> list[str]:

@@ -137,13 +137,23 @@ def _check_or_repro(args: argparse.Namespace) -> int:
 
 
 def _merge_checkpoints(args: argparse.Namespace) -> int:
-    from mergeflow.pipeline.checkpoint_merge import merge_checkpoints, parse_options
+    from mergeflow.pipeline.checkpoint_merge import merge_checkpoints, parse_options, read_config
 
-    record = merge_checkpoints(args.method, args.base, args.finetuned, parse_options(args.set), args.output)
-    print(
-        f"{args.output}: {record['method']} of {len(record['finetuned'])} fine-tunes onto {record['base']} "
-        f"({', '.join(f'{k}={v}' for k, v in sorted(record['options'].items()))})"
-    )
+    given = {"--method": args.method, "--base": args.base, "CHECKPOINT": args.finetuned, "--output": args.output}
+    if args.config:
+        if any(given.values()) or args.set:
+            raise MergeflowError(f"merge-checkpoints: --config {args.config} says everything; give it alone")
+        merge = read_config(args.config)
+    else:
+        missing = [name for name, value in given.items() if not value]
+        if missing:
+            raise MergeflowError(f"merge-checkpoints: {missing[0]} is required (or --config FILE)")
+        merge = {"method": args.method, "base": args.base, "models": args.finetuned, "output": args.output}
+        merge["options"] = parse_options(args.set)
+    record = merge_checkpoints(merge["method"], merge["base"], merge["models"], merge["options"], merge["output"])
+    options = ", ".join(f"{k}={v}" for k, v in sorted(record["options"].items()))
+    n = len(record["finetuned"])
+    print(f"{merge['output']}: {record['method']} of {n} fine-tunes onto {record['base']} ({options})")
     return 0
 
 
