@@ -31,8 +31,8 @@ from mergeflow.runner.checkouts import check_source, pull_dependencies, pull_out
 from mergeflow.runner.checks import check_project
 from mergeflow.params import apply_overrides
 from mergeflow.core.errors import MergeflowError, first_line
-from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster, workers_argument
-from mergeflow.runner.flow_options import OneLineParser, Runner, add_runner_arguments, check_runner
+from mergeflow.runner.arguments import DASK_CONNECT_TIMEOUT_S, check_workers, local_cluster
+from mergeflow.runner.flow_options import OneLineParser, Runner, add_run_arguments, check_runner
 from mergeflow.runner.graph import (
     StageNode,
     changed_stages,
@@ -370,23 +370,7 @@ def _stop(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description="Run the mergeflow pipeline with Prefect.")
-    parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
-    parser.add_argument(
-        "--workers",
-        type=workers_argument,
-        default=None,
-        help="stages at once (default: one per GPU, else one per CPU core)",
-    )
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set a parameter in params.yaml first, as dvc exp run -S does (repeatable)",
-    )
-    add_runner_arguments(parser)
+    add_run_arguments(parser, "set a parameter in params.yaml first, as dvc exp run -S does (repeatable)")
     args = parser.parse_args(argv)
     try:  # bad input gets its one line here, before Prefect starts (the flow checks again: deployments start there)
         check_runner(args.runner, args.dask_address, args.worker_checkouts)

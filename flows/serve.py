@@ -20,8 +20,7 @@ DEPLOYMENT = "scheduled"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from mergeflow.runner.arguments import workers_argument
-    from mergeflow.runner.flow_options import OneLineParser, add_runner_arguments
+    from mergeflow.runner.flow_options import OneLineParser, add_run_arguments
 
     parser = OneLineParser(
         prog="mergeflow serve",
@@ -39,23 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         default=DEPLOYMENT,
         help=f"the deployment's name (default: {DEPLOYMENT}; runs as mergeflow-pipeline/NAME)",
     )
-    parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
-    parser.add_argument(
-        "--workers",
-        type=workers_argument,
-        default=None,
-        help="stages at once (default: one per GPU, else one per CPU core)",
-    )
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a parameter every run sets in params.yaml first, as dvc exp run -S does (repeatable)",
-    )
-    add_runner_arguments(parser)
+    add_run_arguments(parser, "a parameter every run sets in params.yaml first, as dvc exp run -S does (repeatable)")
     return parser
 
 

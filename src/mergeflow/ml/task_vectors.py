@@ -27,13 +27,18 @@ from mergeflow.ml.lora import (
 IN_MEMORY_INPUT_BYTES = 1 << 30
 
 
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """What a task vector is computed in: float64 where any of ``dtypes`` is, else float32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
 def task_vector(pretrained: StateDict, finetuned: StateDict, *, pretrained_name: str, finetuned_name: str) -> StateDict:
     """theta_t - theta0 per tensor, in float32, or float64 where either model's tensor is float64 (a float64 run stays
     exact: the merges compute float64 in float64)."""
     check_compatible(pretrained, finetuned, reference_name=pretrained_name, other_name=finetuned_name)
 
     def dtype(k: str) -> torch.dtype:
-        return torch.float64 if torch.float64 in (pretrained[k].dtype, finetuned[k].dtype) else torch.float32
+        return compute_dtype(pretrained[k].dtype, finetuned[k].dtype)
 
     return {k: finetuned[k].to(dtype(k)) - pretrained[k].to(dtype(k)) for k in pretrained}
 

@@ -21,6 +21,7 @@ import torch
 from mergeflow.core.errors import MergeflowError, did_you_mean
 from mergeflow.core.io import LazyStateDict, check_compatible, save_state_dict, tensor_specs
 from mergeflow.ml.merging import DATA, REGISTRY, MergeMethod, validate_overrides
+from mergeflow.ml.task_vectors import compute_dtype
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -55,13 +56,8 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
         return {key: shard.specs()[key] for key, shard in self._where.items()}
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What a merge computes a tensor in: float64 stays float64, every other dtype becomes float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class InComputeDtype(Mapping[str, torch.Tensor]):
-    """A checkpoint's tensors in their compute dtype (mergeflow.ml.task_vectors' convention), each read when asked."""
+    """A checkpoint's tensors in their compute dtype (task_vectors.compute_dtype), each read when asked."""
 
     def __init__(self, state: Mapping[str, torch.Tensor]):
         self._state = state

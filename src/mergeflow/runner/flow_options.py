@@ -8,7 +8,7 @@ import argparse
 from typing import Literal
 
 from mergeflow.core.errors import MergeflowError
-from mergeflow.runner.arguments import check_dask_imports, probe_dask_scheduler
+from mergeflow.runner.arguments import check_dask_imports, probe_dask_scheduler, workers_argument
 
 Runner = Literal["thread", "dask"]
 RUNNERS: tuple[str, ...] = ("thread", "dask")
@@ -39,6 +39,21 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (--help lists the options)\n")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, set_help: str) -> None:
+    """What a flow run takes, on ``parser``: --root, --workers, -S KEY=VALUE (``set_help``) and the runner's."""
+    parser.add_argument("--root", default=".", help="repository root holding dvc.yaml (default: .)")
+    parser.add_argument(
+        "--workers",
+        type=workers_argument,
+        default=None,
+        help="stages at once (default: one per GPU, else one per CPU core)",
+    )
+    parser.add_argument(
+        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help
+    )
+    add_runner_arguments(parser)
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
