@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mergeflow.runner import plan as P
+from mergeflow.runner.plan.work import STAGE_SETUP_S
 from mergeflow.cli import main
 from mergeflow.params import parse_params
 from mergeflow.runner.graph import StageNode
@@ -102,7 +103,9 @@ def test_training_stage_work_by_hand():
     assert ft.train_images == 5 * (8 + 4)  # steps x (batch + anchor batch)
     assert ft.forward_images == (100 + 10 + 20 + 40) + (10 + 20)  # features of the splits and anchors, then accuracies
     assert P.stage_work(p, "pretrain").train_images == 7 * 16
-    st = P.stage_work(p, "statistics")
+    # no method of merge.methods reads them: only the stage's setup (it writes a note)
+    assert P.stage_work(p, "statistics") == P.Work(fixed_s=STAGE_SETUP_S)
+    st = P.stage_work(small_params(methods=["fisher", "task_arithmetic"]), "statistics")
     assert st.example_grads == 2 * 3 * 6 and st.forward_images == 3 * 6  # two Fishers per example, one Gram pass
     assert P.stage_work(p, "regime@mima").train_images == 3 * 5 * (8 + 4)  # every task's whole schedule
     assert P.stage_work(p, "study@mima") is None  # studies: not estimated

@@ -72,6 +72,13 @@ def _check_merge(params: Params) -> None:
             )
 
 
+def statistics_readers(params: Params) -> list[str]:
+    """The methods of merge.methods that read the statistics stage's outputs (Fisher merging, RegMean, ...)."""
+    from mergeflow.ml.merging import REGISTRY
+
+    return [m for m in params.merge.methods if m in REGISTRY and REGISTRY[m].reads == "train_statistics"]
+
+
 def _regime_methods(regime: str, methods: list[str], own_model: bool) -> None:
     from mergeflow.ml.merging import REGISTRY
 

@@ -48,6 +48,7 @@ from mergeflow.ml.training import (
 )
 from mergeflow.pipeline._finetune import feature_anchor as _feature_anchor, frozen_head, imported_model, save_finetune
 from mergeflow.pipeline._regime import regime_trainer, save_variant, variant_record
+from mergeflow.params import statistics_readers
 
 
 def _setup(params: Params, seed: int) -> torch.device:
@@ -296,11 +297,6 @@ NO_STATISTICS = (
     "No method of merge.methods reads per-task statistics (Fisher merging, RegMean), so the stage computed none.\n"
     "Add one to merge.methods and `dvc repro` computes them here.\n"
 )
-
-
-def statistics_readers(params: Params) -> list[str]:
-    """The methods of merge.methods that read the statistics stage's outputs (Fisher merging, RegMean, ...)."""
-    return [m for m in params.merge.methods if m in REGISTRY and REGISTRY[m].reads == "train_statistics"]
 
 
 def statistics(params: Params, layout: Layout = Layout()) -> dict:

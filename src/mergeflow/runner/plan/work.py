@@ -262,7 +262,12 @@ def _adaptation(hp, tasks: int, calls: int) -> Work:
 
 
 def statistics_work(params: Params) -> Work:
-    """Per task: two diagonal Fishers (one example at a time, forward + backward) and the Grams (a forward pass)."""
+    """Per task: two diagonal Fishers (one example at a time, forward + backward) and the Grams (a forward pass);
+    nothing when no method of merge.methods reads them (the stage then writes only a note)."""
+    from mergeflow.params import statistics_readers
+
+    if not statistics_readers(params):
+        return Work()
     tasks, n = len(params.suite.tasks), min(params.statistics.examples, params.suite.n_train)
     return Work(
         example_grads=2 * tasks * n,
