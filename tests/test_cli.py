@@ -142,7 +142,7 @@ def test_an_unknown_method_is_one_line_under_repro_and_the_flow(project, capsys)
     assert (
         err
         == "error: params.yaml: merge.methods: unknown merge method 'fisher_merging' (did you mean fw_merging, fisher? "
-        "`mergeflow methods` lists all 45)\n"
+        f"`mergeflow methods` lists all {len(REGISTRY)})\n"
     )
     # the flow's command line checks the project before Prefect starts (the flow itself: tests/test_flow_output.py)
     from flows.pipeline import main as flow_main

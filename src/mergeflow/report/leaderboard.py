@@ -1,8 +1,8 @@
 """The leaderboard: per regime, the methods ranked by their test average with the baselines among them (the
-pretrained model read by the tasks' heads, the individual fine-tunes), each score with its 95% bootstrap interval
-over the test examples (mergeflow.report.uncertainty), its difference to the best method and to task arithmetic
-(paired: both on the same resamples), the hyperparameters chosen on validation, the storage and what the method
-reads. A difference whose interval contains 0 is a tie within the test set's noise, marked ≈.
+pretrained model read by the tasks' heads, the individual fine-tunes, the ensembles: unranked), each score with its
+95% bootstrap interval over the test examples (mergeflow.report.uncertainty), its difference to the best method
+and to task arithmetic (paired: both on the same resamples), the hyperparameters chosen on validation, the storage
+and what the method reads. A difference whose interval contains 0 is a tie within the test set's noise, marked ≈.
 
 The same entries make results/leaderboard.md (in results/summary.md), the report stage's terminal output, the
 MLflow runs' interval metrics and `mergeflow compare`."""
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mergeflow.report.plots import is_reference  # the baselines: the rows that are not merges
+from mergeflow.report.plots import is_baseline  # the rows that are not merges: pretrained, individual, ensembles
 from mergeflow.report.summary import percent
 from mergeflow.report.tables import render
 from mergeflow.report.uncertainty import LEVEL, interval, resampled_averages
@@ -44,7 +44,7 @@ def board(
         {r["method"]: predictions[r["method"]] for r in rows if r["method"] in predictions}, labels, metrics, indices
     )
     ranked = sorted(rows, key=lambda r: -r["average"])
-    methods = [r for r in ranked if not is_reference(r["method"])]
+    methods = [r for r in ranked if not is_baseline(r["method"])]
     best = methods[0]["method"] if methods else None
     reference = REFERENCE if any(r["method"] == REFERENCE for r in rows) else None
     by_name = {r["method"]: r for r in rows}
@@ -62,14 +62,14 @@ def board(
     entries, rank = [], 0
     for r in ranked:
         name = r["method"]
-        rank += 0 if is_reference(name) else 1
+        rank += 0 if is_baseline(name) else 1
         low, high = interval(samples[name]) if name in samples else (None, None)
         entries.append(
             {
                 "regime": r["regime"],
                 "method": name,
-                "baseline": is_reference(name),
-                "rank": None if is_reference(name) else rank,
+                "baseline": is_baseline(name),
+                "rank": None if is_baseline(name) else rank,
                 "score": percent(r["average"]),
                 "average": r["average"],
                 "low": percent(low),
@@ -154,7 +154,7 @@ def legend(sizes: Mapping[str, int], measure: str) -> str:
     return (
         f"Test {measure} averaged over {len(sizes)} task{'s' if len(sizes) > 1 else ''}, %, best first; the baselines "
         "(the pretrained model under the tasks' heads, "
-        f"the individual fine-tunes) unranked (-). [CI]: {LEVEL:.0%} "
+        f"the individual fine-tunes, the ensembles, which run every fine-tune) unranked (-). [CI]: {LEVEL:.0%} "
         f"bootstrap interval over the test examples ({examples}). "
         f"Δ best, Δ TA: the difference to the best method and to task arithmetic "
         f"in points; {TIE} marks a tie, a difference whose paired {LEVEL:.0%} "

@@ -24,6 +24,20 @@ def is_pretrained(name: str) -> bool:
     return name.startswith("Pretrained (")
 
 
+def is_not_merged(name: str) -> bool:
+    """A registered method's row that is no merge (an ensemble keeps and runs every task's model: ``merged=False``);
+    a regime's row carries its variant after a space ("simple_ensemble (mima_n4)")."""
+    from mergeflow.ml.merging import REGISTRY
+
+    spec = REGISTRY.get(name.split(" ")[0])
+    return spec is not None and not spec.merged
+
+
+def is_baseline(name: str) -> bool:
+    """A row shown beside the merges and not ranked among them: the pretrained and individual models, the ensembles."""
+    return is_reference(name) or is_not_merged(name)
+
+
 DPI = 130
 FONT_SIZE = 10  # matplotlib's default; annotations use 9, nothing is under 8
 CHOSEN_COLOR = "#d62728"
@@ -60,9 +74,14 @@ def chosen_text(searched: Mapping[str, Any]) -> str:
 
 # ---------------------------------------------------------------- summary: accuracy per method and task
 def sorted_methods(rows: list[dict]) -> list[str]:
-    """The methods (reference rows aside) by average accuracy, best first; ties keep the rows' order."""
-    methods = [r for r in rows if not is_reference(r["method"])]
+    """The merges (baseline rows aside) by average accuracy, best first; ties keep the rows' order."""
+    methods = [r for r in rows if not is_baseline(r["method"])]
     return [r["method"] for r in sorted(methods, key=lambda r: -r["average"])]
+
+
+def sorted_not_merged(rows: list[dict]) -> list[str]:
+    """The ensembles' rows (is_not_merged) by average accuracy, best first."""
+    return [r["method"] for r in sorted(rows, key=lambda r: -r["average"]) if is_not_merged(r["method"])]
 
 
 def points_above_pretrained(rows: list[dict], column: str) -> list[float]:
@@ -79,13 +98,14 @@ def _unit(measure: str) -> str:
 
 def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str = "accuracy") -> list[str]:
     """Test accuracy (%) of every method on every task and on average, methods sorted by average (best on top)
-    between the reference rows Individual (top) and Pretrained (bottom); ``measure``: "score" when the tasks have
-    other metrics (text: GLUE's). Returns the rows' order, top to bottom."""
+    between the reference rows Individual and the ensembles (top) and Pretrained (bottom); ``measure``: "score"
+    when the tasks have other metrics (text: GLUE's). Returns the rows' order, top to bottom."""
     plt = pyplot()
     from matplotlib.colors import Normalize
 
     by_name = {r["method"]: r for r in rows}
-    order = [n for n in (INDIVIDUAL,) if n in by_name] + sorted_methods(rows) + [n for n in by_name if is_pretrained(n)]
+    top = [n for n in (INDIVIDUAL,) if n in by_name] + sorted_not_merged(rows)
+    order = top + sorted_methods(rows) + [n for n in by_name if is_pretrained(n)]
     drawn = [by_name[n] for n in order]
     columns = [*tasks, "average"]
     # colour: points above (blue) or below (red) the pretrained model on that task, white at it, the scale
@@ -112,13 +132,13 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
     ax.set_xticks(range(n_cols), columns, rotation=30, ha="left", rotation_mode="anchor")
     ax.set_yticks(range(n_rows), order)
     for label in ax.get_yticklabels():
-        if is_reference(label.get_text()):
+        if is_baseline(label.get_text()):
             label.set_fontstyle("italic")
             label.set_fontweight("bold")
     ax.get_xticklabels()[-1].set_fontweight("bold")
     # grey rules set the reference rows and the average column apart (white would vanish into the scale's centre)
-    if order and order[0] == INDIVIDUAL:
-        ax.axhline(0.5, color="0.35", lw=2)
+    if top:
+        ax.axhline(len(top) - 0.5, color="0.35", lw=2)
     if order and is_pretrained(order[-1]):
         ax.axhline(n_rows - 1.5, color="0.35", lw=2)
     ax.axvline(n_cols - 1.5, color="0.35", lw=2)
@@ -137,12 +157,13 @@ def plot_accuracy_heatmap(rows: list[dict], tasks: list[str], path, measure: str
 
 
 def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str]:
-    """Average test accuracy (%) of every method as sorted horizontal bars (best on top), with Pretrained and
-    Individual as labelled reference lines. Returns the methods' order, top to bottom."""
+    """Average test accuracy (%) of every method as sorted horizontal bars (best on top), the ensembles' grey bars
+    above the merges', with Pretrained and Individual as labelled reference lines. Returns the methods' order, top to
+    bottom."""
     plt = pyplot()
 
     by_name = {r["method"]: r for r in rows}
-    order = sorted_methods(rows)
+    order = sorted_not_merged(rows) + sorted_methods(rows)
     values = [pct(by_name[m]["average"]) for m in order]
     references = {n: pct(by_name[n]["average"]) for n in by_name if is_reference(n)}
 
@@ -150,19 +171,28 @@ def plot_averages(rows: list[dict], path, measure: str = "accuracy") -> list[str
     positions = list(range(len(order)))[::-1]  # best on top
     from mergeflow.ml.merging import DATA
 
-    # test-time adaptation (reads the test inputs) in its own colour: not comparable with the others
-    adapted = [by_name[m].get("data") == DATA["test_inputs"] for m in order]
-    ax.barh(positions, values, height=0.7, color=["#dd8452" if a else "#4c72b0" for a in adapted])
-    if any(adapted):
+    # test-time adaptation (reads the test inputs) in its own colour: not comparable with the others; the
+    # ensembles (no merge: every task's model run) in grey
+    kinds = [
+        "ensemble" if is_not_merged(m) else "adapted" if by_name[m].get("data") == DATA["test_inputs"] else "merge"
+        for m in order
+    ]
+    colours = {"ensemble": "#8c8c8c", "adapted": "#dd8452", "merge": "#4c72b0"}
+    ax.barh(positions, values, height=0.7, color=[colours[k] for k in kinds])
+    labels = {"ensemble": "not merged: every task's model run", "adapted": f"reads {DATA['test_inputs']}"}
+    if shown_kinds := [k for k in labels if k in kinds]:
         from matplotlib.patches import Patch
 
         ax.legend(
-            handles=[Patch(color="#dd8452", label=f"reads {DATA['test_inputs']}")], loc="lower center", frameon=False
+            handles=[Patch(color=colours[k], label=labels[k]) for k in shown_kinds], loc="lower right", frameon=False
         )
     # values inside the bars' ends, where no reference line crosses them
     for y, v in zip(positions, values):
         ax.text(v - 0.2, y, f"{v:.1f}", ha="right", va="center", color="white", fontsize=9, fontweight="bold")
     ax.set_yticks(positions, order)
+    for label in ax.get_yticklabels():
+        if is_not_merged(label.get_text()):
+            label.set_fontstyle("italic")
     ax.set_ylim(-0.7, len(order) - 0.3)
     # start near the lowest value: a full 0-100 axis would hide the differences between methods
     everything = values + list(references.values())

@@ -15,6 +15,8 @@ Kinds of method:
 - ``routed``: it returns a store from which ``network(store, backbone)`` builds one network whose weights depend on
   its input (WEMoE's per-sample routing): uint8 images -> features, every task through it with its own head;
 - ``negation``: ``fn(pretrained, {task: tau}, lam)`` removes one task (theta0 - lam * tau), judged as forgetting.
+A routed method registered with ``merged=False`` is no merge (an ensemble keeps and runs every task's model): the
+report shows it as a reference beside the merges and does not rank it among them.
 What a method reads besides the weights (``reads``, see ``DATA``): nothing (data-free), per-task statistics of the
 labelled training split (Fisher diagonals, layer-input Grams; the stage ``statistics`` computes them once),
 unlabelled training examples run through the model as it is merged (RegMean++), or unlabelled test inputs
@@ -168,6 +170,7 @@ class MergeMethod:
     # per_task: (store, task) -> a map on that task's features before its head (Surgery), or None
     features: Callable[..., Callable[[Any], Any]] | None = None
     network: Callable[..., Any] | None = None  # routed: (store, backbone) -> the network, images -> features
+    merged: bool = True  # False: not a merge (every task's model kept and run): a reference, not ranked
 
     def feature_maps(self, store: StateDict) -> Callable[[str], Callable[[Any], Any]] | None:
         """(task) -> the map on that task's features before its head, for a method that corrects them; else None."""
@@ -222,7 +225,7 @@ class MergeMethod:
             )
 
         hp = ", ".join(one(k, v) for k, v in self.defaults.items())
-        kind = "" if self.kind == "model" else f" ({self.kind})"
+        kind = "" if self.kind == "model" else f" ({self.kind}{'' if self.merged else ', not merged'})"
         reads = f" (reads {DATA[self.reads]})" if self.reads else ""
         return f"{self.name:<22}{kind}{reads} {hp or '(no hyperparameters)'}  [{self.paper}]"
 
@@ -247,6 +250,7 @@ def register(
     tasks: int | None = None,
     features: Callable[..., Callable[[Any], Any]] | None = None,
     network: Callable[..., Any] | None = None,
+    merged: bool = True,
 ):
     def wrap(fn: MergeFn) -> MergeFn:
         if name in REGISTRY:
@@ -257,6 +261,8 @@ def register(
             raise RuntimeError(f"merge method '{name}': a per_task method, and only one, needs reconstruct")
         if (kind == "routed") != (network is not None):
             raise RuntimeError(f"merge method '{name}': a routed method, and only one, needs network")
+        if not merged and kind != "routed":
+            raise RuntimeError(f"merge method '{name}': only a routed method can be marked not merged")
         if bool(per_task_grid) != (task_models is not None) or not set(per_task_grid or {}) <= set(defaults or {}):
             raise RuntimeError(f"merge method '{name}': per_task_grid needs task_models, and names hyperparameters")
         if set(ranges or {}) != set(defaults or {}):
@@ -284,6 +290,7 @@ def register(
             tasks,
             features=features,
             network=network,
+            merged=merged,
         )
         method.check(method.defaults)  # a default outside its own range is a bug of the method's module
         REGISTRY[name] = method
