@@ -53,6 +53,8 @@ def test_every_method_runs_as_a_stage_on_the_tiny_profile(tiny_reference, tmp_pa
     raw["merge"]["methods"] += names
     for name in names:  # one setting each: the paper's defaults
         raw["merge"][name] = dict(REGISTRY[name].defaults)
+    if "gossip_adamerging" in names:  # its defaults are 20 rounds x T nodes x 400 Adam steps: minutes, not seconds
+        raw["merge"]["gossip_adamerging"] |= {"rounds": 2, "steps": 3}
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
     params = load_params(root / "params.yaml")
     layout = Layout(root)

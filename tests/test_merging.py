@@ -144,6 +144,17 @@ IDENTITY_SETTINGS = {
     # each task's layer scaled to norm lam, and theta0 outside the matrices
     # tau is its own least-interference point (Adam's 300 small steps stop short of it)
     "doge_ta": None,
+    # routed networks, not state dicts: tests/test_smile.py (one task at full rank is its model),
+    # tests/test_ensemble.py (an ensemble of copies is the model)
+    "tatr": {"quantile": 1.0, "cut": "inclusive", "lam": 0.25},  # an empty mask: task arithmetic
+    "randes": None,  # the other tasks' sign-flipped vectors are added on purpose
+    "gossip": {"weight": 1 / 3},  # a ring of four: each node sums three copies
+    "gossip_adamerging": {"lr": 0.0, "init": 1 / 3},  # lr 0: gossip at init over three distinct neighbours
+    "ada_svd": {"others": "average"},  # copies: routing 1/T on one dW; the norms their mean
+    "smile": None,
+    "simple_ensemble": None,
+    "weighted_ensemble": None,
+    "max_model_predictor": None,
 }
 PAIRS_ONLY = {"slerp", "nuslerp"}
 

@@ -77,7 +77,11 @@ METHODS = sorted(name for name, method in REGISTRY.items() if method.tasks in (N
 
 
 # RegMean++ and WEMoE walk a timm ViT's blocks (their activations, their MLPs): refused on a text encoder, one line
-VIT_BLOCKS = {"regmean_plusplus": "merges a timm ViT block by block", "wemoe": "the backbone has no blocks"}
+VIT_BLOCKS = {
+    "regmean_plusplus": "merges a timm ViT block by block",
+    "ada_svd": "merges a timm ViT block by block",
+    "wemoe": "the backbone has no blocks",
+}
 
 
 @pytest.mark.parametrize("name", METHODS)

@@ -77,6 +77,7 @@ SVDS_PER_MATRIX = {
     "iso_c": lambda t: 1,  # the sum's
     "iso_cts": lambda t: t + 3,  # the sum's, each residual's, two polar decompositions
     "regmean": lambda t: 1,  # a linear solve of the Grams, about an SVD's cost
+    "smile": lambda t: t,  # every tau_t's top-k SVD
 }
 
 
@@ -238,8 +239,14 @@ def merge_work(params: Params, method: str, overrides: dict | None = None) -> Wo
         # the inputs' gradient (the task vectors learn nothing), two forward passes' worth
         w.add(_adaptation(fixed, tasks, calls))
         w.forward_images += calls * fixed["steps"] * tasks * fixed["batch_size"] * tasks * MLP_SHARE * 2
+    elif method == "gossip_adamerging":  # AdaMerging's steps at every node of every round
+        w.add(_adaptation({**fixed, "steps": fixed["steps"] * fixed["rounds"] * tasks}, tasks, calls))
     elif spec.reads == "test_inputs":  # AdaMerging: Adam steps on the coefficients through the merged model
         w.add(_adaptation(fixed, tasks, calls))
+    elif not spec.merged:  # an ensemble: every image through each of the T models it keeps
+        w.forward_images += (tasks - 1) * (candidates * val + test)
+        w.search_images += (tasks - 1) * candidates * val
+        w.held_models += tasks
     if spec.reads == "train_inputs":  # RegMean++: each task's examples through its own and the merged blocks
         w.forward_images += calls * 2 * tasks * min(params.statistics.examples, params.suite.n_train)
         w.load_bytes += _task_bytes(params, ("train",))
