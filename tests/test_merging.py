@@ -146,6 +146,10 @@ IDENTITY_SETTINGS = {
     "doge_ta": None,
     # routed networks, not state dicts: tests/test_smile.py (one task at full rank is its model),
     # tests/test_ensemble.py (an ensemble of copies is the model)
+    "arcee_fusion": None,  # keeps only each task's important entries (outliers of |tau| * KL) on purpose
+    "ram": {"epsilon": 0.0, "lam": 1.0},  # copies: every entry shared, their mean
+    "ram_plus": {"epsilon": 0.0, "lam": 1.0},  # copies: no unique entry, so no rescale: their mean
+    "expo": {"alpha": 0.0},  # alpha 0: weight averaging
     "tatr": {"quantile": 1.0, "cut": "inclusive", "lam": 0.25},  # an empty mask: task arithmetic
     "randes": None,  # the other tasks' sign-flipped vectors are added on purpose
     "gossip": {"weight": 1 / 3},  # a ring of four: each node sums three copies
