@@ -61,7 +61,7 @@ def _mlflow(project_dir):
     return client, runs
 
 
-def test_pipeline_end_to_end(project, prefect_server):
+def test_pipeline_end_to_end(project, prefect_server, monkeypatch):
     root, env, out = project
 
     # 1. mergeflow repro ran everything (the session's reference run)
@@ -280,6 +280,7 @@ def test_pipeline_end_to_end(project, prefect_server):
         "vectors",
     }
     assert len(by_stage["finetune"]) == len(TASKS) and len(by_stage["merge"]) == len(METHODS) + 1  # ties once more
+    monkeypatch.chdir(root)  # MLflow reads the artifacts from the workspace (their locations are relative)
     ft_run = client.get_run(first.data.tags["stage_run.finetune.digits"])
     assert ft_run.data.params["finetune.steps"] == "8" and ft_run.info.run_name == "finetune@digits"
     assert len(client.get_metric_history(ft_run.info.run_id, "train.loss")) == 8

@@ -38,7 +38,7 @@ def test_merged_model_loads_back_in_one_call(tracked):
             assert torch.equal(state[key], tensor), (method, key)
 
 
-def test_a_merged_model_says_what_it_takes(tracked):
+def test_a_merged_model_says_what_it_takes(tracked, monkeypatch):
     """Its MLflow signature: uint8 images [N, H, W, 3] in, float32 features [N, D] out; pyfunc refuses float
     images; the timm model and its preprocessing give the same features as load_model's module."""
     import mlflow
@@ -48,6 +48,7 @@ def test_a_merged_model_says_what_it_takes(tracked):
     run_id = next(r.info.run_id for r in _runs(client, exp_id, "merge").values() if r.data.params["kind"] == "model")
     uri, store = f"runs:/{run_id}/model", f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(store)
+    monkeypatch.chdir(root)  # MLflow's own calls read the artifacts from the workspace (its locations are relative)
     width = TINY["backbone"]["kwargs"]["embed_dim"]
     sig = mlflow.models.get_model_info(uri).signature.to_dict()
     assert json.loads(sig["inputs"]) == [
@@ -172,6 +173,15 @@ def test_ui_serves_the_views_and_stops_with_its_server(tracked, tmp_path):
         assert (
             "test_avg_ci_low" in cells and "task_negation" not in cells and "Individual" in cells
         )  # a baseline's run among them
+        # the studies' view: a column per claim, named by the claim's short name
+        study_cells = page(f"#/experiments/{exp_id}/runs?viewStateShareKey=studies&workflowType=machine_learning")
+        claims = json.loads((root / "metrics/studies/cart.json").read_text())["claims"]
+        assert [c["name"] for c in claims if f"verdict.{c['name']}" not in study_cells] == []
+        # the server reads the artifacts at their workspace-relative locations: the pipeline run's summary
+        pipeline = max(_runs(client, exp_id, "pipeline").values(), key=lambda r: r.info.start_time)
+        url = f"http://127.0.0.1:{port}/get-artifact?path=results/summary.md&run_uuid={pipeline.info.run_id}"
+        served = urllib.request.urlopen(url, timeout=30).read()
+        assert served == (root / "results/summary.md").read_bytes()
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0  # the server, stopped, exited cleanly, and the command with it

@@ -48,3 +48,51 @@ def tracked_runs_lost(root: Path) -> str | None:
     ):
         return f"{store} does not hold run {run_id} (metrics/tracking.json)"
     return None
+
+
+# the columns where MLflow keeps a local artifact location: relative ones are read from the workspace (MLflow's
+# local artifact repository resolves them against the working directory, which stages and `mergeflow ui` share)
+ARTIFACT_COLUMNS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "storage_location"),
+    ("model_versions", "source"),
+)
+ARTIFACT_FOLDER = "mlruns"
+
+
+def _workspace_relative(location: str, root: Path) -> str | None:
+    """``location`` (an absolute path or file:// URI into some workspace's mlruns/) as a path relative to ``root``,
+    or None to leave it: a location under ``root`` itself, or under a workspace that no longer exists (this store's
+    workspace before it was moved); a workspace that still exists keeps its own."""
+    path = location.removeprefix("file://")
+    marker = f"/{ARTIFACT_FOLDER}/"
+    if not path.startswith("/") or marker not in path:
+        return None
+    workspace, tail = path[: path.index(marker)], path[path.index(marker) + 1 :]
+    if Path(workspace) == root or not Path(workspace).exists():
+        return tail
+    return None
+
+
+def relative_artifact_paths(root: Path) -> int:
+    """Rewrite the default store's absolute artifact locations (MLflow resolves every local one to an absolute path
+    when it creates an experiment) as paths relative to the workspace ``root``, so that a moved or copied workspace
+    keeps its artifacts; returns how many were rewritten. Other stores (MLFLOW_TRACKING_URI) are left alone."""
+    root = root.resolve()
+    store = root / "mlflow.db"
+    if tracking_uri(root) != f"sqlite:///{store}" or not store.is_file():
+        return 0
+    changed = 0
+    with contextlib.closing(sqlite3.connect(store)) as db, db:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        for table, column in ARTIFACT_COLUMNS:
+            if table not in tables:
+                continue
+            rows = db.execute(f'SELECT rowid, "{column}" FROM "{table}" WHERE "{column}" LIKE ?', ("%/mlruns/%",))
+            for rowid, location in rows.fetchall():
+                if (relative := _workspace_relative(location, root)) is not None:
+                    db.execute(f'UPDATE "{table}" SET "{column}" = ? WHERE rowid = ?', (relative, rowid))
+                    changed += 1
+    return changed

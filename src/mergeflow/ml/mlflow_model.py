@@ -22,6 +22,7 @@ they are the fine-tuning runs' ``heads/<task>.safetensors`` artifacts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -70,8 +71,12 @@ def load_model(model_uri: str, tracking_uri: str | None = None) -> torch.nn.Modu
         tracking_uri
     ):  # set for the call: MLflow resolves runs:/<id>/model through the current store, whatever it is passed
         mlflow.set_tracking_uri(tracking_uri)
+    store = mlflow.get_tracking_uri()
+    # track's artifact locations are relative to the workspace, the folder of its SQLite store: read from there
+    workspace = Path(store.removeprefix("sqlite:///")).parent if store.startswith("sqlite:///") else Path.cwd()
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, tracking_uri=tracking_uri))
+        with contextlib.chdir(workspace):
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, tracking_uri=tracking_uri))
     finally:
         mlflow.set_tracking_uri(previous)
     spec = yaml.safe_load((local / "MLmodel").read_text())

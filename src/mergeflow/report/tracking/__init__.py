@@ -109,6 +109,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.config.environment import mlflow_ui_base
+from mergeflow.core.mlflow_store import relative_artifact_paths
 from mergeflow.core.errors import TransientError
 from mergeflow.core.files import write_json
 from mergeflow.core.layout import Layout
@@ -171,6 +172,7 @@ def _open_experiment(params: Params, root: Path):
         if "database is locked" in str(err):
             raise TransientError(f"{uri}: the MLflow store is locked by another process") from None
         raise
+    relative_artifact_paths(root)  # a new experiment's location, or a store from before, moved or copied
     client = MlflowClient()
     if failed := fail_abandoned_runs(client, experiment.experiment_id):
         print(f"marked {failed} runs FAILED that a killed track left RUNNING")
