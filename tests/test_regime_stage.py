@@ -94,3 +94,32 @@ def test_studies_are_checked_by_name_and_settings():
         .individual_tolerance
         == 0.05
     )
+
+
+def test_a_regimes_own_model_has_its_test_predictions_and_interval(tiny_reference, tiny_env, tmp_path):
+    """MIMA's own model in regimes.methods.mima: regime_merge evaluates it as it does every merge, keeping its test
+    predictions, so the report gives it a bootstrap interval. Its accuracies are those regime@mima measured, and
+    those its predictions give against the test labels (an independent route: the fine-tunes' saved labels)."""
+    import json
+
+    from mergeflow.core.layout import Layout
+
+    root, _ = tiny_reference
+    project = copy_project(root, tmp_path / "own")
+    apply_overrides(project / "params.yaml", ["regimes.methods.mima=[mima,task_arithmetic]"])
+    run(["mergeflow", "regime_merge", "--regime", "mima"], project, tiny_env)
+    run(["mergeflow", "report"], project, tiny_env)
+    layout = Layout(project)
+    own = layout.merge_run("mima", "mima", "mima_n2")
+    evaluation = json.loads(own.evaluation.read_text())
+    measured = json.loads(layout.metrics("regime", "mima").read_text())["variants"]["mima_n2"]["model"]
+    predictions = load_state_dict(own.predictions)
+    for t in TASKS:
+        kept = load_state_dict(layout.predictions("finetune", t))
+        # the same count of hits (the evaluator's accuracy is a float32's, as every merge's)
+        assert evaluation["accuracy"][t] == pytest.approx(measured["accuracy"]["test"][t], abs=1e-7), t
+        hits = (predictions[t] == kept["labels"]).double().mean().item()  # the tiny tasks' metric: accuracy
+        assert hits == pytest.approx(evaluation["accuracy"][t], abs=1e-7), t
+    board = json.loads((project / "results/leaderboard.json").read_text())["boards"]["mima_n2"]
+    (entry,) = [e for e in board if e["method"] == "mima"]
+    assert entry["low"] is not None and entry["low"] <= entry["score"] <= entry["high"]

@@ -76,12 +76,22 @@ def regime_merge(params: Params, name: str, layout: Layout = Layout()) -> dict:
             for method in params.regimes.methods_of(name):
                 run = layout.merge_run(method, name, variant)
                 if method == name:
-                    own = regime_metrics["variants"][variant]["model"]
-                    if own is None:
+                    if regime_metrics["variants"][variant]["model"] is None:
                         raise MergeflowError(
                             f"regimes.{name}.methods: regime {name} has no model of its own to evaluate"
                         )
-                    acc = own["accuracy"]["test"]
+                    evaluator = MultiTaskEvaluator(
+                        params.backbone,
+                        tasks,
+                        heads,
+                        "test",
+                        device,
+                        params.runtime.eval_batch_size,
+                        keep_predictions=True,
+                    )
+                    acc = evaluator(load_state_dict(layout.regime_model(name, variant)))
+                    # its test predictions too: the leaderboard's interval, as every merge's
+                    save_state_dict(run.predictions, evaluator.predictions, {"method": method})
                     individual = {t: ft[t]["individual"]["test"] for t in params.suite.tasks}
                     evaluation = {
                         "method": method,
@@ -280,8 +290,11 @@ def regime_evaluations(params: Params, layout: Layout) -> dict[str, dict]:
                 "evaluations": {
                     m: read_json(layout.merge_run(m, name, variant).evaluation) for m in params.regimes.methods_of(name)
                 },
+                # the regime's own model is evaluated, not chosen: its validation average is the regime stage's
                 "val_averages": {
-                    m: read_json(layout.merge_run(m, name, variant).choice).get("val_average")
+                    m: measured[variant]["model"]["average"]["val"]
+                    if m == name
+                    else read_json(layout.merge_run(m, name, variant).choice).get("val_average")
                     for m in params.regimes.methods_of(name)
                 },
             }
@@ -366,7 +379,7 @@ def leaderboards(
     """Each regime's leaderboard (report.leaderboard.board) from the summary's ``rows`` (``regime_of``: a regime
     variant's regime), the spread over seeds by headline name (seed_spread; {} with one seed) and the test predictions
     the fine-tunes and merges kept, every model on the same resamples of each task's test examples; and each
-    task's number of test examples. A model whose predictions are missing (a regime's own model) has no interval."""
+    task's number of test examples. A model whose predictions are missing has no interval."""
     tasks = params.suite.tasks
     kept = {t: load_state_dict(layout.predictions("finetune", t)) for t in tasks}
     labels = {t: kept[t]["labels"] for t in tasks}
@@ -472,7 +485,8 @@ def study(params: Params, name: str, layout: Layout = Layout()) -> dict:
         "fails": verdicts.count("fails"),
         "not_measured": verdicts.count("not measured"),
     }
-    metrics = {"study": name, "paper": spec.paper} | counts | {"claims": [c.record() for c in result.claims]}
+    claims = [c.record() | {"name": spec.claim_name(c.id)} for c in result.claims]
+    metrics = {"study": name, "paper": spec.paper} | counts | {"claims": claims}
     write_json(layout.metrics("studies", name), metrics)
     write_json(layout.verdicts(name), counts)
     write_json(layout.timing("study", name), timer.record())

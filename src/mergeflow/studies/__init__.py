@@ -86,6 +86,12 @@ class Study:
     paper: str
     title: str
     settings_model: type[StudySettings]
+    claims: Mapping[str, str] = field(default_factory=dict)  # claim id -> its short name (MLflow's verdict.<name>)
+
+    def claim_name(self, claim_id: str) -> str:
+        if claim_id not in self.claims:
+            raise KeyError(f"study {self.name}: claim {claim_id} has no short name (register(..., claims=...))")
+        return self.claims[claim_id]
 
     def settings(self, overrides: Mapping[str, Any], *, where: str) -> StudySettings:
         try:
@@ -99,11 +105,21 @@ class Study:
 REGISTRY: dict[str, Study] = {}
 
 
-def register(name: str, *, paper: str, title: str, settings: type[StudySettings] = StudySettings):
+def register(
+    name: str,
+    *,
+    paper: str,
+    title: str,
+    settings: type[StudySettings] = StudySettings,
+    claims: Mapping[str, str] | None = None,
+):
+    """``claims``: each claim's id -> a short name, unique among all studies' claims (the name a verdict has in
+    MLflow, where the studies' runs share one table)."""
+
     def wrap(fn: StudyFn) -> StudyFn:
         if name in REGISTRY:
             raise RuntimeError(f"study '{name}' registered twice")
-        REGISTRY[name] = Study(name, fn, paper, title, settings)
+        REGISTRY[name] = Study(name, fn, paper, title, settings, dict(claims or {}))
         return fn
 
     return wrap

@@ -325,6 +325,11 @@ def plot(points: list[Point], full: Point, path: Path) -> bool:
     paper="Stoica et al. 2025, Model merging with SVD to tie the KnOTS (ICLR 2025, arXiv:2410.19735)",
     title="LoRA task vectors: what merging them costs, and does KnOTS close the gap?",
     settings=LoraSettings,
+    claims={
+        "knots.1": "lora_less_aligned",
+        "knots.2": "knots_beats_ta_ties",
+        "knots.3": "lora_loses_more",
+    },
 )
 def lora_study(context: StudyContext) -> StudyResult:
     s: LoraSettings = context.settings

@@ -25,7 +25,8 @@ def study_note(study: Mapping) -> str:
         "|---|---|---|",
     ]
     lines += [
-        f"| {_cell(c['id'])} {_cell(c['claim'])} | **{c['verdict']}** | {_cell(c.get('detail', ''))} |"
+        f"| {_cell(c['id'])} `{_cell(c.get('name', ''))}` {_cell(c['claim'])} | **{c['verdict']}** | "
+        f"{_cell(c.get('detail', ''))} |"
         for c in study["claims"]
     ]
     return "\n".join(lines)
@@ -53,7 +54,7 @@ def _track_studies(params: Params, layout: Layout, rec: _Recorder, lock: Mapping
         ) as run_id:
             if run_id:
                 study = read_json(path)
-                verdicts = {f"verdict.{c['id']}": c["verdict"] for c in study["claims"]}
+                verdicts = {f"verdict.{c.get('name', c['id'])}": c["verdict"] for c in study["claims"]}
                 rec.log(
                     run_id,
                     {"study": s, "paper": study["paper"]} | verdicts,

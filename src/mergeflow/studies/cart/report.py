@@ -66,6 +66,14 @@ def _evaluated(context: StudyContext, per_task: dict | None = None) -> dict[str,
     paper="Seed 002: Choi et al. 2024, CART: Revisiting weight averaging for model merging (arXiv:2411.12153)",
     title="CART: centred, low-rank task vectors against weight averaging and task arithmetic",
     settings=CartSettings,
+    claims={
+        "002.1": "cart_peaks_at_low_rank",
+        "002.2a": "centring_lowers_interference",
+        "002.2b": "error_flattens_interference_rises",
+        "002.3": "indexing_near_individual",
+        "002.4": "cart_scales_with_t",
+        "002.5": "cart_ranks_first",
+    },
 )
 def cart_study(context: StudyContext) -> StudyResult:
     import torch

@@ -259,6 +259,16 @@ def _plot(
     paper=PAPER,
     title="Cross-task linearity: interpolated weights give interpolated features, layer by layer",
     settings=CtlSettings,
+    claims={
+        "003.1": "linear_at_every_layer",
+        "003.2": "feature_lengths_agree",
+        "003.3": "averaging_k_models",
+        "003.4": "addition_in_features",
+        "003.5": "negation_in_features",
+        "003.6": "linear_without_lmc",
+        "003.7": "stitching_does_both",
+        "003.8": "no_pretraining_weaker",
+    },
 )
 def ctl_study(context: StudyContext) -> StudyResult:
     params, layout, s, device = context.params, context.layout, context.settings, context.device

@@ -323,6 +323,15 @@ def _claim_trajectory(u: _Setup) -> tuple[Claim, dict, dict, int, int]:
     paper=PAPER,
     title="On Task Vectors and Gradients: task vectors as (approximate) gradients",
     settings=GradientsSettings,
+    claims={
+        "000.1": "tau_is_one_gd_step",
+        "000.2": "atm_is_multitask_gd",
+        "000.3": "ta_gap_scales_eta2",
+        "000.4": "adamw_tau_not_gradient",
+        "000.5": "first_epoch_dominates",
+        "000.6": "one_epoch_merges_close",
+        "000.7": "atm_beats_one_shot",
+    },
 )
 def gradients(context: StudyContext) -> StudyResult:
     params, layout, s = context.params, context.layout, context.settings

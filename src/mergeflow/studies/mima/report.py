@@ -85,6 +85,16 @@ def _rounds_table(point: Point) -> str:
     paper="Seed 001: MIMA, Iterative model averaging and fine-tuning for multi-task learning (under review)",
     title="MIMA: does iterated averaging align task vectors and close the merging gap?",
     settings=MimaSettings,
+    claims={
+        "001.1": "cosines_rise_with_n",
+        "001.2": "related_pair_aligned",
+        "001.3": "ua_rises_with_n",
+        "001.4a": "gap_shrinks_with_n",
+        "001.4b": "ta_advantage_shrinks",
+        "001.4c": "ties_advantage_shrinks",
+        "001.4d": "ta_lambda_to_1_over_t",
+        "001.5": "round_updates_orthogonal",
+    },
 )
 def mima_study(context: StudyContext) -> StudyResult:
     s: MimaSettings = context.settings

@@ -29,6 +29,17 @@ from mergeflow.studies.provable.settings import PAPER, ProvableSettings
     title="When is task vector provably effective? The seed's synthetic setting "
     "and its Colored-MNIST experiment on the real digits, measured",
     settings=ProvableSettings,
+    claims={
+        "004.1": "finetune_learns_each",
+        "004.2": "addition_keeps_both",
+        "004.3": "negation_forgets_one",
+        "004.4": "ood_condition_predicts",
+        "004.5": "updates_low_rank",
+        "004.6": "real_alpha_signs",
+        "004.7": "real_addition",
+        "004.8": "real_negation",
+        "004.9": "real_out_of_domain",
+    },
 )
 def provable_study(context: StudyContext) -> StudyResult:
     s: ProvableSettings = context.settings
