@@ -56,6 +56,7 @@ LAYER = {
     "mergeflow.ml.task_vectors": "task vectors",  # tau_t = theta_t - theta0, its statistics, read back for a merge
     "mergeflow.ml.statistics": "task vectors",  # per-task Fisher diagonals and Grams the data-aware methods read
     "mergeflow.ml.merging": "merging",  # the method registry, the methods, the validation search
+    "mergeflow.ml.continual": "merging",  # continual merging: update rules (merged, state, new tau) -> (merged, state)
     "mergeflow.ml.evaluation": "evaluation",  # a model scored on every task
     "mergeflow.report": "evaluation",  # the summary table, headline metrics, plots (and tracking, below)
     "mergeflow.studies": "studies",  # the papers' analyses, each a stage study@<name>

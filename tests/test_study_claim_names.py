@@ -9,7 +9,7 @@ from pathlib import Path
 from mergeflow.studies import REGISTRY
 
 STUDIES = Path(__file__).resolve().parents[1] / "src" / "mergeflow" / "studies"
-CLAIM_ID = re.compile(r'"((?:0\d\d\.\d+[a-z]?)|(?:knots\.\d+))"')
+CLAIM_ID = re.compile(r'"((?:0\d\d\.\d+[a-z]?)|(?:knots|opcm|dop)\.\d+)"')
 
 
 def _ids_in_source(name: str) -> set[str]:

@@ -103,7 +103,7 @@ def source_dir(root: Path) -> Path:
 
 
 # the registries a study may look methods or regimes up in by name: importing one follows all of its modules
-STUDY_REGISTRIES = frozenset({"mergeflow.ml.merging", "mergeflow.ml.regimes"})
+STUDY_REGISTRIES = frozenset({"mergeflow.ml.merging", "mergeflow.ml.regimes", "mergeflow.ml.continual"})
 
 
 def study_sources(study: str, src: Path) -> list[Path]:
