@@ -292,17 +292,32 @@ def _add_merge_checkpoints(sub) -> None:
         help="merge a base and fine-tuned checkpoints (safetensors files or Hugging Face folders) with one method",
         description="Merge fine-tuned checkpoints onto their base with a registered method at fixed options (the "
         "rest at its defaults), outside the pipeline: no data, no DVC. Each checkpoint is a safetensors file or a "
-        "folder holding model.safetensors or Hugging Face's shards; the merge is written as one safetensors file "
-        "in the base's dtypes, with the method, options and inputs in its metadata. Methods that read data refuse.",
+        "folder holding model.safetensors or Hugging Face's shards. The merge is written in the base's dtypes: an "
+        "output named *.safetensors is one file, with the method, options and inputs in its metadata; any other "
+        "output is a Hugging Face model folder: the base folder's config and tokenizer files, the weights as "
+        "model.safetensors or, past --max-shard-size, as model-0000i-of-0000N.safetensors shards with "
+        "model.safetensors.index.json, and mergeflow.json saying what was merged. Written atomically: an error "
+        "leaves no output. Methods that read data refuse.",
     )
     command.add_argument("--method", help="a registered method (`mergeflow methods --list`)")
     command.add_argument("--base", metavar="CHECKPOINT", help="the pretrained checkpoint, theta0")
     command.add_argument("finetuned", nargs="*", metavar="CHECKPOINT", help="the fine-tuned checkpoints")
-    command.add_argument("-o", "--output", metavar="FILE", help="the merged .safetensors file")
+    command.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="the merged model: a FILE.safetensors, or else a Hugging Face model folder",
+    )
+    command.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="a folder output's largest shard, as Hugging Face counts it (decimal units: 5GB, 500MB; default 5GB)",
+    )
     command.add_argument(
         "--config",
         metavar="FILE",
-        help="the merge as YAML instead (method, base, models, options, output; paths relative to the file)",
+        help="the merge as YAML instead (method, base, models, options, output, max_shard_size; paths relative to "
+        "the file)",
     )
     command.add_argument(
         "--set",

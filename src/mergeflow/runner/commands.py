@@ -141,7 +141,7 @@ def _merge_checkpoints(args: argparse.Namespace) -> int:
 
     given = {"--method": args.method, "--base": args.base, "CHECKPOINT": args.finetuned, "--output": args.output}
     if args.config:
-        if any(given.values()) or args.set:
+        if any(given.values()) or args.set or args.max_shard_size:
             raise MergeflowError(f"merge-checkpoints: --config {args.config} says everything; give it alone")
         merge = read_config(args.config)
     else:
@@ -150,7 +150,15 @@ def _merge_checkpoints(args: argparse.Namespace) -> int:
             raise MergeflowError(f"merge-checkpoints: {missing[0]} is required (or --config FILE)")
         merge = {"method": args.method, "base": args.base, "models": args.finetuned, "output": args.output}
         merge["options"] = parse_options(args.set)
-    record = merge_checkpoints(merge["method"], merge["base"], merge["models"], merge["options"], merge["output"])
+        merge["max_shard_size"] = args.max_shard_size
+    record = merge_checkpoints(
+        merge["method"],
+        merge["base"],
+        merge["models"],
+        merge["options"],
+        merge["output"],
+        max_shard_size=merge["max_shard_size"],
+    )
     options = ", ".join(f"{k}={v}" for k, v in sorted(record["options"].items()))
     n = len(record["finetuned"])
     print(f"{merge['output']}: {record['method']} of {n} fine-tunes onto {record['base']} ({options})")
@@ -183,9 +191,11 @@ def mlflow_ui(port: int, host: str) -> int:
     from pathlib import Path
 
     from mergeflow.config.environment import mlflow_ui_port
+    from mergeflow.core.mlflow_store import relative_artifact_paths
     from mergeflow.report.tracking import tracking_uri
     from mergeflow.runner.ui import serve
 
+    relative_artifact_paths(Path.cwd())  # a workspace moved since its last track keeps its artifacts
     return serve(
         tracking_uri(Path.cwd()), host, mlflow_ui_port() if port is None else port
     )  # the port track's and the Prefect summary's links name
