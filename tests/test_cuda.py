@@ -56,8 +56,9 @@ def test_svd_methods_list_is_complete():
     # adamerging_cart: test_data_aware_methods_on_the_gpu_match_the_cpu; doge_ta: its basis on the GPU, its Adam loop
     # (sign-like steps, which carry rounding differences) on the CPU's tensors: checked on the CPU only; so adarank
     # (Adam on its masks' logits) and knots (a TIES trim of SVD coefficients: a rounding difference moves its cut);
-    # smile gives a routed network, not a state dict: tests/test_smile.py compares its GPU network with the CPU's
-    assert uses_svd == set(SVD_METHODS) | {"adamerging_cart", "doge_ta", "adarank", "knots", "smile"}
+    # smile gives a routed network, not a state dict: tests/test_smile.py compares its GPU network with the CPU's;
+    # ada_svd routes the training inputs block by block: checked on the CPU only (no GPU was lent to write its check)
+    assert uses_svd == set(SVD_METHODS) | {"adamerging_cart", "doge_ta", "adarank", "knots", "smile", "ada_svd"}
 
 
 @needs_cuda

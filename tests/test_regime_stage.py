@@ -13,6 +13,7 @@ import torch
 from mergeflow.params import apply_overrides, parse_params
 from mergeflow.core.errors import MergeflowError
 from mergeflow.core.io import load_state_dict
+from mergeflow.ml.merging import REGISTRY
 
 from .conftest import copy_project, run
 from .profiles import TINY
@@ -73,7 +74,8 @@ def test_round_counts_must_split_the_budget():
     parse_params(raw | {"regimes": {"run": [], "mima": {"rounds": [3]}}})  # not run: not checked
     with pytest.raises(
         MergeflowError,
-        match=r"^params.yaml: regimes.methods.atm: unknown merge method .mima. \(`mergeflow methods` lists all 45\)$",
+        match=rf"^params.yaml: regimes.methods.atm: unknown merge method .mima. \(`mergeflow methods` lists all "
+        rf"{len(REGISTRY)}\)$",
     ):
         parse_params(raw | {"regimes": {"run": ["atm"], "methods": {"atm": ["mima"]}}})
 
