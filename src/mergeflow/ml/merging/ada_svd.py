@@ -68,19 +68,6 @@ def _mixture(linear, deltas, bias_deltas, gate_k):
     return SmileMixture()
 
 
-def _embedded(backbone, images):
-    """timm ViT's forward_features before its blocks, for uint8 images."""
-    import torch
-
-    net = backbone.net
-    dtype = next(net.parameters()).dtype
-    out = []
-    for i in range(0, len(images), BATCH):
-        x = net.patch_embed(backbone.normalise(images[i : i + BATCH]).to(dtype))
-        out.append(net.norm_pre(net.patch_drop(net._pos_embed(x))))
-    return torch.cat(out)
-
-
 def _merge_block(block, prefix, pretrained, taus, merged, hidden, gate_k, scaling):
     """Block ``prefix``'s linear layers as mixtures: ``hidden`` through them; their merged tensors into ``merged``;
     the mixture block's outputs returned."""
@@ -149,8 +136,10 @@ def ada_svd(pretrained, task_vectors, *, data, gate_k, scaling, others):
     linear = {f"{n}.{p}" for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) for p in ("weight", "bias")}
     merged = {k: base[k] if k in linear else v for k, v in merged.items()}
     net.load_state_dict(merged)
+    from mergeflow.ml.merging._networks import vit_embedded
+
     with torch.no_grad():
-        hidden = torch.cat([_embedded(backbone, data.train_inputs[t]) for t in tasks])
+        hidden = torch.cat([vit_embedded(backbone, data.train_inputs[t], BATCH) for t in tasks])
         for i, block in enumerate(net.blocks):
             hidden = _merge_block(block, f"blocks.{i}.", base, taus, merged, hidden, gate_k, scaling)
     return {k: merged[k].to(v.dtype) for k, v in pretrained.items()}

@@ -16,19 +16,6 @@ from mergeflow.ml.merging.regmean import ALPHA_GRID
 BATCH = 64  # examples a forward pass
 
 
-def _embedded(backbone, images):
-    """timm ViT's forward_features before its blocks, for uint8 images."""
-    import torch
-
-    net = backbone.net
-    dtype = next(net.parameters()).dtype
-    out = []
-    for i in range(0, len(images), BATCH):
-        x = net.patch_embed(backbone.normalise(images[i : i + BATCH]).to(dtype))
-        out.append(net.norm_pre(net.patch_drop(net._pos_embed(x))))
-    return torch.cat(out)
-
-
 def _grams(block, hidden):
     """{<linear>.weight: X^T X} of every linear layer's inputs in ``block`` over ``hidden``'s rows and tokens."""
     from mergeflow.ml.statistics import linear_input_grams
@@ -71,8 +58,10 @@ def regmean_plusplus(pretrained, task_vectors, *, data, alpha):
     dtype = next(iter(merged.values())).dtype
     backbone.to(dtype).eval()
     net.load_state_dict(merged)
+    from mergeflow.ml.merging._networks import vit_embedded
+
     with torch.no_grad():
-        hidden = {t: _embedded(backbone, data.train_inputs[t]) for t in tasks}
+        hidden = {t: vit_embedded(backbone, data.train_inputs[t], BATCH) for t in tasks}
         for i, block in enumerate(net.blocks):
             prefix = f"blocks.{i}."
             local = {k[len(prefix) :]: k for k in pretrained if k.startswith(prefix)}
