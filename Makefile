@@ -80,7 +80,7 @@ test-faults: install
 	$(BIN)/pytest -q -m faults -n auto --maxprocesses 4 --dist load
 
 # the deployments, a minute or more each (CI runs them after make test): Dask workers in checkouts of their own, a
-# served schedule, the GPU lease's script dry-run on the CPU
+# served schedule, the GPU lease's script dry-run on the CPU, the MLflow UI read in a browser
 test-deploy: install
 	$(BIN)/pytest -q -m deploy -n auto --maxprocesses 4 --dist load
 

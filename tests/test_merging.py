@@ -244,6 +244,7 @@ def models_of(name, theta0, tvs, **hp):
     if method.reads:
         method = method.with_data(_toy_data(list(tvs)))
         hp = {"steps": 5} | hp if "steps" in method.defaults else hp
+        hp = {"rounds": 2} | hp if "rounds" in method.defaults else hp  # gossip AdaMerging: steps at every round
     if method.kind == "negation":
         return {t: method(theta0, {t: tv}, **hp) for t, tv in tvs.items()}
     out = method(theta0, tvs, **hp)

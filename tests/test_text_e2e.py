@@ -89,8 +89,9 @@ def test_every_method_merges_text_models(text_run, name):
     raw, layout = text_run
     raw = json.loads(json.dumps(raw))
     raw["merge"]["methods"] = [name]
-    # one setting: the paper's, its optimisation (AdaMerging's, Surgery's, WUDI's, ...) cut to a few steps
-    raw["merge"][name] = {k: min(v, 3) if k == "steps" else v for k, v in REGISTRY[name].defaults.items()}
+    # one setting: the paper's, its optimisation (AdaMerging's, Surgery's, WUDI's, ...) cut to a few steps (and
+    # gossip's rounds)
+    raw["merge"][name] = {k: min(v, 3) if k in ("steps", "rounds") else v for k, v in REGISTRY[name].defaults.items()}
     params = parse_params(raw)
     if name in VIT_BLOCKS:
         with pytest.raises(MergeflowError, match=VIT_BLOCKS[name]):

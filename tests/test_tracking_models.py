@@ -99,6 +99,7 @@ def test_registry_holds_the_best_merged_model_on_validation(tracked):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.deploy  # the MLflow UI served and read in a browser: a deployment scenario (make test-deploy)
 def test_ui_serves_the_views_and_stops_with_its_server(tracked, tmp_path):
     """`mergeflow ui` on the copy's store says when it answers, and SIGTERM to it ends its server too (a process
     group of its own). With Chromium (Debian's; CI installs it), the headless rendering of the standard fine-tune's
