@@ -13,6 +13,7 @@ from mergeflow.ml.merging import REGISTRY
 from mergeflow.ml.merging._tensors import store_bytes
 
 from .test_data_aware import _tiny_setup
+from .test_smile import _Toy
 
 ENSEMBLES = ("simple_ensemble", "weighted_ensemble", "max_model_predictor")
 
@@ -56,18 +57,6 @@ def test_weights_are_divided_by_their_sum_unless_asked_not_to():
     as_given = REGISTRY["weighted_ensemble"](theta0, taus, weights={"a": 2.0}, normalize="none")
     assert as_given["weights"].tolist() == [2.0, 1.0, 1.0]
     assert REGISTRY["simple_ensemble"](theta0, taus)["weights"].tolist() == pytest.approx([1 / 3] * 3)
-
-
-class _Toy(nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def normalise(self, x):
-        return x
-
-    def embed(self, features):
-        return features
 
 
 def test_max_model_takes_each_entrys_largest_output_by_hand():
